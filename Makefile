@@ -1,0 +1,35 @@
+# loraplex: `make run` starts the stack, `make test` runs the whole suite. Both install into .venv first.
+PY       ?= python3
+VENV     := .venv
+VPY      := $(VENV)/bin/python
+STAMP    := $(VENV)/.installed
+TORCH    := torch==2.13.0
+
+.PHONY: install run test lint proto bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	# torch first: exactly the CPU build that sits on these machines (any other spec pulls a CUDA build).
+	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	bash scripts/run_stack.sh
+
+test: $(STAMP)
+	bash scripts/install_test_tools.sh
+	$(VENV)/bin/ruff check .
+	$(VPY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# Generated gRPC code is reproducible from protos/ (checked fresh by tests/test_proto_fresh.py).
+proto: $(STAMP)
+	bash scripts/gen_proto.sh
+
+clean:
+	rm -rf $(VENV) .tools .run
