@@ -1,0 +1,319 @@
+"""PEFT adapter files → validated host tensors.
+
+Every check runs before anything is loaded, so a rejected adapter leaves no trace. The same
+functions serve the inference service (local files, staged shared-memory files) and the
+adapter-cache sidecar (validation before staging).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inference_service.errors import AdapterError, AdapterIncompatibleError, NotFoundError
+
+# LLaMA-family projections we can apply LoRA to, and the submodule holding each.
+SUPPORTED_TARGET_MODULES: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# PEFT features whose math differs from plain LoRA: served wrongly if silently ignored.
+_UNSUPPORTED_FEATURES = {
+    "use_dora": "DoRA (use_dora) is not supported",
+    "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+    "lora_bias": "LoRA bias (lora_bias) is not supported",
+    "layer_replication": "layer_replication is not supported",
+    "trainable_token_indices": "trainable_token_indices is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "target_parameters": "target_parameters is not supported",
+    "fan_in_fan_out": "fan_in_fan_out is not supported for LLaMA-family models",
+    "use_qalora": "QA-LoRA (use_qalora) is not supported",
+}
+
+_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class LoRAAdapterConfig:
+    """The parts of adapter_config.json that decide the math."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def scaling(self, module_path: str, rank: int) -> float:
+        """PEFT's scaling for one module: alpha/r, or alpha/sqrt(r) for rsLoRA (patterns override)."""
+        alpha = self.alpha
+        for pattern, value in self.alpha_pattern.items():
+            if re.match(rf"(.*\.)?({pattern})$", module_path):
+                alpha = float(value)
+                break
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: absolute byte offset into the file and its size."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class HostAdapter:
+    """A validated adapter in host memory, ready to be copied into a slot.
+
+    `modules[(layer, module)] = (A [r, in], B [out, r], scaling)`; modules it lacks are absent
+    (the slot copy zeroes them).
+    """
+
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+    rank: int
+    size_bytes: int
+    config: LoRAAdapterConfig
+    # Keeps a backing buffer (an mmap of a staged file) alive while tensors view into it.
+    keepalive: object | None = None
+
+
+def parse_adapter_config(raw: bytes | str | dict, max_rank: int) -> LoRAAdapterConfig:
+    """Parse and check adapter_config.json; raises AdapterError naming the problem."""
+    if isinstance(raw, dict):
+        data = raw
+    else:
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise AdapterError(f"{CONFIG_FILE} must be a JSON object")
+    peft_type = data.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise AdapterError(f"only LoRA adapters are supported, got peft_type={peft_type!r}")
+    for key, message in _UNSUPPORTED_FEATURES.items():
+        if data.get(key):
+            raise AdapterError(message)
+    if data.get("bias", "none") != "none":
+        raise AdapterError(f"bias={data['bias']!r} is not supported (only 'none')")
+    rank = data.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise AdapterError(f"r must be a positive integer, got {rank!r}")
+    rank_pattern = {str(k): int(v) for k, v in (data.get("rank_pattern") or {}).items()}
+    for r in [rank, *rank_pattern.values()]:
+        if r > max_rank:
+            raise AdapterError(f"adapter rank {r} exceeds max_lora_rank {max_rank}")
+    alpha = data.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterError(f"lora_alpha must be a finite number, got {alpha!r}")
+    return LoRAAdapterConfig(
+        rank=rank,
+        alpha=float(alpha),
+        use_rslora=bool(data.get("use_rslora", False)),
+        target_modules=_target_modules(data.get("target_modules")),
+        rank_pattern=rank_pattern,
+        alpha_pattern={str(k): float(v) for k, v in (data.get("alpha_pattern") or {}).items()},
+        raw=data,
+    )
+
+
+def _target_modules(value: object) -> tuple[str, ...]:
+    if value == "all-linear":
+        return tuple(SUPPORTED_TARGET_MODULES)
+    if isinstance(value, str):
+        # A regex over module paths: which supported modules it names is decided by the tensors.
+        matched = tuple(
+            m
+            for m, parent in SUPPORTED_TARGET_MODULES.items()
+            if re.fullmatch(value, m) or re.fullmatch(value, f"model.layers.0.{parent}.{m}")
+        )
+        if not matched:
+            raise AdapterError(f"target_modules {value!r} matches no supported module")
+        return matched
+    if not isinstance(value, list) or not value:
+        raise AdapterError("target_modules must be a non-empty list of module names")
+    names = tuple(str(v).split(".")[-1] for v in value)
+    unsupported = sorted(set(names) - set(SUPPORTED_TARGET_MODULES))
+    if unsupported:
+        raise AdapterError(
+            f"unsupported target modules {unsupported}; supported: {sorted(SUPPORTED_TARGET_MODULES)}"
+        )
+    return names
+
+
+def safetensors_manifest(data: bytes | memoryview) -> list[TensorEntry]:
+    """Parse a safetensors header and check every tensor lies inside the buffer.
+
+    Truncated or malformed files raise AdapterError before any tensor is touched.
+    """
+    view = memoryview(data)
+    if len(view) < 8:
+        raise AdapterError(f"{WEIGHTS_FILE} is truncated: {len(view)} bytes")
+    (header_len,) = struct.unpack("<Q", view[:8])
+    if header_len > len(view) - 8 or header_len > 100 * 1024 * 1024:
+        raise AdapterError(f"{WEIGHTS_FILE} is truncated or malformed: header length {header_len}")
+    try:
+        header = json.loads(bytes(view[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE} header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise AdapterError(f"{WEIGHTS_FILE} header must be a JSON object")
+    base = 8 + header_len
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, (start, end) = info["dtype"], info["data_offsets"]
+            shape = tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise AdapterError(f"{WEIGHTS_FILE}: malformed entry for tensor {name!r}") from None
+        if dtype not in _DTYPES:
+            raise AdapterError(f"tensor {name!r} has unsupported dtype {dtype}")
+        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+        if not (0 <= start <= end) or end - start != nbytes:
+            raise AdapterError(f"tensor {name!r}: data offsets do not match its shape and dtype")
+        if base + end > len(view):
+            raise AdapterError(
+                f"{WEIGHTS_FILE} is truncated: tensor {name!r} ends at byte {base + end}, "
+                f"file has {len(view)}"
+            )
+        entries.append(TensorEntry(name, dtype, shape, base + start, nbytes))
+    return entries
+
+
+def tensors_from_buffer(data: bytes | memoryview, manifest: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors viewing `data` (bytes, or an mmap of a staged file)."""
+    tensors = {}
+    with warnings.catch_warnings():
+        # Read-only buffers are fine: slot copies only read from them.
+        warnings.simplefilter("ignore", UserWarning)
+        for entry in manifest:
+            dtype = _DTYPES[entry.dtype]
+            if entry.nbytes == 0:
+                tensors[entry.name] = torch.empty(entry.shape, dtype=dtype)
+                continue
+            count = entry.nbytes // dtype.itemsize
+            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=entry.offset)
+            tensors[entry.name] = flat.view(entry.shape)
+    return tensors
+
+
+def parse_adapter_tensors(
+    data: bytes | memoryview,
+    config: LoRAAdapterConfig,
+    max_rank: int,
+    manifest: list[TensorEntry] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Validate adapter_model.safetensors against its config; returns tensors by PEFT key."""
+    manifest = safetensors_manifest(data) if manifest is None else manifest
+    tensors = tensors_from_buffer(data, manifest)
+    if not tensors:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY_RE.match(key)
+        if match is None:
+            raise AdapterError(f"unexpected tensor {key!r}: only LoRA A/B weights of q,k,v,o,gate,up,down")
+        layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
+        if SUPPORTED_TARGET_MODULES.get(module) != parent:
+            raise AdapterError(f"unsupported target module {parent}.{module} in tensor {key!r}")
+        if tensor.dim() != 2:
+            raise AdapterError(f"tensor {key!r} must be 2-D, has shape {tuple(tensor.shape)}")
+        pairs.setdefault((layer, module), {})[which] = tensor
+    for (layer, module), pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"layer {layer} {module}: lora_A and lora_B must both be present")
+        rank_a, rank_b = pair["A"].shape[0], pair["B"].shape[1]
+        if rank_a != rank_b:
+            raise AdapterError(f"layer {layer} {module}: lora_A rank {rank_a} != lora_B rank {rank_b}")
+        if rank_a > max_rank:
+            raise AdapterError(f"adapter rank {rank_a} exceeds max_lora_rank {max_rank}")
+    for key, tensor in tensors.items():
+        # One fused reduction per tensor; a Python loop over elements would take seconds.
+        if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"tensor {key!r} contains non-finite values (NaN or Inf)")
+    return tensors
+
+
+@dataclass(frozen=True)
+class BaseModelShapes:
+    """What an adapter must fit: layer count and (in, out) features per target module."""
+
+    num_layers: int
+    features: dict[str, tuple[int, int]]
+
+
+def build_host_adapter(
+    config: LoRAAdapterConfig,
+    tensors: dict[str, torch.Tensor],
+    shapes: BaseModelShapes,
+    keepalive: object | None = None,
+) -> HostAdapter:
+    """Check the tensors against the base model and arrange them per (layer, module)."""
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
+    by_module: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY_RE.match(key)
+        assert match is not None  # parse_adapter_tensors checked every key
+        by_module.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
+    size = 0
+    for (layer, module), pair in sorted(by_module.items()):
+        if layer >= shapes.num_layers:
+            raise AdapterIncompatibleError(
+                f"adapter targets layer {layer} but the base model has {shapes.num_layers} layers"
+            )
+        a, b = pair["A"], pair["B"]
+        in_features, out_features = shapes.features[module]
+        if a.shape[1] != in_features or b.shape[0] != out_features:
+            raise AdapterError(
+                f"layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
+                f"the base model ({in_features} in, {out_features} out)"
+            )
+        rank = a.shape[0]
+        path = f"model.layers.{layer}.{SUPPORTED_TARGET_MODULES[module]}.{module}"
+        modules[(layer, module)] = (a, b, config.scaling(path, rank))
+        size += a.numel() * a.element_size() + b.numel() * b.element_size()
+    rank = max(a.shape[0] for a, _, _ in modules.values())
+    return HostAdapter(modules=modules, rank=rank, size_bytes=size, config=config, keepalive=keepalive)
+
+
+def load_adapter_dir(path: str | Path, shapes: BaseModelShapes, max_rank: int) -> HostAdapter:
+    """Read a local PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+    root = Path(path)
+    try:
+        raw_config = (root / CONFIG_FILE).read_bytes()
+        data = (root / WEIGHTS_FILE).read_bytes()
+    except FileNotFoundError as exc:
+        raise NotFoundError(f"adapter file not found: {exc.filename}") from None
+    config = parse_adapter_config(raw_config, max_rank)
+    tensors = parse_adapter_tensors(data, config, max_rank)
+    return build_host_adapter(config, tensors, shapes, keepalive=data)
