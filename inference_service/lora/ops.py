@@ -1,0 +1,80 @@
+"""The batched LoRA op: `out += s_a · (x A_aᵀ) B_aᵀ` with `a` the slot of each token's request.
+
+Tokens are grouped by slot once per step (`LoRABatch`, shared by every layer and module), then
+each module runs two batched matmuls over the groups: gather-per-token for decode and segments
+for prefill fall out of the same grouping. Scaling is folded into the slot's B buffer at load
+time, so the op needs no per-slot scale. Faster kernels (e.g. Triton on CUDA) plug in behind
+`LoRAOp` with the same `LoRABatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Per-step token grouping by slot. Tokens of the base model (slot -1) are in no group."""
+
+    slots: torch.Tensor  # [G] slot of each group
+    gather_rows: torch.Tensor  # [G*M] row of x for each padded position (T = the zero row)
+    dest_rows: torch.Tensor  # [N] output row of each real position
+    src_positions: torch.Tensor  # [N] its index in the padded [G*M] layout
+    num_groups: int
+    max_group_len: int
+    num_tokens: int
+
+
+def build_lora_batch(token_slots: list[int], device: torch.device) -> LoRABatch | None:
+    """Group token rows by slot; None when no token uses an adapter (pure base-model step)."""
+    groups: dict[int, list[int]] = {}
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            groups.setdefault(slot, []).append(row)
+    if not groups:
+        return None
+    num_tokens = len(token_slots)
+    max_len = max(len(rows) for rows in groups.values())
+    gather, dest, src = [], [], []
+    for g, rows in enumerate(groups.values()):
+        gather.extend(rows + [num_tokens] * (max_len - len(rows)))
+        dest.extend(rows)
+        src.extend(range(g * max_len, g * max_len + len(rows)))
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    return LoRABatch(
+        slots=as_tensor(list(groups)),
+        gather_rows=as_tensor(gather),
+        dest_rows=as_tensor(dest),
+        src_positions=as_tensor(src),
+        num_groups=len(groups),
+        max_group_len=max_len,
+        num_tokens=num_tokens,
+    )
+
+
+class LoRAOp(Protocol):
+    def apply(
+        self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
+    ) -> None:
+        """Add the LoRA delta of x [T, in] into out [T, out] using slot buffers a, b."""
+
+
+class TorchLoRAOp:
+    """Grouped batched-matmul implementation; runs on any device torch supports."""
+
+    def apply(
+        self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
+    ) -> None:
+        padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.gather_rows]
+        padded_x = padded_x.view(batch.num_groups, batch.max_group_len, x.shape[1])
+        shrunk = torch.bmm(padded_x, a.index_select(0, batch.slots).transpose(1, 2))  # [G, M, r]
+        expanded = torch.bmm(shrunk, b.index_select(0, batch.slots).transpose(1, 2))  # [G, M, out]
+        delta = expanded.view(-1, out.shape[1]).index_select(0, batch.src_positions)
+        out.index_add_(0, batch.dest_rows, delta)
+
