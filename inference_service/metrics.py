@@ -1,0 +1,258 @@
+"""Prometheus metrics of the inference service.
+
+Two feeds, one registry (never the global one, so tests and embedders can run several):
+- counters and histograms are fed by the engine through `MetricsSink`, called from the
+  scheduler thread (prometheus_client's metric objects are thread-safe);
+- gauges are read from `engine.stats()` at scrape time by `EngineCollector`, so they can
+  never drift from the engine's own state.
+Plus the router-compatible `vllm:*` series that Kubernetes inference gateways read for
+LoRA-affinity routing. Their names are fixed by vLLM; promtool's linter flags the ':' in
+them, which is the one lint finding we accept.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LOAD_TIERS = ("host", "cache", "store")
+BASE_ADAPTER_LABEL = "base"  # adapter label of requests on the base model
+OTHER_ADAPTER_LABEL = "other"  # adapters outside the top-K by traffic
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class MetricsSink(Protocol):
+    """What the engine reports as it happens (called from the scheduler thread)."""
+
+    def adapter_loaded(self, tier: str, seconds: float) -> None: ...
+    def adapter_evicted(self) -> None: ...
+    def first_token(self, seconds: float) -> None: ...  # TTFT
+    def inter_token(self, seconds: float) -> None: ...
+    def tokens(self, prompt: int, generated: int) -> None: ...
+    def request_finished(self, finish_reason: str, adapter: str | None) -> None: ...
+
+
+class NullMetrics:
+    """A MetricsSink that drops everything (tests, benchmarks, embedding without Prometheus)."""
+
+    def adapter_loaded(self, tier: str, seconds: float) -> None:
+        pass
+
+    def adapter_evicted(self) -> None:
+        pass
+
+    def first_token(self, seconds: float) -> None:
+        pass
+
+    def inter_token(self, seconds: float) -> None:
+        pass
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        pass
+
+    def request_finished(self, finish_reason: str, adapter: str | None) -> None:
+        pass
+
+
+class AdapterTraffic:
+    """Requests per adapter, exposed with bounded cardinality: the top-K names by traffic keep
+    their own label, all others are summed under adapter="other".
+
+    Membership is recomputed at each scrape, so when an adapter enters or leaves the top-K
+    the "other" series can step down; Prometheus' rate() treats that as a counter reset.
+    """
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = max(0, top_k)
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, adapter: str | None) -> None:
+        name = adapter or BASE_ADAPTER_LABEL
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            counts = dict(self._counts)
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        top = dict(ranked[: self.top_k])
+        rest = sum(n for _, n in ranked[self.top_k :])
+        if rest:
+            top[OTHER_ADAPTER_LABEL] = top.get(OTHER_ADAPTER_LABEL, 0) + rest
+        return top
+
+
+class PrometheusMetrics:
+    """The MetricsSink backed by Prometheus counters and histograms in `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, adapter_top_k: int = 20) -> None:
+        self.registry = registry
+        self.lora_loads = Counter(
+            "loraplex_lora_loads_total",
+            "Adapter loads into a device slot, by the tier the bytes came from.",
+            ["tier"],
+            registry=registry,
+        )
+        self.lora_evictions = Counter(
+            "loraplex_lora_evictions_total", "Adapters evicted from a device slot.", registry=registry
+        )
+        self.lora_load_seconds = Histogram(
+            "loraplex_lora_load_seconds",
+            "Time from load start until the adapter is usable in its slot, by tier.",
+            ["tier"],
+            buckets=_LOAD_BUCKETS,
+            registry=registry,
+        )
+        for tier in LOAD_TIERS:  # every tier's series exists from the start (rate() needs a zero)
+            self.lora_loads.labels(tier)
+            self.lora_load_seconds.labels(tier)
+        self.ttft = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "loraplex_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens_total", "Prompt tokens processed (prefill).", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "loraplex_generation_tokens_total", "Tokens generated.", registry=registry
+        )
+        self.requests_finished = Counter(
+            "loraplex_requests_finished_total",
+            "Requests that left the engine, by finish reason.",
+            ["finish_reason"],
+            registry=registry,
+        )
+        self.grpc_requests = Counter(
+            "loraplex_grpc_requests_total",
+            "gRPC calls handled, by method and status code.",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.adapter_traffic = AdapterTraffic(adapter_top_k)
+        registry.register(_AdapterTrafficCollector(self.adapter_traffic))
+
+    # MetricsSink
+    def adapter_loaded(self, tier: str, seconds: float) -> None:
+        self.lora_loads.labels(tier).inc()
+        self.lora_load_seconds.labels(tier).observe(seconds)
+
+    def adapter_evicted(self) -> None:
+        self.lora_evictions.inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if generated:
+            self.generation_tokens.inc(generated)
+
+    def request_finished(self, finish_reason: str, adapter: str | None) -> None:
+        self.requests_finished.labels(finish_reason).inc()
+        self.adapter_traffic.add(adapter)
+
+    # server side
+    def grpc_request(self, method: str, code: str) -> None:
+        self.grpc_requests.labels(method, code).inc()
+
+
+class _AdapterTrafficCollector(Collector):
+    def __init__(self, traffic: AdapterTraffic) -> None:
+        self._traffic = traffic
+
+    def collect(self) -> Iterable[Any]:
+        family = CounterMetricFamily(
+            "loraplex_adapter_requests",
+            "Finished requests per adapter (top-K adapters by traffic; the rest as adapter=\"other\").",
+            labels=["adapter"],
+        )
+        for name, count in self._traffic.snapshot().items():
+            family.add_metric([name], count)
+        yield family
+
+
+class EngineCollector(Collector):
+    """Gauges read from `stats()` (an EngineStats) at scrape time."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Any]:
+        s = self._stats()
+        yield _gauge("loraplex_lora_slots_total", "Device LoRA slots.", s.slots_total)
+        yield _gauge("loraplex_lora_slots_occupied", "Slots holding an adapter.", s.slots_occupied)
+        yield _gauge(
+            "loraplex_lora_slots_referenced",
+            "Slots whose adapter a queued or running request needs.",
+            s.slots_referenced,
+        )
+        yield _gauge("loraplex_lora_slots_pinned", "Slots holding a pinned adapter.", s.slots_pinned)
+        yield _gauge(
+            "loraplex_lora_pending_load_events",
+            "Host-to-slot adapter copies in flight.",
+            s.pending_load_events,
+        )
+        yield _gauge("loraplex_requests_running", "Requests in the running batch.", s.requests_running)
+        waiting = GaugeMetricFamily(
+            "loraplex_requests_waiting", "Requests waiting, by what they wait for.", labels=["reason"]
+        )
+        for reason, n in sorted(s.requests_waiting.items()):
+            waiting.add_metric([reason], n)
+        yield waiting
+        yield _gauge(
+            "loraplex_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage
+        )
+        # Router-compatible series, named and shaped as vLLM exports them.
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests (vLLM-compatible; value is the scrape time).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(s.max_lora), ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)],
+            time.time(),
+        )
+        yield info
+        yield _gauge("vllm:num_requests_running", "Requests in the running batch.", s.requests_running)
+        yield _gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", sum(s.requests_waiting.values())
+        )
+        yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", s.kv_cache_usage)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def build_registry(adapter_top_k: int = 20) -> tuple[CollectorRegistry, PrometheusMetrics]:
+    """A fresh registry holding the sink's counters/histograms. The engine needs the sink to be
+    built, so its gauges join afterwards: `registry.register(EngineCollector(engine.stats))`."""
+    registry = CollectorRegistry(auto_describe=False)
+    return registry, PrometheusMetrics(registry, adapter_top_k=adapter_top_k)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> Any:
+    """Expose `registry` on http://addr:port/metrics; returns the server (shutdown() stops it)."""
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server
