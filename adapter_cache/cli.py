@@ -1,0 +1,134 @@
+"""`loraplex-cache`: run the adapter-cache sidecar. Every flag has a LORAPLEX_CACHE_* env twin."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+
+from adapter_cache.metrics import CacheMetrics
+from adapter_cache.server import build_server
+from adapter_cache.stager import CacheConfig, Stager
+from adapter_cache.store import FetchConfig, S3Config
+
+log = logging.getLogger("adapter_cache")
+ENV_PREFIX = "LORAPLEX_CACHE_"
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '8GiB', '2G' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}")
+    return int(match[1]) * _UNITS[(match[2] or "").lower()]
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loraplex-cache",
+        description="Adapter-cache sidecar: fetches PEFT adapters from object stores into a shared-memory "
+        "directory and leases them to the inference service. Every flag can also be set through the "
+        f"environment as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}CAPACITY_BYTES); --allow-prefix takes a "
+        "comma-separated list there.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+    def add(flag: str, default, help: str, **kw) -> None:
+        p.add_argument(f"--{flag}", default=_env(flag, default), help=help, **kw)
+
+    add("listen", "unix:///tmp/loraplex/adapter-cache.sock", "unix:///path (default) or HOST:PORT for TCP")
+    add("shm-dir", "/dev/shm/loraplex-adapters", "directory (tmpfs) where staged adapters live")
+    add("capacity-bytes", "8GiB", "byte budget of the host cache", type=parse_bytes)
+    env_prefixes = _env("allow-prefix")
+    p.add_argument("--allow-prefix", action="append",
+                   default=[s for s in (env_prefixes or "").split(",") if s],
+                   help="URI prefix adapters may be fetched from (repeatable), e.g. s3://bucket/adapters, "
+                   "file:///models/adapters; anything else is PERMISSION_DENIED")
+    add("max-adapter-bytes", "2GiB", "largest adapter_model.safetensors accepted", type=parse_bytes)
+    add("max-rank", "256", "largest LoRA rank accepted", type=int)
+    add("default-lease-seconds", "600", "lease length when a Stage call asks for none", type=float)
+    add("max-lease-seconds", "3600", "longest lease granted", type=float)
+    add("part-bytes", "8MiB", "size of one ranged GET", type=parse_bytes)
+    add("fetch-concurrency", "8", "ranged GETs in flight at once", type=int)
+    add("fetch-attempts", "4", "attempts per GET on retryable errors (jittered exponential backoff)", type=int)
+    add("backoff-initial-seconds", "0.1", "first retry backoff", type=float)
+    add("backoff-max-seconds", "2.0", "largest retry backoff", type=float)
+    add("connect-timeout-seconds", "5", "per-request connect timeout", type=float)
+    add("read-timeout-seconds", "30", "per-request read timeout", type=float)
+    add("s3-endpoint-url", None, "S3 endpoint; unset: boto3's own (AWS_ENDPOINT_URL, AWS config files)")
+    add("s3-addressing-style", "path", "S3 addressing style: path, virtual or auto")
+    for flag, help in (("no-mlock", "do not lock staged files in RAM"), ("no-http", "disable http(s):// sources")):
+        p.add_argument(f"--{flag}", action="store_true", help=help,
+                       default=(_env(flag) or "").lower() in ("1", "true", "yes"))
+    add("metrics-port", "0", "Prometheus port (0: off)", type=int)
+    add("metrics-addr", "0.0.0.0", "Prometheus bind address")
+    add("log-level", "INFO", "logging level")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> CacheConfig:
+    return CacheConfig(
+        shm_dir=args.shm_dir,
+        capacity_bytes=args.capacity_bytes,
+        allow_prefixes=args.allow_prefix,
+        max_adapter_bytes=args.max_adapter_bytes,
+        max_rank=args.max_rank,
+        default_lease_s=args.default_lease_seconds,
+        max_lease_s=args.max_lease_seconds,
+        lock_memory=not args.no_mlock,
+        enable_http=not args.no_http,
+        fetch=FetchConfig(
+            part_bytes=args.part_bytes,
+            concurrency=args.fetch_concurrency,
+            attempts=args.fetch_attempts,
+            backoff_initial_s=args.backoff_initial_seconds,
+            backoff_max_s=args.backoff_max_seconds,
+        ),
+        s3=S3Config(
+            endpoint_url=args.s3_endpoint_url or None,
+            addressing_style=args.s3_addressing_style,
+            connect_timeout_s=args.connect_timeout_seconds,
+            read_timeout_s=args.read_timeout_seconds,
+            max_pool_connections=max(10, 2 * args.fetch_concurrency),
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.allow_prefix:
+        log.warning("no --allow-prefix given: every Stage call will be PERMISSION_DENIED")
+    if args.listen.startswith("unix://"):
+        sock = Path(args.listen[len("unix://"):])
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        sock.unlink(missing_ok=True)  # a stale socket from a killed predecessor
+    metrics = CacheMetrics()
+    stager = Stager(config_from_args(args), metrics)
+    server, health_servicer = build_server(stager, args.listen)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, args.metrics_addr)
+    server.start()
+    log.info("adapter cache serving on %s (shm %s, capacity %d bytes, metrics port %s, allow %s)",
+             args.listen, args.shm_dir, args.capacity_bytes, args.metrics_port or "off", args.allow_prefix)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=5).wait()
+    stager.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Staged files in the shared-memory directory: crash-safe writes, mmap, mlock, recovery.
+
+Layout, per entry (key = sha256 of the uri): `<key>.safetensors` (the adapter's bytes,
+verbatim) and `<key>.json` (uri, sha256, size, config, last use). Both are written under
+a temp name, fsynced, then renamed; the JSON is renamed last, so it is the commit point:
+an entry without its JSON, or whose bytes do not hash to it, is never served.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import logging
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DATA_SUFFIX = ".safetensors"
+META_SUFFIX = ".json"
+TMP_MARK = ".tmp-"
+_HASH_CHUNK = 16 << 20
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def entry_key(uri: str) -> str:
+    return hashlib.sha256(uri.encode()).hexdigest()[:40]
+
+
+def sha256_of(buf: memoryview | bytes) -> str:
+    h = hashlib.sha256()
+    view = memoryview(buf)
+    for start in range(0, len(view), _HASH_CHUNK):
+        h.update(view[start : start + _HASH_CHUNK])
+    return h.hexdigest()
+
+
+@dataclass
+class StoredMeta:
+    """What is written beside an entry so a restarted sidecar can serve it warm."""
+
+    uri: str
+    sha256: str
+    size: int
+    config_json: str
+    last_used: float
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> StoredMeta:
+        return cls(**json.loads(raw))
+
+
+class PendingFile:
+    """A temp file being filled by parallel ranged writes; `commit` makes it an entry."""
+
+    def __init__(self, shm: ShmDir, uri: str, size: int) -> None:
+        self.uri = uri
+        self.size = size
+        self.key = entry_key(uri)
+        self.tmp_path = shm.root / f"{self.key}{DATA_SUFFIX}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        self._shm = shm
+        self.fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(self.fd, size)
+
+    def pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def map(self) -> mmap.mmap:
+        """Read-only mapping of what was written so far (for hashing and validation)."""
+        os.fsync(self.fd)
+        return mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) if self.size else mmap.mmap(-1, 1)
+
+    def commit(self, meta: StoredMeta) -> Path:
+        """fsync, rename the data into place, then write the metadata (the commit point)."""
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        final = self._shm.data_path(self.key)
+        os.rename(self.tmp_path, final)
+        self._shm.write_meta(self.key, meta)
+        return final
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp_path.unlink(missing_ok=True)
+
+
+class ShmDir:
+    """The shared-memory directory and the mlocked mappings of its entries."""
+
+    def __init__(self, root: str | Path, lock_memory: bool = True) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lock_memory = lock_memory
+        self._locked: dict[str, mmap.mmap] = {}
+        self._mlock_warned = False
+
+    def data_path(self, key: str) -> Path:
+        return self.root / f"{key}{DATA_SUFFIX}"
+
+    def meta_path(self, key: str) -> Path:
+        return self.root / f"{key}{META_SUFFIX}"
+
+    def create(self, uri: str, size: int) -> PendingFile:
+        return PendingFile(self, uri, size)
+
+    def write_meta(self, key: str, meta: StoredMeta) -> None:
+        tmp = self.root / f"{key}{META_SUFFIX}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, meta.to_json())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.meta_path(key))
+        dir_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def remove(self, uri: str) -> None:
+        """Delete an entry: its metadata first, so a crash midway leaves an orphan, not a bad entry."""
+        key = entry_key(uri)
+        self.unlock(key)
+        self.meta_path(key).unlink(missing_ok=True)
+        self.data_path(key).unlink(missing_ok=True)
+
+    def open_map(self, key: str) -> mmap.mmap:
+        with open(self.data_path(key), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            return mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+
+    # --- RAM locking ---------------------------------------------------------------------
+    def lock(self, key: str) -> bool:
+        """mlock the entry's pages so staged adapters are not swapped out; False if not permitted."""
+        if not self.lock_memory or key in self._locked:
+            return key in self._locked
+        if self.data_path(key).stat().st_size == 0:
+            return True
+        mm = self.open_map(key)
+        view = np.frombuffer(mm, dtype=np.uint8)  # read-only buffers are fine; ctypes needs writable ones
+        rc = _libc.mlock(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(len(mm)))
+        del view
+        if rc != 0:
+            err = ctypes.get_errno()
+            mm.close()
+            if not self._mlock_warned:
+                log.warning(
+                    "mlock not permitted (%s): staged adapters stay pageable; raise RLIMIT_MEMLOCK "
+                    "or grant CAP_IPC_LOCK to lock them in RAM", os.strerror(err)
+                )
+                self._mlock_warned = True
+            return False
+        self._locked[key] = mm
+        return True
+
+    def unlock(self, key: str) -> None:
+        mm = self._locked.pop(key, None)
+        if mm is not None:
+            mm.close()  # unmapping drops the lock
+
+    def close(self) -> None:
+        for key in list(self._locked):
+            self.unlock(key)
+
+    # --- recovery ------------------------------------------------------------------------
+    def recover(self) -> list[StoredMeta]:
+        """Delete temp files and orphans, verify each entry's digest, return the good ones."""
+        good: list[StoredMeta] = []
+        names = sorted(p.name for p in self.root.iterdir())
+        for name in names:
+            if TMP_MARK in name:
+                log.info("deleting half-written %s left by an earlier run", name)
+                (self.root / name).unlink(missing_ok=True)
+        metas = {n[: -len(META_SUFFIX)] for n in names if n.endswith(META_SUFFIX) and TMP_MARK not in n}
+        for name in names:
+            if name.endswith(DATA_SUFFIX) and name[: -len(DATA_SUFFIX)] not in metas:
+                log.info("deleting %s: no metadata (write never committed)", name)
+                (self.root / name).unlink(missing_ok=True)
+        for key in sorted(metas):
+            try:
+                meta = StoredMeta.from_json(self.meta_path(key).read_bytes())
+                if entry_key(meta.uri) != key:
+                    raise ValueError("metadata uri does not match its file name")
+                mm = self.open_map(key)
+                try:
+                    ok = len(mm) == meta.size and sha256_of(mm) == meta.sha256
+                finally:
+                    mm.close()
+                if not ok:
+                    raise ValueError("size or sha256 does not match the metadata")
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                log.warning("dropping staged entry %s at restart: %s", key, exc)
+                self.meta_path(key).unlink(missing_ok=True)
+                self.data_path(key).unlink(missing_ok=True)
+                continue
+            good.append(meta)
+        return good

@@ -1,0 +1,294 @@
+"""Stage = allow-list check, cache lookup, single-flight fetch, validate, commit, lease.
+
+The one place that joins the pure host cache (under one lock) with I/O (object stores,
+the shared-memory directory). Nothing reaches the cache index before it is fully written,
+fsynced, digest-checked and validated, so a half-written entry can never be served.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from adapter_cache.host_cache import Entry, HostCache, Lease
+from adapter_cache.metrics import CacheMetrics
+from adapter_cache.shm import PendingFile, ShmDir, StoredMeta, entry_key, sha256_of
+from adapter_cache.store import (
+    AccessPolicy,
+    FetchConfig,
+    Fetcher,
+    FileStore,
+    HttpStore,
+    ObjectStore,
+    S3Config,
+    S3Store,
+)
+from inference_service.errors import AdapterError, InvalidArgumentError, LoraplexError
+from inference_service.lora.adapter import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    TensorEntry,
+    parse_adapter_config,
+    parse_adapter_tensors,
+    safetensors_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheConfig:
+    shm_dir: str
+    capacity_bytes: int
+    allow_prefixes: list[str]
+    max_adapter_bytes: int = 2 << 30
+    max_config_bytes: int = 1 << 20
+    max_rank: int = 256
+    default_lease_s: float = 600.0
+    max_lease_s: float = 3600.0
+    lock_memory: bool = True
+    enable_http: bool = True
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+    s3: S3Config = field(default_factory=S3Config)
+
+
+@dataclass
+class EntryMeta:
+    path: str
+    manifest: list[TensorEntry]
+    config_json: str
+
+
+@dataclass
+class Staged:
+    lease: Lease
+    path: str
+    manifest: list[TensorEntry]
+    config_json: str
+    size: int
+    sha256: str
+    cache_hit: bool
+
+
+class _Flight:
+    """One fetch in progress; callers of the same uri wait on it instead of fetching again."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: LoraplexError | None = None
+
+
+class Stager:
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        metrics: CacheMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+        stores: dict[str, ObjectStore] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or CacheMetrics()
+        self.policy = AccessPolicy(cfg.allow_prefixes)
+        if stores is None:
+            stores = {"s3": S3Store(cfg.s3), "file": FileStore(self.policy.file_roots)}
+            if cfg.enable_http:
+                stores["http"] = stores["https"] = HttpStore(cfg.s3.read_timeout_s)
+        self.fetcher = Fetcher(stores, cfg.fetch, on_request=self.metrics.on_request)
+        self.shm = ShmDir(cfg.shm_dir, lock_memory=cfg.lock_memory)
+        self.cache = HostCache(cfg.capacity_bytes, clock)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._flights: dict[str, _Flight] = {}
+        self.metrics.bind_state(
+            used=lambda: self.cache.used_bytes,
+            entries=lambda: len(self.cache.entries()),
+            leases=lambda: self.cache.lease_count,
+            capacity=cfg.capacity_bytes,
+        )
+        self._recover()
+
+    # --- start-up --------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Rebuild the index from the directory so a restarted sidecar serves warm."""
+        restored = []
+        for meta in self.shm.recover():
+            key = entry_key(meta.uri)
+            mm = self.shm.open_map(key)
+            try:
+                manifest = safetensors_manifest(mm)
+            except AdapterError as exc:
+                log.warning("dropping staged %s at restart: %s", meta.uri, exc)
+                self.shm.remove(meta.uri)
+                continue
+            finally:
+                mm.close()
+            path = str(self.shm.data_path(key))
+            restored.append(Entry(meta.uri, meta.size, meta.sha256, meta.last_used,
+                                  meta=EntryMeta(path, manifest, meta.config_json)))
+        for entry in self.cache.restore(restored):
+            log.info("dropping staged %s at restart: over the byte budget", entry.uri)
+            self.shm.remove(entry.uri)
+        for entry in self.cache.entries():
+            self.shm.lock(entry_key(entry.uri))
+        log.info("recovered %d staged adapter(s), %d bytes, from %s",
+                 len(self.cache.entries()), self.cache.used_bytes, self.cfg.shm_dir)
+
+    # --- public API ------------------------------------------------------------------------
+    def stage(self, uri: str, sha256: str = "", lease_seconds: float = 0) -> Staged:
+        """Stage `uri` (fetching it at most once however many callers ask) and lease it."""
+        uri = self.policy.check(uri)
+        sha256 = sha256.lower()
+        lease_s = min(lease_seconds or self.cfg.default_lease_s, self.cfg.max_lease_s)
+        while True:
+            with self._lock:
+                entry = self.cache.get(uri)
+                if entry is not None:
+                    if sha256 and entry.sha256 != sha256:
+                        raise InvalidArgumentError(
+                            f"{uri}: staged copy has sha256 {entry.sha256}, request expects {sha256}"
+                        )
+                    lease = self.cache.acquire(uri, lease_s, hit=True)
+                    self.metrics.hits.inc()
+                    log.info("stage %s: hit, lease %s", uri, lease.lease_id)
+                    return self._staged(entry, lease, hit=True)
+                flight = self._flights.get(uri)
+                leader = flight is None
+                if leader:
+                    flight = self._flights[uri] = _Flight()
+            if leader:
+                return self._lead(uri, sha256, lease_s, flight)
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+
+    def release(self, lease_id: str) -> None:
+        with self._lock:
+            uri = self.cache.release(lease_id)
+        log.info("released lease %s on %s", lease_id, uri)
+
+    def read(self, lease_id: str, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+        """The staged bytes of a leased entry, for clients that do not share the directory."""
+        with self._lock:
+            self._expire()
+            path = self.cache.entry_for_lease(lease_id).meta.path
+        with open(path, "rb") as fh:
+            offset = 0
+            while chunk := fh.read(chunk_bytes):
+                yield offset, chunk
+                offset += len(chunk)
+
+    def evict(self, uri: str = "") -> list[str]:
+        with self._lock:
+            victims = self.cache.evict(self.policy.check(uri) if uri else None)
+        for entry in victims:
+            self._drop(entry, "evicted on request")
+        return [e.uri for e in victims]
+
+    def list(self) -> list[Entry]:
+        with self._lock:
+            self._expire()
+            return self.cache.entries()
+
+    def close(self) -> None:
+        self.fetcher.close()
+        self.shm.close()
+
+    # --- internals -------------------------------------------------------------------------
+    def _staged(self, entry: Entry, lease: Lease, hit: bool) -> Staged:
+        meta: EntryMeta = entry.meta
+        return Staged(lease, meta.path, meta.manifest, meta.config_json, entry.size, entry.sha256, hit)
+
+    def _expire(self) -> None:
+        for lease in self.cache.expire():
+            log.info("lease %s on %s expired", lease.lease_id, lease.uri)
+
+    def _drop(self, entry: Entry, why: str) -> None:
+        self.shm.remove(entry.uri)
+        self.metrics.evictions.inc()
+        log.info("evicted %s (%d bytes): %s", entry.uri, entry.size, why)
+
+    def _lead(self, uri: str, sha256: str, lease_s: float, flight: _Flight) -> Staged:
+        self.metrics.misses.inc()
+        self.metrics.inflight.inc()
+        try:
+            entry = self._fetch(uri, sha256)
+            with self._lock:
+                self.cache.commit(entry)
+                lease = self.cache.acquire(uri, lease_s, hit=False)
+            self.shm.lock(entry_key(uri))
+            log.info("stage %s: fetched %d bytes, lease %s", uri, entry.size, lease.lease_id)
+            return self._staged(entry, lease, hit=False)
+        except LoraplexError as exc:
+            flight.error = exc
+            log.warning("stage %s failed: %s: %s", uri, exc.code, exc)
+            raise
+        except Exception as exc:  # a bug: followers must still be woken with an error
+            flight.error = LoraplexError(f"{uri}: internal error: {exc}")
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            with self._lock:
+                del self._flights[uri]
+            flight.done.set()
+
+    def _fetch(self, uri: str, sha256: str) -> Entry:
+        """Fetch config then weights into a temp file; digest-check and validate; commit the file."""
+        config_raw = self.fetcher.get_small(f"{uri}/{CONFIG_FILE}", self.cfg.max_config_bytes)
+        config = parse_adapter_config(config_raw, self.cfg.max_rank)
+        pending: list[PendingFile] = []
+
+        def open_sink(size: int) -> PendingFile:
+            with self._lock:
+                victims = self.cache.reserve(uri, size)
+            for victim in victims:
+                self._drop(victim, f"LRU, to make room for {uri}")
+            pending.append(self.shm.create(uri, size))
+            return pending[0]
+
+        try:
+            self.fetcher.fetch(f"{uri}/{WEIGHTS_FILE}", self.cfg.max_adapter_bytes, open_sink,
+                               lambda sink, data, offset: sink.pwrite(data, offset))
+            file = pending[0]
+            digest, manifest = self._verify(file, config, sha256, uri)
+            now = self._clock()
+            config_json = config_raw.decode()
+            path = file.commit(StoredMeta(uri, digest, file.size, config_json, now))
+        except BaseException:
+            if pending:
+                pending[0].discard()
+                with self._lock:
+                    self.cache.abort(uri)
+            raise
+        return Entry(uri, file.size, digest, now, meta=EntryMeta(str(path), manifest, config_json))
+
+    def _verify(self, file: PendingFile, config, sha256: str, uri: str) -> tuple[str, list[TensorEntry]]:
+        mm = file.map()
+        problem = None
+        try:
+            digest = sha256_of(mm)
+            if sha256 and digest != sha256:
+                raise InvalidArgumentError(f"{uri}: sha256 mismatch: got {digest}, expected {sha256}")
+            manifest = safetensors_manifest(mm)
+            parse_adapter_tensors(mm, config, self.cfg.max_rank, manifest)
+        except AdapterError as exc:
+            # Re-raised below, outside this block: the original traceback holds tensor views
+            # into the mapping, which must be gone before it can be closed.
+            problem = str(exc)
+        finally:
+            if problem is None:
+                mm.close()
+        if problem is not None:
+            _close_quietly(mm)
+            raise AdapterError(f"{uri}: {problem}")
+        return digest, manifest
+
+
+def _close_quietly(mm) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view survived; the mapping is freed when it is collected
+        pass
+

@@ -1,0 +1,329 @@
+"""Object stores (s3://, file://, http(s)://) behind one small interface, the URI allow-list,
+and the parallel ranged fetcher.
+
+Every store answers one question, "bytes [start, start+length) of this object, and how big is
+it", so one fetcher can split large objects into parts for a thread pool. Transient failures
+raise `TransientStoreError` and are retried by tenacity with jittered exponential backoff;
+everything else maps to the gRPC-facing errors of `inference_service.errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from inference_service.errors import (
+    InvalidArgumentError,
+    LoraplexError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TransientStoreError(UnavailableError):
+    """A failure worth retrying (connection refused/reset, timeout, 5xx, throttling)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    data: bytes
+    total_size: int
+    etag: str | None = None
+
+
+class ObjectStore(Protocol):
+    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+        """Bytes [start, start+length) (fewer at the end) and the object's total size.
+
+        With `etag`, fail if the object is no longer that version (it changed mid-fetch).
+        """
+        ...
+
+
+# --- access policy ------------------------------------------------------------------------
+
+def _has_dot_segments(path: str) -> bool:
+    return any(seg in (".", "..") for seg in path.split("/"))
+
+
+class AccessPolicy:
+    """Only URIs under an allowed prefix are fetched: no SSRF, no path traversal."""
+
+    def __init__(self, allow_prefixes: list[str]) -> None:
+        self.prefixes = [p.rstrip("/") for p in allow_prefixes]
+        self.file_roots = [
+            Path(os.path.realpath(urllib.parse.urlparse(p).path)) for p in self.prefixes if p.startswith("file://")
+        ]
+
+    def check(self, uri: str) -> str:
+        """Return the normalised uri, or raise PermissionDeniedError / InvalidArgumentError."""
+        parsed = urllib.parse.urlparse(uri)
+        if parsed.scheme not in ("s3", "file", "http", "https"):
+            raise InvalidArgumentError(f"unsupported uri scheme in {uri!r} (s3, file, http, https)")
+        if parsed.query or parsed.fragment or parsed.params:
+            raise InvalidArgumentError(f"uri must not have a query or fragment: {uri!r}")
+        if _has_dot_segments(urllib.parse.unquote(parsed.path)):
+            raise PermissionDeniedError(f"{uri}: '.' and '..' path segments are not allowed")
+        if parsed.scheme == "file":
+            if parsed.netloc:
+                raise InvalidArgumentError(f"file uri must be file:///absolute/path, got {uri!r}")
+            real = Path(os.path.realpath(parsed.path))
+            if not any(real == root or root in real.parents for root in self.file_roots):
+                raise PermissionDeniedError(f"{uri} resolves outside every allowed file root")
+            return "file://" + parsed.path.rstrip("/")
+        norm = uri.rstrip("/")
+        if not any(norm == p or norm.startswith(p + "/") for p in self.prefixes):
+            raise PermissionDeniedError(f"{uri} is not under an allowed prefix")
+        return norm
+
+
+# --- stores ---------------------------------------------------------------------------------
+
+_RETRYABLE_S3_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown",
+                       "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+_NOT_FOUND_S3_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
+_DENIED_S3_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def _total_from_content_range(value: str | None, fallback: int) -> int:
+    match = _CONTENT_RANGE.match(value or "")
+    return int(match[3]) if match and match[3] != "*" else fallback
+
+
+@dataclass
+class S3Config:
+    endpoint_url: str | None = None  # None: boto3's own resolution (AWS_ENDPOINT_URL, config files)
+    addressing_style: str = "path"
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_pool_connections: int = 32
+
+
+class S3Store:
+    """s3://bucket/key through boto3 with the standard credential chain (env, files, web identity)."""
+
+    def __init__(self, cfg: S3Config) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self._client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=cfg.endpoint_url,
+            config=Config(
+                s3={"addressing_style": cfg.addressing_style},
+                connect_timeout=cfg.connect_timeout_s,
+                read_timeout=cfg.read_timeout_s,
+                retries={"total_max_attempts": 1},  # retries are tenacity's, around the body read too
+                max_pool_connections=cfg.max_pool_connections,
+            ),
+        )
+
+    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        parsed = urllib.parse.urlparse(uri)
+        bucket, key = parsed.netloc, parsed.path.lstrip("/")
+        kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{start + length - 1}"}
+        if etag:
+            kwargs["IfMatch"] = etag
+        try:
+            resp = self._client.get_object(**kwargs)
+            data = resp["Body"].read()
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+            if code == "InvalidRange" and start == 0:
+                return Part(b"", 0, None)  # an empty object has no byte 0
+            if code in _NOT_FOUND_S3_CODES or status == "404":
+                raise NotFoundError(f"{uri}: object not found ({code})") from None
+            if code in _DENIED_S3_CODES or status == "403":
+                raise PermissionDeniedError(f"{uri}: object store denied access ({code})") from None
+            if code == "PreconditionFailed":
+                raise TransientStoreError(f"{uri} changed while it was being fetched") from None
+            if code in _RETRYABLE_S3_CODES or status.startswith("5"):
+                raise TransientStoreError(f"{uri}: object store error {code}") from None
+            raise UnavailableError(f"{uri}: object store error {code}: {exc}") from None
+        except BotoCoreError as exc:  # connection refused/reset, timeouts, truncated body
+            raise TransientStoreError(f"{uri}: object store unreachable: {exc}") from None
+        total = _total_from_content_range(resp.get("ContentRange"), len(data))
+        return Part(data, total, resp.get("ETag"))
+
+
+class FileStore:
+    """file:///path confined to the allowed roots: symlinks out of a root are refused."""
+
+    def __init__(self, roots: list[Path]) -> None:
+        self._roots = roots
+
+    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+        path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
+        real = Path(os.path.realpath(path))
+        if not any(real == root or root in real.parents for root in self._roots):
+            raise PermissionDeniedError(f"{uri} resolves outside every allowed file root")
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise NotFoundError(f"{uri}: file not found") from None
+        except PermissionError:
+            raise PermissionDeniedError(f"{uri}: not readable") from None
+        try:
+            st = os.fstat(fd)
+            if etag and etag != f"{st.st_mtime_ns}-{st.st_size}":
+                raise TransientStoreError(f"{uri} changed while it was being fetched")
+            return Part(os.pread(fd, length, start), st.st_size, f"{st.st_mtime_ns}-{st.st_size}")
+        finally:
+            os.close(fd)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
+        raise PermissionDeniedError(f"{req.full_url}: redirects are not followed (to {newurl})")
+
+
+class HttpStore:
+    """http(s):// with Range requests; redirects are refused so the allow-list cannot be escaped."""
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self._opener = urllib.request.build_opener(_NoRedirect)
+        self._timeout = timeout_s
+
+    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+        headers = {"Range": f"bytes={start}-{start + length - 1}"}
+        if etag:
+            headers["If-Match"] = etag
+        try:
+            with self._opener.open(urllib.request.Request(uri, headers=headers), timeout=self._timeout) as resp:
+                body = resp.read()
+                if resp.status == 200:  # server ignored Range: slice the whole body
+                    return Part(body[start : start + length], len(body), resp.headers.get("ETag"))
+                total = _total_from_content_range(resp.headers.get("Content-Range"), start + len(body))
+                return Part(body, total, resp.headers.get("ETag"))
+        except urllib.error.HTTPError as exc:
+            if exc.code == 416 and start == 0:
+                return Part(b"", 0, None)
+            if exc.code == 404:
+                raise NotFoundError(f"{uri}: not found") from None
+            if exc.code in (401, 403):
+                raise PermissionDeniedError(f"{uri}: access denied ({exc.code})") from None
+            if exc.code == 412:
+                raise TransientStoreError(f"{uri} changed while it was being fetched") from None
+            if exc.code >= 500 or exc.code == 429:
+                raise TransientStoreError(f"{uri}: HTTP {exc.code}") from None
+            raise UnavailableError(f"{uri}: HTTP {exc.code}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise TransientStoreError(f"{uri}: unreachable: {exc}") from None
+
+
+# --- fetcher ----------------------------------------------------------------------------------
+
+@dataclass
+class FetchConfig:
+    part_bytes: int = 8 << 20
+    concurrency: int = 8
+    attempts: int = 4
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 2.0
+
+
+class Fetcher:
+    """Ranged, parallel, retried GETs of one object into a caller-provided sink."""
+
+    def __init__(
+        self,
+        stores: dict[str, ObjectStore],
+        cfg: FetchConfig,
+        on_request: Callable[[int], None] = lambda nbytes: None,
+    ) -> None:
+        self._stores = stores
+        self._cfg = cfg
+        self._on_request = on_request
+        self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="fetch")
+
+    def _get(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+        store = self._stores.get(urllib.parse.urlparse(uri).scheme)
+        if store is None:
+            raise InvalidArgumentError(f"no object store configured for {uri!r}")
+        retrying = Retrying(
+            stop=stop_after_attempt(self._cfg.attempts),
+            wait=wait_random_exponential(multiplier=self._cfg.backoff_initial_s, max=self._cfg.backoff_max_s),
+            retry=retry_if_exception_type(TransientStoreError),
+            before_sleep=lambda rs: log.info(
+                "retrying GET %s bytes=%d+%d after: %s", uri, start, length, rs.outcome.exception()
+            ),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                part = store.get_range(uri, start, length, etag)
+                self._on_request(len(part.data))
+        return part
+
+    def get_small(self, uri: str, max_bytes: int) -> bytes:
+        """A whole small object (adapter_config.json) in one GET."""
+        part = self._get(uri, 0, max_bytes + 1)
+        if part.total_size > max_bytes:
+            raise InvalidArgumentError(f"{uri} is {part.total_size} bytes, over the limit of {max_bytes}")
+        return part.data
+
+    def fetch(
+        self,
+        uri: str,
+        max_bytes: int,
+        open_sink: Callable[[int], object],
+        write: Callable[[object, bytes, int], None],
+    ) -> object:
+        """GET the first part (which tells the size), check the limit, then the rest in parallel.
+
+        `open_sink(total_size)` is called once the size is known (it reserves cache space and
+        creates the temp file); `write(sink, data, offset)` stores one part.
+        """
+        first = self._get(uri, 0, self._cfg.part_bytes)
+        total = first.total_size
+        if len(first.data) != min(self._cfg.part_bytes, total):
+            raise UnavailableError(f"{uri}: short read of the first part (object changed?)")
+        if total > max_bytes:
+            raise InvalidArgumentError(f"{uri} is {total} bytes, over --max-adapter-bytes={max_bytes}")
+        sink = open_sink(total)
+        write(sink, first.data, 0)
+        starts = range(len(first.data), total, self._cfg.part_bytes)
+        cancelled = threading.Event()
+
+        def one(start: int) -> None:
+            if cancelled.is_set():
+                return
+            length = min(self._cfg.part_bytes, total - start)
+            part = self._get(uri, start, length, first.etag)
+            if len(part.data) != length or part.total_size != total:
+                raise TransientStoreError(f"{uri}: short read at byte {start} (object changed?)")
+            write(sink, part.data, start)
+
+        futures = [self._pool.submit(one, s) for s in starts]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors:
+            cancelled.set()
+            for f in pending:
+                f.cancel()
+            wait(pending)
+            err = errors[0]
+            raise err if isinstance(err, LoraplexError) else UnavailableError(f"{uri}: fetch failed: {err}")
+        return sink
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
