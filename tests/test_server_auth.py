@@ -1,0 +1,67 @@
+"""Admin token checks, adapter-source policy and the listen-address rule (no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_service.auth import AdminAuth, UriPolicy, is_loopback_listen
+from inference_service.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+
+
+def test_no_token_configured_allows_everyone():
+    AdminAuth(None).check([])
+
+
+@pytest.mark.parametrize(
+    "metadata, error",
+    [
+        ([], UnauthenticatedError),
+        ([("authorization", "")], UnauthenticatedError),
+        ([("authorization", "Basic s3cret")], UnauthenticatedError),
+        ([("authorization", "Bearer wrong")], PermissionDeniedError),
+        ([("authorization", "Bearer s3cre")], PermissionDeniedError),
+    ],
+)
+def test_token_rejections(metadata, error):
+    with pytest.raises(error):
+        AdminAuth("s3cret").check(metadata)
+
+
+def test_token_accepted():
+    AdminAuth("s3cret").check([("user-agent", "x"), ("authorization", "Bearer s3cret")])
+    AdminAuth("s3cret").check([("authorization", "bearer s3cret")])
+
+
+def test_uri_policy_prefixes():
+    p = UriPolicy(["file:///srv/adapters", "s3://bucket/team-a/"])
+    assert p.check("file:///srv/adapters/x") == "file:///srv/adapters/x"
+    assert p.check("file:///srv/adapters/./x//y") == "file:///srv/adapters/x/y"
+    assert p.check("s3://bucket/team-a/m1") == "s3://bucket/team-a/m1"
+    for bad in ("file:///srv/adapters-evil/x", "file:///etc/passwd", "s3://bucket/team-b/m",
+                "http://example.com/a", "s3://bucket/team-a"):
+        with pytest.raises(PermissionDeniedError):
+            p.check(bad)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["file:///srv/adapters/../etc", "file:///srv/adapters/a/../../etc", "file:///srv/adapters/%2e%2e/etc",
+     "s3://bucket/team-a/../team-b/x"],
+)
+def test_traversal_denied_with_and_without_allow_list(uri):
+    for policy in (UriPolicy(["file:///srv/adapters", "s3://bucket/team-a/"]), UriPolicy()):
+        with pytest.raises(PermissionDeniedError):
+            policy.check(uri)
+
+
+@pytest.mark.parametrize("uri", ["", "/srv/adapters/x", "file://remotehost/x", "file://rel\x00"])
+def test_malformed_uris_are_invalid(uri):
+    with pytest.raises((InvalidArgumentError, PermissionDeniedError)):
+        UriPolicy().check(uri)
+
+
+def test_loopback_detection():
+    for addr in ("127.0.0.1:50051", "localhost:1", "[::1]:5", "unix:///tmp/s.sock"):
+        assert is_loopback_listen(addr), addr
+    for addr in ("0.0.0.0:50051", "[::]:50051", "10.0.0.1:1", "example.com:443"):
+        assert not is_loopback_listen(addr), addr
