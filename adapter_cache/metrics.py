@@ -39,8 +39,10 @@ class CacheMetrics:
         self.leases.set_function(leases)
         self.capacity.set(capacity)
 
-    def on_request(self, nbytes: int) -> None:
+    def on_request(self) -> None:
         self.fetch_requests.inc()
+
+    def on_bytes(self, nbytes: int) -> None:
         self.fetched_bytes.inc(nbytes)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:

@@ -96,7 +96,7 @@ class Stager:
             stores = {"s3": S3Store(cfg.s3), "file": FileStore(self.policy.file_roots)}
             if cfg.enable_http:
                 stores["http"] = stores["https"] = HttpStore(cfg.s3.read_timeout_s)
-        self.fetcher = Fetcher(stores, cfg.fetch, on_request=self.metrics.on_request)
+        self.fetcher = Fetcher(stores, cfg.fetch, self.metrics.on_request, self.metrics.on_bytes)
         self.shm = ShmDir(cfg.shm_dir, lock_memory=cfg.lock_memory)
         self.cache = HostCache(cfg.capacity_bytes, clock)
         self._clock = clock

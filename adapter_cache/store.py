@@ -248,11 +248,13 @@ class Fetcher:
         self,
         stores: dict[str, ObjectStore],
         cfg: FetchConfig,
-        on_request: Callable[[int], None] = lambda nbytes: None,
+        on_request: Callable[[], None] = lambda: None,
+        on_bytes: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
         self._stores = stores
         self._cfg = cfg
         self._on_request = on_request
+        self._on_bytes = on_bytes
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="fetch")
 
     def _get(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
@@ -270,8 +272,9 @@ class Fetcher:
         )
         for attempt in retrying:
             with attempt:
+                self._on_request()
                 part = store.get_range(uri, start, length, etag)
-                self._on_request(len(part.data))
+        self._on_bytes(len(part.data))
         return part
 
     def get_small(self, uri: str, max_bytes: int) -> bytes:
