@@ -16,7 +16,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     block_size: int = 16  # tokens per KV block
     # LoRA slot buffers are allocated first; the KV cache gets what is left of this budget
-    # (None: on CUDA 90% of free memory after weights, on CPU 1 GiB) or exactly kv_cache_bytes.
+    # (None: on CUDA 90% of free memory after weights, on CPU 256 MiB) or exactly kv_cache_bytes.
     memory_budget_bytes: int | None = None
     kv_cache_bytes: int | None = None
     max_num_seqs: int = 64  # running requests per step

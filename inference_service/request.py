@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.errors import InvalidArgumentError
+from inference_service.errors import InvalidArgumentError, LoraplexError
 
 
 class FinishReason(enum.Enum):
@@ -91,7 +91,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    error: str | None = None
+    error: LoraplexError | None = None
     timings: Timings | None = None
     logits: list[torch.Tensor] | None = None
 
@@ -118,7 +118,8 @@ class Request:
         self.arrival_seq = 0  # FCFS order, set by the scheduler
         self.skipped_steps = 0  # aging: steps this request was passed over while waiting
         self.finish_reason: FinishReason | None = None
-        self.error: str | None = None
+        self.error: LoraplexError | None = None
+        self.wait_reason: str | None = None  # why it was last passed over (metrics, aging)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -103,6 +103,7 @@ class HostAdapter:
     config: LoRAAdapterConfig
     # Keeps a backing buffer (an mmap of a staged file) alive while tensors view into it.
     keepalive: object | None = None
+    tier: str = "store"  # where the bytes came from: cache (sidecar hit) | store
 
 
 def parse_adapter_config(raw: bytes | str | dict, max_rank: int) -> LoRAAdapterConfig:

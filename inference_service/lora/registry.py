@@ -1,0 +1,80 @@
+"""Adapter names, versions, states and request references.
+
+State is derived (`LoRAManager.state`) from what exists: a pending load, a slot, host tensors,
+an in-flight host preparation. Only what cannot be derived is stored here: the user's intent
+(pinned, draining) and a failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+from dataclasses import dataclass, field
+
+from inference_service.errors import LoraplexError, NotFoundError
+from inference_service.lora.adapter import HostAdapter
+
+
+class AdapterState(enum.Enum):
+    REGISTERED = "REGISTERED"
+    STAGING = "STAGING"
+    HOST_READY = "HOST_READY"
+    LOADING = "LOADING"
+    LOADED = "LOADED"
+    DRAINING = "DRAINING"
+    FAILED = "FAILED"
+
+
+@dataclass(eq=False)
+class AdapterVersion:
+    name: str
+    version: int
+    uri: str
+    sha256: str | None
+    pinned: bool = False
+    draining: bool = False
+    failure: LoraplexError | None = None
+    host: HostAdapter | None = None  # HOST_READY tensors (dropped once copied into a slot)
+    staging: concurrent.futures.Future[HostAdapter] | None = None
+    rank: int = 0
+    size_bytes: int = 0
+    tier: str = "store"  # where the next load's bytes come from: host | cache | store
+    refs: set[str] = field(default_factory=set)  # ids of queued and running requests
+
+    @property
+    def uid(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class AdapterRegistry:
+    def __init__(self) -> None:
+        self.current: dict[str, str] = {}  # name → uid of the version new requests get
+        self.versions: dict[str, AdapterVersion] = {}
+        self._next_version: dict[str, int] = {}
+
+    def add_version(self, name: str, uri: str, sha256: str | None, pinned: bool) -> AdapterVersion:
+        version = self._next_version.get(name, 1)
+        self._next_version[name] = version + 1
+        entry = AdapterVersion(name=name, version=version, uri=uri, sha256=sha256, pinned=pinned)
+        self.versions[entry.uid] = entry
+        return entry
+
+    def make_current(self, entry: AdapterVersion) -> AdapterVersion | None:
+        """Point the name at this version; returns the version it replaces (to be drained)."""
+        old_uid = self.current.get(entry.name)
+        self.current[entry.name] = entry.uid
+        return self.versions.get(old_uid) if old_uid and old_uid != entry.uid else None
+
+    def resolve(self, name: str) -> AdapterVersion:
+        uid = self.current.get(name)
+        if uid is None:
+            raise NotFoundError(f"unknown adapter {name!r}")
+        return self.versions[uid]
+
+    def remove(self, uid: str) -> None:
+        entry = self.versions.pop(uid)
+        if self.current.get(entry.name) == uid:
+            del self.current[entry.name]
+
+    def total_refs(self) -> int:
+        return sum(len(v.refs) for v in self.versions.values())

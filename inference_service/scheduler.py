@@ -1,0 +1,168 @@
+"""Continuous batching with adapter-aware admission.
+
+Each step: drain finished adapter loads, keep running requests going (decode or the next
+prefill chunk, preempting the newest by recompute when KV blocks run out), then admit waiting
+requests FCFS. A request whose adapter is not LOADED triggers its load and is skipped, so it
+never blocks the line; once a request has been passed over `aging_steps` times and still cannot
+get a slot, later requests stop overtaking it, so slots drain and nothing starves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference_service.config import EngineConfig
+from inference_service.errors import LoraplexError
+from inference_service.kv_cache import KVCache
+from inference_service.lora.manager import LoRAManager
+from inference_service.request import FinishReason, Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Request, int]] = field(default_factory=list)  # request, tokens this step
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCache, lora: LoRAManager) -> None:
+        self.config, self.kv, self.lora = config, kv, lora
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.waiting_reasons: dict[str, int] = {}
+        self._arrivals = itertools.count()
+        self.finished_this_step: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        request.arrival_seq = next(self._arrivals)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Request | None:
+        """Idempotent: a request that already finished (or never existed) is left alone."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
+        self.finish(request, reason)
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: FinishReason, error: LoraplexError | None = None) -> None:
+        """The one exit of every request: frees its KV blocks and its adapter reference once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            return
+        request.status = RequestStatus.FINISHED
+        request.finish_reason, request.error = reason, error
+        self.kv.release(request.block_table)
+        if request.adapter_uid is not None:
+            self.lora.release(request.adapter_uid, request.request_id)
+        del self.requests[request.request_id]
+        self.finished_this_step.append(request)
+
+    def schedule(self) -> ScheduledBatch:
+        self._fail_waiters(self.lora.drain().failed)
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(batch, budget)
+        self._schedule_waiting(batch, budget)
+        self.lora.touch({r.adapter_uid for r, _ in batch.items if r.adapter_uid is not None})
+        return batch
+
+    def _fail_waiters(self, failed: dict[str, LoraplexError]) -> None:
+        for request in [r for r in self.waiting if r.adapter_uid in failed]:
+            self.finish(request, FinishReason.ERROR, failed[request.adapter_uid])  # type: ignore[index]
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        scheduled: set[int] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_tokens
+            while not self.kv.can_grow(request.block_table, target):
+                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.kv.grow(request.block_table, target)
+            batch.items.append((request, num_tokens))
+            scheduled.add(id(request))
+            budget -= num_tokens
+        return budget
+
+    def _preempt(self, request: Request | None) -> None:
+        """Recompute preemption: drop the KV blocks; the request re-prefills prompt + output later."""
+        assert request is not None, "nothing left to preempt"
+        self.running.remove(request)
+        self.kv.release(request.block_table)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        log.info("preempted %s (KV cache full); it will recompute", request.request_id)
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        reasons: dict[str, int] = {}
+        barrier = self._aging_barrier()
+        needed = {r.adapter_uid for r in self.running if r.adapter_uid}
+        needed |= {
+            r.adapter_uid for r in self.waiting if r.adapter_uid and (barrier is None or r.arrival_seq <= barrier)
+        }
+        admitted: list[Request] = []
+        blocked = False
+        for request in self.waiting:
+            reason = None
+            if blocked:
+                reason = "queued"
+            elif barrier is not None and request.arrival_seq > barrier and request.adapter_uid is not None:
+                reason = "aging"  # an older request must get a slot first
+            elif len(self.running) + len(admitted) >= self.config.max_num_seqs or budget == 0:
+                reason = "batch_full"
+            elif request.adapter_uid is not None and self.lora.slot_of(request.adapter_uid) is None:
+                got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
+                reason = "adapter_loading" if got_slot else "slots_full"
+            else:
+                num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+                target = request.num_computed_tokens + num_tokens
+                if self.kv.can_grow(request.block_table, target):
+                    self.kv.grow(request.block_table, target)
+                    admitted.append(request)
+                    batch.items.append((request, num_tokens))
+                    budget -= num_tokens
+                    continue
+                reason = "kv_cache"
+                blocked = True  # FCFS for memory: no overtaking on KV, or long prompts would starve
+            request.skipped_steps += 1
+            request.wait_reason = reason
+            reasons[reason] = reasons.get(reason, 0) + 1
+        for request in admitted:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        self.waiting_reasons = reasons
+
+    def _aging_barrier(self) -> int | None:
+        """Arrival number of the oldest waiting request that has aged out and cannot get a slot."""
+        for request in self.waiting:
+            if request.skipped_steps < self.config.aging_steps or request.adapter_uid is None:
+                continue
+            if request.wait_reason == "slots_full":
+                return request.arrival_seq
+        return None
