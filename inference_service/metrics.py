@@ -5,9 +5,11 @@ Two feeds, one registry (never the global one, so tests and embedders can run se
   scheduler thread (prometheus_client's metric objects are thread-safe);
 - gauges are read from `engine.stats()` at scrape time by `EngineCollector`, so they can
   never drift from the engine's own state.
-Plus the router-compatible `vllm:*` series that Kubernetes inference gateways read for
-LoRA-affinity routing. Their names are fixed by vLLM; promtool's linter flags the ':' in
-them, which is the one lint finding we accept.
+The sink protocol lives in metrics_sink.py (the engine must not import Prometheus) and is
+re-exported here. Plus the router-compatible `vllm:*` series that Kubernetes inference
+gateways read for LoRA-affinity routing; their names are fixed by vLLM, so promtool's lint
+finding on the ':' in them is accepted (as is `_total` on the gauge loraplex_lora_slots_total,
+whose name is fixed too).
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from inference_service.metrics_sink import MetricsSink, NullMetrics
+
+__all__ = ["MetricsSink", "NullMetrics", "PrometheusMetrics", "EngineCollector", "build_registry", "serve_metrics"]
 
 LOAD_TIERS = ("host", "cache", "store")
 BASE_ADAPTER_LABEL = "base"  # adapter label of requests on the base model
@@ -27,39 +33,6 @@ OTHER_ADAPTER_LABEL = "other"  # adapters outside the top-K by traffic
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class MetricsSink(Protocol):
-    """What the engine reports as it happens (called from the scheduler thread)."""
-
-    def adapter_loaded(self, tier: str, seconds: float) -> None: ...
-    def adapter_evicted(self) -> None: ...
-    def first_token(self, seconds: float) -> None: ...  # TTFT
-    def inter_token(self, seconds: float) -> None: ...
-    def tokens(self, prompt: int, generated: int) -> None: ...
-    def request_finished(self, finish_reason: str, adapter: str | None) -> None: ...
-
-
-class NullMetrics:
-    """A MetricsSink that drops everything (tests, benchmarks, embedding without Prometheus)."""
-
-    def adapter_loaded(self, tier: str, seconds: float) -> None:
-        pass
-
-    def adapter_evicted(self) -> None:
-        pass
-
-    def first_token(self, seconds: float) -> None:
-        pass
-
-    def inter_token(self, seconds: float) -> None:
-        pass
-
-    def tokens(self, prompt: int, generated: int) -> None:
-        pass
-
-    def request_finished(self, finish_reason: str, adapter: str | None) -> None:
-        pass
 
 
 class AdapterTraffic:

@@ -103,7 +103,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
                 # Ended by the engine, not the client: tell the client with a status, not an OK.
                 code = _engine_end_code(reason, out)
-                await context.abort(grpc.StatusCode[code], out.error or f"request {reason.value}")
+                await context.abort(grpc.StatusCode[code], str(out.error or f"request {reason.value}"))
         except LoraplexError as e:
             code = e.code
             await context.abort(grpc.StatusCode[e.code], str(e))
@@ -286,7 +286,9 @@ def _engine_end_code(reason: FinishReason, out: RequestOutput) -> str:
         return "DEADLINE_EXCEEDED"
     if reason is FinishReason.CANCELLED:
         return "CANCELLED"
-    code = getattr(out, "error_code", None) or "INTERNAL"
+    # The engine hands the LoraplexError itself (e.g. the adapter failed to load: INVALID_ARGUMENT,
+    # UNAVAILABLE); anything else reaching here is a bug.
+    code = out.error.code if isinstance(out.error, LoraplexError) else "INTERNAL"
     return code if code in grpc.StatusCode.__members__ else "INTERNAL"
 
 
