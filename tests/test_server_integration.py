@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -171,12 +172,11 @@ def test_client_cli_against_server(server, adapter_dir):
 
 def test_request_outcome_logged(server):
     with InferenceClient(server.address) as c:
-        c.generate_text("log me", adapter="ad2", max_new_tokens=3, request_id="logged-req-1")
-    import time
+        c.generate_text("log me", adapter="ad2", max_new_tokens=3, request_id="logged-req-1", ignore_eos=True)
 
     for _ in range(50):
-        if "logged-req-1" in server.log():
+        if "loraplex.server: request logged-req-1" in server.log():
             break
         time.sleep(0.1)
-    line = next(ln for ln in server.log().splitlines() if "logged-req-1" in ln)
-    assert "adapter=ad2" in line and "finish=" in line and "tokens=3" in line
+    line = next(ln for ln in server.log().splitlines() if "loraplex.server: request logged-req-1" in ln)
+    assert "adapter=ad2" in line and "finish=length" in line and "code=OK" in line and "tokens=3" in line
