@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -214,3 +215,43 @@ def test_helm_rejects_wrong_types(how: str) -> None:
     out = helm(*args)
     assert out.returncode != 0
     assert "schema" in out.stderr.lower() and "maxloras" in out.stderr.lower()
+
+
+# --- The container image ---------------------------------------------------------------------------
+# No Docker engine here: the Dockerfile is checked statically (stages, non-root user, build args,
+# and that the commands the chart runs are console scripts the image installs).
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    lines, current = [], ""
+    for raw in (REPO / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        current += " " + line.rstrip("\\").strip() if current else line.rstrip("\\").strip()
+        if not line.endswith("\\"):
+            lines.append(current)
+            current = ""
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
+
+
+def test_dockerfile_is_multistage_and_non_root() -> None:
+    instructions = dockerfile_instructions()
+    stages = [args for op, args in instructions if op == "FROM"]
+    assert len(stages) >= 2 and all(" AS " in s.upper() for s in stages)
+    final = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM"):]
+    users = [args for op, args in final if op == "USER"]
+    assert users and users[-1].split(":")[0] not in {"root", "0"}
+    assert users[-1].split(":")[0] == str(yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+                                          ["podSecurityContext"]["runAsUser"])
+    assert any(op == "COPY" and args.startswith("--from=build") for op, args in final)
+    declared = {args.split("=")[0] for op, args in instructions if op == "ARG"}
+    assert {"TORCH_INDEX_URL", "TORCH_VERSION"} <= declared
+    assert not any(op == "ADD" for op, _ in instructions)
+
+
+def test_chart_commands_are_image_entry_points(default_docs: list[dict]) -> None:
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    for container in containers(default_docs).values():
+        assert container["command"][0] in scripts
