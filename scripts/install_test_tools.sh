@@ -17,7 +17,8 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
   fi
-  apt-get update
+  # Update the package lists only when they don't know the package yet (an earlier section may have).
+  apt-cache show prometheus >/dev/null 2>&1 || apt-get update
   apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=600 prometheus
   if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
   # Belt and braces: where an init system did start the packaged service, stop and disable it.
