@@ -1,0 +1,165 @@
+"""Each bad input gets its documented status code, and leaves the real server healthy and leak-free."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference_service.api import inference_pb2 as pb
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
+from tests.infra.inference_server import start_inference_server
+
+pytestmark = pytest.mark.slow
+TOKEN = "errors-admin-token"
+LIMIT = 64
+MAX_MESSAGE = 64 * 1024
+LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_pending_load_events", "loraplex_requests_running",
+               "loraplex_requests_waiting", "loraplex_kv_cache_usage_ratio")
+S = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("allowed")
+    outside = tmp_path_factory.mktemp("outside")
+    write_peft_adapter(root / "good", rank=8, seed=1)
+    write_peft_adapter(outside / "elsewhere", rank=8, seed=2)
+    write_peft_adapter(root / "rank64", rank=64, seed=3)
+    write_peft_adapter(root / "too-many-layers", rank=4, seed=4, num_layers=5)
+    bad_json = write_peft_adapter(root / "bad-json", rank=4, seed=5)
+    (bad_json / "adapter_config.json").write_text("{not json")
+    truncated = write_peft_adapter(root / "truncated", rank=4, seed=6)
+    data = (truncated / "adapter_model.safetensors").read_bytes()
+    (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    dora = write_peft_adapter(root / "dora", rank=4, seed=7)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(cfg))
+    server = start_inference_server(
+        ["--model", "builtin:tiny", "--max-loras", "2", "--max-lora-rank", "16", "--max-new-tokens-limit",
+         str(LIMIT), "--max-message-bytes", str(MAX_MESSAGE), "--adapter-source-allow", root.as_uri()],
+        env={"LORAPLEX_ADMIN_TOKEN": TOKEN},
+        log_dir=tmp_path_factory.mktemp("errors-logs"),
+    )
+    with InferenceClient(server.address, token=TOKEN) as c:
+        c.load_adapter("good", (root / "good").as_uri(), preload=True)
+    yield server, root, outside
+    server.stop()
+
+
+def _code(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    assert e.value.details(), "error without a message"
+    return e.value.code()
+
+
+def _gen(server, prompt, **kw):
+    with InferenceClient(server.address, max_message_bytes=4 * MAX_MESSAGE) as c:
+        return list(c.generate(prompt, timeout=30, **kw))
+
+
+GENERATE_CASES = {
+    "unknown adapter": (dict(prompt="hi", adapter="nope"), S.NOT_FOUND),
+    "empty prompt": (dict(prompt=""), S.INVALID_ARGUMENT),
+    "empty token ids": (dict(prompt=[]), S.INVALID_ARGUMENT),
+    "token id outside vocab": (dict(prompt=[1, 100000]), S.INVALID_ARGUMENT),
+    "prompt longer than the context": (dict(prompt="x" * 1100, max_new_tokens=4), S.RESOURCE_EXHAUSTED),
+    "prompt plus new tokens over the context": (dict(prompt="x" * 1000, max_new_tokens=LIMIT), S.RESOURCE_EXHAUSTED),
+    "negative temperature": (dict(prompt="hi", temperature=-0.5), S.INVALID_ARGUMENT),
+    "nan temperature": (dict(prompt="hi", temperature=float("nan")), S.INVALID_ARGUMENT),
+    "nan top_p": (dict(prompt="hi", top_p=float("nan")), S.INVALID_ARGUMENT),
+    "negative top_p": (dict(prompt="hi", top_p=-0.1), S.INVALID_ARGUMENT),
+    "negative top_k": (dict(prompt="hi", top_k=-3), S.INVALID_ARGUMENT),
+    "max_new_tokens over the limit": (dict(prompt="hi", max_new_tokens=LIMIT + 1), S.INVALID_ARGUMENT),
+    "max_new_tokens zero": (dict(prompt="hi", max_new_tokens=0), S.INVALID_ARGUMENT),
+    "empty stop string": (dict(prompt="hi", stop=[""]), S.INVALID_ARGUMENT),
+    "oversized message": (dict(prompt="y" * (MAX_MESSAGE + 10)), S.RESOURCE_EXHAUSTED),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CASES))
+def test_generate_errors(env, case):
+    server = env[0]
+    kwargs, code = GENERATE_CASES[case]
+    prompt = kwargs.pop("prompt")
+    try:
+        assert _code(lambda: _gen(server, prompt, **kwargs)) == code
+    finally:
+        kwargs["prompt"] = prompt
+
+
+def _admin_cases(root, outside):
+    return {
+        "missing admin token": (None, dict(name="x", uri=(root / "good").as_uri()), S.UNAUTHENTICATED),
+        "wrong admin token": ("wrong", dict(name="x", uri=(root / "good").as_uri()), S.PERMISSION_DENIED),
+        "uri outside the allowed prefixes": (TOKEN, dict(name="x", uri=(outside / "elsewhere").as_uri()),
+                                             S.PERMISSION_DENIED),
+        "other scheme outside the allow list": (TOKEN, dict(name="x", uri="s3://bucket/adapters/x"),
+                                                S.PERMISSION_DENIED),
+        "path traversal": (TOKEN, dict(name="x", uri=root.as_uri() + "/../" + outside.name + "/elsewhere"),
+                           S.PERMISSION_DENIED),
+        "encoded path traversal": (TOKEN, dict(name="x", uri=root.as_uri() + "/%2e%2e/" + outside.name),
+                                   S.PERMISSION_DENIED),
+        "rank too large": (TOKEN, dict(name="x", uri=(root / "rank64").as_uri(), preload=True), S.INVALID_ARGUMENT),
+        "unparsable config": (TOKEN, dict(name="x", uri=(root / "bad-json").as_uri(), preload=True),
+                              S.INVALID_ARGUMENT),
+        "truncated safetensors": (TOKEN, dict(name="x", uri=(root / "truncated").as_uri(), preload=True),
+                                  S.INVALID_ARGUMENT),
+        "dora": (TOKEN, dict(name="x", uri=(root / "dora").as_uri(), preload=True), S.INVALID_ARGUMENT),
+        "more layers than the base model": (TOKEN, dict(name="x", uri=(root / "too-many-layers").as_uri(),
+                                                        preload=True), S.FAILED_PRECONDITION),
+        "missing files": (TOKEN, dict(name="x", uri=(root / "nothing-here").as_uri(), preload=True),
+                          S.NOT_FOUND),
+        "empty name": (TOKEN, dict(name="", uri=(root / "good").as_uri()), S.INVALID_ARGUMENT),
+        "bad sha256": (TOKEN, dict(name="x", uri=(root / "good").as_uri(), sha256="zz"), S.INVALID_ARGUMENT),
+        "sha256 mismatch": (TOKEN, dict(name="x", uri=(root / "good").as_uri(), sha256="0" * 64, preload=True),
+                            S.INVALID_ARGUMENT),
+    }
+
+
+def test_admin_errors(env):
+    server, root, outside = env
+    failures = []
+    for case, (token, kw, code) in _admin_cases(root, outside).items():
+        with InferenceClient(server.address, token=token) as c:
+            got = _code(lambda c=c, kw=kw: c.load_adapter(timeout=30, **kw))
+        if got != code:
+            failures.append(f"{case}: {got.name} != {code.name}")
+    with InferenceClient(server.address) as c:
+        if (got := _code(lambda: c.unload_adapter("good"))) != S.UNAUTHENTICATED:
+            failures.append(f"unload without token: {got.name}")
+    with InferenceClient(server.address, token=TOKEN) as c:
+        if (got := _code(lambda: c.unload_adapter("never-loaded"))) != S.NOT_FOUND:
+            failures.append(f"unload unknown: {got.name}")
+        names = {a.name for a in c.list_adapters()}
+    assert not failures, failures
+    assert names == {"good"}, names  # rejected loads left nothing behind
+
+
+def test_server_healthy_and_leak_free_after_errors(env):
+    server = env[0]
+    # runs after the error cases above (module order); run them again to be independent of ordering
+    for case in GENERATE_CASES.values():
+        kwargs = dict(case[0])
+        prompt = kwargs.pop("prompt")
+        with pytest.raises(grpc.RpcError):
+            _gen(server, prompt, **kwargs)
+    with grpc.insecure_channel(server.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    msgs = _gen(server, "still fine", adapter="good", max_new_tokens=5, ignore_eos=True)
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    deadline = time.monotonic() + 10
+    while any(server.value(g) for g in LEAK_GAUGES) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {g: server.value(g) for g in LEAK_GAUGES} == dict.fromkeys(LEAK_GAUGES, 0.0)
+    assert server.proc.poll() is None
+    assert "Traceback" not in server.log(), server.log()[-3000:]
+    with InferenceClient(server.address) as c:
+        assert {a.name for a in c.list_adapters()} == {"good"}
