@@ -59,6 +59,11 @@ class ModelConfig:
             # Serving within the window keeps full attention exact without a windowed mask.
             max_pos = min(max_pos, window)
         attention_bias = bool(data.get("attention_bias", False))
+        # transformers 5 writes `rope_parameters` (theta included); older checkpoints rope_theta/rope_scaling.
+        rope = data.get("rope_parameters") or {}
+        rope_scaling = data.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        if (rope_scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
+            raise FailedPreconditionError("partial rotary embeddings are not supported")
         return cls(
             vocab_size=data["vocab_size"],
             hidden_size=data["hidden_size"],
@@ -68,8 +73,8 @@ class ModelConfig:
             num_kv_heads=data.get("num_key_value_heads") or heads,
             head_dim=data.get("head_dim") or data["hidden_size"] // heads,
             rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-            rope_theta=data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=data.get("rope_scaling"),
+            rope_theta=data.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or model_type == "qwen2",

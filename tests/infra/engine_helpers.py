@@ -1,0 +1,39 @@
+"""Driving an EngineCore synchronously in tests: load adapters, run requests to completion."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from inference_service.engine import EngineCore
+from inference_service.request import Request, RequestOutput, SamplingParams
+
+
+def load_adapters(core: EngineCore, adapters: dict[str, Path], timeout: float = 60.0, **kwargs: object) -> None:
+    futures = [core.lora.load_adapter(name, str(path), **kwargs) for name, path in adapters.items()]
+    deadline = time.monotonic() + timeout
+    while not all(f.done() for f in futures):
+        assert time.monotonic() < deadline, "adapters did not load in time"
+        core.lora.drain()
+        time.sleep(0.001)
+    for f in futures:
+        f.result()
+
+
+def run_to_completion(core: EngineCore, timeout: float = 120.0) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    deadline = time.monotonic() + timeout
+    while core.has_work():
+        assert time.monotonic() < deadline, "requests did not finish in time"
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def generate(core: EngineCore, prompts: dict[str, tuple[list[int], str | None]], params: SamplingParams
+             ) -> dict[str, list[int]]:
+    """Run several requests in one engine; returns generated token ids per request id."""
+    for rid, (tokens, adapter) in prompts.items():
+        core.add_request(Request(rid, tokens, params), adapter)
+    outputs = run_to_completion(core)
+    return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}

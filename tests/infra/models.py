@@ -1,0 +1,88 @@
+"""Tiny Hugging Face checkpoints and PEFT adapters made on the spot (no downloads).
+
+transformers and peft are dev dependencies: only tests and benchmarks import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FAMILIES: dict[str, dict] = {
+    # GQA + Llama-3 rope scaling
+    "llama": dict(
+        model_type="llama",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "qwen2": dict(model_type="qwen2"),  # qkv bias
+    "mistral": dict(model_type="mistral", sliding_window=None),
+}
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_checkpoint(out: Path, family: str = "llama", seed: int = 0, max_shard_size: str | None = None,
+                    **overrides: object) -> Path:
+    """Save a tiny random LLaMA-family checkpoint with transformers.save_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(FAMILIES[family])
+    model_type = spec.pop("model_type")
+    params = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    params.update(spec)
+    params.update(overrides)
+    config = AutoConfig.for_model(model_type, **params)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = tuple(ALL_MODULES)
+    use_rslora: bool = False
+    seed: int = 0
+
+
+def make_adapter(checkpoint: Path, out: Path, spec: AdapterSpec) -> Path:
+    """A PEFT LoRA adapter with random (non-zero) A and B, saved in PEFT's layout."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    config = LoraConfig(
+        r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules), use_rslora=spec.use_rslora,
+        init_lora_weights=False, lora_dropout=0.0,
+    )
+    torch.manual_seed(spec.seed)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_reference(checkpoint: Path, adapters: dict[str, Path]):
+    """One PeftModel holding every adapter, for reference generations (eval mode, fp32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, str(adapters[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(adapters[name]), adapter_name=name)
+    return model.eval()
