@@ -55,7 +55,7 @@ def _engine_logits(checkpoint: Path, adapters: dict[str, Path], prompts, **confi
         core.add_request(Request(rid, tokens, params), adapter)
     outputs = run_to_completion(core)
     assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
-    return {rid: torch.stack([l for o in outs for l in (o.logits or [])]) for rid, outs in outputs.items()}
+    return {rid: torch.stack([x for o in outs for x in (o.logits or [])]) for rid, outs in outputs.items()}
 
 
 def _reference_logits(checkpoint: Path, adapters: dict[str, Path], prompts) -> dict[str, torch.Tensor]:
