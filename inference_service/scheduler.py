@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting_reasons: dict[str, int] = {}
         self._arrivals = itertools.count()
         self.finished_this_step: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
@@ -116,6 +117,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+        self.num_preemptions += 1
         log.info("preempted %s (KV cache full); it will recompute", request.request_id)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
