@@ -1,4 +1,8 @@
-"""The API protos: generated code is fresh, buf lint is clean, no breaking change vs the baseline."""
+"""The API protos: generated code is fresh, buf lint is clean, no breaking change vs the baseline.
+
+The baseline is the image of the first released loraplex.v1 (both protos), built in protos/ with
+`.tools/bin/buf build -o baseline/loraplex-v1.binpb`; rebuild it only when cutting a new major version.
+"""
 
 from __future__ import annotations
 
