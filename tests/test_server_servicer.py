@@ -276,3 +276,53 @@ def test_health_and_reflection_with_grpcurl():
         assert out.returncode == 0 and "FINISH_REASON_LENGTH" in out.stdout, out
 
     run(_with_server(FakeEngine(), body))
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    if not shutil.which("openssl"):
+        pytest.skip("openssl not installed")
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+             "-subj", "/CN=loraplex-test-ca", "-days", "1", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for who in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out", f"{who}.csr",
+                 "-subj", f"/CN={who}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{who}.pem", "-days", "1", "-extfile", "san.ext", cwd=d)
+    return d
+
+
+def test_mtls(pki):
+    from inference_service.client import InferenceClient
+
+    async def main():
+        cfg = ServerConfig(listen="127.0.0.1:0", tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
+                           tls_client_ca=str(pki / "ca.pem"))
+        running = await build_server(FakeEngine(), cfg)
+        try:
+            ca = (pki / "ca.pem").read_bytes()
+            addr = f"localhost:{running.port}"
+
+            def calls():
+                with InferenceClient(addr, root_certificates=ca, client_cert=(pki / "client.pem").read_bytes(),
+                                     client_key=(pki / "client.key").read_bytes()) as c:
+                    assert c.generate_text("hi", max_new_tokens=3) == "BCD"
+                with InferenceClient(addr, root_certificates=ca) as c:  # no client certificate
+                    with pytest.raises(grpc.RpcError) as e:
+                        c.model_info(timeout=5)
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                with InferenceClient(addr) as c:  # plaintext against TLS
+                    with pytest.raises(grpc.RpcError):
+                        c.model_info(timeout=5)
+
+            await asyncio.to_thread(calls)
+        finally:
+            await running.stop(0)
+
+    run(main())
