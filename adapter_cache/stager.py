@@ -7,6 +7,7 @@ fsynced, digest-checked and validated, so a half-written entry can never be serv
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 from adapter_cache.host_cache import Entry, HostCache, Lease
 from adapter_cache.metrics import CacheMetrics
-from adapter_cache.shm import PendingFile, ShmDir, StoredMeta, entry_key, sha256_of
+from adapter_cache.shm import PendingFile, ShmDir, StoredMeta, entry_key
 from adapter_cache.store import (
     AccessPolicy,
     FetchConfig,
@@ -30,6 +31,7 @@ from inference_service.errors import AdapterError, InvalidArgumentError, Loraple
 from inference_service.lora.adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
+    LoRAAdapterConfig,
     TensorEntry,
     parse_adapter_config,
     parse_adapter_tensors,
@@ -71,6 +73,41 @@ class Staged:
     size: int
     sha256: str
     cache_hit: bool
+
+
+class _InOrderHasher:
+    """sha256 of parts that arrive out of order, hashed as soon as they are contiguous.
+
+    Hashing overlaps the remaining GETs (hashlib drops the GIL) instead of re-reading the
+    whole file afterwards. One thread hashes at a time; the others just deposit their part.
+    """
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self._next = 0
+        self._pending: dict[int, bytes] = {}
+        self._busy = False
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, data: bytes) -> None:
+        with self._lock:
+            self._pending[offset] = data
+            if self._busy:
+                return
+            self._busy = True
+        while True:
+            with self._lock:
+                chunk = self._pending.pop(self._next, None)
+                if chunk is None:
+                    self._busy = False
+                    return
+            self._hash.update(chunk)
+            self._next += len(chunk)
+
+    def hexdigest(self, size: int) -> str:
+        if self._next != size:
+            raise RuntimeError(f"hashed {self._next} of {size} bytes")
+        return self._hash.hexdigest()
 
 
 class _Flight:
@@ -239,6 +276,11 @@ class Stager:
         config_raw = self.fetcher.get_small(f"{uri}/{CONFIG_FILE}", self.cfg.max_config_bytes)
         config = parse_adapter_config(config_raw, self.cfg.max_rank)
         pending: list[PendingFile] = []
+        hasher = _InOrderHasher()
+
+        def write(sink: PendingFile, data: bytes, offset: int) -> None:
+            sink.pwrite(data, offset)
+            hasher.add(offset, data)
 
         def open_sink(size: int) -> PendingFile:
             with self._lock:
@@ -249,10 +291,12 @@ class Stager:
             return pending[0]
 
         try:
-            self.fetcher.fetch(f"{uri}/{WEIGHTS_FILE}", self.cfg.max_adapter_bytes, open_sink,
-                               lambda sink, data, offset: sink.pwrite(data, offset))
+            self.fetcher.fetch(f"{uri}/{WEIGHTS_FILE}", self.cfg.max_adapter_bytes, open_sink, write)
             file = pending[0]
-            digest, manifest = self._verify(file, config, sha256, uri)
+            digest = hasher.hexdigest(file.size)
+            if sha256 and digest != sha256:
+                raise InvalidArgumentError(f"{uri}: sha256 mismatch: got {digest}, expected {sha256}")
+            manifest = self._validate(file, config, uri)
             now = self._clock()
             config_json = config_raw.decode()
             path = file.commit(StoredMeta(uri, digest, file.size, config_json, now))
@@ -264,13 +308,11 @@ class Stager:
             raise
         return Entry(uri, file.size, digest, now, meta=EntryMeta(str(path), manifest, config_json))
 
-    def _verify(self, file: PendingFile, config, sha256: str, uri: str) -> tuple[str, list[TensorEntry]]:
+    def _validate(self, file: PendingFile, config: LoRAAdapterConfig, uri: str) -> list[TensorEntry]:
+        """The shared PEFT checks, run on a mapping of the temp file before it is committed."""
         mm = file.map()
         problem = None
         try:
-            digest = sha256_of(mm)
-            if sha256 and digest != sha256:
-                raise InvalidArgumentError(f"{uri}: sha256 mismatch: got {digest}, expected {sha256}")
             manifest = safetensors_manifest(mm)
             parse_adapter_tensors(mm, config, self.cfg.max_rank, manifest)
         except AdapterError as exc:
@@ -283,7 +325,7 @@ class Stager:
         if problem is not None:
             _close_quietly(mm)
             raise AdapterError(f"{uri}: {problem}")
-        return digest, manifest
+        return manifest
 
 
 def _close_quietly(mm) -> None:

@@ -1,0 +1,137 @@
+"""Stage throughput: a 256 MiB+ adapter through the sidecar (parallel ranged GETs, digest,
+validation, shm write) vs one plain single-stream boto3 `get_object().read()` of the same
+object, same run, same S3 server.
+
+    .venv/bin/python bench/stage_throughput.py                     # starts Ceph via tests/infra/ceph.py
+    .venv/bin/python bench/stage_throughput.py --endpoint http://127.0.0.1:7480 --access-key K --secret-key S
+
+Last line: `RESULT stage_vs_boto3_bytes_per_s=<ratio>` (target >= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import torch
+from botocore.config import Config
+from safetensors.torch import save
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from adapter_cache.client import AdapterCacheClient  # noqa: E402
+from tests.infra.ceph import free_port, start_ceph  # noqa: E402
+
+
+def make_weights(size_mib: int, hidden: int = 4096, rank: int = 64) -> tuple[bytes, bytes]:
+    """A PEFT LoRA on q,k,v,o of as many layers as it takes to reach `size_mib` (F32)."""
+    per_layer = 4 * 2 * rank * hidden * 4
+    layers = -(-size_mib * (1 << 20) // per_layer)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(layers):
+        for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=gen) * 0.01
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "use_dora": False,
+              "modules_to_save": None, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    return json.dumps(config).encode(), save(tensors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--endpoint", help="existing S3 endpoint (default: start Ceph radosgw)")
+    ap.add_argument("--access-key")
+    ap.add_argument("--secret-key")
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--part-bytes", default="8MiB")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2, help="best of N for each side")
+    args = ap.parse_args()
+
+    ceph = None
+    if args.endpoint:
+        endpoint, access, secret = args.endpoint, args.access_key, args.secret_key
+    else:
+        print("starting Ceph radosgw ...", flush=True)
+        ceph = start_ceph(memstore_bytes=max(3 << 30, 4 * args.size_mib << 20))
+        endpoint, access, secret = ceph.endpoint_url, ceph.access_key, ceph.secret_key
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": access,
+           "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access, aws_secret_access_key=secret,
+                      region_name="us-east-1", config=Config(s3={"addressing_style": "path"}))
+    # The shm dir is tmpfs in production (an emptyDir with medium Memory): /dev/shm here too.
+    tmp = Path(tempfile.mkdtemp(prefix="loraplex-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    sidecar = None
+    try:
+        bucket = f"bench-{uuid.uuid4().hex[:10]}"
+        s3.create_bucket(Bucket=bucket)
+        config, weights = make_weights(args.size_mib)
+        size = len(weights)
+        s3.put_object(Bucket=bucket, Key="a/big/adapter_config.json", Body=config)
+        s3.upload_fileobj(__import__("io").BytesIO(weights), bucket, "a/big/adapter_model.safetensors")
+        del weights
+        print(f"object: {size} bytes ({size / (1 << 20):.0f} MiB)", flush=True)
+
+        sock = tmp / "cache.sock"
+        sidecar = subprocess.Popen(
+            [sys.executable, "-m", "adapter_cache.cli", "--listen", f"unix://{sock}", "--shm-dir", str(tmp / "shm"),
+             "--capacity-bytes", str(2 * size), "--max-adapter-bytes", str(2 * size), "--allow-prefix",
+             f"s3://{bucket}/a", "--part-bytes", args.part_bytes, "--fetch-concurrency", str(args.concurrency),
+             "--metrics-port", str(free_port()), "--metrics-addr", "127.0.0.1", "--log-level", "WARNING"],
+            cwd=ROOT, env=env,
+        )
+        client = AdapterCacheClient(f"unix://{sock}", timeout_s=600)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.list()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+        boto_best = stage_best = 0.0
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            body = s3.get_object(Bucket=bucket, Key="a/big/adapter_model.safetensors")["Body"].read()
+            dt = time.perf_counter() - t0
+            assert len(body) == size
+            del body
+            boto_best = max(boto_best, size / dt)
+            print(f"round {r}: boto3 single-stream get_object().read(): {size / dt / 1e6:8.1f} MB/s ({dt:.2f} s)",
+                  flush=True)
+
+            t0 = time.perf_counter()
+            staged = client.stage(f"s3://{bucket}/a/big")
+            dt = time.perf_counter() - t0
+            assert not staged.cache_hit and staged.size_bytes == size
+            stage_best = max(stage_best, size / dt)
+            print(f"round {r}: sidecar Stage (ranged x{args.concurrency}, sha256, validate, shm): "
+                  f"{size / dt / 1e6:8.1f} MB/s ({dt:.2f} s)", flush=True)
+            client.release(staged.lease_id)
+            client.evict()
+        print(f"boto3_bytes_per_s={boto_best:.0f} stage_bytes_per_s={stage_best:.0f}")
+        print(f"RESULT stage_vs_boto3_bytes_per_s={stage_best / boto_best:.3f}")
+    finally:
+        if sidecar is not None:
+            sidecar.terminate()
+            sidecar.wait(timeout=30)
+        if ceph is not None:
+            ceph.stop()
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
+if __name__ == "__main__":
+    main()
