@@ -259,8 +259,9 @@ def parse_adapter_tensors(
         if rank_a > max_rank:
             raise AdapterError(f"adapter rank {rank_a} exceeds max_lora_rank {max_rank}")
     for key, tensor in tensors.items():
-        # One fused reduction per tensor; a Python loop over elements would take seconds.
-        if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        # A float64 sum is finite iff every element is (float32 values cannot overflow it), and is
+        # several times cheaper than an element-wise isfinite mask on large adapters.
+        if tensor.numel() and not bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
             raise AdapterError(f"tensor {key!r} contains non-finite values (NaN or Inf)")
     return tensors
 
