@@ -13,9 +13,11 @@ import torch
 from inference_service.config import EngineConfig
 from inference_service.device import make_copy_engine
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
+from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.lora.ops import build_lora_batch
+from inference_service.lora.sidecar_source import SidecarSource
 from inference_service.lora.source import AdapterSource, LocalDirectorySource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
@@ -50,7 +52,7 @@ class ModelRunner:
             shapes=shapes,
             device=self.device,
             dtype=self.dtype,
-            source=source or LocalDirectorySource(shapes, config.max_lora_rank),
+            source=source or self._default_source(shapes),
             copy_engine=make_copy_engine(self.device, config.overlap_loads),
             host_workers=config.host_load_workers,
             metrics=metrics,
@@ -70,6 +72,11 @@ class ModelRunner:
             lora_bytes / 2**20, config.max_loras, config.max_lora_rank, self.kv.nbytes / 2**20, num_blocks,
             config.block_size,
         )
+
+    def _default_source(self, shapes: BaseModelShapes) -> AdapterSource:
+        if self.config.cache_address:
+            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank)
+        return LocalDirectorySource(shapes, self.config.max_lora_rank)
 
     def _memory_budget(self) -> int:
         if self.config.memory_budget_bytes is not None:

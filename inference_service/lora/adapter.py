@@ -12,6 +12,7 @@ import math
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +105,7 @@ class HostAdapter:
     # Keeps a backing buffer (an mmap of a staged file) alive while tensors view into it.
     keepalive: object | None = None
     tier: str = "store"  # where the bytes came from: cache (sidecar hit) | store
+    release: Callable[[], None] | None = None  # hands the backing bytes back (a sidecar lease)
 
 
 def parse_adapter_config(raw: bytes | str | dict, max_rank: int) -> LoRAAdapterConfig:

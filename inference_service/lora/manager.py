@@ -18,6 +18,7 @@ from inference_service.device import CopyEngine
 from inference_service.errors import (
     FailedPreconditionError,
     LoraplexError,
+    NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -60,7 +61,9 @@ class LoRAManager:
         copy_engine: CopyEngine,
         host_workers: int = 2,
         metrics: MetricsSink | None = None,
+        host_executor: concurrent.futures.Executor | None = None,
     ) -> None:
+        """`host_executor` replaces the host-preparation thread pool (tests use it to order stagings)."""
         if num_slots < 1:
             raise ValueError("max_loras must be at least 1")
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
@@ -69,7 +72,9 @@ class LoRAManager:
         self.loader = OverlapLoader(copy_engine)
         self.source = source
         self.metrics = metrics or NullMetrics()
-        self._host_pool = concurrent.futures.ThreadPoolExecutor(host_workers, thread_name_prefix="lora-host")
+        self._host_pool = host_executor or concurrent.futures.ThreadPoolExecutor(
+            host_workers, thread_name_prefix="lora-host"
+        )
         self._admin_ops: list[AdminOp] = []
         self._waiting_unloads: dict[str, list[concurrent.futures.Future[None]]] = {}
         self.loads_total = 0
@@ -96,10 +101,23 @@ class LoRAManager:
         log.info("unload adapter %s; %s", name, self._memory())
         entry = self.registry.resolve(name)
         del self.registry.current[name]
-        entry.draining = True
+        for version in self.registry.versions.values():
+            if version.name == name:
+                version.draining = True  # versions still staging too, or one would become current later
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._waiting_unloads.setdefault(entry.uid, []).append(future)
         self._reap_drained()
+        return future
+
+    def set_pinned(self, name: str, pinned: bool) -> concurrent.futures.Future[AdapterVersion]:
+        """Pin the current version (resolves once in a slot) or unpin it (evictable again)."""
+        log.info("%s adapter %s; %s", "pin" if pinned else "unpin", name, self._memory())
+        entry = self.registry.resolve(name)
+        if pinned:
+            return self._load_adapter(name, entry.uri, entry.sha256, True, True)
+        entry.pinned = False
+        future: concurrent.futures.Future[AdapterVersion] = concurrent.futures.Future()
+        future.set_result(entry)
         return future
 
     def _load_adapter(
@@ -111,19 +129,20 @@ class LoRAManager:
             current = self.registry.versions[existing]
             if current.uri == uri and current.sha256 == sha256 and current.failure is None:
                 if pinned and not current.pinned:
-                    self._check_pin_capacity()
+                    self._check_pin_capacity(name)
                 current.pinned = current.pinned or pinned
                 self._admin_ops.append(AdminOp(current, future, preload or current.pinned))
                 return future
         if pinned:
-            self._check_pin_capacity()
+            self._check_pin_capacity(name)
         entry = self.registry.add_version(name, uri, sha256, pinned)
         self._start_staging(entry)
         self._admin_ops.append(AdminOp(entry, future, preload or pinned))
         return future
 
-    def _check_pin_capacity(self) -> None:
-        pinned = sum(1 for v in self.registry.versions.values() if v.pinned and not v.draining)
+    def _check_pin_capacity(self, name: str) -> None:
+        # Another version of the same name is replaced by this one, so it does not count.
+        pinned = sum(1 for v in self.registry.versions.values() if v.pinned and not v.draining and v.name != name)
         if pinned + 1 >= self.pool.num_slots:
             raise ResourceExhaustedError(
                 f"pinning another adapter would leave no unpinned slot ({pinned} of {self.pool.num_slots} pinned)"
@@ -269,10 +288,10 @@ class LoRAManager:
         entry = self.registry.versions[uid]
         if error is not None:
             self.pool.free(uid)
-            entry.host = None
+            self._drop_host(entry)
             self._fail(entry, UnavailableError(f"copying adapter {entry.name} into its slot failed: {error}"), result)
             return
-        entry.host = None  # the slot holds it now; re-staging is cheap (sidecar cache)
+        self._drop_host(entry)  # the slot holds it now; re-staging is cheap (sidecar cache)
         entry.tier = "cache"
         self.loads_total += 1
         self.metrics.adapter_loaded(tier, seconds)
@@ -285,6 +304,9 @@ class LoRAManager:
             entry = op.entry
             if op.future.done():
                 continue
+            if entry.draining or entry.uid not in self.registry.versions:
+                op.future.set_exception(NotFoundError(f"adapter {entry.name} was unloaded or replaced while loading"))
+                continue
             error = result.failed.get(entry.uid) or entry.failure
             if error is not None:
                 self._discard_failed(entry)
@@ -296,7 +318,13 @@ class LoRAManager:
                     self._start_staging(entry)  # evicted meanwhile: stage again for the preload
                 still.append(op)
                 continue
-            if self.registry.current.get(entry.name) != entry.uid and not entry.draining:
+            current = self.registry.versions.get(self.registry.current.get(entry.name, ""))
+            if current is not None and current.version > entry.version:
+                entry.draining = True  # a later LoadAdapter of this name got ready first and wins
+                op.future.set_exception(FailedPreconditionError(
+                    f"adapter {entry.name} version {entry.version} was superseded by version {current.version}"))
+                continue
+            if current is not entry:
                 old = self.registry.make_current(entry)
                 if old is not None:
                     old.draining = True
@@ -307,7 +335,7 @@ class LoRAManager:
                 still.append(op)
                 continue
             if not op.preload and entry.host is not None and not entry.refs:
-                entry.host = None  # registered without preload: keep no host copy around
+                self._drop_host(entry)  # registered without preload: keep no host copy around
             op.future.set_result(entry)
             log.info("adapter %s ready as %s (%s) in %.1f ms; %s", entry.name, entry.uid, self.state(entry.uid).value,
                      (time.monotonic() - op.started) * 1e3, self._memory())
@@ -327,9 +355,15 @@ class LoRAManager:
                 log.info("drained adapter %s freed slot %d", entry.uid, slot)
             if entry.staging is not None:
                 entry.staging.cancel()
+            self._drop_host(entry)
             self.registry.remove(entry.uid)
             for future in self._waiting_unloads.pop(entry.uid, []):
                 future.set_result(None)
+
+    def _drop_host(self, entry: AdapterVersion) -> None:
+        host, entry.host = entry.host, None
+        if host is not None and host.release is not None:
+            self._host_pool.submit(host.release)  # a sidecar call: never on the scheduler thread
 
     def _referenced(self) -> set[str]:
         return {v.uid for v in self.registry.versions.values() if v.refs}
