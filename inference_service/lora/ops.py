@@ -76,5 +76,11 @@ class TorchLoRAOp:
         shrunk = torch.bmm(padded_x, a.index_select(0, batch.slots).transpose(1, 2))  # [G, M, r]
         expanded = torch.bmm(shrunk, b.index_select(0, batch.slots).transpose(1, 2))  # [G, M, out]
         delta = expanded.view(-1, out.shape[1]).index_select(0, batch.src_positions)
-        out.index_add_(0, batch.dest_rows, delta)
+        if out.is_contiguous():
+            out.index_add_(0, batch.dest_rows, delta)
+            return
+        # `out` is usually a column slice of a fused projection; index_add_ into a strided view is
+        # an order of magnitude slower than scattering into a dense buffer and adding that.
+        dense = out.new_zeros(out.shape).index_copy_(0, batch.dest_rows, delta)
+        out.add_(dense)
 
