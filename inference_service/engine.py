@@ -169,15 +169,19 @@ class EngineCore:
         elif len(request.output_token_ids) >= p.max_new_tokens:
             reason = FinishReason.LENGTH
         previous = detok.text
-        delta = detok.update(request.output_token_ids, final=reason is not None)
-        if p.stop and reason is None:
-            window_start = max(0, len(previous) - max(len(s) for s in p.stop))
-            hits = [i for s in p.stop if (i := detok.text.find(s, window_start)) >= 0]
+        detok.update(request.output_token_ids, final=reason is not None)
+        text = detok.text
+        if p.stop and reason in (None, FinishReason.LENGTH):
+            longest = max(len(s) for s in p.stop)
+            window_start = max(0, len(previous) - longest)
+            hits = [i for s in p.stop if (i := text.find(s, window_start)) >= 0]
             if hits:
-                cut = min(hits)
-                delta = detok.text[len(previous) : cut] if cut >= len(previous) else ""
-                detok.text = detok.text[:cut]
-                reason = FinishReason.STOP
+                text, reason = text[: min(hits)], FinishReason.STOP
+            elif reason is None:
+                # Hold back a tail that may yet become a stop string: never stream part of one.
+                text = text[: max(0, len(text) - longest + 1)]
+        delta = text[request.emitted_text_len :]
+        request.emitted_text_len += len(delta)
         output = RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token],

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from inference_service.errors import FailedPreconditionError
@@ -61,9 +62,15 @@ def _read_safetensors(root: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
         raise FailedPreconditionError(f"{root}: no *.safetensors weights")
+    missing = [name for name in files if not (root / name).is_file()]
+    if missing:
+        raise FailedPreconditionError(f"{root}: weight files listed in the index are missing: {missing}")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(str(root / name)))
+        try:
+            tensors.update(load_file(str(root / name)))
+        except SafetensorError as exc:
+            raise FailedPreconditionError(f"{root / name}: unreadable safetensors file: {exc}") from None
     return tensors
 
 

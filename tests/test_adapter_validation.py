@@ -1,0 +1,416 @@
+"""Malformed and unsupported adapters through `EngineCore.lora.load_adapter`.
+
+Each case is a good PEFT adapter for builtin:tiny with one thing broken (its JSON config or its
+safetensors bytes edited). Every rejection must carry the documented error class and gRPC code
+and leave nothing behind: no registry entry, no slot, no pending load, no pin. Afterwards the
+same name loads a good adapter and a request on it completes, so the engine stays healthy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from inference_service.config import EngineConfig
+from inference_service.engine import EngineCore
+from inference_service.errors import (
+    AdapterError,
+    AdapterIncompatibleError,
+    InvalidArgumentError,
+    LoraplexError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from inference_service.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from inference_service.models.loader import builtin_tiny_config
+from inference_service.request import FinishReason, Request, SamplingParams
+from tests.infra.engine_helpers import load_adapters, run_to_completion
+
+MAX_RANK = 8
+RANK = 4
+SHAPES = builtin_tiny_config().lora_shapes()
+MODULES = ("q_proj", "v_proj", "down_proj")
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def key(layer: int, module: str, which: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{PARENT[module]}.{module}.lora_{which}.weight"
+
+
+def good_config(**overrides: object) -> dict:
+    """What PEFT writes for a plain LoRA adapter (the fields that matter, plus usual noise)."""
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "builtin:tiny",
+        "r": RANK, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": list(MODULES), "bias": "none",
+        "use_rslora": False, "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False,
+        "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
+    }
+    config.update(overrides)
+    return config
+
+
+def good_tensors(rank: int = RANK, layers: int = SHAPES.num_layers, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in MODULES:
+            in_features, out_features = SHAPES.features[module]
+            tensors[key(layer, module, "A")] = torch.randn(rank, in_features, generator=gen) * 0.1
+            tensors[key(layer, module, "B")] = torch.randn(out_features, rank, generator=gen) * 0.1
+    return tensors
+
+
+def write_adapter(root: Path, config: dict | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / CONFIG_FILE).write_text(json.dumps(good_config() if config is None else config))
+    save_file(good_tensors() if tensors is None else tensors, str(root / WEIGHTS_FILE))
+    return root
+
+
+def header_of(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file → (its JSON header, the tensor bytes after it)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def with_header(path: Path, header: dict, body: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+# ---- the broken adapters: each edits a copy of the good one -------------------------------------
+
+Edit = Callable[[Path], None]
+
+
+def edit_config(**changes: object) -> Edit:
+    def edit(root: Path) -> None:
+        config = json.loads((root / CONFIG_FILE).read_text())
+        for name, value in changes.items():
+            if value is _DELETE:
+                config.pop(name, None)
+            else:
+                config[name] = value
+        (root / CONFIG_FILE).write_text(json.dumps(config))  # NaN is written as the JSON token NaN
+    return edit
+
+
+_DELETE = object()
+
+
+def edit_tensors(change: Callable[[dict[str, torch.Tensor]], None]) -> Edit:
+    def edit(root: Path) -> None:
+        from safetensors.torch import load_file
+
+        tensors = {k: v.clone() for k, v in load_file(str(root / WEIGHTS_FILE)).items()}
+        change(tensors)
+        save_file(tensors, str(root / WEIGHTS_FILE))
+    return edit
+
+
+def set_value(name: str, value: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name][0, 3] = value
+    return change
+
+
+def replace(name: str, tensor: torch.Tensor) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensor
+    return change
+
+
+def add_layer(layer: int) -> Callable[[dict[str, torch.Tensor]], None]:
+    """As if made for a deeper base model: the same modules on one more layer."""
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        for module in MODULES:
+            in_features, out_features = SHAPES.features[module]
+            tensors[key(layer, module, "A")] = torch.zeros(RANK, in_features)
+            tensors[key(layer, module, "B")] = torch.zeros(out_features, RANK)
+    return change
+
+
+def drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors[name]
+    return change
+
+
+def write_bytes(file: str, data: bytes) -> Edit:
+    def edit(root: Path) -> None:
+        (root / file).write_bytes(data)
+    return edit
+
+
+def truncate_weights(keep: Callable[[int], int]) -> Edit:
+    def edit(root: Path) -> None:
+        data = (root / WEIGHTS_FILE).read_bytes()
+        (root / WEIGHTS_FILE).write_bytes(data[: keep(len(data))])
+    return edit
+
+
+def edit_header(change: Callable[[dict], None]) -> Edit:
+    def edit(root: Path) -> None:
+        header, body = header_of(root / WEIGHTS_FILE)
+        change(header)
+        with_header(root / WEIGHTS_FILE, header, body)
+    return edit
+
+
+def first_tensor(header: dict) -> dict:
+    return header[sorted(k for k in header if k != "__metadata__")[0]]
+
+
+def offsets_past_end(header: dict) -> None:
+    entry = first_tensor(header)
+    start, end = entry["data_offsets"]
+    entry["data_offsets"] = [start + 10**6, end + 10**6]
+
+
+def offsets_not_matching_shape(header: dict) -> None:
+    entry = first_tensor(header)
+    start, end = entry["data_offsets"]
+    entry["data_offsets"] = [start, end - 4]
+
+
+def offsets_negative(header: dict) -> None:
+    entry = first_tensor(header)
+    start, end = entry["data_offsets"]
+    entry["data_offsets"] = [-4, end - start - 4]
+
+
+def remove(file: str) -> Edit:
+    def edit(root: Path) -> None:
+        (root / file).unlink()
+    return edit
+
+
+A0, B1 = key(0, "q_proj", "A"), key(1, "down_proj", "B")
+q_in, q_out = SHAPES.features["q_proj"]
+down_in, down_out = SHAPES.features["down_proj"]
+
+# (id, edit, exact error class); the code follows from the class and is checked too.
+CASES: list[tuple[str, Edit, type[LoraplexError]]] = [
+    # rank
+    ("rank-above-max", edit_config(r=MAX_RANK * 2), AdapterError),
+    ("rank-pattern-above-max", edit_config(rank_pattern={"q_proj": MAX_RANK + 1}), AdapterError),
+    ("tensor-rank-above-max", edit_tensors(lambda t: t.update(good_tensors(rank=MAX_RANK + 4))), AdapterError),
+    # target modules
+    ("target-embed_tokens", edit_config(target_modules=["q_proj", "embed_tokens"]), AdapterError),
+    ("target-lm_head", edit_config(target_modules=["lm_head"]), AdapterError),
+    ("target-regex-matches-nothing", edit_config(target_modules=r".*\.embed_tokens"), AdapterError),
+    ("target-empty", edit_config(target_modules=[]), AdapterError),
+    ("tensor-embed_tokens", edit_tensors(replace("base_model.model.model.embed_tokens.lora_A.weight",
+                                                 torch.zeros(RANK, 258))), AdapterError),
+    ("tensor-lm_head", edit_tensors(replace("base_model.model.lm_head.lora_B.weight", torch.zeros(258, RANK))),
+     AdapterError),
+    ("tensor-module-under-wrong-parent", edit_tensors(replace(
+        "base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", torch.zeros(RANK, q_in))), AdapterError),
+    # shapes
+    ("lora_A-in-features", edit_tensors(replace(A0, torch.zeros(RANK, q_in + 1))), AdapterError),
+    ("lora_B-out-features", edit_tensors(replace(B1, torch.zeros(down_out * 2, RANK))), AdapterError),
+    ("A-B-rank-mismatch", edit_tensors(replace(A0, torch.zeros(RANK - 1, q_in))), AdapterError),
+    ("lora_B-missing", edit_tensors(drop(key(0, "v_proj", "B"))), AdapterError),
+    ("tensor-3d", edit_tensors(replace(A0, torch.zeros(1, RANK, q_in))), AdapterError),
+    ("more-layers-than-base", edit_tensors(add_layer(SHAPES.num_layers)), AdapterIncompatibleError),
+    # unsupported PEFT features
+    ("dora", edit_config(use_dora=True), AdapterError),
+    ("modules_to_save", edit_config(modules_to_save=["lm_head"]), AdapterError),
+    ("lora_bias", edit_config(lora_bias=True), AdapterError),
+    ("bias-all", edit_config(bias="all"), AdapterError),
+    ("peft-type-ia3", edit_config(peft_type="IA3"), AdapterError),
+    # non-finite values
+    ("nan", edit_tensors(set_value(A0, math.nan)), AdapterError),
+    ("inf", edit_tensors(set_value(B1, math.inf)), AdapterError),
+    ("minus-inf", edit_tensors(set_value(A0, -math.inf)), AdapterError),
+    ("nan-fp16", edit_tensors(lambda t: (t.update({k: v.half() for k, v in t.items()}),
+                                         set_value(B1, math.nan)(t))), AdapterError),
+    # truncated / malformed safetensors
+    ("truncated-mid-data", truncate_weights(lambda n: n - 100), AdapterError),
+    ("truncated-mid-header", truncate_weights(lambda n: 40), AdapterError),
+    ("truncated-below-length-prefix", truncate_weights(lambda n: 5), AdapterError),
+    ("empty-weights-file", write_bytes(WEIGHTS_FILE, b""), AdapterError),
+    ("garbage", write_bytes(WEIGHTS_FILE, bytes(range(256)) * 8), AdapterError),
+    ("header-bad-json", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 9) + b"{not json" + b"\0" * 64),
+     AdapterError),
+    ("header-not-utf8", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 4) + b"\xff\xfe\xfd\xfc"), AdapterError),
+    ("header-a-list", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 2) + b"[]"), AdapterError),
+    ("header-no-tensors", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 2) + b"{}"), AdapterError),
+    ("offsets-past-end", edit_header(offsets_past_end), AdapterError),
+    ("offsets-not-matching-shape", edit_header(offsets_not_matching_shape), AdapterError),
+    ("offsets-negative", edit_header(offsets_negative), AdapterError),
+    ("entry-without-offsets", edit_header(lambda h: first_tensor(h).pop("data_offsets")), AdapterError),
+    ("dtype-int64", edit_header(lambda h: first_tensor(h).update(dtype="I64")), AdapterError),
+    # missing files
+    ("no-config-file", remove(CONFIG_FILE), NotFoundError),
+    ("no-weights-file", remove(WEIGHTS_FILE), NotFoundError),
+    # bad adapter_config.json
+    ("config-not-json", write_bytes(CONFIG_FILE, b"{r: 4, lora_alpha: 8"), AdapterError),
+    ("config-not-utf8", write_bytes(CONFIG_FILE, b"\xff\xfe{}"), AdapterError),
+    ("config-a-list", write_bytes(CONFIG_FILE, b"[1, 2]"), AdapterError),
+    ("r-missing", edit_config(r=_DELETE), AdapterError),
+    ("r-zero", edit_config(r=0), AdapterError),
+    ("r-negative", edit_config(r=-4), AdapterError),
+    ("r-string", edit_config(r="4"), AdapterError),
+    ("r-float", edit_config(r=4.5), AdapterError),
+    ("r-bool", edit_config(r=True), AdapterError),
+    ("lora_alpha-nan", edit_config(lora_alpha=math.nan), AdapterError),
+    ("lora_alpha-inf", edit_config(lora_alpha=math.inf), AdapterError),
+    ("lora_alpha-string", edit_config(lora_alpha="8"), AdapterError),
+]
+
+
+# ---- fixtures and checks ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineCore:
+    core = EngineCore(EngineConfig(max_loras=2, max_lora_rank=MAX_RANK, kv_cache_bytes=4 << 20, device="cpu"))
+    yield core
+    core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    return write_adapter(tmp_path_factory.mktemp("adapters") / "good")
+
+
+def snapshot(core: EngineCore) -> dict:
+    lora = core.lora
+    return {
+        "versions": dict(lora.registry.versions),
+        "current": dict(lora.registry.current),
+        "slots": list(lora.pool.slot_to_uid),
+        "uid_to_slot": dict(lora.pool.uid_to_slot),
+        "pending": dict(lora.loader.pending),
+        "pinned": core.stats().slots_pinned,
+        "refs": lora.registry.total_refs(),
+    }
+
+
+def expect_rejected(core: EngineCore, name: str, uri: str, error: type[LoraplexError], **kwargs: object
+                    ) -> LoraplexError:
+    """Load must fail with exactly `error` (and its code) and leave the manager as it was."""
+    before = snapshot(core)
+    with pytest.raises(LoraplexError) as info:
+        load_adapters(core, {name: uri}, **kwargs)
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    assert info.value.code == error.code
+    assert str(info.value)  # a message naming the problem
+    core.lora.drain()
+    assert snapshot(core) == before
+    assert not core.lora.has_pending_work()
+    assert name not in core.lora.registry.current or before["current"].get(name) == core.lora.registry.current[name]
+    return info.value
+
+
+def serve_one(core: EngineCore, adapter: str | None, rid: str, n: int = 4) -> list[int]:
+    core.add_request(Request(rid, [256, 72, 105], SamplingParams(max_new_tokens=n, ignore_eos=True)), adapter)
+    outputs = run_to_completion(core)[rid]
+    assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.LENGTH, outputs[-1]
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert len(tokens) == n
+    return tokens
+
+
+def unload(core: EngineCore, name: str) -> None:
+    future = core.lora.unload_adapter(name)
+    core.lora.drain()
+    future.result(timeout=10)
+
+
+def expect_healthy(core: EngineCore, name: str, good: Path) -> None:
+    """The rejected name loads a good adapter; a request on it completes; nothing leaks."""
+    load_adapters(core, {name: good})
+    serve_one(core, name, f"after-{name}")
+    unload(core, name)
+    stats = core.stats()
+    assert stats.adapter_references == 0 and stats.kv_blocks_used == 0 and stats.pending_load_events == 0
+    assert core.lora.registry.versions == {} and core.lora.registry.current == {}
+
+
+# ---- tests -------------------------------------------------------------------------------------
+
+
+def test_good_adapter_loads_and_serves(core, good):
+    load_adapters(core, {"good": good}, preload=True)
+    assert core.lora.state("good@1").value == "LOADED"
+    with_adapter = serve_one(core, "good", "good-req", n=8)
+    base = serve_one(core, None, "base-req", n=8)
+    assert with_adapter != base  # the adapter changes the output
+    unload(core, "good")
+    assert core.lora.registry.versions == {}
+
+
+@pytest.mark.parametrize("case_id, edit, error", CASES, ids=[c[0] for c in CASES])
+def test_rejected(core, good, tmp_path, case_id, edit, error):
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    edit(bad)
+    expect_rejected(core, "adapter", str(bad), error)
+    expect_healthy(core, "adapter", good)
+
+
+def test_rejected_with_preload_and_pin_takes_no_slot(core, good, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    edit_tensors(set_value(A0, math.nan))(bad)
+    expect_rejected(core, "adapter", str(bad), AdapterError, preload=True, pinned=True)
+    assert core.stats().slots_pinned == 0 and core.stats().slots_occupied == 0
+    expect_healthy(core, "adapter", good)
+
+
+def test_missing_directory(core, good, tmp_path):
+    expect_rejected(core, "adapter", str(tmp_path / "does-not-exist"), NotFoundError)
+    expect_rejected(core, "adapter", f"file://{tmp_path}/does-not-exist", NotFoundError)
+    expect_healthy(core, "adapter", good)
+
+
+def test_sha256(core, good):
+    digest = hashlib.sha256((good / WEIGHTS_FILE).read_bytes()).hexdigest()
+    error = expect_rejected(core, "adapter", str(good), InvalidArgumentError, sha256="0" * 64)
+    assert "sha256" in str(error)
+    # The right digest (any case) loads.
+    load_adapters(core, {"adapter": good}, sha256=digest.upper())
+    serve_one(core, "adapter", "sha-ok")
+    unload(core, "adapter")
+    expect_healthy(core, "adapter", good)
+
+
+@pytest.mark.parametrize("template", [
+    "file://{parent}/elsewhere/../good",
+    "file://{parent}/good/../../{leaf}/good",
+    "file://{parent}/%2E%2E/{leaf}/good",
+    "{parent}/elsewhere/../good",
+    "file://remote-host{parent}/good",
+], ids=["dotdot", "dotdot-up-and-back", "percent-encoded-dotdot", "plain-path-dotdot", "remote-host"])
+def test_path_traversal_denied(core, good, template):
+    # Each URI would resolve to the good adapter: only the traversal itself is refused.
+    uri = template.format(parent=good.parent, leaf=good.parent.name)
+    expect_rejected(core, "adapter", uri, PermissionDeniedError)
+    expect_healthy(core, "adapter", good)
+
+
+def test_failed_new_version_keeps_current_one_serving(core, good, tmp_path):
+    """A bad v2 of a live name fails alone: v1 stays current and keeps serving."""
+    load_adapters(core, {"live": good})
+    before = serve_one(core, "live", "live-before")
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    edit_config(use_dora=True)(bad)
+    expect_rejected(core, "live", str(bad), AdapterError)
+    assert core.lora.registry.current == {"live": "live@1"}
+    assert serve_one(core, "live", "live-after") == before
+    unload(core, "live")
+    expect_healthy(core, "live", good)
