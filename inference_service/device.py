@@ -128,6 +128,18 @@ def _no_grad(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+class InlineExecutor(concurrent.futures.Executor):
+    """Runs submitted work at once on the caller's thread: host preparation in blocking mode."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future like a pool's
+            future.set_exception(exc)
+        return future
+
+
 def make_copy_engine(device: torch.device, overlap: bool) -> CopyEngine:
     if not overlap:
         return BlockingCopyEngine()

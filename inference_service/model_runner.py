@@ -11,7 +11,7 @@ import logging
 import torch
 
 from inference_service.config import EngineConfig
-from inference_service.device import make_copy_engine
+from inference_service.device import InlineExecutor, make_copy_engine
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.manager import LoRAManager
@@ -56,6 +56,8 @@ class ModelRunner:
             copy_engine=make_copy_engine(self.device, config.overlap_loads),
             host_workers=config.host_load_workers,
             metrics=metrics,
+            # Blocking mode (benchmark baseline): preparation and copy both stall the scheduler.
+            host_executor=None if config.overlap_loads else InlineExecutor(),
         )
         model.attach_lora_buffers(self.lora.pool.buffers)
         kv_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget - lora_bytes

@@ -1,0 +1,130 @@
+"""Overlapped adapter loading: does decoding stay steady while adapters churn through slots?
+
+Resident requests decode on pinned adapters while other adapters (rank 64 on all 7 modules)
+are staged and copied into the remaining slots continuously, each evicting the previous.
+Three runs in one process: no churn, churn with overlapped loads, churn with blocking loads
+(`--no-overlap`-style baseline: preparation and copy on the scheduler thread). Also compares
+the slot-load bandwidth with a plain torch copy of the same bytes.
+Last line: RESULT overlap_p99_itl_ratio=<p99 inter-token latency with churn / without>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package: checkpoint and adapter makers
+
+from bench.engine_throughput import MODEL  # noqa: E402
+from inference_service.config import EngineConfig  # noqa: E402
+from inference_service.engine import EngineCore  # noqa: E402
+from inference_service.request import Request, SamplingParams  # noqa: E402
+from tests.infra.engine_helpers import load_adapters  # noqa: E402
+from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
+
+RESIDENT, CHURN, SLOTS = 4, 8, 8
+
+
+def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path], steps: int, churning: bool,
+            overlap: bool) -> tuple[list[float], int]:
+    """Inter-token latencies of the resident requests, and how many churn loads completed."""
+    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=SLOTS, max_lora_rank=64, max_num_seqs=64,
+                                   kv_cache_bytes=128 << 20, overlap_loads=overlap))
+    load_adapters(core, resident, pinned=False, preload=True)
+    load_adapters(core, churn)  # registered only: every use below is a cold load
+    params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True)
+    for i in range(16):
+        core.add_request(Request(f"r{i}", list(range(3, 40)), params), list(resident)[i % RESIDENT])
+    for _ in range(3):  # prefill and warm-up
+        core.step()
+    needed = {core.lora.registry.current[n] for n in resident}
+    churn_uids = [core.lora.registry.current[n] for n in churn]
+    loads_before = core.lora.loads_total
+    itl: list[float] = []
+    last = time.perf_counter()
+    turn = 0
+    for _ in range(steps):
+        if churning and not core.lora.has_pending_work():
+            # Next churn adapter: stage it, then copy it into a slot, evicting the previous one.
+            uid = churn_uids[turn % len(churn_uids)]
+            if core.lora.slot_of(uid) is None:
+                core.lora.ensure_loading(uid, needed)
+                core.lora.ensure_loading(uid, needed)  # host-ready at once in blocking mode
+            turn += core.lora.slot_of(uid) is not None or uid in core.lora.loader.pending
+        outputs = core.step()
+        now = time.perf_counter()
+        assert len(outputs) == 16
+        itl.append(now - last)
+        last = now
+    loads = core.lora.loads_total - loads_before
+    core.shutdown()
+    return itl, loads
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def copy_bandwidth(checkpoint: Path, adapter: Path) -> tuple[float, float]:
+    """Slot load (staging excluded) vs torch copy of the same bytes, in GB/s."""
+    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=2, max_lora_rank=64, kv_cache_bytes=8 << 20))
+    load_adapters(core, {"bw": adapter}, preload=True)
+    uid = core.lora.registry.current["bw"]
+    host = core.lora.source.fetch(str(adapter), None)
+    nbytes = host.size_bytes
+    pool, slot = core.lora.pool, core.lora.pool.uid_to_slot[uid]
+    copy = pool.copy_into_slot(slot, host)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        core.lora.loader.engine.submit(copy).wait()
+        times.append(time.perf_counter() - start)
+    src = torch.cat([t.flatten() for a, b, _ in host.modules.values() for t in (a, b)])
+    dst = torch.empty_like(src)
+    plain = []
+    for _ in range(10):
+        start = time.perf_counter()
+        dst.copy_(src)
+        plain.append(time.perf_counter() - start)
+    core.shutdown()
+    return nbytes / min(times) / 1e9, nbytes / min(plain) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = make_checkpoint(root / "model", "llama", **MODEL)
+        resident = {f"res{i}": make_adapter(checkpoint, root / f"res{i}", AdapterSpec(f"res{i}", 16, 16, seed=i))
+                    for i in range(RESIDENT)}
+        churn = {f"churn{i}": make_adapter(checkpoint, root / f"churn{i}", AdapterSpec(f"churn{i}", 64, 64,
+                                                                                      seed=100 + i))
+                 for i in range(CHURN)}
+        results = {}
+        for label, churning, overlap in [("no churn", False, True), ("churn, overlapped", True, True),
+                                         ("churn, blocking", True, False)]:
+            itl, loads = measure(checkpoint, resident, churn, args.steps, churning, overlap)
+            results[label] = itl
+            print(f"{label:18s}: p50 {statistics.median(itl) * 1e3:7.2f} ms  p99 {percentile(itl, 0.99) * 1e3:7.2f} ms"
+                  f"  ({loads} adapter loads during {len(itl)} steps)", flush=True)
+        load_gbps, plain_gbps = copy_bandwidth(checkpoint, churn["churn0"])
+        print(f"slot load bandwidth {load_gbps:.2f} GB/s vs plain torch copy {plain_gbps:.2f} GB/s "
+              f"({load_gbps / plain_gbps:.2f}x)")
+    base_p99 = percentile(results["no churn"], 0.99)
+    print(f"blocking-mode p99 ratio: {percentile(results['churn, blocking'], 0.99) / base_p99:.3f}")
+    print(f"RESULT overlap_p99_itl_ratio={percentile(results['churn, overlapped'], 0.99) / base_p99:.3f}")
+
+
+if __name__ == "__main__":
+    main()
