@@ -27,7 +27,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Generated gRPC code is reproducible from protos/ (checked fresh by tests/test_proto_fresh.py).
+# Generated gRPC code is reproducible from protos/ (checked fresh by tests/test_proto.py).
 proto: $(STAMP)
 	bash scripts/gen_proto.sh
 
