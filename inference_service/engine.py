@@ -210,7 +210,7 @@ class EngineCore:
         self.metrics.tokens(request.num_prompt_tokens, len(request.output_token_ids))
         reason = request.finish_reason.value if request.finish_reason else "error"
         self.metrics.request_finished(reason, request.adapter_uid.split("@")[0] if request.adapter_uid else None)
-        log.info(
+        log.debug(  # the server logs each outcome with its status code
             "request %s adapter=%s finished: %s, %d prompt + %d generated tokens%s",
             request.request_id, request.adapter_uid, reason, request.num_prompt_tokens,
             len(request.output_token_ids), f" ({request.error})" if request.error else "",
