@@ -47,14 +47,18 @@ class Sidecar:
     """`loraplex-cache` in a subprocess on a unix socket, with its metrics on a loopback port."""
 
     def __init__(self, tmp: Path, allow: list[str], env: dict[str, str] | None = None,
-                 capacity: int = 64 << 20, shm_dir: Path | None = None, extra: list[str] | None = None) -> None:
+                 capacity: int = 64 << 20, shm_dir: Path | None = None, extra: list[str] | None = None,
+                 socket: Path | None = None, wrapper: list[str] | None = None) -> None:
+        """`socket`: listen there (e.g. a restart on a predecessor's socket); `wrapper`: a command
+        prefix the sidecar runs under (it must exec the rest, so `proc` stays the sidecar)."""
         self.tmp = tmp
-        self.socket = tmp / f"cache-{os.getpid()}-{time.monotonic_ns()}.sock"
+        self.socket = socket or tmp / f"cache-{os.getpid()}-{time.monotonic_ns()}.sock"
         self.target = f"unix://{self.socket}"
         self.shm_dir = shm_dir or tmp / "shm"
         self.metrics_port = free_port()
         self.log = tmp / "sidecar.log"
-        args = [sys.executable, "-m", "adapter_cache.cli", "--listen", self.target, "--shm-dir", str(self.shm_dir),
+        args = [*(wrapper or []), sys.executable, "-m", "adapter_cache.cli", "--listen", self.target,
+                "--shm-dir", str(self.shm_dir),
                 "--capacity-bytes", str(capacity), "--metrics-port", str(self.metrics_port),
                 "--metrics-addr", "127.0.0.1", "--fetch-attempts", "2", "--backoff-max-seconds", "0.2",
                 "--connect-timeout-seconds", "1", "--read-timeout-seconds", "5", *(extra or [])]
