@@ -1,6 +1,8 @@
 """Stage throughput: a 256 MiB+ adapter through the sidecar (parallel ranged GETs, digest,
 validation, shm write) vs one plain single-stream boto3 `get_object().read()` of the same
-object, same run, same S3 server.
+object, same run, same S3 server. Then a cold Generate's time to first token, broken down
+(fetch+stage in the sidecar, slot load, prefill), through a real inference server on
+builtin:tiny with `--cache-address` pointing at the same sidecar.
 
     .venv/bin/python bench/stage_throughput.py                     # starts Ceph via tests/infra/ceph.py
     .venv/bin/python bench/stage_throughput.py --endpoint http://127.0.0.1:7480 --access-key K --secret-key S
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -29,7 +32,52 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from adapter_cache.client import AdapterCacheClient  # noqa: E402
+from inference_service.client import InferenceClient  # noqa: E402
+from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
 from tests.infra.ceph import free_port, start_ceph  # noqa: E402
+from tests.infra.inference_server import start_inference_server  # noqa: E402
+
+
+def metric_sum(url: str, name: str) -> float:
+    """Sum of one sample name over its label sets in a Prometheus text page."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] == name)
+
+
+def cold_generate_breakdown(s3, bucket: str, sock: Path, sidecar_metrics: str, tmp: Path) -> None:
+    """TTFT of a Generate whose adapter is in neither a slot nor the sidecar's cache, split into
+    fetch+stage (the sidecar's Stage of a miss), slot load (host->slot copy, from the server's
+    histogram), prefill (TTFT of the same request on the loaded adapter) and the rest."""
+    local = write_peft_adapter(tmp / "tiny-adapter", rank=16, seed=1)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        s3.upload_file(str(local / f), bucket, f"a/tiny/{f}")
+    server = start_inference_server(
+        ["--model", "builtin:tiny", "--max-loras", "2", "--cache-address", f"unix://{sock}",
+         "--adapter-source-allow", f"s3://{bucket}/", "--log-level", "WARNING"], log_dir=tmp)
+    try:
+        with InferenceClient(server.address) as c, AdapterCacheClient(f"unix://{sock}") as cache:
+            c.load_adapter("tiny", f"s3://{bucket}/a/tiny")  # registered; not in a slot
+            cache.evict()  # and not in the sidecar's cache: the next Generate fetches it
+
+            def ttft() -> float:
+                *_, last = c.generate("The quick brown fox jumps over the lazy dog", adapter="tiny",
+                                      max_new_tokens=1, ignore_eos=True)
+                return last.timings.time_to_first_token_seconds
+
+            stage0 = metric_sum(sidecar_metrics, "loraplex_cache_stage_seconds_sum")
+            load0 = metric_sum(server.metrics_url, "loraplex_lora_load_seconds_sum")
+            cold = ttft()
+            stage = metric_sum(sidecar_metrics, "loraplex_cache_stage_seconds_sum") - stage0
+            load = metric_sum(server.metrics_url, "loraplex_lora_load_seconds_sum") - load0
+            prefill = min(ttft() for _ in range(5))  # the same request on the loaded adapter
+        other = cold - stage - load - prefill
+        size = (local / "adapter_model.safetensors").stat().st_size
+        print(f"cold Generate TTFT breakdown ({size} bytes adapter, builtin:tiny): fetch+stage {stage * 1e3:.1f} ms, "
+              f"slot load {load * 1e3:.1f} ms, prefill {prefill * 1e3:.1f} ms, rest (Stage RPC, map, validate, "
+              f"scheduler steps) {other * 1e3:.1f} ms; cold TTFT {cold * 1e3:.1f} ms", flush=True)
+    finally:
+        server.stop()
 
 
 def make_weights(size_mib: int, hidden: int = 4096, rank: int = 64) -> tuple[bytes, bytes]:
@@ -84,11 +132,12 @@ def main() -> None:
         print(f"object: {size} bytes ({size / (1 << 20):.0f} MiB)", flush=True)
 
         sock = tmp / "cache.sock"
+        metrics_port = free_port()
         sidecar = subprocess.Popen(
             [sys.executable, "-m", "adapter_cache.cli", "--listen", f"unix://{sock}", "--shm-dir", str(tmp / "shm"),
              "--capacity-bytes", str(2 * size), "--max-adapter-bytes", str(2 * size), "--allow-prefix",
-             f"s3://{bucket}/a", "--part-bytes", args.part_bytes, "--fetch-concurrency", str(args.concurrency),
-             "--metrics-port", str(free_port()), "--metrics-addr", "127.0.0.1", "--log-level", "WARNING"],
+             f"s3://{bucket}/a/", "--part-bytes", args.part_bytes, "--fetch-concurrency", str(args.concurrency),
+             "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", "--log-level", "WARNING"],
             cwd=ROOT, env=env,
         )
         client = AdapterCacheClient(f"unix://{sock}", timeout_s=600)
@@ -122,6 +171,7 @@ def main() -> None:
                   f"{size / dt / 1e6:8.1f} MB/s ({dt:.2f} s)", flush=True)
             client.release(staged.lease_id)
             client.evict()
+        cold_generate_breakdown(s3, bucket, sock, f"http://127.0.0.1:{metrics_port}/metrics", tmp)
         print(f"boto3_bytes_per_s={boto_best:.0f} stage_bytes_per_s={stage_best:.0f}")
         print(f"RESULT stage_vs_boto3_bytes_per_s={stage_best / boto_best:.3f}")
     finally:
