@@ -14,13 +14,16 @@ whose name is fixed too).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from inference_service.metrics_sink import MetricsSink, NullMetrics
@@ -28,6 +31,9 @@ from inference_service.metrics_sink import MetricsSink, NullMetrics
 __all__ = ["MetricsSink", "NullMetrics", "PrometheusMetrics", "EngineCollector", "build_registry", "serve_metrics"]
 
 LOAD_TIERS = ("host", "cache", "store")
+# The scheduler's wait reasons: each has a series (0 when nothing waits for it), so the waiting
+# gauge never vanishes from a scrape when the queue is empty.
+WAIT_REASONS = ("queued", "aging", "batch_full", "adapter_loading", "slots_full", "kv_cache")
 BASE_ADAPTER_LABEL = "base"  # adapter label of requests on the base model
 OTHER_ADAPTER_LABEL = "other"  # adapters outside the top-K by traffic
 
@@ -190,7 +196,7 @@ class EngineCollector(Collector):
         waiting = GaugeMetricFamily(
             "loraplex_requests_waiting", "Requests waiting, by what they wait for.", labels=["reason"]
         )
-        for reason, n in sorted(s.requests_waiting.items()):
+        for reason, n in sorted({**dict.fromkeys(WAIT_REASONS, 0), **s.requests_waiting}.items()):
             waiting.add_metric([reason], n)
         yield waiting
         yield _gauge(
@@ -226,6 +232,24 @@ def build_registry(adapter_top_k: int = 20) -> tuple[CollectorRegistry, Promethe
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> Any:
-    """Expose `registry` on http://addr:port/metrics; returns the server (shutdown() stops it)."""
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    """Expose `registry` on http://addr:port/metrics; returns the server (shutdown() stops it).
+
+    Always in the classic text format: prometheus_client's OpenMetrics output, which Prometheus
+    negotiates by default, turns the ':' of vllm:* sample names into '_' (client_python#1177),
+    and the router-compatible names must arrive intact."""
+    app = make_wsgi_app(registry)
+
+    def text_format_app(environ: dict, start_response: Callable) -> Any:
+        return app({**environ, "HTTP_ACCEPT": "text/plain; version=0.0.4"}, start_response)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    server = make_server(addr, port, text_format_app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # one line per scrape otherwise
+        pass

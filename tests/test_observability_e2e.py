@@ -1,0 +1,188 @@
+"""Acceptance (issue 6): a real Prometheus scraping a running inference service and its sidecar.
+
+A real `loraplex-cache` sidecar (unix socket, /metrics, file:// allow-prefix over a temp dir of
+adapters) and a real `loraplex-inference` server with `--cache-address` to it and `--max-loras 2`;
+five adapters registered by LoadAdapter with file:// URIs, so every slot load is staged through the
+sidecar (misses, then hits; its byte budget holds four adapters, so it evicts too). The Debian
+`prometheus` binary scrapes both every second with the shipped alert rules loaded, under the job
+names the chart's ServiceMonitor sets. A ~15 s load of concurrent Generates cycling over the
+adapters churns the two slots, with a few cancelled streams and bad requests (error codes on both
+services). Then every dashboard panel query returns data (the short list below evaluates without
+error instead, with its reason) and every alert expression evaluates, with healthy rule groups.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
+from tests.infra.inference_server import start_inference_server
+from tests.infra.prometheus import (
+    ALERT_RULES_FILE,
+    alert_expressions,
+    dashboard_queries,
+    prometheus_available,
+    running_prometheus,
+)
+from tests.test_cache_helpers import Sidecar
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not prometheus_available(),
+                       reason="prometheus binary not installed (run scripts/install_test_tools.sh)"),
+]
+
+ADAPTERS = [f"obs{i}" for i in range(5)]
+MAX_LORAS = 2
+CACHED_ADAPTERS = 4  # the sidecar's byte budget, in adapters: five cycling adapters make it evict
+LOAD_SECONDS = 15.0
+WORKERS = 6
+MAX_NEW = 8
+
+# Panel queries (dashboard file, panel title, refId) that legitimately return no series after this
+# run, and why. They must still evaluate without error.
+NO_DATA_EXPECTED: dict[tuple[str, str, str], str] = {}
+
+
+def _finish(stream) -> None:
+    for _ in stream:
+        pass
+
+
+def _expect_error(call, code: grpc.StatusCode) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == code, info.value.details()
+
+
+def _drive_load(address: str, stop: threading.Event) -> dict[str, int]:
+    """Concurrent Generates cycling over every adapter (and the base model) until `stop`; every
+    seventh one is cancelled after its first response."""
+    turns = itertools.count()
+    done = {"finished": 0, "cancelled": 0}
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        with InferenceClient(address) as client:
+            while not stop.is_set():
+                n = next(turns)
+                adapter = ([*ADAPTERS, None])[(n + w) % (len(ADAPTERS) + 1)]
+                stream = client.generate(f"Request {n} says hello", adapter=adapter, max_new_tokens=MAX_NEW,
+                                         ignore_eos=True, timeout=60)
+                if n % 7 == 3:
+                    next(stream)
+                    stream.cancel()
+                    kind = "cancelled"
+                else:
+                    _finish(stream)
+                    kind = "finished"
+                with lock:
+                    done[kind] += 1
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        for f in [pool.submit(worker, w) for w in range(WORKERS)]:
+            f.result()
+    return done
+
+
+def _bad_requests(address: str, adapters: Path) -> None:
+    """Error codes on both services: the server's gRPC errors panel, the sidecar's errors panel."""
+    with InferenceClient(address) as client:
+        _expect_error(lambda: _finish(client.generate("hi", adapter="no-such-adapter", timeout=10)),
+                      grpc.StatusCode.NOT_FOUND)
+        _expect_error(lambda: _finish(client.generate("hi", max_new_tokens=10**7, timeout=10)),
+                      grpc.StatusCode.INVALID_ARGUMENT)
+        # Allowed prefix, no such directory: the sidecar's Stage fails (its errors_total{reason}).
+        with pytest.raises(grpc.RpcError):
+            client.load_adapter("missing", (adapters / "missing").as_uri(), timeout=30)
+
+
+def test_dashboards_and_alerts_against_real_prometheus() -> None:
+    # A short root: unix socket paths are limited to 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="lpx-obs-"))
+    adapters = root / "adapters"
+    for i, name in enumerate(ADAPTERS):
+        write_peft_adapter(adapters / name, rank=8, seed=900 + i)
+    adapter_bytes = max(sum(f.stat().st_size for f in (adapters / n).iterdir()) for n in ADAPTERS)
+    sidecar = server = None
+    try:
+        sidecar = Sidecar(root, allow=[f"{adapters.as_uri()}/"], capacity=CACHED_ADAPTERS * adapter_bytes + 4096)
+        server = start_inference_server(
+            ["--model", "builtin:tiny", "--max-loras", str(MAX_LORAS), "--cache-address", sidecar.target,
+             "--adapter-source-allow", f"{adapters.as_uri()}/"],
+            log_dir=root)
+        targets = {"loraplex-inference": [server.metrics_url.split("/")[2]],
+                   "loraplex-cache": [f"127.0.0.1:{sidecar.metrics_port}"]}
+        with running_prometheus(targets, rule_files=[ALERT_RULES_FILE], scrape_interval="1s") as prom:
+            with InferenceClient(server.address) as client:
+                for name in ADAPTERS:
+                    client.load_adapter(name, (adapters / name).as_uri(), timeout=60)
+            # A baseline sample of every series before the load, so rate() sees the load's increase.
+            prom.wait_for('count(up{job=~"loraplex-inference|loraplex-cache"} == 1) == 2', timeout=30)
+
+            stop = threading.Event()
+            timer = threading.Timer(LOAD_SECONDS, stop.set)
+            timer.start()
+            try:
+                done = _drive_load(server.address, stop)
+            finally:
+                timer.cancel()
+                stop.set()
+            _bad_requests(server.address, adapters)
+            assert done["finished"] > 20 and done["cancelled"] > 0, done
+
+            # The run did what the dashboards are meant to show, as the services count it.
+            assert server.value("loraplex_lora_evictions_total") > 0
+            assert sidecar.metric("loraplex_cache_misses_total") >= len(ADAPTERS)
+            assert sidecar.metric("loraplex_cache_hits_total") > 0
+            assert sidecar.metric("loraplex_cache_evictions_total") > 0
+
+            # Two more scrapes after the last request, so every counter's final value is in.
+            after_load = time.time()
+            prom.wait_for(f"min(timestamp(up)) > {after_load + 1}", timeout=15)
+
+            # The router-compatible series arrive under their vLLM names (':' kept, not escaped to '_').
+            for name in ("vllm:lora_requests_info", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                         "vllm:kv_cache_usage_perc"):
+                assert prom.query(name), name
+            assert prom.query('{__name__=~"vllm_.+"}') == []
+
+            queries = dashboard_queries(rate_interval="1m")
+            assert queries
+            known = {(q.dashboard, q.panel, q.ref_id) for q in queries}
+            assert set(NO_DATA_EXPECTED) <= known, set(NO_DATA_EXPECTED) - known
+            empty = []
+            for q in queries:
+                result = prom.query(q.expr)  # raises PrometheusError on an invalid query
+                if not result and (q.dashboard, q.panel, q.ref_id) not in NO_DATA_EXPECTED:
+                    empty.append(f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}")
+            assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+
+            # Every alert expression evaluates, and every rule group reports a healthy evaluation.
+            expressions = alert_expressions()
+            assert expressions
+            for _alert, expr in expressions:
+                prom.query(expr)
+            rules = prom.wait_for_rule_evaluation(timeout=20)
+            assert {r["name"] for r in rules} == {a for a, _ in expressions}
+            unhealthy = [(r["group"], r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+            assert not unhealthy, unhealthy
+            # A healthy stack under a short load fires nothing (every alert needs minutes of `for:`).
+            assert [a for a in prom.alerts() if a["state"] == "firing"] == []
+    finally:
+        if server is not None:
+            server.stop()
+        if sidecar is not None:
+            sidecar.stop()
+        shutil.rmtree(root, ignore_errors=True)
