@@ -57,8 +57,13 @@ def cold_generate_breakdown(s3, bucket: str, sock: Path, sidecar_metrics: str, t
          "--adapter-source-allow", f"s3://{bucket}/", "--log-level", "WARNING"], log_dir=tmp)
     try:
         with InferenceClient(server.address) as c, AdapterCacheClient(f"unix://{sock}") as cache:
-            c.load_adapter("tiny", f"s3://{bucket}/a/tiny")  # registered; not in a slot
-            cache.evict()  # and not in the sidecar's cache: the next Generate fetches it
+            uri = f"s3://{bucket}/a/tiny"
+            c.load_adapter("tiny", uri)  # registered; not in a slot
+            deadline = time.monotonic() + 30
+            while any(e.leases for e in cache.list()):  # its Stage lease is released off the scheduler thread
+                assert time.monotonic() < deadline, "the server did not release its lease"
+                time.sleep(0.01)
+            assert uri in cache.evict()  # and not in the sidecar's cache: the next Generate fetches it
 
             def ttft() -> float:
                 *_, last = c.generate("The quick brown fox jumps over the lazy dog", adapter="tiny",
@@ -67,7 +72,9 @@ def cold_generate_breakdown(s3, bucket: str, sock: Path, sidecar_metrics: str, t
 
             stage0 = metric_sum(sidecar_metrics, "loraplex_cache_stage_seconds_sum")
             load0 = metric_sum(server.metrics_url, "loraplex_lora_load_seconds_sum")
+            misses0 = metric_sum(sidecar_metrics, "loraplex_cache_misses_total")
             cold = ttft()
+            assert metric_sum(sidecar_metrics, "loraplex_cache_misses_total") == misses0 + 1
             stage = metric_sum(sidecar_metrics, "loraplex_cache_stage_seconds_sum") - stage0
             load = metric_sum(server.metrics_url, "loraplex_lora_load_seconds_sum") - load0
             prefill = min(ttft() for _ in range(5))  # the same request on the loaded adapter
