@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -141,6 +142,8 @@ class Scheduler:
                 got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
                 reason = "adapter_loading" if got_slot else "slots_full"
             else:
+                if request.timings.adapter_ready is None:
+                    request.timings.adapter_ready = time.monotonic()
                 num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
                 target = request.num_computed_tokens + num_tokens
                 if self.kv.can_grow(request.block_table, target):

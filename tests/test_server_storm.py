@@ -148,11 +148,12 @@ def test_cancellation_storm_leaves_nothing_behind(storm_server):
     assert not any(values.values()), f"leaked after the storm: {values}\n{server.log()[-3000:]}"
 
     # Every handler ran to its end and was counted by outcome; cancels and deadlines are never successes.
-    # (A stream cancelled within milliseconds of its start may never reach the server.)
+    # (A stream cancelled within milliseconds of its start, or whose short deadline expires while the
+    # loaded server has not yet started its handler, may never reach the server.)
     samples = server.samples()
     by_code = {dict(lbl)["code"]: v for (n, lbl), v in samples.items()
                if n == "loraplex_grpc_requests_total" and dict(lbl).get("method") == "Generate"}
-    reached_lo = N_STREAMS - counts.get("cancelled_early", 0) + N_KILLED
+    reached_lo = N_STREAMS - counts.get("cancelled_early", 0) - counts.get("deadline", 0) + N_KILLED
     assert reached_lo <= sum(by_code.values()) <= N_STREAMS + N_KILLED, (by_code, counts)
     # A client may cancel after the server already sent its last message: OK on the server then.
     assert by_code.get("CANCELLED", 0) >= N_KILLED + counts.get("cancelled", 0) // 2, (by_code, counts)
