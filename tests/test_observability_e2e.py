@@ -2,13 +2,15 @@
 
 A real `loraplex-cache` sidecar (unix socket, /metrics, file:// allow-prefix over a temp dir of
 adapters) and a real `loraplex-inference` server with `--cache-address` to it and `--max-loras 2`;
-five adapters registered by LoadAdapter with file:// URIs, so every slot load is staged through the
-sidecar (misses, then hits; its byte budget holds four adapters, so it evicts too). The Debian
-`prometheus` binary scrapes both every second with the shipped alert rules loaded, under the job
-names the chart's ServiceMonitor sets. A ~15 s load of concurrent Generates cycling over the
-adapters churns the two slots, with a few cancelled streams and bad requests (error codes on both
-services). Then every dashboard panel query returns data (the short list below evaluates without
-error instead, with its reason) and every alert expression evaluates, with healthy rule groups.
+seven adapters registered by LoadAdapter with file:// URIs, so every slot load is staged through
+the sidecar. The Debian `prometheus` binary scrapes both every second with the shipped alert rules
+loaded, under the job names the chart's ServiceMonitor sets. A ~15 s load of concurrent Generates
+cycling over five adapters and the base model churns the two slots (evictions, reloads, sidecar
+misses then hits), with cancelled streams; then the two other adapters, one at a time, overflow the
+sidecar's byte budget (sidecar evictions); bad requests before and after give both services error
+codes. Then every dashboard panel query returns data (NO_DATA_EXPECTED lists exceptions, with
+reasons; none today), the panels that should show this run's activity do, and every alert
+expression evaluates, with every rule healthy and none firing.
 """
 
 from __future__ import annotations
@@ -43,16 +45,47 @@ pytestmark = [
                        reason="prometheus binary not installed (run scripts/install_test_tools.sh)"),
 ]
 
-ADAPTERS = [f"obs{i}" for i in range(5)]
+ADAPTERS = [f"obs{i}" for i in range(5)]  # the concurrent load cycles over these
+COLD = ["cold0", "cold1"]  # used one at a time after the load: the sidecar's cache overflows
 MAX_LORAS = 2
-CACHED_ADAPTERS = 4  # the sidecar's byte budget, in adapters: five cycling adapters make it evict
+# The sidecar's byte budget, in adapters. Every adapter that requests wait for holds a sidecar lease
+# from staging until its slot copy (and an exhausted budget fails the adapter), so the budget covers
+# the five churned at once; the two cold ones on top make it evict.
+CACHED_ADAPTERS = len(ADAPTERS) + 1
 LOAD_SECONDS = 15.0
 WORKERS = 6
 MAX_NEW = 8
 
 # Panel queries (dashboard file, panel title, refId) that legitimately return no series after this
-# run, and why. They must still evaluate without error.
+# run, and why. They must still evaluate without error. None today: every panel has data.
 NO_DATA_EXPECTED: dict[tuple[str, str, str], str] = {}
+
+
+def _by(result: list[dict], label: str) -> dict[str, float]:
+    return {r["metric"].get(label, ""): float(r["value"][1]) for r in result}
+
+
+def _total(result: list[dict]) -> float:
+    return sum(float(r["value"][1]) for r in result)
+
+
+# Beyond "has data": what this run must show on the panels that prove the churn and the errors.
+# (panel title, refId) -> check of the instant result.
+SHOWS_ACTIVITY = {
+    ("Hits, misses, evictions / s", "A"): lambda r: _total(r) > 0,
+    ("Hits, misses, evictions / s", "B"): lambda r: _total(r) > 0,
+    ("Hits, misses, evictions / s", "C"): lambda r: _total(r) > 0,
+    ("Errors / s by reason", "A"): lambda r: _by(r, "reason").get("not_found", 0) > 0,
+    ("Loads and evictions / s", "A"): lambda r: _by(r, "tier").get("store", 0) > 0
+    and _by(r, "tier").get("cache", 0) > 0,
+    ("Loads and evictions / s", "B"): lambda r: _total(r) > 0,
+    ("Finished requests / s", "A"): lambda r: _by(r, "finish_reason").get("cancelled", 0) > 0,
+    ("gRPC errors / s", "A"): lambda r: {(x["metric"]["method"], x["metric"]["code"]) for x in r
+                                         if float(x["value"][1]) > 0}
+    >= {("Generate", "CANCELLED"), ("Generate", "NOT_FOUND"), ("Generate", "INVALID_ARGUMENT")},
+    ("Requests / s per adapter (top 10)", "A"): lambda r: set(_by(r, "adapter")) == {*ADAPTERS, *COLD, "base"},
+    ("Router view (vllm:lora_requests_info)", "A"): lambda r: _by(r, "max_lora").keys() == {str(MAX_LORAS)},
+}
 
 
 def _finish(stream) -> None:
@@ -96,6 +129,13 @@ def _drive_load(address: str, stop: threading.Event) -> dict[str, int]:
     return done
 
 
+def _wait_no_leases(sidecar: Sidecar, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while held := {e.uri: e.leases for e in sidecar.client.list() if e.leases}:
+        assert time.monotonic() < deadline, f"sidecar leases still held after the load: {held}"
+        time.sleep(0.05)
+
+
 def _bad_requests(address: str, adapters: Path) -> None:
     """Error codes on both services: the server's gRPC errors panel, the sidecar's errors panel."""
     with InferenceClient(address) as client:
@@ -112,9 +152,9 @@ def test_dashboards_and_alerts_against_real_prometheus() -> None:
     # A short root: unix socket paths are limited to 107 bytes.
     root = Path(tempfile.mkdtemp(prefix="lpx-obs-"))
     adapters = root / "adapters"
-    for i, name in enumerate(ADAPTERS):
+    for i, name in enumerate([*ADAPTERS, *COLD]):
         write_peft_adapter(adapters / name, rank=8, seed=900 + i)
-    adapter_bytes = max(sum(f.stat().st_size for f in (adapters / n).iterdir()) for n in ADAPTERS)
+    adapter_bytes = max(sum(f.stat().st_size for f in (adapters / n).iterdir()) for n in [*ADAPTERS, *COLD])
     sidecar = server = None
     try:
         sidecar = Sidecar(root, allow=[f"{adapters.as_uri()}/"], capacity=CACHED_ADAPTERS * adapter_bytes + 4096)
@@ -126,8 +166,11 @@ def test_dashboards_and_alerts_against_real_prometheus() -> None:
                    "loraplex-cache": [f"127.0.0.1:{sidecar.metrics_port}"]}
         with running_prometheus(targets, rule_files=[ALERT_RULES_FILE], scrape_interval="1s") as prom:
             with InferenceClient(server.address) as client:
-                for name in ADAPTERS:
+                for name in [*ADAPTERS, *COLD]:
                     client.load_adapter(name, (adapters / name).as_uri(), timeout=60)
+            # Bad requests before and after the load: an error series is born at its first error, so
+            # only the later ones show up in rate().
+            _bad_requests(server.address, adapters)
             # A baseline sample of every series before the load, so rate() sees the load's increase.
             prom.wait_for('count(up{job=~"loraplex-inference|loraplex-cache"} == 1) == 2', timeout=30)
 
@@ -139,8 +182,12 @@ def test_dashboards_and_alerts_against_real_prometheus() -> None:
             finally:
                 timer.cancel()
                 stop.set()
-            _bad_requests(server.address, adapters)
             assert done["finished"] > 20 and done["cancelled"] > 0, done
+            _wait_no_leases(sidecar)  # every lease released once its slot copy is done
+            with InferenceClient(server.address) as client:
+                for name in COLD:
+                    _finish(client.generate("cold", adapter=name, max_new_tokens=2, timeout=60))
+            _bad_requests(server.address, adapters)
 
             # The run did what the dashboards are meant to show, as the services count it.
             assert server.value("loraplex_lora_evictions_total") > 0
@@ -162,12 +209,17 @@ def test_dashboards_and_alerts_against_real_prometheus() -> None:
             assert queries
             known = {(q.dashboard, q.panel, q.ref_id) for q in queries}
             assert set(NO_DATA_EXPECTED) <= known, set(NO_DATA_EXPECTED) - known
-            empty = []
+            empty, idle = [], []
             for q in queries:
                 result = prom.query(q.expr)  # raises PrometheusError on an invalid query
                 if not result and (q.dashboard, q.panel, q.ref_id) not in NO_DATA_EXPECTED:
                     empty.append(f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}")
+                check = SHOWS_ACTIVITY.get((q.panel, q.ref_id))
+                if check is not None and not check(result):
+                    idle.append(f"{q.panel} / {q.ref_id}: {q.expr} -> {result}")
             assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+            assert not idle, "panels not showing this run's activity:\n" + "\n".join(idle)
+            assert {p for p, _ in SHOWS_ACTIVITY} <= {q.panel for q in queries}
 
             # Every alert expression evaluates, and every rule group reports a healthy evaluation.
             expressions = alert_expressions()
