@@ -110,16 +110,16 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
-        for request, num_tokens in batch.items:
+        # Ordered by slot, so the LoRA op usually sees contiguous, equally long groups (no gathers).
+        items = sorted(batch.items, key=lambda item: self._slot(item[0]))
+        for request, num_tokens in items:
             start, row = request.num_computed_tokens, len(input_ids)
             end = start + num_tokens
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             table = request.block_table
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            slot = -1 if request.adapter_uid is None else self.lora.slot_of(request.adapter_uid)
-            assert slot is not None, f"{request.request_id} scheduled before its adapter was loaded"
-            token_slots.extend([slot] * num_tokens)
+            token_slots.extend([self._slot(request)] * num_tokens)
             if num_tokens == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
@@ -142,10 +142,17 @@ class ModelRunner:
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             attention=attention,
-            lora=build_lora_batch(token_slots, self.device),
+            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device),
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled
+
+    def _slot(self, request: Request) -> int:
+        if request.adapter_uid is None:
+            return -1
+        slot = self.lora.slot_of(request.adapter_uid)
+        assert slot is not None, f"{request.request_id} scheduled before its adapter was loaded"
+        return slot
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -17,18 +17,25 @@ import torch
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """Per-step token grouping by slot. Tokens of the base model (slot -1) are in no group."""
+    """Per-step token grouping by slot. Tokens of the base model (slot -1) are in no group.
 
-    slots: torch.Tensor  # [G] slot of each group
-    gather_rows: torch.Tensor  # [G*M] row of x for each padded position (T = the zero row)
-    dest_rows: torch.Tensor  # [N] output row of each real position
-    src_positions: torch.Tensor  # [N] its index in the padded [G*M] layout
+    The model runner orders a batch by slot (base-model tokens first), so in the common decode
+    case the adapter tokens form contiguous, equally long groups: then `gather_rows` is None and
+    x[first_row:] is viewed as [G, M, in] without any copy. When the groups are exactly slots 0..n-1, `slots`
+    is None and the slot buffers are used as they are instead of gathered.
+    """
+
+    slots: torch.Tensor | None  # [G] slot of each group; None: all slots, in order
+    gather_rows: torch.Tensor | None  # [G*M] row of x per padded position (T = the zero row)
+    dest_rows: torch.Tensor | None  # [N] output row of each real position
+    src_positions: torch.Tensor | None  # [N] its index in the padded [G*M] layout
     num_groups: int
     max_group_len: int
     num_tokens: int
+    first_row: int = 0  # contiguous layout: rows before it are base-model tokens
 
 
-def build_lora_batch(token_slots: list[int], device: torch.device) -> LoRABatch | None:
+def build_lora_batch(token_slots: list[int], num_slots: int, device: torch.device) -> LoRABatch | None:
     """Group token rows by slot; None when no token uses an adapter (pure base-model step)."""
     groups: dict[int, list[int]] = {}
     for row, slot in enumerate(token_slots):
@@ -38,17 +45,23 @@ def build_lora_batch(token_slots: list[int], device: torch.device) -> LoRABatch 
         return None
     num_tokens = len(token_slots)
     max_len = max(len(rows) for rows in groups.values())
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    all_slots = list(groups) == list(range(num_slots))
+    slots = None if all_slots else as_tensor(list(groups))
+    rows_in_order = [row for rows in groups.values() for row in rows]
+    first_row = num_tokens - len(groups) * max_len
+    if rows_in_order == list(range(first_row, num_tokens)):
+        return LoRABatch(slots, None, None, None, len(groups), max_len, num_tokens, first_row)
     gather, dest, src = [], [], []
     for g, rows in enumerate(groups.values()):
         gather.extend(rows + [num_tokens] * (max_len - len(rows)))
         dest.extend(rows)
         src.extend(range(g * max_len, g * max_len + len(rows)))
-
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
     return LoRABatch(
-        slots=as_tensor(list(groups)),
+        slots=slots,
         gather_rows=as_tensor(gather),
         dest_rows=as_tensor(dest),
         src_positions=as_tensor(src),
@@ -71,10 +84,19 @@ class TorchLoRAOp:
     def apply(
         self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
     ) -> None:
-        padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.gather_rows]
-        padded_x = padded_x.view(batch.num_groups, batch.max_group_len, x.shape[1])
-        shrunk = torch.bmm(padded_x, a.index_select(0, batch.slots).transpose(1, 2))  # [G, M, r]
-        expanded = torch.bmm(shrunk, b.index_select(0, batch.slots).transpose(1, 2))  # [G, M, out]
+        groups, group_len = batch.num_groups, batch.max_group_len
+        if batch.slots is not None:
+            a, b = a.index_select(0, batch.slots), b.index_select(0, batch.slots)
+        if batch.gather_rows is None:
+            padded_x = x[batch.first_row :].view(groups, group_len, x.shape[1])
+        else:
+            padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.gather_rows]
+            padded_x = padded_x.view(groups, group_len, x.shape[1])
+        shrunk = torch.bmm(padded_x, a.transpose(1, 2))  # [G, M, r]
+        expanded = torch.bmm(shrunk, b.transpose(1, 2))  # [G, M, out]
+        if batch.gather_rows is None:
+            out[batch.first_row :].view(groups, group_len, out.shape[1]).add_(expanded)
+            return
         delta = expanded.view(-1, out.shape[1]).index_select(0, batch.src_positions)
         if out.is_contiguous():
             out.index_add_(0, batch.dest_rows, delta)
@@ -83,4 +105,3 @@ class TorchLoRAOp:
         # an order of magnitude slower than scattering into a dense buffer and adding that.
         dense = out.new_zeros(out.shape).index_copy_(0, batch.dest_rows, delta)
         out.add_(dense)
-
