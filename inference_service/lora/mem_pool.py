@@ -81,8 +81,11 @@ class LoRAMemoryPool:
                 rank = a.shape[0]
                 a_slot[:rank].copy_(a, non_blocking=True)
                 a_slot[rank:].zero_()
-                b_slot[:, :rank].copy_(b, non_blocking=True)
-                b_slot[:, :rank].mul_(scaling)
+                if b.device == b_slot.device:  # one pass: scale while copying
+                    torch.mul(b, scaling, out=b_slot[:, :rank])
+                else:  # host → device: async copy from pinned memory, then scale on the device
+                    b_slot[:, :rank].copy_(b, non_blocking=True)
+                    b_slot[:, :rank].mul_(scaling)
                 b_slot[:, rank:].zero_()
 
         return copy
