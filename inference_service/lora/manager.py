@@ -31,6 +31,8 @@ from inference_service.metrics_sink import MetricsSink, NullMetrics
 
 log = logging.getLogger(__name__)
 
+STAGING_RETRY_SECONDS = 0.25
+
 
 @dataclass
 class AdminOp:
@@ -209,7 +211,7 @@ class LoRAManager:
         if entry.failure is not None or uid in self.pool.uid_to_slot:
             return True
         if entry.host is None:
-            if entry.staging is None:
+            if entry.staging is None and time.monotonic() >= entry.retry_at:
                 self._start_staging(entry)
             return True
         return self._start_slot_load(entry, needed)
@@ -241,6 +243,15 @@ class LoRAManager:
         assert future is not None
         try:
             host: HostAdapter = future.result()
+        except ResourceExhaustedError as exc:
+            if entry.refs and self.registry.current.get(entry.name) == entry.uid:
+                # The sidecar's cache is full of leased entries: transient. The waiting requests
+                # keep waiting and staging is retried shortly, instead of failing the adapter.
+                entry.retry_at = time.monotonic() + STAGING_RETRY_SECONDS
+                log.info("staging adapter %s refused for now (%s); retrying", entry.uid, exc)
+                return
+            self._fail(entry, exc, result)
+            return
         except LoraplexError as exc:
             self._fail(entry, exc, result)
             return

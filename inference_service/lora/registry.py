@@ -39,6 +39,7 @@ class AdapterVersion:
     rank: int = 0
     size_bytes: int = 0
     tier: str = "store"  # where the next load's bytes come from: host | cache | store
+    retry_at: float = 0.0  # monotonic time before which a transiently refused staging is not retried
     refs: set[str] = field(default_factory=set)  # ids of queued and running requests
 
     @property
