@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
+
 log = logging.getLogger(__name__)
 
 DATA_SUFFIX = ".safetensors"
@@ -84,7 +86,11 @@ class PendingFile:
     def map(self) -> mmap.mmap:
         """Read-only mapping of what was written so far (for hashing and validation)."""
         os.fsync(self.fd)
-        return mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) if self.size else mmap.mmap(-1, 1)
+        if not self.size:
+            return mmap.mmap(-1, 1)
+        # Pre-faulting the whole mapping in one call is ~10x faster than faulting page by page
+        # while the validation reads every byte.
+        return mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
 
     def commit(self, meta: StoredMeta) -> Path:
         """fsync, rename the data into place, then write the metadata (the commit point)."""

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from adapter_cache.host_cache import Entry, HostCache, Lease
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.shm import PendingFile, ShmDir, StoredMeta, entry_key
@@ -310,6 +312,9 @@ class Stager:
 
     def _validate(self, file: PendingFile, config: LoRAAdapterConfig, uri: str) -> list[TensorEntry]:
         """The shared PEFT checks, run on a mapping of the temp file before it is committed."""
+        # One torch thread per handler: the sidecar shares the node's cores with the inference
+        # service, and OpenMP teams fighting over busy cores spin-wait (2 s instead of 30 ms here).
+        torch.set_num_threads(1)
         mm = file.map()
         problem = None
         try:

@@ -55,7 +55,9 @@ class ThreadCopyEngine:
     """CPU twin of the CUDA side stream: one copy thread, futures as events."""
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-copy")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="lora-copy", initializer=single_torch_thread
+        )
 
     def submit(self, copy: Callable[[], None]) -> CopyHandle:
         return _FutureHandle(self._pool.submit(_no_grad(copy)))
@@ -118,6 +120,13 @@ class CudaCopyEngine:
 
     def close(self) -> None:
         self._stream.synchronize()
+
+
+def single_torch_thread() -> None:
+    """Worker threads beside the scheduler use one torch thread each (the setting is per thread):
+    a second OpenMP team on the cores the model is using makes both spin-wait, which costs far
+    more than the parallelism gains for copies and validation."""
+    torch.set_num_threads(1)
 
 
 def _no_grad(fn: Callable[[], None]) -> Callable[[], None]:
