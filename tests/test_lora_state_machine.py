@@ -1,0 +1,440 @@
+"""A Hypothesis state machine over EngineCore + LoRAManager: DESIGN.md's slot pool invariants.
+
+Rules: load / version-swap an adapter (optionally pinned or preloaded), pin, unpin, unload,
+start a request (an adapter or the base model), abort one, run a scheduler step, and complete any
+host staging or slot copy in any order. After every rule every invariant of "Slot pool
+invariants" is checked, the slot buffers against the adapters' own tensors; every forward pass
+is checked as it is issued; at the end every request is ended and nothing may be left over.
+
+Host staging and slot copies run on hand-driven test doubles (`ManualExecutor`,
+`ManualCopyEngine`). They exist only to force completion orders a real thread pool and a single
+FIFO copy thread would rarely or never produce; the work they run is the real one (reading the
+PEFT files, copying into the slot buffers).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from inference_service.config import EngineConfig
+from inference_service.engine import EngineCore
+from inference_service.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from inference_service.lora.adapter import load_adapter_dir
+from inference_service.lora.manager import LoRAManager
+from inference_service.lora.registry import AdapterState
+from inference_service.models.loader import builtin_tiny_config
+from inference_service.request import FinishReason, Request, SamplingParams
+from tests.test_lora_manager import write_tiny_adapter
+
+# 400 examples x up to 60 rules: about 25 s on 2 CPU cores (1,500 x 80 found nothing more).
+MAX_EXAMPLES = 400
+STEPS = 60
+MAX_RANK = 8
+NAMES = ("a", "b", "c")
+# Different ranks, scalings and target modules, so a reused slot must be fully overwritten.
+URI_SPECS = [
+    dict(seed=1, rank=4, alpha=8.0),  # all 7 modules
+    dict(seed=2, rank=8, alpha=16.0, modules=("q_proj", "v_proj")),
+    dict(seed=3, rank=2, alpha=2.0, modules=("gate_proj", "up_proj", "down_proj")),
+    dict(seed=4, rank=8, alpha=4.0, modules=("o_proj", "k_proj")),
+]
+KV_BLOCK_BYTES = 2 * 2 * 16 * 64 * 4  # K and V, 2 layers, 16 tokens, 2 kv heads x 32, fp32
+
+
+class _ManualHandle:
+    def __init__(self, copy: Callable[[], None]) -> None:
+        self._copy, self.ran = copy, False
+
+    def run(self) -> None:
+        if not self.ran:
+            with torch.no_grad():
+                self._copy()
+            self.ran = True
+
+    def done(self) -> bool:
+        return self.ran
+
+    def wait(self) -> None:
+        self.run()
+
+    def before_use(self) -> None:
+        self.run()  # only reached unfinished from shutdown's wait
+
+
+class ManualCopyEngine:
+    """Copy engine whose real slot copies run when the state machine completes them (any order)."""
+
+    def __init__(self) -> None:
+        self.queued: list[_ManualHandle] = []
+
+    def submit(self, copy: Callable[[], None]) -> _ManualHandle:
+        handle = _ManualHandle(copy)
+        self.queued.append(handle)
+        return handle
+
+    def complete(self, index: int) -> None:
+        self.queued.pop(index).run()
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def close(self) -> None:
+        while self.queued:
+            self.complete(0)
+
+
+class ManualExecutor(concurrent.futures.Executor):
+    """Host-preparation executor whose jobs run when the state machine completes them (any order)."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[concurrent.futures.Future, Callable, tuple, dict]] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:  # type: ignore[override]
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.queued.append((future, fn, args, kwargs))
+        return future
+
+    def complete(self, index: int) -> None:
+        future, fn, args, kwargs = self.queued.pop(index)
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled (the version was unloaded while staging)
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the manager like a thread pool would
+            future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for future, *_ in self.queued:
+            future.cancel()
+        self.queued.clear()
+
+
+def _expected_slot(path: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """What a slot must hold for this adapter: padded A, alpha/r-scaled padded B, zeros where absent."""
+    shapes = builtin_tiny_config().lora_shapes()
+    host = load_adapter_dir(path, shapes, MAX_RANK)
+    expected = {}
+    for layer in range(shapes.num_layers):
+        for module, (in_features, out_features) in shapes.features.items():
+            a_exp, b_exp = torch.zeros(MAX_RANK, in_features), torch.zeros(out_features, MAX_RANK)
+            if (layer, module) in host.modules:
+                a, b, scaling = host.modules[(layer, module)]
+                rank = a.shape[0]
+                a_exp[:rank] = a
+                b_exp[:, :rank] = b
+                b_exp[:, :rank].mul_(scaling)
+            expected[(layer, module)] = (a_exp, b_exp)
+    return expected
+
+
+@pytest.fixture(scope="module")
+def uris(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("sm-adapters")
+    return [str(write_tiny_adapter(root / f"u{i}", **spec)) for i, spec in enumerate(URI_SPECS)]
+
+
+class SlotPoolMachine(RuleBasedStateMachine):
+    uris: list[str] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core: EngineCore | None = None
+        self.expected = {uri: _expected_slot(Path(uri)) for uri in self.uris}
+        self.live: dict[str, str | None] = {}  # request id → adapter uid (None: base model)
+        self.aborted: set[str] = set()
+        self.ids = 0
+        self.load_futures: list[concurrent.futures.Future] = []
+        self.unload_futures: list[concurrent.futures.Future] = []
+        self.newest_current: dict[str, int] = {}
+        self.prev_slots: list[str | None] = []
+        self.prev_protected: set[str] = set()
+        self.prev_pinned: set[str] = set()
+        self.batches = 0
+
+    # ---- setup ----
+
+    @initialize(
+        slots=st.integers(1, 3), kv_blocks=st.sampled_from([4, 64]), max_num_seqs=st.sampled_from([2, 64])
+    )
+    def setup(self, slots: int, kv_blocks: int, max_num_seqs: int) -> None:
+        self.executor, self.copies = ManualExecutor(), ManualCopyEngine()
+
+        def manager(**kwargs: object) -> LoRAManager:
+            return LoRAManager(**{**kwargs, "host_executor": self.executor})  # type: ignore[arg-type]
+
+        config = EngineConfig(
+            model="builtin:tiny", max_loras=slots, max_lora_rank=MAX_RANK, kv_cache_bytes=kv_blocks * KV_BLOCK_BYTES,
+            max_num_seqs=max_num_seqs, aging_steps=10**9,  # no aging barrier: every queued request's adapter is needed
+        )
+        with mock.patch("inference_service.model_runner.LoRAManager", manager), \
+                mock.patch("inference_service.model_runner.make_copy_engine", lambda *a: self.copies):
+            self.core = EngineCore(config)
+        assert self.core.runner.kv.num_blocks == kv_blocks
+        real_run = self.core.runner.run
+
+        def checked_run(batch):
+            self._check_batch(batch)
+            return real_run(batch)
+
+        self.core.runner.run = checked_run  # type: ignore[method-assign]
+
+    # ---- rules ----
+
+    @rule(name=st.sampled_from(NAMES), uri=st.integers(0, len(URI_SPECS) - 1), pinned=st.booleans(),
+          preload=st.booleans())
+    def load(self, name: str, uri: int, pinned: bool, preload: bool) -> None:
+        """Register, re-register or version-swap (a different URI) an adapter."""
+        self._load(lambda: self.lora.load_adapter(name, self.uris[uri], pinned=pinned, preload=preload), name, pinned,
+                   self.uris[uri])
+
+    @precondition(lambda self: self.core is not None and bool(self.lora.registry.current))
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.lora.registry.current)))
+        self._load(lambda: self.lora.set_pinned(name, True), name, True, self.lora.registry.resolve(name).uri)
+
+    @precondition(lambda self: self.core is not None and bool(self.lora.registry.current))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.lora.registry.current)))
+        assert not self.lora.set_pinned(name, False).result().pinned
+
+    @rule(name=st.sampled_from(NAMES))
+    def unload(self, name: str) -> None:
+        if name not in self.lora.registry.current:
+            with pytest.raises(NotFoundError):
+                self.lora.unload_adapter(name)
+            return
+        self.unload_futures.append(self.lora.unload_adapter(name))
+        assert name not in self.lora.registry.current
+
+    @rule(name=st.sampled_from((None, *NAMES)), prompt_len=st.integers(1, 40), new_tokens=st.integers(1, 4))
+    def start_request(self, name: str | None, prompt_len: int, new_tokens: int) -> None:
+        rid = f"r{self.ids}"
+        self.ids += 1
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        prompt = [(7 * i + self.ids) % 250 + 3 for i in range(prompt_len)]
+        self.core.validate(prompt, params)
+        if name is not None and name not in self.lora.registry.current:
+            with pytest.raises(NotFoundError):
+                self.core.add_request(Request(rid, prompt, params), name)
+            return
+        self.core.add_request(Request(rid, prompt, params), name)
+        uid = self.core.scheduler.requests[rid].adapter_uid
+        assert uid == (self.lora.registry.current[name] if name else None)  # new requests get the current version
+        self.live[rid] = uid
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.core.abort(rid)
+        self.core.abort(rid)  # idempotent: the reference is released once
+        del self.live[rid]
+        self.aborted.add(rid)
+
+    @rule()
+    def step(self) -> None:
+        for output in self.core.step():
+            if not output.finished:
+                continue
+            if output.request_id in self.aborted:
+                assert output.finish_reason is FinishReason.CANCELLED
+                self.aborted.discard(output.request_id)
+            else:
+                assert output.finish_reason is FinishReason.LENGTH, (output.finish_reason, output.error)
+                del self.live[output.request_id]
+
+    @precondition(lambda self: self.core is not None and bool(self.copies.queued))
+    @rule(data=st.data())
+    def complete_copy(self, data: st.DataObject) -> None:
+        self.copies.complete(data.draw(st.integers(0, len(self.copies.queued) - 1)))
+
+    @precondition(lambda self: self.core is not None and bool(self.executor.queued))
+    @rule(data=st.data())
+    def complete_staging(self, data: st.DataObject) -> None:
+        self.executor.complete(data.draw(st.integers(0, len(self.executor.queued) - 1)))
+
+    @rule(rounds=st.integers(1, 8))
+    def settle(self, rounds: int) -> None:
+        """The common case, to reach deep states: stagings and copies finish in order between steps."""
+        for _ in range(rounds):
+            if self.executor.queued:
+                self.executor.complete(0)
+                self.slot_pool_invariants()
+            if self.copies.queued:
+                self.copies.complete(0)
+                self.slot_pool_invariants()
+            self.step()
+            self.slot_pool_invariants()
+
+    # ---- invariants ----
+
+    @invariant()
+    def slot_pool_invariants(self) -> None:
+        if self.core is None:
+            return
+        lora, pool, registry = self.lora, self.lora.pool, self.lora.registry
+        n = pool.num_slots
+        # uid_to_slot / slot_to_uid are one bijection over known versions.
+        assert len(pool.slot_to_uid) == n
+        assert {uid: s for s, uid in enumerate(pool.slot_to_uid) if uid is not None} == pool.uid_to_slot
+        assert set(pool.uid_to_slot) <= set(registry.versions)
+        # LOADING ⇔ a pending load; LOADED ⇔ no pending load and in uid_to_slot. A pending load
+        # holds its slot, so pending loads count against capacity.
+        for uid, pending in lora.loader.pending.items():
+            assert pool.uid_to_slot.get(uid) == pending.slot
+        for uid, entry in registry.versions.items():
+            state = lora.state(uid)
+            loading = lora.loader.is_loading(uid)
+            if not entry.draining and entry.failure is None:
+                assert (state is AdapterState.LOADING) == loading, (uid, state)
+                assert (state is AdapterState.LOADED) == (not loading and uid in pool.uid_to_slot), (uid, state)
+            assert (lora.slot_of(uid) is not None) == (not loading and uid in pool.uid_to_slot)
+        # Pinning never takes every slot.
+        pinned_now = self._pinned()
+        assert len({registry.versions[u].name for u in pinned_now}) < n
+        assert sum(1 for uid in pool.slot_to_uid if uid in pinned_now) < n
+        # A slot that was protected before the last rule still holds the same adapter.
+        protected = self.prev_protected - (self.prev_pinned - pinned_now)
+        for slot, uid in enumerate(self.prev_slots):
+            if uid in protected:
+                assert pool.slot_to_uid[slot] == uid, f"slot {slot}: {uid} was evicted or overwritten"
+        # Every loaded slot holds exactly its adapter: reused slots fully overwritten.
+        for slot, uid in enumerate(pool.slot_to_uid):
+            if uid is not None and not lora.loader.is_loading(uid):
+                self._check_slot(slot, uid)
+        # References equal the live requests; KV blocks are exactly theirs.
+        assert set(self.core.scheduler.requests) == set(self.live)
+        for uid, entry in registry.versions.items():
+            assert entry.refs == {rid for rid, u in self.live.items() if u == uid}, uid
+        assert all(u is None or u in registry.versions for u in self.live.values())
+        blocks = sum(len(r.block_table) for r in self.core.scheduler.requests.values())
+        assert self.core.runner.kv.num_used == blocks
+        # The version new requests get never goes back (a later LoadAdapter wins).
+        for name, uid in registry.current.items():
+            version = registry.versions[uid].version
+            assert version >= self.newest_current.get(name, 0), (name, version)
+            self.newest_current[name] = version
+        # Snapshot for the next rule: what must not be evicted or overwritten meanwhile.
+        self.prev_slots = list(pool.slot_to_uid)
+        self.prev_pinned = pinned_now
+        self.prev_protected = (
+            {u for u in self.live.values() if u is not None}
+            | pinned_now
+            | {uid for uid, p in lora.loader.pending.items() if not p.handle.done()}
+        )
+
+    def teardown(self) -> None:
+        if self.core is None:
+            return
+        try:
+            self._end_everything()
+        finally:
+            self.core.shutdown()
+
+    # ---- helpers ----
+
+    @property
+    def lora(self) -> LoRAManager:
+        assert self.core is not None
+        return self.core.lora
+
+    def _pinned(self) -> set[str]:
+        return {v.uid for v in self.lora.registry.versions.values() if v.pinned and not v.draining}
+
+    def _load(self, call: Callable[[], concurrent.futures.Future], name: str, pinned: bool, uri: str) -> None:
+        registry = self.lora.registry
+        current = registry.versions[registry.current[name]] if name in registry.current else None
+        already_pinned = current is not None and current.pinned and current.uri == uri
+        # The manager counts pinned versions of the other names (a swap replaces this name's).
+        others = [v for v in registry.versions.values() if v.pinned and not v.draining and v.name != name]
+        refused = pinned and not already_pinned and len(others) + 1 >= self.lora.pool.num_slots
+        try:
+            self.load_futures.append(call())
+        except ResourceExhaustedError:
+            assert refused
+            return
+        assert not refused
+
+    def _check_slot(self, slot: int, uid: str) -> None:
+        expected = self.expected[self.lora.registry.versions[uid].uri]
+        for key, (a_buf, b_buf) in self.lora.pool.buffers.items():
+            a_exp, b_exp = expected[key]
+            assert torch.equal(a_buf[slot], a_exp), f"slot {slot} ({uid}) A of {key} is not its adapter's"
+            assert torch.equal(b_buf[slot], b_exp), f"slot {slot} ({uid}) B of {key} is not its adapter's"
+
+    def _check_batch(self, batch) -> None:
+        """At every forward: each adapter is LOADED with exactly its weights; no more adapters than slots."""
+        self.batches += 1
+        uids = {r.adapter_uid for r, _ in batch.items if r.adapter_uid is not None}
+        assert len(uids) <= self.lora.pool.num_slots
+        for uid in uids:
+            slot = self.lora.slot_of(uid)
+            assert slot is not None, f"{uid} in a batch but not LOADED"
+            self._check_slot(slot, uid)
+
+    def _end_everything(self) -> None:
+        """Cancel every request, finish every staging and copy: nothing may be left over."""
+        for rid in list(self.live):
+            self.abort_request(rid)
+            self.slot_pool_invariants()
+        for _ in range(100):
+            while self.executor.queued or self.copies.queued:
+                if self.executor.queued:
+                    self.executor.complete(0)
+                    self.slot_pool_invariants()
+                if self.copies.queued:
+                    self.copies.complete(0)
+                    self.slot_pool_invariants()
+            self.step()
+            self.slot_pool_invariants()
+            if not (self.core.has_work() or self.lora.has_pending_work() or self.executor.queued
+                    or self.copies.queued or not all(f.done() for f in self.load_futures + self.unload_futures)):
+                break
+        self.lora.drain()
+        assert self.lora.registry.total_refs() == 0
+        assert not self.lora.loader.pending and self.core.stats().pending_load_events == 0
+        assert self.core.runner.kv.num_used == 0
+        assert not self.core.scheduler.requests and not self.aborted
+        assert all(f.done() for f in self.unload_futures), "an UnloadAdapter never resolved"
+        for future in self.load_futures:
+            assert future.done(), "a LoadAdapter never resolved"
+            error = future.exception()
+            assert error is None or isinstance(error, (NotFoundError, FailedPreconditionError)), error
+        for uid, entry in self.lora.registry.versions.items():
+            assert not entry.draining, f"{uid} still draining with no requests"
+            if entry.pinned:
+                assert self.lora.state(uid) is AdapterState.LOADED, f"pinned {uid} not in a slot"
+
+    def abort_request(self, rid: str) -> None:
+        self.core.abort(rid)
+        del self.live[rid]
+        self.aborted.add(rid)
+
+
+def test_slot_pool_state_machine(uris):
+    SlotPoolMachine.uris = uris
+    run_state_machine_as_test(SlotPoolMachine, settings=settings(
+        max_examples=MAX_EXAMPLES,
+        stateful_step_count=STEPS,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ))
