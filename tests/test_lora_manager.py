@@ -407,3 +407,17 @@ def test_reused_slot_leaks_nothing(hf_setup):
     ref = torch.cat(out.logits).float()
     assert reused.shape == ref.shape
     assert (reused - ref).abs().max().item() < 1e-4
+
+
+def test_swapping_a_pinned_adapter_is_not_refused(adapters):
+    """2 slots, A pinned: a pinned new version of A replaces A's pin, it does not add one."""
+    core = make_core(max_loras=2)
+    step_until(core, core.lora.load_adapter("a", str(adapters["a"]), pinned=True).done)
+    swap = core.lora.load_adapter("a", str(adapters["a2"]), pinned=True)
+    step_until(core, swap.done)
+    v2 = swap.result()
+    assert v2.pinned and core.lora.state(v2.uid) is AdapterState.LOADED and set(core.lora.registry.versions) == {v2.uid}
+    with pytest.raises(ResourceExhaustedError):  # still one unpinned slot only
+        core.lora.load_adapter("b", str(adapters["b"]), pinned=True)
+    assert_leak_free(core)
+    core.shutdown()
