@@ -30,6 +30,9 @@ class CacheMetrics:
         self.inflight = Gauge("loraplex_cache_inflight_fetches", "Adapter fetches in progress", registry=r)
         self.evictions = Counter("loraplex_cache_evictions", "Entries evicted", registry=r)
         self.errors = Counter("loraplex_cache_errors", "Failed calls by gRPC code", ["reason"], registry=r)
+        # Series that exist from the start, at 0: rate() then sees the first error too.
+        for reason in ("not_found", "invalid_argument", "permission_denied", "unavailable", "resource_exhausted"):
+            self.errors.labels(reason)
 
     def bind_state(self, used: Callable[[], float], entries: Callable[[], float], leases: Callable[[], float],
                    capacity: int) -> None:

@@ -124,6 +124,12 @@ class PrometheusMetrics:
             ["method", "code"],
             registry=registry,
         )
+        # Series that exist from the start, at 0: rate() then sees the first occurrence too.
+        for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
+                     "UNAVAILABLE", "INTERNAL"):
+            self.grpc_requests.labels("Generate", code)
+        for reason in ("length", "stop", "eos", "cancelled", "deadline", "error"):
+            self.requests_finished.labels(reason)
         self.adapter_traffic = AdapterTraffic(adapter_top_k)
         registry.register(_AdapterTrafficCollector(self.adapter_traffic))
 
