@@ -1,7 +1,9 @@
 """gRPC streaming overhead: tokens/s through the real server vs the in-process Engine, same workload.
 
 Workload: CONCURRENCY concurrent requests at a time, TOTAL in all, over a few adapters (all fit in
-the slots, loaded before timing), greedy, ignore_eos, fixed max_new_tokens. The in-process side
+the slots, loaded before timing), greedy, ignore_eos, fixed max_new_tokens, on a 4-layer hidden-512
+LLaMA by default (`--model builtin:tiny` measures the toy model, where Python per-token overhead
+rather than model compute dominates). The in-process side
 runs first and is shut down before the server starts, so the two never share the CPUs.
 
     .venv/bin/python bench/grpc_overhead.py [--total 96] [--concurrency 16] [--max-new-tokens 64]
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -27,6 +30,7 @@ from inference_service.api import inference_pb2 as pb  # noqa: E402
 from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
 from inference_service.client import InferenceClient  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from inference_service.models.llama import ModelConfig  # noqa: E402
 from tests.infra.inference_server import start_inference_server  # noqa: E402
 
 
@@ -95,7 +99,9 @@ def run_grpc(args, adapters: dict[str, str], work, log_dir: str) -> tuple[int, f
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--model", default="",
+                   help="checkpoint dir or builtin:tiny; default: a generated 4-layer hidden-512 LLaMA (the "
+                        "engine_throughput model), big enough that per-token work is model compute")
     p.add_argument("--total", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -105,7 +111,14 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = {f"b{i}": write_peft_adapter(Path(tmp) / f"b{i}", rank=8, seed=i).as_uri()
+        if not args.model:
+            from bench.engine_throughput import MODEL
+            from tests.infra.models import make_checkpoint
+
+            args.model = str(make_checkpoint(Path(tmp) / "model", "llama", **MODEL))
+        config = None if args.model == "builtin:tiny" else ModelConfig.from_hf(
+            json.loads((Path(args.model) / "config.json").read_text()))
+        adapters = {f"b{i}": write_peft_adapter(Path(tmp) / f"b{i}", config, rank=8, seed=i).as_uri()
                     for i in range(args.adapters)}
         work = workload(args.total, args.adapters)
         inproc = max((run_inprocess(args, adapters, work) for _ in range(args.repeat)), key=lambda r: r[0] / r[1])

@@ -95,6 +95,22 @@ class RequestOutput:
     timings: Timings | None = None
     logits: list[torch.Tensor] | None = None
 
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One delta covering this one and the next (a consumer that fell behind sends fewer messages)."""
+        logits = None if self.logits is None and later.logits is None else (self.logits or []) + (later.logits or [])
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text=self.text + later.text,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens,
+            generated_tokens=later.generated_tokens,
+            error=later.error,
+            timings=later.timings,
+            logits=logits,
+        )
+
 
 class Request:
     """A sequence being served: prompt + generated tokens, KV progress, adapter, sampling state."""
