@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.device import CopyEngine, single_torch_thread
+from inference_service.device import CopyEngine, background_worker_thread
 from inference_service.errors import (
     FailedPreconditionError,
     LoraplexError,
@@ -75,7 +75,7 @@ class LoRAManager:
         self.source = source
         self.metrics = metrics or NullMetrics()
         self._host_pool = host_executor or concurrent.futures.ThreadPoolExecutor(
-            host_workers, thread_name_prefix="lora-host", initializer=single_torch_thread
+            host_workers, thread_name_prefix="lora-host", initializer=background_worker_thread
         )
         self._admin_ops: list[AdminOp] = []
         self._waiting_unloads: dict[str, list[concurrent.futures.Future[None]]] = {}
