@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import signal
 import threading
@@ -14,6 +13,7 @@ from adapter_cache.metrics import CacheMetrics
 from adapter_cache.server import build_server
 from adapter_cache.stager import CacheConfig, Stager
 from adapter_cache.store import FetchConfig, S3Config
+from inference_service.env_flags import add_env_flag
 
 log = logging.getLogger("adapter_cache")
 ENV_PREFIX = "LORAPLEX_CACHE_"
@@ -28,10 +28,6 @@ def parse_bytes(text: str) -> int:
     return int(match[1]) * _UNITS[(match[2] or "").lower()]
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loraplex-cache",
@@ -39,20 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
         "directory and leases them to the inference service. Every flag can also be set through the "
         f"environment as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}CAPACITY_BYTES); --allow-prefix takes a "
         "comma-separated list there.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
 
-    def add(flag: str, default, help: str, **kw) -> None:
-        p.add_argument(f"--{flag}", default=_env(flag, default), help=help, **kw)
+    def add(flag: str, default: object, help: str, **kw: object) -> None:
+        add_env_flag(p, ENV_PREFIX, f"--{flag}", help, default=default, **kw)
 
     add("listen", "unix:///tmp/loraplex/adapter-cache.sock", "unix:///path (default) or HOST:PORT for TCP")
     add("shm-dir", "/dev/shm/loraplex-adapters", "directory (tmpfs) where staged adapters live")
     add("capacity-bytes", "8GiB", "byte budget of the host cache", type=parse_bytes)
-    env_prefixes = _env("allow-prefix")
-    p.add_argument("--allow-prefix", action="append",
-                   default=[s for s in (env_prefixes or "").split(",") if s],
-                   help="URI prefix adapters may be fetched from (repeatable), e.g. s3://bucket/adapters, "
-                   "file:///models/adapters; anything else is PERMISSION_DENIED")
+    add("allow-prefix", [], "URI prefix adapters may be fetched from (repeatable), e.g. s3://bucket/adapters, "
+        "file:///models/adapters; anything else is PERMISSION_DENIED", action="append")
     add("max-adapter-bytes", "2GiB", "largest adapter_model.safetensors accepted", type=parse_bytes)
     add("max-rank", "256", "largest LoRA rank accepted", type=int)
     add("default-lease-seconds", "600", "lease length when a Stage call asks for none", type=float)
@@ -66,9 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("read-timeout-seconds", "30", "per-request read timeout", type=float)
     add("s3-endpoint-url", None, "S3 endpoint; unset: boto3's own (AWS_ENDPOINT_URL, AWS config files)")
     add("s3-addressing-style", "path", "S3 addressing style: path, virtual or auto")
-    for flag, help in (("no-mlock", "do not lock staged files in RAM"), ("no-http", "disable http(s):// sources")):
-        p.add_argument(f"--{flag}", action="store_true", help=help,
-                       default=(_env(flag) or "").lower() in ("1", "true", "yes"))
+    add("no-mlock", False, "do not lock staged files in RAM", action="store_true")
+    add("no-http", False, "disable http(s):// sources", action="store_true")
     add("metrics-port", "0", "Prometheus port (0: off)", type=int)
     add("metrics-addr", "0.0.0.0", "Prometheus bind address")
     add("log-level", "INFO", "logging level")

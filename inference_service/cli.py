@@ -19,37 +19,20 @@ from typing import Any
 
 from inference_service.auth import UriPolicy, is_loopback_listen, read_token_file
 from inference_service.config import EngineConfig
+from inference_service.env_flags import add_env_flag, env_name
 from inference_service.errors import LoraplexError
 from inference_service.server import ServerConfig
 
 log = logging.getLogger("loraplex.cli")
 ENV_PREFIX = "LORAPLEX_"
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def _env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    return env_name(ENV_PREFIX, flag)
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, help: str, **kw: Any) -> None:
-    """Adds `flag` with its default taken from LORAPLEX_<FLAG> when set."""
-    env = _env_name(flag)
-    raw = os.environ.get(env)
-    action = kw.get("action")
-    if raw is not None:
-        if action == "store_true":
-            kw["default"] = raw.strip().lower() in _TRUE
-        elif action == "append":
-            kw["default"] = [v.strip() for v in raw.split(",") if v.strip()]
-        else:
-            conv = kw.get("type", str)
-            try:
-                kw["default"] = conv(raw)
-            except ValueError:
-                parser.error(f"{env}={raw!r} is not valid for {flag}")
-    default = kw.get("default")
-    shown = "" if default in (None, False, [], ()) or action == "append" else f" (default: {default})"
-    parser.add_argument(flag, help=f"{help}{shown} [env {env}]", **kw)
+def _add(parser: argparse.ArgumentParser | Any, flag: str, help: str, **kw: Any) -> None:
+    add_env_flag(parser, ENV_PREFIX, flag, help, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
