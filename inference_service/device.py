@@ -20,6 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 
 BACKGROUND_NICENESS = 10
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 
 
 class CopyHandle(Protocol):
@@ -176,7 +177,10 @@ def register_host_memory(buffer: torch.Tensor) -> bool:
     """
     if not torch.cuda.is_available():
         return False
-    result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    cudart = torch.cuda.cudart()
+    size = buffer.numel() * buffer.element_size()
+    # Staged files are mapped read-only, which plain registration refuses; we only ever read them.
+    result = cudart.cudaHostRegister(buffer.data_ptr(), size, _CUDA_HOST_REGISTER_READ_ONLY)
     if int(result) != 0:
         log.warning("cudaHostRegister failed (%s); copies from this buffer will not overlap", result)
         return False
