@@ -131,3 +131,44 @@ def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed):
     assert core.lora.registry.total_refs() == 0
     assert stats.pending_load_events == 0 and stats.slots_referenced == 0
     assert not core.scheduler.requests and not core.scheduler.running and not core.scheduler.waiting
+
+
+def test_aging_serves_an_adapter_that_busier_ones_would_starve(tiny_adapters):
+    """Two slots kept busy by a steady stream of a0/a1 requests; an a2 request still gets a slot."""
+    core = _core(max_loras=2, aging_steps=5)
+    load_adapters(core, {n: tiny_adapters[n] for n in ("a0", "a1")}, preload=True)
+    load_adapters(core, {"a2": tiny_adapters["a2"]})
+    short = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for i in range(4):
+        core.add_request(Request(f"warm{i}", [256, 40 + i], short), f"a{i % 2}")
+    core.step()
+    core.add_request(Request("starved", [256, 99], short), "a2")
+    finished_at = None
+    for step in range(300):
+        core.add_request(Request(f"busy{step}", [256, 50 + step % 40], short), f"a{step % 2}")
+        if any(o.request_id == "starved" and o.finished for o in core.step()):
+            finished_at = step
+            break
+        time.sleep(0.002)  # let a2's staging (host threads) progress as wall time would
+    assert finished_at is not None, "the a2 request starved behind a0/a1 traffic"
+    run_to_completion(core)
+    assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+
+
+def test_without_aging_the_same_traffic_starves_it(tiny_adapters):
+    """The control for the test above: the starvation it prevents is real."""
+    core = _core(max_loras=2, aging_steps=10**9)
+    load_adapters(core, {n: tiny_adapters[n] for n in ("a0", "a1")}, preload=True)
+    load_adapters(core, {"a2": tiny_adapters["a2"]})
+    short = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for i in range(4):
+        core.add_request(Request(f"warm{i}", [256, 40 + i], short), f"a{i % 2}")
+    core.step()
+    core.add_request(Request("starved", [256, 99], short), "a2")
+    for step in range(100):
+        core.add_request(Request(f"busy{step}", [256, 50 + step % 40], short), f"a{step % 2}")
+        assert not any(o.request_id == "starved" and o.finished for o in core.step())
+        time.sleep(0.002)
+    for request_id in list(core.scheduler.requests):
+        core.abort(request_id)
+    core.step()
