@@ -164,7 +164,7 @@ def test_client_cancel_aborts_in_engine_and_counts_cancelled():
     text = run(_with_server(engine, body))
     assert engine.aborted == {"c1": FinishReason.CANCELLED}
     assert 'loraplex_grpc_requests_total{code="CANCELLED",method="Generate"} 1.0' in text
-    assert 'code="OK"' not in text
+    assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text  # never counted as success
 
 
 def test_deadline_aborts_with_deadline_reason():
