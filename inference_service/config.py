@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +30,6 @@ class EngineConfig:
     host_load_workers: int = 2  # threads preparing adapters on the host (never the scheduler)
     overlap_loads: bool = True  # False: blocking slot copies (benchmark baseline only)
     seed: int = 0
-    extra: dict[str, str] = field(default_factory=dict)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -139,10 +139,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
-        self.text = ""  # detokenized output so far (stop strings are matched on it)
         self.emitted_text_len = 0
-        self.emitted_token_count = 0
-        self.pending_logits: list[torch.Tensor] = []
 
     @property
     def all_token_ids(self) -> list[int]:

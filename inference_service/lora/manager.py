@@ -236,7 +236,15 @@ class LoRAManager:
     # ---- internals ----
 
     def _start_staging(self, entry: AdapterVersion) -> None:
-        entry.staging = self._host_pool.submit(self.source.fetch, entry.uri, entry.sha256)
+        entry.staging = self._host_pool.submit(self._prepare, entry.uri, entry.sha256)
+
+    def _prepare(self, uri: str, sha256: str | None) -> HostAdapter:
+        """On a host thread: fetch and validate, then make the tensors copyable asynchronously
+        (page-locked on CUDA; a no-op for buffers the source already registered, and on CPU)."""
+        host = self.source.fetch(uri, sha256)
+        pin = self.loader.engine.pin
+        host.modules = {key: (pin(a), pin(b), scaling) for key, (a, b, scaling) in host.modules.items()}
+        return host
 
     def _finish_staging(self, entry: AdapterVersion, result: DrainResult) -> None:
         future, entry.staging = entry.staging, None
