@@ -409,8 +409,8 @@ class Engine:
                 outputs = self._fail_all(core)
             self._publish(core)
             self._deliver(outputs)
-            if not outputs and core.has_work():
-                time.sleep(0.0005)  # waiting on loads only: do not spin a core
+            if not outputs and (core.has_work() or core.lora.has_pending_work()):
+                time.sleep(0.0005)  # waiting on loads only: leave the cores to the loaders
 
     def _run_commands(self, block: bool) -> None:
         try:
