@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -232,7 +233,7 @@ class EngineCore:
             slots_pinned=sum(1 for uid in occupied if versions[uid].pinned),
             pending_load_events=len(lora.loader.pending),
             requests_running=len(self.scheduler.running),
-            requests_waiting=dict(self.scheduler.waiting_reasons) if self.scheduler.waiting else {},
+            requests_waiting=dict(Counter(r.wait_reason or "queued" for r in self.scheduler.waiting)),
             kv_cache_usage=self.runner.kv.usage,
             kv_blocks_used=self.runner.kv.num_used,
             adapter_references=lora.registry.total_refs(),

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from inference_service.models.llama import ModelConfig
-
-log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -15,7 +15,6 @@ from inference_service.device import InlineExecutor, make_copy_engine
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.manager import LoRAManager
-from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.lora.ops import build_lora_batch
 from inference_service.lora.sidecar_source import SidecarSource
 from inference_service.lora.source import AdapterSource, LocalDirectorySource
@@ -45,7 +44,6 @@ class ModelRunner:
         shapes = model.config.lora_shapes()
         budget = self._memory_budget()
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
-        lora_bytes = LoRAMemoryPool.bytes_needed(config.max_loras, config.max_lora_rank, shapes, self.dtype)
         self.lora = LoRAManager(
             num_slots=config.max_loras,
             max_rank=config.max_lora_rank,
@@ -60,6 +58,7 @@ class ModelRunner:
             host_executor=None if config.overlap_loads else InlineExecutor(),
         )
         model.attach_lora_buffers(self.lora.pool.buffers)
+        lora_bytes = self.lora.pool.nbytes
         kv_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget - lora_bytes
         per_block = kv_bytes_per_block(model.config, config.block_size, self.dtype)
         num_blocks = kv_bytes // per_block

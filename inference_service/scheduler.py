@@ -38,7 +38,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.waiting_reasons: dict[str, int] = {}
         self._arrivals = itertools.count()
         self.finished_this_step: list[Request] = []
         self.num_preemptions = 0
@@ -122,7 +121,6 @@ class Scheduler:
         log.info("preempted %s (KV cache full); it will recompute", request.request_id)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        reasons: dict[str, int] = {}
         barrier = self._aging_barrier()
         needed = {r.adapter_uid for r in self.running if r.adapter_uid}
         needed |= {
@@ -156,12 +154,10 @@ class Scheduler:
                 blocked = True  # FCFS for memory: no overtaking on KV, or long prompts would starve
             request.skipped_steps += 1
             request.wait_reason = reason
-            reasons[reason] = reasons.get(reason, 0) + 1
         for request in admitted:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-        self.waiting_reasons = reasons
 
     def _aging_barrier(self) -> int | None:
         """Arrival number of the oldest waiting request that has aged out and cannot get a slot."""

@@ -34,12 +34,6 @@ class LoRAMemoryPool:
         self._last_use = [0] * num_slots
         self._clock = itertools.count(1)
 
-    @staticmethod
-    def bytes_needed(num_slots: int, max_rank: int, shapes: BaseModelShapes, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_slot = sum((i + o) * max_rank for i, o in shapes.features.values()) * shapes.num_layers
-        return num_slots * per_slot * itemsize
-
     def find_slot(self, unevictable: set[str]) -> int | None:
         """A free slot, else the least recently used one whose adapter is not in `unevictable`."""
         free = [s for s, uid in enumerate(self.slot_to_uid) if uid is None]
