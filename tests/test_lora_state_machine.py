@@ -275,13 +275,17 @@ class SlotPoolMachine(RuleBasedStateMachine):
     def settle(self, rounds: int) -> None:
         """The common case, to reach deep states: stagings and copies finish in order between steps."""
         for _ in range(rounds):
-            if self.executor.queued:
-                self.executor.complete(0)
-                self.slot_pool_invariants()
-            if self.copies.queued:
-                self.copies.complete(0)
-                self.slot_pool_invariants()
+            self._complete_next_in_order()
             self.step()
+            self.slot_pool_invariants()
+
+    def _complete_next_in_order(self) -> None:
+        """The oldest queued staging, then the oldest queued copy, checking invariants after each."""
+        if self.executor.queued:
+            self.executor.complete(0)
+            self.slot_pool_invariants()
+        if self.copies.queued:
+            self.copies.complete(0)
             self.slot_pool_invariants()
 
     # ---- invariants ----
@@ -397,12 +401,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
             self.slot_pool_invariants()
         for _ in range(100):
             while self.executor.queued or self.copies.queued:
-                if self.executor.queued:
-                    self.executor.complete(0)
-                    self.slot_pool_invariants()
-                if self.copies.queued:
-                    self.copies.complete(0)
-                    self.slot_pool_invariants()
+                self._complete_next_in_order()
             self.step()
             self.slot_pool_invariants()
             if not (self.core.has_work() or self.lora.has_pending_work() or self.executor.queued

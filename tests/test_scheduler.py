@@ -133,42 +133,42 @@ def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed):
     assert not core.scheduler.requests and not core.scheduler.running and not core.scheduler.waiting
 
 
-def test_aging_serves_an_adapter_that_busier_ones_would_starve(tiny_adapters):
-    """Two slots kept busy by a steady stream of a0/a1 requests; an a2 request still gets a slot."""
-    core = _core(max_loras=2, aging_steps=5)
+SHORT = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+
+def _starvation_setup(tiny_adapters, aging_steps: int) -> EngineCore:
+    """Two slots held by a0/a1 (running requests), then a request for a2, which is only registered."""
+    core = _core(max_loras=2, aging_steps=aging_steps)
     load_adapters(core, {n: tiny_adapters[n] for n in ("a0", "a1")}, preload=True)
     load_adapters(core, {"a2": tiny_adapters["a2"]})
-    short = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for i in range(4):
-        core.add_request(Request(f"warm{i}", [256, 40 + i], short), f"a{i % 2}")
+        core.add_request(Request(f"warm{i}", [256, 40 + i], SHORT), f"a{i % 2}")
     core.step()
-    core.add_request(Request("starved", [256, 99], short), "a2")
-    finished_at = None
-    for step in range(300):
-        core.add_request(Request(f"busy{step}", [256, 50 + step % 40], short), f"a{step % 2}")
-        if any(o.request_id == "starved" and o.finished for o in core.step()):
-            finished_at = step
-            break
-        time.sleep(0.002)  # let a2's staging (host threads) progress as wall time would
-    assert finished_at is not None, "the a2 request starved behind a0/a1 traffic"
+    core.add_request(Request("starved", [256, 99], SHORT), "a2")
+    return core
+
+
+def _busy_step(core: EngineCore, step: int) -> bool:
+    """One more a0/a1 request, one scheduler step; True once the a2 request has finished."""
+    core.add_request(Request(f"busy{step}", [256, 50 + step % 40], SHORT), f"a{step % 2}")
+    starved_done = any(o.request_id == "starved" and o.finished for o in core.step())
+    time.sleep(0.002)  # let a2's staging (host threads) progress as wall time would
+    return starved_done
+
+
+def test_aging_serves_an_adapter_that_busier_ones_would_starve(tiny_adapters):
+    """Two slots kept busy by a steady stream of a0/a1 requests; an a2 request still gets a slot."""
+    core = _starvation_setup(tiny_adapters, aging_steps=5)
+    assert any(_busy_step(core, step) for step in range(300)), "the a2 request starved behind a0/a1 traffic"
     run_to_completion(core)
     assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
 
 
 def test_without_aging_the_same_traffic_starves_it(tiny_adapters):
     """The control for the test above: the starvation it prevents is real."""
-    core = _core(max_loras=2, aging_steps=10**9)
-    load_adapters(core, {n: tiny_adapters[n] for n in ("a0", "a1")}, preload=True)
-    load_adapters(core, {"a2": tiny_adapters["a2"]})
-    short = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    for i in range(4):
-        core.add_request(Request(f"warm{i}", [256, 40 + i], short), f"a{i % 2}")
-    core.step()
-    core.add_request(Request("starved", [256, 99], short), "a2")
+    core = _starvation_setup(tiny_adapters, aging_steps=10**9)
     for step in range(100):
-        core.add_request(Request(f"busy{step}", [256, 50 + step % 40], short), f"a{step % 2}")
-        assert not any(o.request_id == "starved" and o.finished for o in core.step())
-        time.sleep(0.002)
+        assert not _busy_step(core, step)
     for request_id in list(core.scheduler.requests):
         core.abort(request_id)
     core.step()
