@@ -1,9 +1,10 @@
 """Overlapped adapter loading: does decoding stay steady while adapters churn through slots?
 
-Resident requests decode on pinned adapters while other adapters (rank 64 on all 7 modules)
-are staged and copied into the remaining slots continuously, each evicting the previous.
-Three runs in one process: no churn, churn with overlapped loads, churn with blocking loads
-(`--no-overlap`-style baseline: preparation and copy on the scheduler thread). Also compares
+Resident requests decode on their adapters while other adapters (rank 64 on all 7 modules)
+are staged and copied into the remaining slots at a fixed cadence (one every `--churn-every`
+steps), each evicting the least recently used churn adapter. Three modes in one process,
+interleaved over `--rounds` runs: no churn, churn with overlapped loads, and churn with
+blocking loads (`--no-overlap`-style baseline: preparation and copy on the scheduler thread). Also compares
 the slot-load bandwidth with a plain torch copy of the same bytes.
 Last line: RESULT overlap_p99_itl_ratio=<p99 inter-token latency with churn / without>.
 """
@@ -32,9 +33,10 @@ from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint  # noq
 RESIDENT, CHURN, SLOTS = 4, 8, 8
 
 
-def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path], steps: int, churning: bool,
-            overlap: bool) -> tuple[list[float], int]:
-    """Inter-token latencies of the resident requests, and how many churn loads completed."""
+def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path], steps: int, churn_every: int,
+            overlap: bool) -> tuple[list[float], int, int]:
+    """Inter-token latencies of the resident requests, churn loads completed, and churn turns skipped
+    because the previous load had not finished (`churn_every=0`: no churn)."""
     core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=SLOTS, max_lora_rank=64, max_num_seqs=64,
                                    kv_cache_bytes=128 << 20, overlap_loads=overlap))
     load_adapters(core, resident, pinned=False, preload=True)
@@ -48,16 +50,22 @@ def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path],
     churn_uids = [core.lora.registry.current[n] for n in churn]
     loads_before = core.lora.loads_total
     itl: list[float] = []
+    current: str | None = None
+    skipped = 0
     last = time.perf_counter()
-    turn = 0
-    for _ in range(steps):
-        if churning and not core.lora.has_pending_work():
-            # Next churn adapter: stage it, then copy it into a slot, evicting the previous one.
-            uid = churn_uids[turn % len(churn_uids)]
-            if core.lora.slot_of(uid) is None:
-                core.lora.ensure_loading(uid, needed)
-                core.lora.ensure_loading(uid, needed)  # host-ready at once in blocking mode
-            turn += core.lora.slot_of(uid) is not None or uid in core.lora.loader.pending
+    for step in range(steps):
+        if churn_every:
+            # The same cadence in both modes: every `churn_every` steps the next churn adapter is
+            # staged and copied into a slot, evicting the least recently used churn adapter.
+            if current is not None and core.lora.slot_of(current) is None:
+                core.lora.ensure_loading(current, needed)  # staged by now? then start its slot copy
+            if step % churn_every == 0:
+                if current is not None and core.lora.slot_of(current) is None:
+                    skipped += 1  # the previous load is still running: no second one on top
+                else:
+                    current = churn_uids[(step // churn_every) % len(churn_uids)]
+                    core.lora.ensure_loading(current, needed)
+                    core.lora.ensure_loading(current, needed)  # blocking mode: staged already, copy now
         outputs = core.step()
         now = time.perf_counter()
         assert len(outputs) == 16
@@ -65,7 +73,7 @@ def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path],
         last = now
     loads = core.lora.loads_total - loads_before
     core.shutdown()
-    return itl, loads
+    return itl, loads, skipped
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,7 +108,9 @@ def copy_bandwidth(checkpoint: Path, adapter: Path) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=200, help="decode steps per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each mode, interleaved")
+    parser.add_argument("--churn-every", type=int, default=5, help="start one churn load every N steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,13 +121,22 @@ def main() -> None:
         churn = {f"churn{i}": make_adapter(checkpoint, root / f"churn{i}", AdapterSpec(f"churn{i}", 64, 64,
                                                                                       seed=100 + i))
                  for i in range(CHURN)}
-        results = {}
-        for label, churning, overlap in [("no churn", False, True), ("churn, overlapped", True, True),
-                                         ("churn, blocking", True, False)]:
-            itl, loads = measure(checkpoint, resident, churn, args.steps, churning, overlap)
-            results[label] = itl
+        modes = [("no churn", 0, True), ("churn, overlapped", args.churn_every, True),
+                 ("churn, blocking", args.churn_every, False)]
+        results: dict[str, list[float]] = {label: [] for label, _, _ in modes}
+        loads = dict.fromkeys(results, 0)
+        skipped = dict.fromkeys(results, 0)
+        # Rounds interleave the modes so that drift in the machine's load hits all three alike.
+        for _ in range(args.rounds):
+            for label, churn_every, overlap in modes:
+                itl, done, missed = measure(checkpoint, resident, churn, args.steps, churn_every, overlap)
+                results[label] += itl
+                loads[label] += done
+                skipped[label] += missed
+        for label, itl in results.items():
             print(f"{label:18s}: p50 {statistics.median(itl) * 1e3:7.2f} ms  p99 {percentile(itl, 0.99) * 1e3:7.2f} ms"
-                  f"  ({loads} adapter loads during {len(itl)} steps)", flush=True)
+                  f"  ({loads[label]} adapter loads, {skipped[label]} churn turns skipped, {len(itl)} steps)",
+                  flush=True)
         load_gbps, plain_gbps = copy_bandwidth(checkpoint, churn["churn0"])
         print(f"slot load bandwidth {load_gbps:.2f} GB/s vs plain torch copy {plain_gbps:.2f} GB/s "
               f"({load_gbps / plain_gbps:.2f}x)")
