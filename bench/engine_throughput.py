@@ -30,9 +30,9 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 
 
 def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str | None],
-               new_tokens: int) -> float:
+               new_tokens: int, dtype: str) -> float:
     core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=16, max_lora_rank=16, max_num_seqs=64,
-                                   max_num_batched_tokens=2048, kv_cache_bytes=256 << 20))
+                                   max_num_batched_tokens=2048, kv_cache_bytes=256 << 20, dtype=dtype))
     if adapters:
         load_adapters(core, adapters, preload=True)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -48,8 +48,8 @@ def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[i
 
 
 def run_peft(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str],
-             new_tokens: int) -> float:
-    model = peft_reference(checkpoint, adapters)
+             new_tokens: int, dtype: str) -> float:
+    model = peft_reference(checkpoint, adapters).to(getattr(torch, dtype))
     inputs = torch.tensor(prompts)
     with torch.no_grad():
         start = time.perf_counter()
@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and activations, the same for all three runs")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -78,11 +80,11 @@ def main() -> None:
         prompts = torch.randint(3, MODEL["vocab_size"], (args.requests, args.prompt_tokens), generator=gen).tolist()
         names = [specs[i % len(specs)].name for i in range(args.requests)]
 
-        ours = run_engine(checkpoint, adapters, prompts, list(names), args.new_tokens)
+        ours = run_engine(checkpoint, adapters, prompts, list(names), args.new_tokens, args.dtype)
         print(f"engine, {args.adapters} adapters: {ours:10.1f} tokens/s", flush=True)
-        base = run_engine(checkpoint, {}, prompts, [None] * args.requests, args.new_tokens)
+        base = run_engine(checkpoint, {}, prompts, [None] * args.requests, args.new_tokens, args.dtype)
         print(f"engine, base model:   {base:10.1f} tokens/s", flush=True)
-        peft = run_peft(checkpoint, adapters, prompts, names, args.new_tokens)
+        peft = run_peft(checkpoint, adapters, prompts, names, args.new_tokens, args.dtype)
         print(f"peft generate:        {peft:10.1f} tokens/s", flush=True)
     print(f"mixed-adapter / base-model throughput: {ours / base:.3f} (target >= 0.8)")
     print(f"RESULT engine_vs_peft_tokens_per_s={ours / peft:.3f}")

@@ -277,10 +277,20 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class BaseModelShapes:
-    """What an adapter must fit: layer count and (in, out) features per target module."""
+    """What an adapter must fit: layer count and (in, out) features per target module.
+
+    `fused` lists the modules that share one input and one fused base projection, in the order of
+    that projection's output columns (q,k,v; gate,up): their slots are stacked so that one LoRA op
+    serves the whole projection. By default every module stands alone.
+    """
 
     num_layers: int
     features: dict[str, tuple[int, int]]
+    fused: tuple[tuple[str, ...], ...] = ()
+
+    def module_groups(self) -> tuple[tuple[str, ...], ...]:
+        grouped = {m for group in self.fused for m in group}
+        return self.fused + tuple((m,) for m in self.features if m not in grouped)
 
 
 def build_host_adapter(

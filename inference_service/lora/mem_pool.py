@@ -1,7 +1,11 @@
 """LoRA slots on the device: slot-stacked A/B buffers, uid_to_slot / slot_to_uid, LRU eviction.
 
-Buffers per layer and module are `A [n_slots, r_max, in]` and `B [n_slots, out, r_max]`; ranks
-below r_max are zero-padded and the adapter's scaling is folded into B.
+The modules that feed one fused base projection (q,k,v; gate,up; see `BaseModelShapes.fused`)
+share one A buffer, `A [n_slots, n·r_max, in]` with their A stacked along the rank axis, so one
+shrink matmul serves the whole projection; each module has its own `Bᵀ [n_slots, r_max, out]`.
+`buffers[(layer, module)]` are the per-module (A view, Bᵀ) pairs the loader writes. Ranks below
+r_max are zero-padded and the adapter's scaling is folded into B, which is stored transposed so
+the expand matmul reads it contiguously (3x faster than a transposed view on CPU).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from collections.abc import Callable
 import torch
 
 from inference_service.lora.adapter import BaseModelShapes, HostAdapter
+from inference_service.lora.ops import SlicedB
 
 SlotBuffers = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+GroupBuffers = dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[SlicedB]]]
 
 
 class LoRAMemoryPool:
@@ -21,13 +27,21 @@ class LoRAMemoryPool:
         self, num_slots: int, max_rank: int, shapes: BaseModelShapes, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.num_slots, self.max_rank = num_slots, max_rank
+        self.group_buffers: GroupBuffers = {}
         self.buffers: SlotBuffers = {}
         for layer in range(shapes.num_layers):
-            for module, (in_features, out_features) in shapes.features.items():
-                self.buffers[(layer, module)] = (
-                    torch.zeros(num_slots, max_rank, in_features, device=device, dtype=dtype),
-                    torch.zeros(num_slots, out_features, max_rank, device=device, dtype=dtype),
-                )
+            for group in shapes.module_groups():
+                in_features = shapes.features[group[0]][0]
+                outs = [shapes.features[module][1] for module in group]
+                assert all(shapes.features[m][0] == in_features for m in group), f"{group} must share an input"
+                a = torch.zeros(num_slots, len(group) * max_rank, in_features, device=device, dtype=dtype)
+                sliced, col = [], 0
+                for i, (module, out_features) in enumerate(zip(group, outs, strict=True)):
+                    b = torch.zeros(num_slots, max_rank, out_features, device=device, dtype=dtype)
+                    self.buffers[(layer, module)] = (a[:, i * max_rank : (i + 1) * max_rank], b)
+                    sliced.append(SlicedB(col, col + out_features, b))
+                    col += out_features
+                self.group_buffers[(layer, group)] = (a, sliced)
         self.nbytes = sum(a.nbytes + b.nbytes for a, b in self.buffers.values())
         self.uid_to_slot: dict[str, int] = {}
         self.slot_to_uid: list[str | None] = [None] * num_slots
@@ -75,11 +89,11 @@ class LoRAMemoryPool:
                 rank = a.shape[0]
                 a_slot[:rank].copy_(a, non_blocking=True)
                 a_slot[rank:].zero_()
-                if b.device == b_slot.device:  # one pass: scale while copying
-                    torch.mul(b, scaling, out=b_slot[:, :rank])
+                if b.device == b_slot.device:  # one pass: scale (and convert) while copying
+                    torch.mul(b.t(), scaling, out=b_slot[:rank])
                 else:  # host → device: async copy from pinned memory, then scale on the device
-                    b_slot[:, :rank].copy_(b, non_blocking=True)
-                    b_slot[:, :rank].mul_(scaling)
-                b_slot[:, rank:].zero_()
+                    b_slot[:rank].copy_(b.t(), non_blocking=True)
+                    b_slot[:rank].mul_(scaling)
+                b_slot[rank:].zero_()
 
         return copy

@@ -1,5 +1,9 @@
 """The batched LoRA op: `out += s_a · (x A_aᵀ) B_aᵀ` with `a` the slot of each token's request.
 
+Slot buffers are A [slots, n·r, in] (the modules of one fused projection stacked) and one
+Bᵀ [slots, r, out] per module, possibly in a wider dtype than the model's (fp32 on CPU, where
+small bf16 matmuls are slow): x is cast to it and the delta is added in the model's dtype.
+
 Tokens are grouped by slot once per step (`LoRABatch`, shared by every layer and module), then
 each module runs two batched matmuls over the groups: gather-per-token for decode and segments
 for prefill fall out of the same grouping. Scaling is folded into the slot's B buffer at load
@@ -13,6 +17,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class SlicedB:
+    """One module of a fused projection: its output columns [start, end) and its Bᵀ slot buffer."""
+
+    start: int
+    end: int
+    b: torch.Tensor  # [slots, r, end - start]
 
 
 @dataclass(frozen=True)
@@ -73,35 +86,38 @@ def build_lora_batch(token_slots: list[int], num_slots: int, device: torch.devic
 
 class LoRAOp(Protocol):
     def apply(
-        self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
+        self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], batch: LoRABatch
     ) -> None:
-        """Add the LoRA delta of x [T, in] into out [T, out] using slot buffers a, b."""
+        """Add the LoRA deltas of one fused projection into out [T, Σout].
+
+        `a` [slots, n·r, in] holds the A of its n modules stacked along the rank axis; `bs` gives
+        each module's output columns and Bᵀ [slots, r, out]."""
 
 
 class TorchLoRAOp:
     """Grouped batched-matmul implementation; runs on any device torch supports."""
 
     def apply(
-        self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
+        self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], batch: LoRABatch
     ) -> None:
         groups, group_len = batch.num_groups, batch.max_group_len
         if batch.slots is not None:
-            a, b = a.index_select(0, batch.slots), b.index_select(0, batch.slots)
+            a = a.index_select(0, batch.slots)
+            bs = [SlicedB(s.start, s.end, s.b.index_select(0, batch.slots)) for s in bs]
         if batch.gather_rows is None:
             padded_x = x[batch.first_row :].view(groups, group_len, x.shape[1])
         else:
             padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.gather_rows]
             padded_x = padded_x.view(groups, group_len, x.shape[1])
-        shrunk = torch.bmm(padded_x, a.transpose(1, 2))  # [G, M, r]
-        expanded = torch.bmm(shrunk, b.transpose(1, 2))  # [G, M, out]
+        # One shrink for every module of the projection (they share x), then one expand each.
+        shrunk = torch.bmm(padded_x.to(a.dtype), a.transpose(1, 2))  # [G, M, n·r]
+        rank = a.shape[1] // len(bs)
+        expanded = [torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], s.b) for i, s in enumerate(bs)]
         if batch.gather_rows is None:
-            out[batch.first_row :].view(groups, group_len, out.shape[1]).add_(expanded)
+            rows = out[batch.first_row :]
+            for s, delta in zip(bs, expanded, strict=True):
+                rows[:, s.start : s.end].view(groups, group_len, s.end - s.start).add_(delta)
             return
-        delta = expanded.view(-1, out.shape[1]).index_select(0, batch.src_positions)
-        if out.is_contiguous():
-            out.index_add_(0, batch.dest_rows, delta)
-            return
-        # `out` is usually a column slice of a fused projection; index_add_ into a strided view is
-        # an order of magnitude slower than scattering into a dense buffer and adding that.
-        dense = out.new_zeros(out.shape).index_copy_(0, batch.dest_rows, delta)
-        out.add_(dense)
+        delta = torch.cat(expanded, dim=2) if len(expanded) > 1 else expanded[0]
+        delta = delta.view(-1, out.shape[1]).index_select(0, batch.src_positions).to(out.dtype)
+        out.index_add_(0, batch.dest_rows, delta)

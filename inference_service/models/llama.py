@@ -16,7 +16,7 @@ from torch import nn
 
 from inference_service.errors import FailedPreconditionError
 from inference_service.lora.adapter import BaseModelShapes
-from inference_service.lora.ops import LoRABatch, LoRAOp, TorchLoRAOp
+from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 
 _SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -107,6 +107,8 @@ class ModelConfig:
                 "up_proj": (h, i),
                 "down_proj": (i, h),
             },
+            # The fused projections of DecoderLayer, in its column order.
+            fused=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
         )
 
 
@@ -195,21 +197,22 @@ class RMSNorm(nn.Module):
 
 
 class LoRASlices:
-    """LoRA slot buffers of the modules that share one fused base projection.
+    """LoRA of the modules that share one fused base projection.
 
-    `targets` lists (module, output slice start, end); `buffers[module] = (A, B)` once attached.
+    `targets` lists (module, output slice start, end). Once attached, `buffers` are the group's
+    slot buffers (A of every module stacked along the rank axis, and each module's Bᵀ with its
+    output columns), so one op adds the deltas of all of them to the whole fused output.
     """
 
     def __init__(self, targets: list[tuple[str, int, int]]) -> None:
         self.targets = targets
-        self.buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.modules = tuple(module for module, _, _ in targets)
+        self.buffers: tuple[torch.Tensor, list[SlicedB]] | None = None
 
     def apply(self, op: LoRAOp, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch | None) -> None:
-        if lora is None or not self.buffers:
+        if lora is None or self.buffers is None:
             return
-        for module, start, end in self.targets:
-            a, b = self.buffers[module]
-            op.apply(x, out[:, start:end], a, b, lora)
+        op.apply(x, out, *self.buffers, lora)
 
 
 def _param(rows: int, cols: int | None, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -340,11 +343,13 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.lora_op: LoRAOp = TorchLoRAOp()
 
-    def attach_lora_buffers(self, buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Point every LoRA target at its slot-stacked buffers (owned by the LoRA memory pool)."""
+    def attach_lora_buffers(
+        self, buffers: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[SlicedB]]]
+    ) -> None:
+        """Point every fused projection at its group's slot buffers (owned by the LoRA memory pool)."""
         for layer in self.layers:
             for slices in layer.lora_slices():
-                slices.buffers = {m: buffers[(layer.index, m)] for m, _, _ in slices.targets}
+                slices.buffers = buffers[(layer.index, slices.modules)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
