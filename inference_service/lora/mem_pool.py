@@ -91,9 +91,12 @@ class LoRAMemoryPool:
                 a_slot[rank:].zero_()
                 if b.device == b_slot.device:  # one pass: scale (and convert) while copying
                     torch.mul(b.t(), scaling, out=b_slot[:rank])
-                else:  # host → device: async copy from pinned memory, then scale on the device
-                    b_slot[:rank].copy_(b.t(), non_blocking=True)
-                    b_slot[:rank].mul_(scaling)
+                else:  # host → device: async copy of the pinned B as it is laid out (a transposed
+                    # host view would be made contiguous in pageable memory first, synchronously),
+                    # then transpose and scale on the device, on the same copy stream
+                    staged = torch.empty(b.shape, device=b_slot.device, dtype=b.dtype)
+                    staged.copy_(b, non_blocking=True)
+                    torch.mul(staged.t(), scaling, out=b_slot[:rank])
                 b_slot[rank:].zero_()
 
         return copy
