@@ -2,13 +2,18 @@
 
 The one place that joins the pure host cache (under one lock) with I/O (object stores,
 the shared-memory directory). Nothing reaches the cache index before it is fully written,
-fsynced, digest-checked and validated, so a half-written entry can never be served.
+fsynced, checksummed, digest-checked and validated, so a half-written entry can never be served.
+
+sha256 is computed only when a caller pins one: it is serial and, on a small node, costs more
+CPU than the download. A hit whose entry was staged without a digest is hashed once, when a
+caller first pins one. Every entry has a fast parallel checksum (see shm.py) for restarts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +23,7 @@ import torch
 
 from adapter_cache.host_cache import Entry, HostCache, Lease
 from adapter_cache.metrics import CacheMetrics
-from adapter_cache.shm import PendingFile, ShmDir, StoredMeta, entry_key
+from adapter_cache.shm import PartChecksum, PendingFile, ShmDir, StoredMeta, entry_key, sha256_of
 from adapter_cache.store import (
     AccessPolicy,
     FetchConfig,
@@ -73,7 +78,7 @@ class Staged:
     manifest: list[TensorEntry]
     config_json: str
     size: int
-    sha256: str
+    sha256: str  # "" unless a caller pinned a digest and it was verified
     cache_hit: bool
 
 
@@ -185,18 +190,18 @@ class Stager:
             with self._lock:
                 entry = self.cache.get(uri)
                 if entry is not None:
-                    if sha256 and entry.sha256 != sha256:
-                        raise InvalidArgumentError(
-                            f"{uri}: staged copy has sha256 {entry.sha256}, request expects {sha256}"
-                        )
                     lease = self.cache.acquire(uri, lease_s, hit=True)
-                    self.metrics.hits.inc()
-                    log.info("stage %s: hit, lease %s", uri, lease.lease_id)
-                    return self._staged(entry, lease, hit=True)
-                flight = self._flights.get(uri)
-                leader = flight is None
-                if leader:
-                    flight = self._flights[uri] = _Flight()
+                else:
+                    flight = self._flights.get(uri)
+                    leader = flight is None
+                    if leader:
+                        flight = self._flights[uri] = _Flight()
+            if entry is not None:
+                if sha256 and entry.sha256 != sha256:
+                    self._check_pinned_digest(entry, lease, sha256)
+                self.metrics.hits.inc()
+                log.info("stage %s: hit, lease %s", uri, lease.lease_id)
+                return self._staged(entry, lease, hit=True)
             if leader:
                 return self._lead(uri, sha256, lease_s, flight)
             flight.done.wait()
@@ -240,6 +245,19 @@ class Stager:
         meta: EntryMeta = entry.meta
         return Staged(lease, meta.path, meta.manifest, meta.config_json, entry.size, entry.sha256, hit)
 
+    def _check_pinned_digest(self, entry: Entry, lease: Lease, sha256: str) -> None:
+        """A hit whose caller pins a digest: hash the entry if it never was (it holds a lease, so
+        it cannot be evicted meanwhile), then compare; on a mismatch the lease is given back."""
+        if not entry.sha256:
+            with open(entry.meta.path, "rb") as fh:
+                with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) if entry.size else memoryview(b"") as mm:
+                    digest = sha256_of(mm)
+            with self._lock:
+                entry.sha256 = digest
+        if entry.sha256 != sha256:
+            self.release(lease.lease_id)
+            raise InvalidArgumentError(f"{entry.uri}: staged copy has sha256 {entry.sha256}, request expects {sha256}")
+
     def _expire(self) -> None:
         for lease in self.cache.expire():
             log.info("lease %s on %s expired", lease.lease_id, lease.uri)
@@ -278,11 +296,14 @@ class Stager:
         config_raw = self.fetcher.get_small(f"{uri}/{CONFIG_FILE}", self.cfg.max_config_bytes)
         config = parse_adapter_config(config_raw, self.cfg.max_rank)
         pending: list[PendingFile] = []
-        hasher = _InOrderHasher()
+        checksum = PartChecksum(self.cfg.fetch.part_bytes)
+        hasher = _InOrderHasher() if sha256 else None
 
-        def write(sink: PendingFile, data: bytes, offset: int) -> None:
+        def write(sink: PendingFile, data: memoryview, offset: int) -> None:
             sink.pwrite(data, offset)
-            hasher.add(offset, data)
+            checksum.add(offset, data)
+            if hasher is not None:
+                hasher.add(offset, bytes(data))  # the fetch buffer is reused once this returns
 
         def open_sink(size: int) -> PendingFile:
             with self._lock:
@@ -295,13 +316,15 @@ class Stager:
         try:
             self.fetcher.fetch(f"{uri}/{WEIGHTS_FILE}", self.cfg.max_adapter_bytes, open_sink, write)
             file = pending[0]
-            digest = hasher.hexdigest(file.size)
-            if sha256 and digest != sha256:
+            digest = hasher.hexdigest(file.size) if hasher is not None else ""
+            if digest != sha256:
                 raise InvalidArgumentError(f"{uri}: sha256 mismatch: got {digest}, expected {sha256}")
             manifest = self._validate(file, config, uri)
             now = self._clock()
             config_json = config_raw.decode()
-            path = file.commit(StoredMeta(uri, digest, file.size, config_json, now))
+            meta = StoredMeta(uri, checksum.hexdigest(file.size), checksum.part_bytes, digest, file.size,
+                              config_json, now)
+            path = file.commit(meta)
         except BaseException:
             if pending:
                 pending[0].discard()

@@ -1,14 +1,17 @@
 """Object stores (s3://, file://, http(s)://) behind one small interface, the URI allow-list,
 and the parallel ranged fetcher.
 
-Every store answers one question, "bytes [start, start+length) of this object, and how big is
-it", so one fetcher can split large objects into parts for a thread pool. Transient failures
+Every store answers one question, "bytes [start, start+len(buf)) of this object, read into buf,
+and how big is it", so one fetcher can split large objects into parts for a thread pool. Parts
+land in each fetch thread's reusable buffer straight from the socket or file (no intermediate
+bytes objects: on a small machine the copies cost more than the network). Transient failures
 raise `TransientStoreError` and are retried by tenacity with jittered exponential backoff;
 everything else maps to the gRPC-facing errors of `inference_service.errors`.
 """
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import re
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import urllib3
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from inference_service.errors import (
@@ -41,18 +45,29 @@ class TransientStoreError(UnavailableError):
 
 @dataclass(frozen=True)
 class Part:
-    data: bytes
+    nbytes: int  # bytes read into the buffer
     total_size: int
     etag: str | None = None
 
 
 class ObjectStore(Protocol):
-    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
-        """Bytes [start, start+length) (fewer at the end) and the object's total size.
+    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
+        """Read bytes [start, start+len(buf)) (fewer at the end) into `buf`; also the object's size.
 
         With `etag`, fail if the object is no longer that version (it changed mid-fetch).
         """
         ...
+
+
+def _read_fully(read_into: Callable[[memoryview], int | None], buf: memoryview, expected: int) -> int:
+    """Fill buf[:expected] from a stream's readinto; fewer bytes only if the stream ends early."""
+    got = 0
+    while got < expected:
+        n = read_into(buf[got:expected])
+        if not n:
+            break
+        got += n
+    return got
 
 
 # --- access policy ------------------------------------------------------------------------
@@ -134,22 +149,30 @@ class S3Store:
             ),
         )
 
-    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
         from botocore.exceptions import BotoCoreError, ClientError
 
         parsed = urllib.parse.urlparse(uri)
         bucket, key = parsed.netloc, parsed.path.lstrip("/")
-        kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{start + length - 1}"}
+        kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{start + len(buf) - 1}"}
         if etag:
             kwargs["IfMatch"] = etag
         try:
             resp = self._client.get_object(**kwargs)
-            data = resp["Body"].read()
+            body = resp["Body"]
+            expected = min(len(buf), int(resp.get("ContentLength", len(buf))))
+            # The http.client response under urllib3 reads from the socket straight into buf;
+            # urllib3's own readinto (the fallback) goes through an intermediate bytes object.
+            raw = body._raw_stream
+            nbytes = _read_fully(getattr(raw, "_fp", None) and raw._fp.readinto or raw.readinto, buf, expected)
+            body.close()
+            if nbytes != expected:
+                raise TransientStoreError(f"{uri}: connection closed after {nbytes} of {expected} bytes")
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
             if code == "InvalidRange" and start == 0:
-                return Part(b"", 0, None)  # an empty object has no byte 0
+                return Part(0, 0, None)  # an empty object has no byte 0
             if code in _NOT_FOUND_S3_CODES or status == "404":
                 raise NotFoundError(f"{uri}: object not found ({code})") from None
             if code in _DENIED_S3_CODES or status == "403":
@@ -159,10 +182,11 @@ class S3Store:
             if code in _RETRYABLE_S3_CODES or status.startswith("5"):
                 raise TransientStoreError(f"{uri}: object store error {code}") from None
             raise UnavailableError(f"{uri}: object store error {code}: {exc}") from None
-        except BotoCoreError as exc:  # connection refused/reset, timeouts, truncated body
+        except (BotoCoreError, OSError, http.client.HTTPException, urllib3.exceptions.HTTPError) as exc:
+            # connection refused/reset, timeouts, a body cut short
             raise TransientStoreError(f"{uri}: object store unreachable: {exc}") from None
-        total = _total_from_content_range(resp.get("ContentRange"), len(data))
-        return Part(data, total, resp.get("ETag"))
+        total = _total_from_content_range(resp.get("ContentRange"), nbytes)
+        return Part(nbytes, total, resp.get("ETag"))
 
 
 class FileStore:
@@ -171,7 +195,7 @@ class FileStore:
     def __init__(self, roots: list[Path]) -> None:
         self._roots = roots
 
-    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
         path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
         real = Path(os.path.realpath(path))
         if not any(real == root or root in real.parents for root in self._roots):
@@ -186,7 +210,13 @@ class FileStore:
             st = os.fstat(fd)
             if etag and etag != f"{st.st_mtime_ns}-{st.st_size}":
                 raise TransientStoreError(f"{uri} changed while it was being fetched")
-            return Part(os.pread(fd, length, start), st.st_size, f"{st.st_mtime_ns}-{st.st_size}")
+            expected, nbytes = max(0, min(len(buf), st.st_size - start)), 0
+            while nbytes < expected:
+                n = os.preadv(fd, [buf[nbytes:expected]], start + nbytes)
+                if n == 0:
+                    break
+                nbytes += n
+            return Part(nbytes, st.st_size, f"{st.st_mtime_ns}-{st.st_size}")
         finally:
             os.close(fd)
 
@@ -203,20 +233,24 @@ class HttpStore:
         self._opener = urllib.request.build_opener(_NoRedirect)
         self._timeout = timeout_s
 
-    def get_range(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
-        headers = {"Range": f"bytes={start}-{start + length - 1}"}
+    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
+        headers = {"Range": f"bytes={start}-{start + len(buf) - 1}"}
         if etag:
             headers["If-Match"] = etag
         try:
             with self._opener.open(urllib.request.Request(uri, headers=headers), timeout=self._timeout) as resp:
-                body = resp.read()
                 if resp.status == 200:  # server ignored Range: slice the whole body
-                    return Part(body[start : start + length], len(body), resp.headers.get("ETag"))
-                total = _total_from_content_range(resp.headers.get("Content-Range"), start + len(body))
-                return Part(body, total, resp.headers.get("ETag"))
+                    body = resp.read()
+                    data = body[start : start + len(buf)]
+                    buf[: len(data)] = data
+                    return Part(len(data), len(body), resp.headers.get("ETag"))
+                length = resp.length if resp.length is not None else len(buf)
+                nbytes = _read_fully(resp.readinto, buf, min(len(buf), length))
+                total = _total_from_content_range(resp.headers.get("Content-Range"), start + nbytes)
+                return Part(nbytes, total, resp.headers.get("ETag"))
         except urllib.error.HTTPError as exc:
             if exc.code == 416 and start == 0:
-                return Part(b"", 0, None)
+                return Part(0, 0, None)
             if exc.code == 404:
                 raise NotFoundError(f"{uri}: not found") from None
             if exc.code in (401, 403):
@@ -242,7 +276,11 @@ class FetchConfig:
 
 
 class Fetcher:
-    """Ranged, parallel, retried GETs of one object into a caller-provided sink."""
+    """Ranged, parallel, retried GETs of one object into a caller-provided sink.
+
+    Each thread that fetches keeps one part-sized buffer for its lifetime (concurrency x part
+    bytes in all): a fresh buffer per part would pay its page faults every time.
+    """
 
     def __init__(
         self,
@@ -256,8 +294,15 @@ class Fetcher:
         self._on_request = on_request
         self._on_bytes = on_bytes
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="fetch")
+        self._local = threading.local()
 
-    def _get(self, uri: str, start: int, length: int, etag: str | None = None) -> Part:
+    def _part_buffer(self) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(self._cfg.part_bytes))
+        return buf
+
+    def _get(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
         store = self._stores.get(urllib.parse.urlparse(uri).scheme)
         if store is None:
             raise InvalidArgumentError(f"no object store configured for {uri!r}")
@@ -266,55 +311,59 @@ class Fetcher:
             wait=wait_random_exponential(multiplier=self._cfg.backoff_initial_s, max=self._cfg.backoff_max_s),
             retry=retry_if_exception_type(TransientStoreError),
             before_sleep=lambda rs: log.info(
-                "retrying GET %s bytes=%d+%d after: %s", uri, start, length, rs.outcome.exception()
+                "retrying GET %s bytes=%d+%d after: %s", uri, start, len(buf), rs.outcome.exception()
             ),
             reraise=True,
         )
         for attempt in retrying:
             with attempt:
                 self._on_request()
-                part = store.get_range(uri, start, length, etag)
-        self._on_bytes(len(part.data))
+                part = store.read_range(uri, start, buf, etag)
+        self._on_bytes(part.nbytes)
         return part
 
     def get_small(self, uri: str, max_bytes: int) -> bytes:
         """A whole small object (adapter_config.json) in one GET."""
-        part = self._get(uri, 0, max_bytes + 1)
+        buf = memoryview(bytearray(max_bytes + 1))
+        part = self._get(uri, 0, buf)
         if part.total_size > max_bytes:
             raise InvalidArgumentError(f"{uri} is {part.total_size} bytes, over the limit of {max_bytes}")
-        return part.data
+        return bytes(buf[: part.nbytes])
 
     def fetch(
         self,
         uri: str,
         max_bytes: int,
         open_sink: Callable[[int], object],
-        write: Callable[[object, bytes, int], None],
+        write: Callable[[object, memoryview, int], None],
     ) -> object:
         """GET the first part (which tells the size), check the limit, then the rest in parallel.
 
         `open_sink(total_size)` is called once the size is known (it reserves cache space and
-        creates the temp file); `write(sink, data, offset)` stores one part.
+        creates the temp file); `write(sink, data, offset)` stores one whole part, at an offset
+        that is a multiple of the part size. `data` is only valid during the call.
         """
-        first = self._get(uri, 0, self._cfg.part_bytes)
+        part_bytes = self._cfg.part_bytes
+        buf = self._part_buffer()
+        first = self._get(uri, 0, buf)
         total = first.total_size
-        if len(first.data) != min(self._cfg.part_bytes, total):
+        if first.nbytes != min(part_bytes, total):
             raise UnavailableError(f"{uri}: short read of the first part (object changed?)")
         if total > max_bytes:
             raise InvalidArgumentError(f"{uri} is {total} bytes, over --max-adapter-bytes={max_bytes}")
         sink = open_sink(total)
-        write(sink, first.data, 0)
-        starts = range(len(first.data), total, self._cfg.part_bytes)
+        write(sink, buf[: first.nbytes], 0)
+        starts = range(first.nbytes, total, part_bytes)
         cancelled = threading.Event()
 
         def one(start: int) -> None:
             if cancelled.is_set():
                 return
-            length = min(self._cfg.part_bytes, total - start)
-            part = self._get(uri, start, length, first.etag)
-            if len(part.data) != length or part.total_size != total:
+            view = self._part_buffer()[: min(part_bytes, total - start)]
+            part = self._get(uri, start, view, first.etag)
+            if part.nbytes != len(view) or part.total_size != total:
                 raise TransientStoreError(f"{uri}: short read at byte {start} (object changed?)")
-            write(sink, part.data, start)
+            write(sink, view, start)
 
         futures = [self._pool.submit(one, s) for s in starts]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)

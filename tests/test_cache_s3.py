@@ -59,7 +59,7 @@ def test_stage_end_to_end(ceph_s3, s3_bucket, sidecar_factory):
     staged = sc.client.stage(uri)
     assert not staged.cache_hit
     assert staged.config == json.loads(config) and staged.size_bytes == len(weights)
-    assert staged.sha256 == hashlib.sha256(weights).hexdigest()
+    assert staged.sha256 == ""  # no digest pinned: none computed
     data = Path(staged.path).read_bytes()
     assert data == weights  # the staged file is the safetensors bytes, verbatim
     # The manifest gives absolute offsets: 8 + header_len + data_offsets[0].
@@ -83,6 +83,54 @@ def test_stage_end_to_end(ceph_s3, s3_bucket, sidecar_factory):
     sc.client.release(again.lease_id)
     with pytest.raises(NotFoundError):
         sc.client.release(again.lease_id)
+
+
+def test_pinned_digest_on_a_hit_is_verified_once(ceph_s3, s3_bucket, sidecar_factory):
+    """An entry staged without a digest is hashed when a caller first pins one: a wrong digest is
+    INVALID_ARGUMENT and gives its lease back, the right one is recorded and reported after."""
+    config, weights = make_adapter(rank=8, hidden=64, layers=2)
+    uri = put_adapter(ceph_s3.client(), s3_bucket, "pinned/a", config, weights)
+    sc = sidecar_factory(allow=[f"s3://{s3_bucket}/pinned"], env=ceph_s3.env())
+    sc.client.release(sc.client.stage(uri).lease_id)
+    with pytest.raises(InvalidArgumentError, match="sha256"):
+        sc.client.stage(uri, sha256="0" * 64)
+    (entry,) = sc.client.list()
+    assert entry.leases == 0 and entry.sha256 == hashlib.sha256(weights).hexdigest()
+    digest = hashlib.sha256(weights).hexdigest()
+    staged = sc.client.stage(uri, sha256=digest)
+    assert staged.cache_hit and staged.sha256 == digest
+    assert sc.client.stage(uri).sha256 == digest  # recorded: later hits report it unasked
+    assert sc.metric("loraplex_cache_fetch_requests_total") == 2  # config + one part: no refetch
+
+
+def test_restart_drops_a_corrupted_entry_and_keeps_the_rest(sidecar_factory, tmp_path):
+    """The checksum each entry is committed with is checked at restart: a flipped byte in one
+    staged file drops that entry (and only it), which is then fetched again on the next Stage."""
+    config, weights = make_adapter(rank=8, hidden=64, layers=2)
+    files = tmp_path / "files"
+    for name in ("good", "bad"):
+        (files / name).mkdir(parents=True)
+        (files / name / "adapter_config.json").write_bytes(config)
+        (files / name / "adapter_model.safetensors").write_bytes(weights)
+    shm = tmp_path / "shm"
+    small_parts = ["--part-bytes", str(4 << 10)]  # several parts, so the combined checksum is exercised
+    sc = sidecar_factory(allow=[f"file://{files}"], shm_dir=shm, extra=small_parts)
+    paths = {}
+    for name in ("good", "bad"):
+        staged = sc.client.stage(f"file://{files}/{name}")
+        sc.client.release(staged.lease_id)
+        paths[name] = Path(staged.path)
+    sc.stop()
+    corrupted = bytearray(paths["bad"].read_bytes())
+    corrupted[len(corrupted) // 2] ^= 0xFF
+    paths["bad"].write_bytes(corrupted)
+
+    sc2 = sidecar_factory(allow=[f"file://{files}"], shm_dir=shm, extra=small_parts)
+    assert [e.uri for e in sc2.client.list()] == [f"file://{files}/good"]
+    assert not paths["bad"].exists()
+    assert sc2.client.stage(f"file://{files}/good").cache_hit
+    again = sc2.client.stage(f"file://{files}/bad")
+    assert not again.cache_hit and Path(again.path).read_bytes() == weights
 
 
 def test_single_flight_50_concurrent_stages_fetch_once(ceph_s3, s3_bucket, sidecar_factory):
