@@ -39,6 +39,7 @@ from inference_service.lora.adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     LoRAAdapterConfig,
+    StreamingFiniteCheck,
     TensorEntry,
     parse_adapter_config,
     parse_adapter_tensors,
@@ -298,12 +299,18 @@ class Stager:
         pending: list[PendingFile] = []
         checksum = PartChecksum(self.cfg.fetch.part_bytes)
         hasher = _InOrderHasher() if sha256 else None
+        finite: list[StreamingFiniteCheck] = []
 
         def write(sink: PendingFile, data: memoryview, offset: int) -> None:
             sink.pwrite(data, offset)
             checksum.add(offset, data)
             if hasher is not None:
                 hasher.add(offset, bytes(data))  # the fetch buffer is reused once this returns
+            # While the part is in cache, on this fetch thread (one torch thread: see _validate).
+            torch.set_num_threads(1)
+            if offset == 0:
+                finite.append(StreamingFiniteCheck(sink.size))
+            finite[0].add(offset, data)
 
         def open_sink(size: int) -> PendingFile:
             with self._lock:
@@ -319,7 +326,7 @@ class Stager:
             digest = hasher.hexdigest(file.size) if hasher is not None else ""
             if digest != sha256:
                 raise InvalidArgumentError(f"{uri}: sha256 mismatch: got {digest}, expected {sha256}")
-            manifest = self._validate(file, config, uri)
+            manifest = self._validate(file, config, uri, finite[0])
             now = self._clock()
             config_json = config_raw.decode()
             meta = StoredMeta(uri, checksum.hexdigest(file.size), checksum.part_bytes, digest, file.size,
@@ -333,8 +340,11 @@ class Stager:
             raise
         return Entry(uri, file.size, digest, now, meta=EntryMeta(str(path), manifest, config_json))
 
-    def _validate(self, file: PendingFile, config: LoRAAdapterConfig, uri: str) -> list[TensorEntry]:
-        """The shared PEFT checks, run on a mapping of the temp file before it is committed."""
+    def _validate(
+        self, file: PendingFile, config: LoRAAdapterConfig, uri: str, finite: StreamingFiniteCheck
+    ) -> list[TensorEntry]:
+        """The shared PEFT checks, run on a mapping of the temp file before it is committed; the
+        values were checked for NaN/Inf as the parts arrived, unless `finite` could not."""
         # One torch thread per handler: the sidecar shares the node's cores with the inference
         # service, and OpenMP teams fighting over busy cores spin-wait (2 s instead of 30 ms here).
         torch.set_num_threads(1)
@@ -342,7 +352,8 @@ class Stager:
         problem = None
         try:
             manifest = safetensors_manifest(mm)
-            parse_adapter_tensors(mm, config, self.cfg.max_rank, manifest)
+            checked = finite.finish(mm)
+            parse_adapter_tensors(mm, config, self.cfg.max_rank, manifest, check_finite=not checked)
         except AdapterError as exc:
             # Re-raised below, outside this block: the original traceback holds tensor views
             # into the mapping, which must be gone before it can be closed.

@@ -7,10 +7,12 @@ adapter-cache sidecar (validation before staging).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
 import struct
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -172,12 +174,14 @@ def _target_modules(value: object) -> tuple[str, ...]:
     return names
 
 
-def safetensors_manifest(data: bytes | memoryview) -> list[TensorEntry]:
-    """Parse a safetensors header and check every tensor lies inside the buffer.
+def safetensors_manifest(data: bytes | memoryview, size: int | None = None) -> list[TensorEntry]:
+    """Parse a safetensors header and check every tensor lies inside the file.
 
+    `data` is the file, or with `size` (the file's size) a prefix of it that holds the header.
     Truncated or malformed files raise AdapterError before any tensor is touched.
     """
     view = memoryview(data)
+    size = len(view) if size is None else size
     if len(view) < 8:
         raise AdapterError(f"{WEIGHTS_FILE} is truncated: {len(view)} bytes")
     (header_len,) = struct.unpack("<Q", view[:8])
@@ -204,10 +208,9 @@ def safetensors_manifest(data: bytes | memoryview) -> list[TensorEntry]:
         nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
         if not (0 <= start <= end) or end - start != nbytes:
             raise AdapterError(f"tensor {name!r}: data offsets do not match its shape and dtype")
-        if base + end > len(view):
+        if base + end > size:
             raise AdapterError(
-                f"{WEIGHTS_FILE} is truncated: tensor {name!r} ends at byte {base + end}, "
-                f"file has {len(view)}"
+                f"{WEIGHTS_FILE} is truncated: tensor {name!r} ends at byte {base + end}, file has {size}"
             )
         entries.append(TensorEntry(name, dtype, shape, base + start, nbytes))
     return entries
@@ -235,8 +238,11 @@ def parse_adapter_tensors(
     config: LoRAAdapterConfig,
     max_rank: int,
     manifest: list[TensorEntry] | None = None,
+    check_finite: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Validate adapter_model.safetensors against its config; returns tensors by PEFT key."""
+    """Validate adapter_model.safetensors against its config; returns tensors by PEFT key.
+
+    `check_finite=False` when a `StreamingFiniteCheck` already covered every value."""
     manifest = safetensors_manifest(data) if manifest is None else manifest
     tensors = tensors_from_buffer(data, manifest)
     if not tensors:
@@ -261,9 +267,78 @@ def parse_adapter_tensors(
         if rank_a > max_rank:
             raise AdapterError(f"adapter rank {rank_a} exceeds max_lora_rank {max_rank}")
     for key, tensor in tensors.items():
-        if tensor.numel() and not _all_finite(tensor):
-            raise AdapterError(f"tensor {key!r} contains non-finite values (NaN or Inf)")
+        if check_finite and tensor.numel() and not _all_finite(tensor):
+            raise AdapterError(_non_finite(key))
     return tensors
+
+
+def _view(data: bytes | memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: only read here
+        return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+
+
+def _non_finite(name: str) -> str:
+    return f"tensor {name!r} contains non-finite values (NaN or Inf)"
+
+
+class StreamingFiniteCheck:
+    """The non-finite check of `parse_adapter_tensors`, run on parts of the file as they arrive
+    (from any thread, after the part at offset 0), so a large adapter is checked while it
+    downloads rather than read again afterwards. It needs the whole header in the first part;
+    otherwise it stands aside and `finish` says so."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._manifest: list[TensorEntry] | None = None
+        self._starts: list[int] = []
+        self._boundaries: list[int] = []
+        self._bad: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, data: memoryview) -> None:
+        if offset == 0:
+            try:
+                self._manifest = sorted(safetensors_manifest(data, self._size), key=lambda e: e.offset)
+            except AdapterError:
+                return  # malformed: the full validation afterwards reports it
+            self._starts = [e.offset for e in self._manifest]
+        if self._manifest is None:
+            return
+        end = offset + len(data)
+        bad = []
+        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        for entry in self._manifest[first:]:
+            if entry.offset >= end:
+                break
+            item = _DTYPES[entry.dtype].itemsize
+            # The whole elements of this tensor inside the part; one split by a part boundary is
+            # checked in `finish`.
+            lo = entry.offset + -(-max(0, offset - entry.offset) // item) * item
+            hi = entry.offset + (min(end, entry.offset + entry.nbytes) - entry.offset) // item * item
+            if hi > lo:
+                values = _view(data, _DTYPES[entry.dtype], (hi - lo) // item, lo - offset)
+                if not _all_finite(values):
+                    bad.append(entry.name)
+        with self._lock:
+            self._boundaries.append(end)
+            self._bad += bad
+
+    def finish(self, data: bytes | memoryview) -> bool:
+        """Check the elements split between parts, on the whole file; raise AdapterError for a
+        non-finite value. False: nothing was checked (the full check must run)."""
+        if self._manifest is None:
+            return False
+        for entry in self._manifest:
+            item = _DTYPES[entry.dtype].itemsize
+            for boundary in self._boundaries:
+                if entry.offset < boundary < entry.offset + entry.nbytes and (boundary - entry.offset) % item:
+                    start = boundary - (boundary - entry.offset) % item
+                    if not _all_finite(_view(data, _DTYPES[entry.dtype], 1, start)):
+                        self._bad.append(entry.name)
+        if self._bad:
+            raise AdapterError(_non_finite(sorted(self._bad)[0]))
+        return True
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
