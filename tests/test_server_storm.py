@@ -155,10 +155,12 @@ def test_cancellation_storm_leaves_nothing_behind(storm_server):
                if n == "loraplex_grpc_requests_total" and dict(lbl).get("method") == "Generate"}
     reached_lo = N_STREAMS - counts.get("cancelled_early", 0) - counts.get("deadline", 0) + N_KILLED
     assert reached_lo <= sum(by_code.values()) <= N_STREAMS + N_KILLED, (by_code, counts)
-    # A client may cancel after the server already sent its last message: OK on the server then.
+    # A client may cancel after the server already sent its last message: OK on the server then
+    # (on builtin:tiny a short request can finish within the 3-40 ms before an early cancel, too).
     assert by_code.get("CANCELLED", 0) >= N_KILLED + counts.get("cancelled", 0) // 2, (by_code, counts)
     assert by_code.get("DEADLINE_EXCEEDED", 0) >= 1, by_code
-    assert counts["ok"] <= by_code.get("OK", 0) <= counts["ok"] + counts.get("cancelled", 0) + 5, (by_code, counts)
+    could_finish = counts["ok"] + counts.get("cancelled", 0) + counts.get("cancelled_early", 0)
+    assert counts["ok"] <= by_code.get("OK", 0) <= could_finish + 5, (by_code, counts)
     finished = {dict(lbl)["finish_reason"]: v for (n, lbl), v in samples.items()
                 if n == "loraplex_requests_finished_total"}
     assert finished.get("cancelled", 0) > 0, finished
