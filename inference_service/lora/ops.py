@@ -5,10 +5,10 @@ Bᵀ [slots, r, out] per module, possibly in a wider dtype than the model's (fp3
 small bf16 matmuls are slow): x is cast to it and the delta is added in the model's dtype.
 
 Tokens are grouped by slot once per step (`LoRABatch`, shared by every layer and module), then
-each module runs two batched matmuls over the groups: gather-per-token for decode and segments
-for prefill fall out of the same grouping. Scaling is folded into the slot's B buffer at load
-time, so the op needs no per-slot scale. Faster kernels (e.g. Triton on CUDA) plug in behind
-`LoRAOp` with the same `LoRABatch`.
+each fused projection runs one batched shrink matmul over the groups and one expand per module:
+gather-per-token for decode and segments for prefill fall out of the same grouping. Scaling is
+folded into the slot's B buffer at load time, so the op needs no per-slot scale. Faster kernels
+(e.g. Triton on CUDA) plug in behind `LoRAOp` with the same `LoRABatch`.
 """
 
 from __future__ import annotations
