@@ -160,14 +160,17 @@ class S3Store:
         try:
             resp = self._client.get_object(**kwargs)
             body = resp["Body"]
-            expected = min(len(buf), int(resp.get("ContentLength", len(buf))))
+            length = resp.get("ContentLength")
+            expected = len(buf) if length is None else min(len(buf), length)
             # The http.client response under urllib3 reads from the socket straight into buf;
             # urllib3's own readinto (the fallback) goes through an intermediate bytes object.
             raw = body._raw_stream
-            nbytes = _read_fully(getattr(raw, "_fp", None) and raw._fp.readinto or raw.readinto, buf, expected)
-            body.close()
-            if nbytes != expected:
+            reader = getattr(raw, "_fp", None)
+            nbytes = _read_fully(reader.readinto if reader is not None else raw.readinto, buf, expected)
+            if length is not None and nbytes != expected:
+                body.close()
                 raise TransientStoreError(f"{uri}: connection closed after {nbytes} of {expected} bytes")
+            raw.release_conn()  # the body is fully read: keep the connection for the next part
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))

@@ -320,3 +320,30 @@ def test_health_and_reflection(sidecar_factory):
         with pytest.raises(grpc.RpcError) as info:
             stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_ranged_reads_keep_one_connection(ceph_s3, s3_bucket, monkeypatch):
+    """Parts are read from the socket straight into the caller's buffer, bypassing botocore's
+    body reader; the connection must still go back to the pool (on a real store each new one
+    costs a TCP and TLS handshake per part). Also checks the bytes read."""
+    import urllib3
+
+    from adapter_cache.store import S3Config, S3Store
+
+    data = os.urandom(1 << 20)
+    ceph_s3.client().put_object(Bucket=s3_bucket, Key="conn/obj", Body=data)
+    for key, value in ceph_s3.env().items():
+        monkeypatch.setenv(key, value)
+    connects = []
+    original = urllib3.connection.HTTPConnection.connect
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect",
+                        lambda self: connects.append(1) or original(self))
+    store = S3Store(S3Config(endpoint_url=ceph_s3.endpoint_url))
+    buf = memoryview(bytearray(96 << 10))
+    got = bytearray()
+    for start in range(0, len(data), len(buf)):
+        part = store.read_range(f"s3://{s3_bucket}/conn/obj", start, buf)
+        assert part.total_size == len(data)
+        got += buf[: part.nbytes]
+    assert bytes(got) == data
+    assert len(connects) == 1, f"{len(connects)} connections for {-(-len(data) // len(buf))} ranged reads"
