@@ -158,7 +158,7 @@ mon data = {root}/mon/$cluster-$id
 osd data = {root}/osd/$cluster-$id
 pid file = {root}/run/$name.pid
 [client.rgw.test]
-rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
+rgw frontends = beast endpoint=127.0.0.1:{rgw_port} tcp_nodelay=1
 rgw data = {root}/rgw
 """
     )
