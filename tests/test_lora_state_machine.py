@@ -126,19 +126,19 @@ class ManualExecutor(concurrent.futures.Executor):
 
 
 def _expected_slot(path: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """What a slot must hold for this adapter: padded A, alpha/r-scaled padded Bᵀ, zeros where absent."""
+    """What a slot must hold for this adapter: padded A, alpha/r-scaled padded B, zeros where absent."""
     shapes = builtin_tiny_config().lora_shapes()
     host = load_adapter_dir(path, shapes, MAX_RANK)
     expected = {}
     for layer in range(shapes.num_layers):
         for module, (in_features, out_features) in shapes.features.items():
-            a_exp, b_exp = torch.zeros(MAX_RANK, in_features), torch.zeros(MAX_RANK, out_features)
+            a_exp, b_exp = torch.zeros(MAX_RANK, in_features), torch.zeros(out_features, MAX_RANK)
             if (layer, module) in host.modules:
                 a, b, scaling = host.modules[(layer, module)]
                 rank = a.shape[0]
                 a_exp[:rank] = a
-                b_exp[:rank] = b.t()
-                b_exp[:rank].mul_(scaling)
+                b_exp[:, :rank] = b
+                b_exp[:, :rank].mul_(scaling)
             expected[(layer, module)] = (a_exp, b_exp)
     return expected
 

@@ -1,7 +1,7 @@
 """The batched LoRA op: `out += s_a · (x A_aᵀ) B_aᵀ` with `a` the slot of each token's request.
 
 Slot buffers are A [slots, n·r, in] (the modules of one fused projection stacked) and one
-Bᵀ [slots, r, out] per module, possibly in a wider dtype than the model's (fp32 on CPU, where
+B [slots, out, r] per module, possibly in a wider dtype than the model's (fp32 on CPU, where
 small bf16 matmuls are slow): x is cast to it and the delta is added in the model's dtype.
 
 Tokens are grouped by slot once per step (`LoRABatch`, shared by every layer and module), then
@@ -21,11 +21,11 @@ import torch
 
 @dataclass(frozen=True)
 class SlicedB:
-    """One module of a fused projection: its output columns [start, end) and its Bᵀ slot buffer."""
+    """One module of a fused projection: its output columns [start, end) and its B slot buffer."""
 
     start: int
     end: int
-    b: torch.Tensor  # [slots, r, end - start]
+    b: torch.Tensor  # [slots, end - start, r]
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class LoRAOp(Protocol):
         """Add the LoRA deltas of one fused projection into out [T, Σout].
 
         `a` [slots, n·r, in] holds the A of its n modules stacked along the rank axis; `bs` gives
-        each module's output columns and Bᵀ [slots, r, out]."""
+        each module's output columns and B [slots, out, r]."""
 
 
 class TorchLoRAOp:
@@ -112,7 +112,7 @@ class TorchLoRAOp:
         # One shrink for every module of the projection (they share x), then one expand each.
         shrunk = torch.bmm(padded_x.to(a.dtype), a.transpose(1, 2))  # [G, M, n·r]
         rank = a.shape[1] // len(bs)
-        expanded = [torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], s.b) for i, s in enumerate(bs)]
+        expanded = [torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], s.b.transpose(1, 2)) for i, s in enumerate(bs)]
         if batch.gather_rows is None:
             rows = out[batch.first_row :]
             for s, delta in zip(bs, expanded, strict=True):

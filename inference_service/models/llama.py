@@ -200,7 +200,7 @@ class LoRASlices:
     """LoRA of the modules that share one fused base projection.
 
     `targets` lists (module, output slice start, end). Once attached, `buffers` are the group's
-    slot buffers (A of every module stacked along the rank axis, and each module's Bᵀ with its
+    slot buffers (A of every module stacked along the rank axis, and each module's B with its
     output columns), so one op adds the deltas of all of them to the whole fused output.
     """
 
