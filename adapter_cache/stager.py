@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -250,9 +249,8 @@ class Stager:
         """A hit whose caller pins a digest: hash the entry if it never was (it holds a lease, so
         it cannot be evicted meanwhile), then compare; on a mismatch the lease is given back."""
         if not entry.sha256:
-            with open(entry.meta.path, "rb") as fh:
-                with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) if entry.size else memoryview(b"") as mm:
-                    digest = sha256_of(mm)
+            with self.shm.open_map(entry_key(entry.uri)) as mm:  # entries are never empty files
+                digest = sha256_of(mm)
             with self._lock:
                 entry.sha256 = digest
         if entry.sha256 != sha256:

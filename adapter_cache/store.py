@@ -59,11 +59,12 @@ class ObjectStore(Protocol):
         ...
 
 
-def _read_fully(read_into: Callable[[memoryview], int | None], buf: memoryview, expected: int) -> int:
-    """Fill buf[:expected] from a stream's readinto; fewer bytes only if the stream ends early."""
+def _read_fully(read_into: Callable[[memoryview, int], int | None], buf: memoryview, expected: int) -> int:
+    """Fill buf[:expected] with `read_into(view, filled)` calls (`filled`: bytes already read);
+    fewer bytes only if the source ends early."""
     got = 0
     while got < expected:
-        n = read_into(buf[got:expected])
+        n = read_into(buf[got:expected], got)
         if not n:
             break
         got += n
@@ -165,8 +166,8 @@ class S3Store:
             # The http.client response under urllib3 reads from the socket straight into buf;
             # urllib3's own readinto (the fallback) goes through an intermediate bytes object.
             raw = body._raw_stream
-            reader = getattr(raw, "_fp", None)
-            nbytes = _read_fully(reader.readinto if reader is not None else raw.readinto, buf, expected)
+            reader = getattr(raw, "_fp", None) or raw
+            nbytes = _read_fully(lambda view, _: reader.readinto(view), buf, expected)
             if length is not None and nbytes != expected:
                 body.close()
                 raise TransientStoreError(f"{uri}: connection closed after {nbytes} of {expected} bytes")
@@ -213,12 +214,8 @@ class FileStore:
             st = os.fstat(fd)
             if etag and etag != f"{st.st_mtime_ns}-{st.st_size}":
                 raise TransientStoreError(f"{uri} changed while it was being fetched")
-            expected, nbytes = max(0, min(len(buf), st.st_size - start)), 0
-            while nbytes < expected:
-                n = os.preadv(fd, [buf[nbytes:expected]], start + nbytes)
-                if n == 0:
-                    break
-                nbytes += n
+            expected = max(0, min(len(buf), st.st_size - start))
+            nbytes = _read_fully(lambda view, filled: os.preadv(fd, [view], start + filled), buf, expected)
             return Part(nbytes, st.st_size, f"{st.st_mtime_ns}-{st.st_size}")
         finally:
             os.close(fd)
@@ -248,7 +245,7 @@ class HttpStore:
                     buf[: len(data)] = data
                     return Part(len(data), len(body), resp.headers.get("ETag"))
                 length = resp.length if resp.length is not None else len(buf)
-                nbytes = _read_fully(resp.readinto, buf, min(len(buf), length))
+                nbytes = _read_fully(lambda view, _: resp.readinto(view), buf, min(len(buf), length))
                 total = _total_from_content_range(resp.headers.get("Content-Range"), start + nbytes)
                 return Part(nbytes, total, resp.headers.get("ETag"))
         except urllib.error.HTTPError as exc:

@@ -23,8 +23,8 @@ import pytest
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.ceph import free_port
 from tests.infra.inference_server import InferenceServer, start_inference_server
+from tests.infra.ports import free_port
 from tests.test_cache_helpers import Sidecar
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -27,7 +27,7 @@ from inference_service.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from tests.infra.ceph import free_port
+from tests.infra.ports import free_port
 from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
 
 pytestmark = pytest.mark.timeout(300)

@@ -219,17 +219,12 @@ def safetensors_manifest(data: bytes | memoryview, size: int | None = None) -> l
 def tensors_from_buffer(data: bytes | memoryview, manifest: list[TensorEntry]) -> dict[str, torch.Tensor]:
     """Zero-copy tensors viewing `data` (bytes, or an mmap of a staged file)."""
     tensors = {}
-    with warnings.catch_warnings():
-        # Read-only buffers are fine: slot copies only read from them.
-        warnings.simplefilter("ignore", UserWarning)
-        for entry in manifest:
-            dtype = _DTYPES[entry.dtype]
-            if entry.nbytes == 0:
-                tensors[entry.name] = torch.empty(entry.shape, dtype=dtype)
-                continue
-            count = entry.nbytes // dtype.itemsize
-            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=entry.offset)
-            tensors[entry.name] = flat.view(entry.shape)
+    for entry in manifest:
+        dtype = _DTYPES[entry.dtype]
+        if entry.nbytes == 0:
+            tensors[entry.name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        tensors[entry.name] = _view(data, dtype, entry.nbytes // dtype.itemsize, entry.offset).view(entry.shape)
     return tensors
 
 
@@ -273,8 +268,10 @@ def parse_adapter_tensors(
 
 
 def _view(data: bytes | memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    """A zero-copy tensor over `count` values of `data` from byte `offset`."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: only read here
+        # Read-only buffers (bytes, staged mmaps) are fine: these tensors are only read from.
+        warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
 
 

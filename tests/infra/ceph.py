@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.infra.ports import free_port
+
 ACCESS_KEY = "loraplextestaccess"
 SECRET_KEY = "loraplextestsecretkey0123456789"
 _DAEMON_MAX_S = 3 * 3600  # hard upper bound on a daemon's life, in case the parent dies
@@ -35,12 +36,6 @@ _DAEMON_MAX_S = 3 * 3600  # hard upper bound on a daemon's life, in case the par
 
 def ceph_available() -> bool:
     return all(shutil.which(b) for b in ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -23,7 +23,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -39,6 +38,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.infra.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "helm" / "loraplex"
 DASHBOARDS_DIR = CHART_DIR / "dashboards"
@@ -52,12 +53,6 @@ class PrometheusError(RuntimeError):
 
 def prometheus_available() -> bool:
     return shutil.which("prometheus") is not None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -170,7 +165,7 @@ def start_prometheus(targets: Mapping[str, Sequence[str]] | Sequence[str] = (), 
     config.write_text(yaml.safe_dump(_config(targets, [Path(f) for f in rule_files],
                                              scrape_interval, evaluation_interval)))
     for _attempt in range(3):  # the free port can be taken between probe and bind
-        port = _free_port()
+        port = free_port()
         log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115  (closed with the process)
         proc = subprocess.Popen(
             ["timeout", "--signal=KILL", str(_PROCESS_MAX_S), "prometheus",
