@@ -37,7 +37,9 @@ TINY_SEED = 1234
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[LlamaModel, Tokenizer]:
     if spec == BUILTIN_TINY:
-        return _builtin_tiny(device, dtype), ByteTokenizer()
+        model = _builtin_tiny(device, dtype)
+        model.pack_weights()
+        return model, ByteTokenizer()
     root = Path(spec)
     config_path = root / "config.json"
     if not config_path.is_file():
@@ -45,6 +47,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Lla
     config = ModelConfig.from_hf(json.loads(config_path.read_text()), name=root.name)
     model = LlamaModel(config, device, dtype)
     model.load_hf_state_dict(_read_safetensors(root))
+    model.pack_weights()
     tokenizer_path = root / "tokenizer.json"
     tokenizer: Tokenizer = (
         FileTokenizer(tokenizer_path, config.eos_token_ids) if tokenizer_path.is_file() else ByteTokenizer()
