@@ -141,10 +141,16 @@ class ModelRunner:
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             attention=attention,
-            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device),
+            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device, self._max_rank(items)),
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled
+
+    def _max_rank(self, items: list[tuple[Request, int]]) -> int | None:
+        """The largest rank among the batch's adapters; None (use the slots' maximum) if one is unknown."""
+        versions = self.lora.registry.versions
+        ranks = [getattr(versions.get(r.adapter_uid), "rank", 0) for r, _ in items if r.adapter_uid is not None]
+        return max(ranks) if ranks and min(ranks) > 0 else None
 
     def _slot(self, request: Request) -> int:
         if request.adapter_uid is None:

@@ -6,7 +6,9 @@ small bf16 matmuls are slow): x is cast to it and the delta is added in the mode
 
 Tokens are grouped by slot once per step (`LoRABatch`, shared by every layer and module), then
 each fused projection runs one batched shrink matmul over the groups and one expand per module:
-gather-per-token for decode and segments for prefill fall out of the same grouping. Scaling is
+gather-per-token for decode and segments for prefill fall out of the same grouping. When a batch's
+adapters all have ranks below the slots' maximum, only that many rank rows are gathered and
+multiplied (slots are zero-padded past each adapter's rank, so the result is the same). Scaling is
 folded into the slot's B buffer at load time, so the op needs no per-slot scale. Faster kernels
 (e.g. Triton on CUDA) plug in behind `LoRAOp` with the same `LoRABatch`.
 """
@@ -46,10 +48,15 @@ class LoRABatch:
     max_group_len: int
     num_tokens: int
     first_row: int = 0  # contiguous layout: rows before it are base-model tokens
+    rank: int | None = None  # largest adapter rank among the groups; None: the slots' maximum
 
 
-def build_lora_batch(token_slots: list[int], num_slots: int, device: torch.device) -> LoRABatch | None:
-    """Group token rows by slot; None when no token uses an adapter (pure base-model step)."""
+def build_lora_batch(
+    token_slots: list[int], num_slots: int, device: torch.device, rank: int | None = None
+) -> LoRABatch | None:
+    """Group token rows by slot; None when no token uses an adapter (pure base-model step).
+
+    `rank`: the largest rank of the adapters in these slots, if known."""
     groups: dict[int, list[int]] = {}
     for row, slot in enumerate(token_slots):
         if slot >= 0:
@@ -67,7 +74,7 @@ def build_lora_batch(token_slots: list[int], num_slots: int, device: torch.devic
     rows_in_order = [row for rows in groups.values() for row in rows]
     first_row = num_tokens - len(groups) * max_len
     if rows_in_order == list(range(first_row, num_tokens)):
-        return LoRABatch(slots, None, None, None, len(groups), max_len, num_tokens, first_row)
+        return LoRABatch(slots, None, None, None, len(groups), max_len, num_tokens, first_row, rank)
     gather, dest, src = [], [], []
     for g, rows in enumerate(groups.values()):
         gather.extend(rows + [num_tokens] * (max_len - len(rows)))
@@ -81,6 +88,7 @@ def build_lora_batch(token_slots: list[int], num_slots: int, device: torch.devic
         num_groups=len(groups),
         max_group_len=max_len,
         num_tokens=num_tokens,
+        rank=rank,
     )
 
 
@@ -101,9 +109,14 @@ class TorchLoRAOp:
         self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], batch: LoRABatch
     ) -> None:
         groups, group_len = batch.num_groups, batch.max_group_len
+        num_modules, slot_rank = len(bs), a.shape[1] // len(bs)
+        rank = min(batch.rank or slot_rank, slot_rank)
         if batch.slots is not None:
-            a = a.index_select(0, batch.slots)
-            bs = [SlicedB(s.start, s.end, s.b.index_select(0, batch.slots)) for s in bs]
+            # Gather the groups' slots, and of each only the rank rows some adapter here uses.
+            a = a.view(a.shape[0], num_modules, slot_rank, a.shape[2])[:, :, :rank].index_select(0, batch.slots)
+            a = a.view(groups, num_modules * rank, -1)
+            bs = [SlicedB(s.start, s.end, s.b[:, :, :rank].index_select(0, batch.slots)) for s in bs]
+            slot_rank = rank
         if batch.gather_rows is None:
             padded_x = x[batch.first_row :].view(groups, group_len, x.shape[1])
         else:
@@ -111,8 +124,10 @@ class TorchLoRAOp:
             padded_x = padded_x.view(groups, group_len, x.shape[1])
         # One shrink for every module of the projection (they share x), then one expand each.
         shrunk = torch.bmm(padded_x.to(a.dtype), a.transpose(1, 2))  # [G, M, n·r]
-        rank = a.shape[1] // len(bs)
-        expanded = [torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], s.b.transpose(1, 2)) for i, s in enumerate(bs)]
+        expanded = [
+            torch.bmm(shrunk[:, :, i * slot_rank : i * slot_rank + rank], s.b[:, :, :rank].transpose(1, 2))
+            for i, s in enumerate(bs)
+        ]
         if batch.gather_rows is None:
             rows = out[batch.first_row :]
             for s, delta in zip(bs, expanded, strict=True):
