@@ -1,6 +1,6 @@
 """Overlapped adapter loading: does decoding stay steady while adapters churn through slots?
 
-Resident requests decode on their adapters while other adapters (rank 64 on all 7 modules)
+Resident requests decode on their adapters while other adapters (rank 64 on all 7 modules by default)
 are staged and copied into the remaining slots at a fixed cadence (one every `--churn-every`
 steps), each evicting the least recently used churn adapter. Three modes in one process,
 interleaved over `--rounds` runs: no churn, churn with overlapped loads, and churn with
@@ -34,10 +34,10 @@ RESIDENT, CHURN, SLOTS = 4, 8, 8
 
 
 def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path], steps: int, churn_every: int,
-            overlap: bool) -> tuple[list[float], int, int]:
+            overlap: bool, max_rank: int) -> tuple[list[float], int, int]:
     """Inter-token latencies of the resident requests, churn loads completed, and churn turns skipped
     because the previous load had not finished (`churn_every=0`: no churn)."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=SLOTS, max_lora_rank=64, max_num_seqs=64,
+    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=SLOTS, max_lora_rank=max_rank, max_num_seqs=64,
                                    kv_cache_bytes=128 << 20, overlap_loads=overlap))
     load_adapters(core, resident, pinned=False, preload=True)
     load_adapters(core, churn)  # registered only: every use below is a cold load
@@ -81,9 +81,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def copy_bandwidth(checkpoint: Path, adapter: Path) -> tuple[float, float]:
-    """Slot load (staging excluded) vs torch copy of the same bytes, in GB/s."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=2, max_lora_rank=64, kv_cache_bytes=8 << 20))
+def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int) -> tuple[float, float]:
+    """Slot load (staging excluded) vs one torch copy of the same bytes on the same copy engine, in GB/s."""
+    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=2, max_lora_rank=max_rank, kv_cache_bytes=8 << 20))
     load_adapters(core, {"bw": adapter}, preload=True)
     uid = core.lora.registry.current["bw"]
     host = core.lora.source.fetch(str(adapter), None)
@@ -98,9 +98,9 @@ def copy_bandwidth(checkpoint: Path, adapter: Path) -> tuple[float, float]:
     src = torch.cat([t.flatten() for a, b, _ in host.modules.values() for t in (a, b)])
     dst = torch.empty_like(src)
     plain = []
-    for _ in range(10):
+    for _ in range(10):  # on the same copy engine (thread or stream), so only the work differs
         start = time.perf_counter()
-        dst.copy_(src)
+        core.lora.loader.engine.submit(lambda: dst.copy_(src)).wait()
         plain.append(time.perf_counter() - start)
     core.shutdown()
     return nbytes / min(times) / 1e9, nbytes / min(plain) / 1e9
@@ -110,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200, help="decode steps per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode, interleaved")
+    parser.add_argument("--churn-rank", type=int, default=64, help="rank of the churning adapters (all 7 modules)")
     parser.add_argument("--churn-every", type=int, default=5, help="start one churn load every N steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -118,7 +119,8 @@ def main() -> None:
         checkpoint = make_checkpoint(root / "model", "llama", **MODEL)
         resident = {f"res{i}": make_adapter(checkpoint, root / f"res{i}", AdapterSpec(f"res{i}", 16, 16, seed=i))
                     for i in range(RESIDENT)}
-        churn = {f"churn{i}": make_adapter(checkpoint, root / f"churn{i}", AdapterSpec(f"churn{i}", 64, 64,
+        rank = args.churn_rank
+        churn = {f"churn{i}": make_adapter(checkpoint, root / f"churn{i}", AdapterSpec(f"churn{i}", rank, rank,
                                                                                       seed=100 + i))
                  for i in range(CHURN)}
         modes = [("no churn", 0, True), ("churn, overlapped", args.churn_every, True),
@@ -129,7 +131,7 @@ def main() -> None:
         # Rounds interleave the modes so that drift in the machine's load hits all three alike.
         for _ in range(args.rounds):
             for label, churn_every, overlap in modes:
-                itl, done, missed = measure(checkpoint, resident, churn, args.steps, churn_every, overlap)
+                itl, done, missed = measure(checkpoint, resident, churn, args.steps, churn_every, overlap, rank)
                 results[label] += itl
                 loads[label] += done
                 skipped[label] += missed
@@ -137,7 +139,7 @@ def main() -> None:
             print(f"{label:18s}: p50 {statistics.median(itl) * 1e3:7.2f} ms  p99 {percentile(itl, 0.99) * 1e3:7.2f} ms"
                   f"  ({loads[label]} adapter loads, {skipped[label]} churn turns skipped, {len(itl)} steps)",
                   flush=True)
-        load_gbps, plain_gbps = copy_bandwidth(checkpoint, churn["churn0"])
+        load_gbps, plain_gbps = copy_bandwidth(checkpoint, churn["churn0"], rank)
         print(f"slot load bandwidth {load_gbps:.2f} GB/s vs plain torch copy {plain_gbps:.2f} GB/s "
               f"({load_gbps / plain_gbps:.2f}x)")
     base_p99 = percentile(results["no churn"], 0.99)
