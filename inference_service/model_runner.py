@@ -137,6 +137,7 @@ class ModelRunner:
             attention.decode_rows = self._tensor(decode_rows)
             attention.decode_block_tables = self._tensor(padded)
             attention.decode_mask = mask[:, None, None, :].to(self.device)
+            attention.decode_lens = self._tensor(decode_lens)
         forward = ForwardBatch(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),

@@ -1,5 +1,5 @@
-"""The model's CPU fast paths against their plain torch equivalents: oneDNN-prepacked projections
-and the reused block-gather buffers of paged attention."""
+"""The model's CPU fast paths against their plain torch equivalents: oneDNN-prepacked projections,
+the reused block-gather buffers, and the C paged decode attention kernel (with its fallback)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from inference_service.config import EngineConfig
+from inference_service.engine import EngineCore
+from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.models import linear as dense
 from inference_service.models.llama import GatherScratch
 from inference_service.models.loader import BUILTIN_TINY, load_model
+from inference_service.request import Request, SamplingParams
+from tests.infra.engine_helpers import run_to_completion
 
 CPU = torch.device("cpu")
 
@@ -48,3 +53,71 @@ def test_gather_scratch_reuses_its_buffer_and_gathers_whole_blocks():
     assert second.data_ptr() == first.data_ptr(), "a smaller gather must reuse the buffer"
     other = scratch.gather(1, cache, small)
     assert other.data_ptr() != second.data_ptr(), "K and V need separate buffers"
+
+
+def _gather_sdpa(q, k_cache, v_cache, tables, lens):
+    """The model's torch path for decode attention, as the reference."""
+    batch, kv_heads, head_dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[tables].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[tables].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    mask = (torch.arange(keys.shape[2])[None, :] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
+    return out.squeeze(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (6, 3, 8)])
+def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(q_heads * 100 + head_dim)
+    num_blocks, block_size = 40, 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, 4, 5, 13, 16, 2])  # one token, exact and partial blocks
+    width = -(-int(lens.max()) // block_size)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), width, dtype=torch.long)  # padded with block 0, as the runner does
+    for b, n in enumerate(lens.tolist()):
+        used = -(-n // block_size)
+        tables[b, :used] = torch.tensor([order.pop() for _ in range(used)])
+    q = torch.randn(len(lens), q_heads, head_dim, generator=gen).to(dtype)
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens)
+    assert got is not None, "the kernel should build with the compiler on these machines"
+    expected = _gather_sdpa(q.float(), k_cache.float(), v_cache.float(), tables, lens)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_engine_output_is_the_same_with_and_without_the_kernel(monkeypatch):
+    """The torch fallback (GPU, or a CPU without a compiler) and the kernel agree end to end."""
+
+    def generate() -> list[list[int]]:
+        core = EngineCore(EngineConfig(model=BUILTIN_TINY, max_num_seqs=8))
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        for i in range(6):
+            core.add_request(Request(f"r{i}", list(range(3, 3 + 5 * i + 1)), params), None)
+        outputs = run_to_completion(core)
+        core.shutdown()
+        return [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(6)]
+
+    with_kernel = generate()
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1))
+    assert generate() == with_kernel
+    assert calls, "the fallback run should have asked for the kernel and been refused"
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels._library.cache_clear()
+    cpu_kernels._kernel.cache_clear()
+    try:
+        q = torch.randn(1, 2, 8)
+        cache = torch.randn(2, 4, 2, 8)
+        assert cpu_kernels.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                            torch.ones(1, dtype=torch.long)) is None
+        assert "could not build" in caplog.text
+        assert list(tmp_path.iterdir()) == [], "no partial library is left behind"
+    finally:
+        cpu_kernels._library.cache_clear()
+        cpu_kernels._kernel.cache_clear()

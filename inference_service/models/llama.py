@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_service.errors import FailedPreconditionError
+from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 from inference_service.models import linear as dense
@@ -129,6 +130,7 @@ class AttentionBatch:
     decode_rows: torch.Tensor | None = None  # [Bd] batch rows of single-token (decode) requests
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] valid keys
+    decode_lens: torch.Tensor | None = None  # [Bd] context length of each decode row (incl. its token)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -317,14 +319,18 @@ def paged_attention(
     out = torch.empty_like(q)
     if attn.decode_rows is not None:
         tables = attn.decode_block_tables
-        batch_size = tables.shape[0]
-        keys = scratch.gather(0, k_cache, tables).view(batch_size, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = scratch.gather(1, v_cache, tables).view(batch_size, -1, num_kv_heads, head_dim).transpose(1, 2)
-        queries = q.index_select(0, attn.decode_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
-        result = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=attn.decode_mask, enable_gqa=True
-        )
-        out.index_copy_(0, attn.decode_rows, result.squeeze(2))
+        queries = q.index_select(0, attn.decode_rows)  # [Bd, Hq, D]
+        result = None
+        if attn.decode_lens is not None:  # on CPU, read the blocks in place
+            result = cpu_kernels.decode_attention(queries, k_cache, v_cache, tables, attn.decode_lens)
+        if result is None:
+            batch_size = tables.shape[0]
+            keys = scratch.gather(0, k_cache, tables).view(batch_size, -1, num_kv_heads, head_dim).transpose(1, 2)
+            values = scratch.gather(1, v_cache, tables).view(batch_size, -1, num_kv_heads, head_dim).transpose(1, 2)
+            result = F.scaled_dot_product_attention(
+                queries.unsqueeze(2), keys, values, attn_mask=attn.decode_mask, enable_gqa=True
+            ).squeeze(2)
+        out.index_copy_(0, attn.decode_rows, result)
     for seg in attn.prefills:
         queries = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
         if seg.num_computed == 0:
