@@ -8,6 +8,10 @@
 #                    wheels; the node only needs the NVIDIA driver and container toolkit).
 #   TORCH_VERSION    torch version, e.g. 2.13.0.
 #   PYTHON_VERSION   base Python (3.11+).
+#   CPU_KERNELS      1 (default): the runtime image gets a C compiler, with which the inference
+#                    service builds its CPU decode-attention kernel at first start (cached in
+#                    $HOME/.cache). 0: no compiler (e.g. for CUDA images); CPU decode attention
+#                    then falls back to torch (gather + SDPA, about 2x slower).
 # Examples:
 #   docker build -t loraplex:cpu .
 #   docker build -t loraplex:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
@@ -30,6 +34,11 @@ COPY adapter_cache ./adapter_cache
 RUN pip install . && python -c "import inference_service, adapter_cache"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+ARG CPU_KERNELS=1
+RUN if [ "${CPU_KERNELS}" = "1" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 LABEL org.opencontainers.image.title="loraplex" \
       org.opencontainers.image.description="Multi-LoRA LLM inference service and adapter-cache sidecar"
 # Fixed numeric ids: the chart's securityContext runs as 10001:10001 with runAsNonRoot.
