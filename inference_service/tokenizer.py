@@ -50,18 +50,27 @@ class FileTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas, holding back an incomplete UTF-8 tail."""
+    """Turns a growing token list into text deltas, holding back an incomplete UTF-8 tail.
+
+    Each update decodes a short window, not the whole output so far (that made a long generation
+    quadratic): the tokens not yet emitted, after the previously emitted ones as context. Both
+    decodes start at the same token, so a tokenizer that drops a leading space at the start of a
+    decode (SentencePiece) drops it from both and the difference is right.
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.text = ""
+        self._prefix_offset = 0  # the window starts here: context, already emitted
+        self._read_offset = 0  # tokens before this one are emitted
 
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """All output tokens so far → the new text since the last call."""
-        text = self.tokenizer.decode(token_ids)
+        prefix = self.tokenizer.decode(token_ids[self._prefix_offset : self._read_offset])
+        text = self.tokenizer.decode(token_ids[self._prefix_offset :])
         if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.text):
-            return ""  # a held-back tail resolved differently: never retract sent text
-        delta, self.text = text[len(self.text) :], text
+            return ""  # a character split across tokens: wait for the rest of it
+        delta = text[len(prefix) :] if text.startswith(prefix) else ""  # never retract sent text
+        self.text += delta
+        self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
         return delta
