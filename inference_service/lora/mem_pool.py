@@ -76,8 +76,8 @@ class LoRAMemoryPool:
 
         Every module is written: ranks past the adapter's and modules it lacks become zeros, so
         nothing of the slot's previous adapter can leak into the new one. The views are made here;
-        the work is three multi-tensor calls, which on CPU run without the GIL from start to end
-        (per-module Python made a background copy wait on the scheduler thread's GIL, ~5 ms a time).
+        the work is three multi-tensor calls (copy, scale B, zero the rest) instead of four torch
+        calls per module, each of which paid torch's per-call overhead and took the GIL again.
         """
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
