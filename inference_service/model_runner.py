@@ -132,11 +132,8 @@ class ModelRunner:
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            keys = torch.arange(width * block_size)
-            mask = keys[None, :] < torch.tensor(decode_lens)[:, None]
             attention.decode_rows = self._tensor(decode_rows)
             attention.decode_block_tables = self._tensor(padded)
-            attention.decode_mask = mask[:, None, None, :].to(self.device)
             attention.decode_lens = self._tensor(decode_lens)
         forward = ForwardBatch(
             input_ids=self._tensor(input_ids),

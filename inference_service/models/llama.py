@@ -129,7 +129,6 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] flat KV position where each token's K/V is written
     decode_rows: torch.Tensor | None = None  # [Bd] batch rows of single-token (decode) requests
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] valid keys
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each decode row (incl. its token)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
@@ -317,17 +316,18 @@ def paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
     out = torch.empty_like(q)
     if attn.decode_rows is not None:
-        tables = attn.decode_block_tables
+        tables, lens = attn.decode_block_tables, attn.decode_lens
+        assert tables is not None and lens is not None  # set together with decode_rows
         queries = q.index_select(0, attn.decode_rows)  # [Bd, Hq, D]
-        result = None
-        if attn.decode_lens is not None:  # on CPU, read the blocks in place
-            result = cpu_kernels.decode_attention(queries, k_cache, v_cache, tables, attn.decode_lens)
+        # On CPU, read the blocks in place; elsewhere (or without the kernel) gather them, then SDPA.
+        result = cpu_kernels.decode_attention(queries, k_cache, v_cache, tables, lens)
         if result is None:
             batch_size = tables.shape[0]
             keys = scratch.gather(0, k_cache, tables).view(batch_size, -1, num_kv_heads, head_dim).transpose(1, 2)
             values = scratch.gather(1, v_cache, tables).view(batch_size, -1, num_kv_heads, head_dim).transpose(1, 2)
+            valid = torch.arange(keys.shape[2], device=q.device)[None, :] < lens[:, None]
             result = F.scaled_dot_product_attention(
-                queries.unsqueeze(2), keys, values, attn_mask=attn.decode_mask, enable_gqa=True
+                queries.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], enable_gqa=True
             ).squeeze(2)
         out.index_copy_(0, attn.decode_rows, result)
     for seg in attn.prefills:
