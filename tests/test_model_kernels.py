@@ -67,12 +67,13 @@ def _gather_sdpa(q, k_cache, v_cache, tables, lens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (6, 3, 8)])
-def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, head_dim):
+@pytest.mark.parametrize("batch", [6, 1])  # a task per sequence; a task per KV head (fewer sequences than threads)
+def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, head_dim, batch):
     gen = torch.Generator().manual_seed(q_heads * 100 + head_dim)
     num_blocks, block_size = 40, 4
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor([1, 4, 5, 13, 16, 2])  # one token, exact and partial blocks
+    lens = torch.tensor([13, 4, 5, 1, 16, 2])[:batch]  # one token, exact and partial blocks
     width = -(-int(lens.max()) // block_size)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(lens), width, dtype=torch.long)  # padded with block 0, as the runner does

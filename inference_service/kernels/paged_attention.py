@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode_attention.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_MAX_GROUP, _MAX_HEAD_DIM = 16, 256  # limits of the C kernel
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
 
@@ -56,12 +55,12 @@ def decode_attention(
         out.data_ptr(), batch, q_heads, kv_heads, head_dim, block_size, block_tables.shape[1], head_dim**-0.5,
     )
     if status != 0:
-        raise MemoryError(f"paged decode attention kernel failed ({status})")
+        raise MemoryError("paged decode attention kernel: out of memory for its scratch buffers")
     return out
 
 
 def _supported(q, k_cache, v_cache, block_tables, context_lens) -> bool:  # type: ignore[no-untyped-def]
-    q_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    q_heads, kv_heads = q.shape[1], k_cache.shape[2]
     return (
         q.device.type == "cpu"
         and q.dtype in _SYMBOLS
@@ -72,8 +71,6 @@ def _supported(q, k_cache, v_cache, block_tables, context_lens) -> bool:  # type
         and block_tables.is_contiguous()
         and context_lens.is_contiguous()
         and q_heads % kv_heads == 0
-        and q_heads // kv_heads <= _MAX_GROUP
-        and head_dim <= _MAX_HEAD_DIM
     )
 
 
