@@ -12,6 +12,7 @@ import torch
 
 from inference_service.config import EngineConfig
 from inference_service.device import InlineExecutor, make_copy_engine
+from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.manager import LoRAManager
@@ -68,6 +69,8 @@ class ModelRunner:
                 f"a KV block needs {per_block} B"
             )
         self.kv = KVCache(model.config, num_blocks, config.block_size, self.device, self.dtype)
+        if cpu_kernels.prepare(self.device, self.dtype):
+            log.info("decode attention: C kernel over the paged KV cache")
         log.info(
             "memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",
             lora_bytes / 2**20, config.max_loras, config.max_lora_rank, self.kv.nbytes / 2**20, num_blocks,

@@ -122,3 +122,17 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     finally:
         cpu_kernels._library.cache_clear()
         cpu_kernels._kernel.cache_clear()
+
+
+def test_the_kernel_is_ready_when_the_engine_starts(tmp_path, monkeypatch):
+    """Built at start-up (model runner), not in the first request's decode step."""
+    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels._library.cache_clear()
+    cpu_kernels._kernel.cache_clear()
+    try:
+        core = EngineCore(EngineConfig(model=BUILTIN_TINY))
+        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+        core.shutdown()
+    finally:
+        cpu_kernels._library.cache_clear()
+        cpu_kernels._kernel.cache_clear()

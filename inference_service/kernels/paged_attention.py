@@ -30,6 +30,12 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
 
+def prepare(device: torch.device, dtype: torch.dtype) -> bool:
+    """Build (or load) the kernel now, at start-up, rather than in the first request's decode step.
+    True if decode attention on this device and dtype will use it."""
+    return device.type == "cpu" and dtype in _SYMBOLS and _kernel(dtype) is not None
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
