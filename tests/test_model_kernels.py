@@ -107,32 +107,29 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(monkeypatch):
     assert calls, "the fallback run should have asked for the kernel and been refused"
 
 
-def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
+@pytest.fixture
+def kernel_cache(monkeypatch, tmp_path):
+    """An empty kernel cache, and the process's loaded kernel forgotten before and after."""
+    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels._library.cache_clear()
+    cpu_kernels._kernel.cache_clear()
+    yield tmp_path
+    cpu_kernels._library.cache_clear()
+    cpu_kernels._kernel.cache_clear()
+
+
+def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):
     monkeypatch.setenv("CC", "/bin/false")
-    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
-    cpu_kernels._library.cache_clear()
-    cpu_kernels._kernel.cache_clear()
-    try:
-        q = torch.randn(1, 2, 8)
-        cache = torch.randn(2, 4, 2, 8)
-        assert cpu_kernels.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
-                                            torch.ones(1, dtype=torch.long)) is None
-        assert "could not build" in caplog.text
-        assert list(tmp_path.iterdir()) == [], "no partial library is left behind"
-    finally:
-        cpu_kernels._library.cache_clear()
-        cpu_kernels._kernel.cache_clear()
+    q = torch.randn(1, 2, 8)
+    cache = torch.randn(2, 4, 2, 8)
+    assert cpu_kernels.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                        torch.ones(1, dtype=torch.long)) is None
+    assert "could not build" in caplog.text
+    assert list(kernel_cache.iterdir()) == [], "no partial library is left behind"
 
 
-def test_the_kernel_is_ready_when_the_engine_starts(tmp_path, monkeypatch):
+def test_the_kernel_is_ready_when_the_engine_starts(kernel_cache):
     """Built at start-up (model runner), not in the first request's decode step."""
-    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
-    cpu_kernels._library.cache_clear()
-    cpu_kernels._kernel.cache_clear()
-    try:
-        core = EngineCore(EngineConfig(model=BUILTIN_TINY))
-        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
-        core.shutdown()
-    finally:
-        cpu_kernels._library.cache_clear()
-        cpu_kernels._kernel.cache_clear()
+    core = EngineCore(EngineConfig(model=BUILTIN_TINY))
+    assert [p.suffix for p in kernel_cache.iterdir()] == [".so"]
+    core.shutdown()
