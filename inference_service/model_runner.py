@@ -13,6 +13,7 @@ import torch
 from inference_service.config import EngineConfig
 from inference_service.device import InlineExecutor, make_copy_engine
 from inference_service.kernels import paged_attention as cpu_kernels
+from inference_service.kernels.lora import make_lora_op
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.manager import LoRAManager
@@ -44,19 +45,21 @@ class ModelRunner:
         self.device, self.dtype = model.device, model.dtype
         shapes = model.config.lora_shapes()
         budget = self._memory_budget()
+        model.lora_op = make_lora_op(self.device, self.dtype)
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
         self.lora = LoRAManager(
             num_slots=config.max_loras,
             max_rank=config.max_lora_rank,
             shapes=shapes,
             device=self.device,
-            dtype=lora_slot_dtype(self.device, self.dtype),
+            dtype=model.lora_op.slot_dtype(self.dtype),
             source=source or self._default_source(shapes),
             copy_engine=make_copy_engine(self.device, config.overlap_loads),
             host_workers=config.host_load_workers,
             metrics=metrics,
             # Blocking mode (benchmark baseline): preparation and copy both stall the scheduler.
             host_executor=None if config.overlap_loads else InlineExecutor(),
+            b_rank_major=model.lora_op.b_rank_major,
         )
         model.attach_lora_buffers(self.lora.pool.group_buffers)
         lora_bytes = self.lora.pool.nbytes
@@ -71,6 +74,7 @@ class ModelRunner:
         self.kv = KVCache(model.config, num_blocks, config.block_size, self.device, self.dtype)
         if cpu_kernels.prepare(self.device, self.dtype):
             log.info("decode attention: C kernel over the paged KV cache")
+        log.info("LoRA op: %s, slots in %s", type(model.lora_op).__name__, model.lora_op.slot_dtype(self.dtype))
         log.info(
             "memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",
             lora_bytes / 2**20, config.max_loras, config.max_lora_rank, self.kv.nbytes / 2**20, num_blocks,
@@ -142,16 +146,20 @@ class ModelRunner:
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             attention=attention,
-            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device, self._max_rank(items)),
+            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device, self._slot_ranks(items)),
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled
 
-    def _max_rank(self, items: list[tuple[Request, int]]) -> int | None:
-        """The largest rank among the batch's adapters; None (use the slots' maximum) if one is unknown."""
+    def _slot_ranks(self, items: list[tuple[Request, int]]) -> dict[int, int]:
+        """The rank of the adapter in each slot the batch uses, where the registry knows it."""
         versions = self.lora.registry.versions
-        ranks = [getattr(versions.get(r.adapter_uid), "rank", 0) for r, _ in items if r.adapter_uid is not None]
-        return max(ranks) if ranks and min(ranks) > 0 else None
+        ranks = {}
+        for request, _ in items:
+            rank = getattr(versions.get(request.adapter_uid), "rank", 0) if request.adapter_uid is not None else 0
+            if rank > 0:
+                ranks[self._slot(request)] = rank
+        return ranks
 
     def _slot(self, request: Request) -> int:
         if request.adapter_uid is None:
@@ -163,9 +171,3 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
-
-def lora_slot_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    """The LoRA slot buffers' dtype. CPUs have no fast kernels for the small half-precision
-    matmuls of the LoRA op (rank-16 bmms measured 3x slower in bf16 than in fp32), so slots stay
-    fp32 there; adapters are small, so this costs little memory."""
-    return torch.float32 if device.type == "cpu" else model_dtype

@@ -1,13 +1,16 @@
-"""The batched LoRA op against a per-token reference: any mix of slots (base-model tokens too),
-slot orders, group sizes, adapter ranks below the slots' maximum, and the batch's rank hint."""
+"""The batched LoRA ops (torch, both B layouts, and the CPU kernel in fp32 and bf16) against a
+per-token reference: any mix of slots (base-model tokens too), slot orders, group sizes, adapter
+ranks below the slots' maximum, with and without the slots' ranks known."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_service.lora.ops import SlicedB, TorchLoRAOp, build_lora_batch
+from inference_service.kernels import lora as lora_kernel
+from inference_service.lora.ops import LoRAOp, SlicedB, TorchLoRAOp, build_lora_batch
 
 NUM_SLOTS, MAX_RANK, IN = 5, 8, 12
 OUTS = (6, 4, 4)  # a fused projection of three modules, like q, k, v with GQA
@@ -38,24 +41,49 @@ def reference(x: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], token_slots: 
     return out
 
 
+def make_op(kind: str) -> tuple[LoRAOp, torch.dtype]:
+    if kind == "torch":
+        return TorchLoRAOp(torch.device("cpu")), torch.float32
+    if kind == "torch, B rank-major":
+        return TorchLoRAOp(torch.device("cpu"), b_rank_major=True), torch.float32
+    dtype = torch.float32 if kind == "kernel fp32" else torch.bfloat16
+    assert lora_kernel.available(dtype), "the LoRA kernel should build with the compiler on these machines"
+    return lora_kernel.CpuLoRAOp(dtype), dtype
+
+
+@pytest.mark.parametrize("kind", ["torch", "torch, B rank-major", "kernel fp32", "kernel bf16"])
 @settings(max_examples=150, deadline=None)
 @given(
     token_slots=st.lists(st.integers(-1, NUM_SLOTS - 1), min_size=1, max_size=14),
     ranks=st.lists(st.integers(1, MAX_RANK), min_size=NUM_SLOTS, max_size=NUM_SLOTS),
     sort=st.booleans(),
-    pass_rank=st.booleans(),
+    known_ranks=st.sampled_from(["all", "some", "none"]),
     seed=st.integers(0, 2**16),
 )
-def test_op_matches_per_token_reference(token_slots, ranks, sort, pass_rank, seed):
+def test_op_matches_per_token_reference(kind, token_slots, ranks, sort, known_ranks, seed):
     gen = torch.Generator().manual_seed(seed)
     if sort:  # the model runner's order: base-model tokens first, then by slot
         token_slots = sorted(token_slots)
+    op, dtype = make_op(kind)
     a, bs = make_slots(ranks, gen)
     x = torch.randn(len(token_slots), IN, generator=gen)
-    used = [ranks[s] for s in token_slots if s >= 0]
-    rank = max(used) if pass_rank and used else None
-    batch = build_lora_batch(token_slots, NUM_SLOTS, torch.device("cpu"), rank)
-    out = torch.zeros(len(token_slots), sum(OUTS))
+    a, x = a.to(dtype), x.to(dtype)
+    bs = [SlicedB(s.start, s.end, s.b.to(dtype)) for s in bs]
+    slot_ranks = {"all": dict(enumerate(ranks)), "some": {0: ranks[0], 3: ranks[3]}, "none": None}[known_ranks]
+    batch = build_lora_batch(token_slots, NUM_SLOTS, torch.device("cpu"), slot_ranks)
+    out = torch.zeros(len(token_slots), sum(OUTS), dtype=dtype)
+    stored = [SlicedB(s.start, s.end, s.b.transpose(1, 2).contiguous()) for s in bs] if op.b_rank_major else bs
     if batch is not None:
-        TorchLoRAOp().apply(x, out, a, bs, batch)
-    torch.testing.assert_close(out, reference(x, a, bs, token_slots), atol=1e-5, rtol=1e-5)
+        op.apply(x, out, a, stored, batch)
+    expected = reference(x.float(), a.float(), [SlicedB(s.start, s.end, s.b.float()) for s in bs], token_slots)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_transposing_copy_matches_torch():
+    """The slot load's B transpose (rank-major slots), at sizes that are not whole tiles."""
+    for dtype in (torch.float32, torch.bfloat16):
+        src = torch.randn(37, 21).to(dtype)
+        dst = torch.zeros(24, 40, dtype=dtype)
+        lora_kernel.transpose_into(dst[:21, :37], src)
+        assert torch.equal(dst[:21, :37], src.t()) and not dst[21:].any() and not dst[:, 37:].any()

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
+from inference_service.kernels import build
+from inference_service.kernels import lora as lora_kernel
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.models import linear as dense
 from inference_service.models.llama import GatherScratch
@@ -111,11 +113,14 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(monkeypatch):
 def kernel_cache(monkeypatch, tmp_path):
     """An empty kernel cache, and the process's loaded kernel forgotten before and after."""
     monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
-    cpu_kernels._library.cache_clear()
-    cpu_kernels._kernel.cache_clear()
+
+    def forget() -> None:
+        for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function):
+            cached.cache_clear()
+
+    forget()
     yield tmp_path
-    cpu_kernels._library.cache_clear()
-    cpu_kernels._kernel.cache_clear()
+    forget()
 
 
 def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):
@@ -128,8 +133,10 @@ def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):
     assert list(kernel_cache.iterdir()) == [], "no partial library is left behind"
 
 
-def test_the_kernel_is_ready_when_the_engine_starts(kernel_cache):
+def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):
     """Built at start-up (model runner), not in the first request's decode step."""
     core = EngineCore(EngineConfig(model=BUILTIN_TINY))
-    assert [p.suffix for p in kernel_cache.iterdir()] == [".so"]
+    built = sorted(p.name.rsplit("-", 1)[0] for p in kernel_cache.iterdir() if p.suffix == ".so")
+    assert built == ["lora", "paged_decode_attention"]
+    assert isinstance(core.runner.model.lora_op, lora_kernel.CpuLoRAOp)
     core.shutdown()

@@ -64,13 +64,15 @@ class LoRAManager:
         host_workers: int = 2,
         metrics: MetricsSink | None = None,
         host_executor: concurrent.futures.Executor | None = None,
+        b_rank_major: bool = False,
     ) -> None:
-        """`host_executor` replaces the host-preparation thread pool (tests use it to order stagings)."""
+        """`host_executor` replaces the host-preparation thread pool (tests use it to order stagings);
+        `b_rank_major`: the slots' B layout, as the model's LoRA op reads it."""
         if num_slots < 1:
             raise ValueError("max_loras must be at least 1")
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
         self.registry = AdapterRegistry()
-        self.pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype)
+        self.pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major)
         self.loader = OverlapLoader(copy_engine)
         self.source = source
         self.metrics = metrics or NullMetrics()

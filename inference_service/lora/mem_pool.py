@@ -2,11 +2,11 @@
 
 The modules that feed one fused base projection (q,k,v; gate,up; see `BaseModelShapes.fused`)
 share one A buffer, `A [n_slots, n·r_max, in]` with their A stacked along the rank axis, so one
-shrink matmul serves the whole projection; each module has its own `B [n_slots, out, r_max]`.
-`buffers[(layer, module)]` are the per-module (A view, B) pairs the loader writes. Ranks below
-r_max are zero-padded and the adapter's scaling is folded into B. B keeps PEFT's layout: stored
-transposed, the expand matmul was faster on CPU (2-3% of a decode step) but every CPU slot load
-had to transpose it, 3x slower than a plain copy.
+shrink matmul serves the whole projection; each module has its own B, stored as the LoRA op
+reads it: `[n_slots, out, r_max]` (PEFT's layout) or rank-major `[n_slots, r_max, out]` (the CPU
+kernel's, which expands along output columns; a load then transposes each B as it copies).
+`buffers[(layer, module)]` are the per-module (A view, B view as [n_slots, out, r_max] whatever
+the storage) pairs. Ranks below r_max are zero-padded and the adapter's scaling is folded into B.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from inference_service.kernels.lora import transpose_into
 from inference_service.lora.adapter import BaseModelShapes, HostAdapter
 from inference_service.lora.ops import SlicedB
 
@@ -25,9 +26,15 @@ GroupBuffers = dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[Sliced
 
 class LoRAMemoryPool:
     def __init__(
-        self, num_slots: int, max_rank: int, shapes: BaseModelShapes, device: torch.device, dtype: torch.dtype
+        self,
+        num_slots: int,
+        max_rank: int,
+        shapes: BaseModelShapes,
+        device: torch.device,
+        dtype: torch.dtype,
+        b_rank_major: bool = False,
     ) -> None:
-        self.num_slots, self.max_rank = num_slots, max_rank
+        self.num_slots, self.max_rank, self.b_rank_major = num_slots, max_rank, b_rank_major
         self.group_buffers: GroupBuffers = {}
         self.buffers: SlotBuffers = {}
         for layer in range(shapes.num_layers):
@@ -38,8 +45,10 @@ class LoRAMemoryPool:
                 a = torch.zeros(num_slots, len(group) * max_rank, in_features, device=device, dtype=dtype)
                 sliced, col = [], 0
                 for i, (module, out_features) in enumerate(zip(group, outs, strict=True)):
-                    b = torch.zeros(num_slots, out_features, max_rank, device=device, dtype=dtype)
-                    self.buffers[(layer, module)] = (a[:, i * max_rank : (i + 1) * max_rank], b)
+                    shape = (max_rank, out_features) if b_rank_major else (out_features, max_rank)
+                    b = torch.zeros(num_slots, *shape, device=device, dtype=dtype)
+                    b_view = b.transpose(1, 2) if b_rank_major else b
+                    self.buffers[(layer, module)] = (a[:, i * max_rank : (i + 1) * max_rank], b_view)
                     sliced.append(SlicedB(col, col + out_features, b))
                     col += out_features
                 self.group_buffers[(layer, group)] = (a, sliced)
@@ -81,6 +90,7 @@ class LoRAMemoryPool:
         """
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
+        transposed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rank-major B rows, PEFT-layout B)
         scaled: list[torch.Tensor] = []
         scales: list[float] = []
         zeroed: list[torch.Tensor] = []
@@ -92,8 +102,13 @@ class LoRAMemoryPool:
                 continue
             a, b, scaling = weights
             rank = a.shape[0]
-            destinations += [a_slot[:rank], b_slot[:, :rank]]
-            sources += [a, b]
+            destinations.append(a_slot[:rank])
+            sources.append(a)
+            if self.b_rank_major:
+                transposed.append((b_slot.t()[:rank], b))
+            else:
+                destinations.append(b_slot[:, :rank])
+                sources.append(b)
             scaled.append(b_slot[:, :rank])  # scaling is folded into the slot's B
             scales.append(scaling)
             if rank < self.max_rank:
@@ -101,6 +116,8 @@ class LoRAMemoryPool:
 
         def copy() -> None:
             torch._foreach_copy_(destinations, sources, non_blocking=True)
+            for dst, src in transposed:
+                transpose_into(dst, src)
             torch._foreach_mul_(scaled, scales)
             if zeroed:
                 torch._foreach_zero_(zeroed)

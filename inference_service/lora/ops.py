@@ -1,7 +1,8 @@
 """The batched LoRA op: `out += s_a · (x A_aᵀ) B_aᵀ` with `a` the slot of each token's request.
 
 Slot buffers are A [slots, n·r, in] (the modules of one fused projection stacked) and one
-B [slots, out, r] per module, possibly in a wider dtype than the model's (fp32 on CPU, where
+B per module, [slots, out, r] (PEFT's layout) or rank-major [slots, r, out] as the op asks
+(`b_rank_major`), possibly in a wider dtype than the model's (the torch op's fp32 on CPU, where
 small bf16 matmuls are slow): x is cast to it and the delta is added in the model's dtype.
 
 Tokens are grouped by slot once per step (`LoRABatch`, shared by every layer and module), then
@@ -10,7 +11,8 @@ gather-per-token for decode and segments for prefill fall out of the same groupi
 adapters all have ranks below the slots' maximum, only that many rank rows are gathered and
 multiplied (slots are zero-padded past each adapter's rank, so the result is the same). Scaling is
 folded into the slot's B buffer at load time, so the op needs no per-slot scale. Faster kernels
-(e.g. Triton on CUDA) plug in behind `LoRAOp` with the same `LoRABatch`.
+(the C kernel on CPU, `kernels/lora.py`; Triton on CUDA) plug in behind `LoRAOp` with the same
+`LoRABatch`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class SlicedB:
 
     start: int
     end: int
-    b: torch.Tensor  # [slots, end - start, r]
+    b: torch.Tensor  # [slots, end - start, r], or [slots, r, end - start] for a rank-major op
 
 
 @dataclass(frozen=True)
@@ -49,20 +51,35 @@ class LoRABatch:
     num_tokens: int
     first_row: int = 0  # contiguous layout: rows before it are base-model tokens
     rank: int | None = None  # largest adapter rank among the groups; None: the slots' maximum
+    # Runs of consecutive rows on one slot, [first row, end row, slot, adapter rank] each (CPU,
+    # int64; the rank is UNKNOWN_RANK where not known): what the CPU kernel takes.
+    runs: torch.Tensor | None = None
+
+
+UNKNOWN_RANK = 2**31  # a run's rank when not known: the kernel uses the slots' whole rank
 
 
 def build_lora_batch(
-    token_slots: list[int], num_slots: int, device: torch.device, rank: int | None = None
+    token_slots: list[int], num_slots: int, device: torch.device, slot_ranks: dict[int, int] | None = None
 ) -> LoRABatch | None:
     """Group token rows by slot; None when no token uses an adapter (pure base-model step).
 
-    `rank`: the largest rank of the adapters in these slots, if known."""
+    `slot_ranks`: the rank of the adapter in each slot, where known."""
     groups: dict[int, list[int]] = {}
+    runs: list[list[int]] = []
     for row, slot in enumerate(token_slots):
-        if slot >= 0:
-            groups.setdefault(slot, []).append(row)
+        if slot < 0:
+            continue
+        groups.setdefault(slot, []).append(row)
+        if runs and runs[-1][2] == slot and runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, row + 1, slot, (slot_ranks or {}).get(slot, UNKNOWN_RANK)])
     if not groups:
         return None
+    known = [(slot_ranks or {}).get(slot) for slot in groups]
+    rank = None if None in known else max(known)  # type: ignore[type-var]
+    run_table = torch.tensor(runs, dtype=torch.long)
     num_tokens = len(token_slots)
     max_len = max(len(rows) for rows in groups.values())
 
@@ -74,7 +91,7 @@ def build_lora_batch(
     rows_in_order = [row for rows in groups.values() for row in rows]
     first_row = num_tokens - len(groups) * max_len
     if rows_in_order == list(range(first_row, num_tokens)):
-        return LoRABatch(slots, None, None, None, len(groups), max_len, num_tokens, first_row, rank)
+        return LoRABatch(slots, None, None, None, len(groups), max_len, num_tokens, first_row, rank, run_table)
     gather, dest, src = [], [], []
     for g, rows in enumerate(groups.values()):
         gather.extend(rows + [num_tokens] * (max_len - len(rows)))
@@ -89,10 +106,16 @@ def build_lora_batch(
         max_group_len=max_len,
         num_tokens=num_tokens,
         rank=rank,
+        runs=run_table,
     )
 
 
 class LoRAOp(Protocol):
+    b_rank_major: bool  # the B layout it reads: [slots, r, out] if true, else [slots, out, r]
+
+    def slot_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the slot buffers should hold for a model of this dtype."""
+
     def apply(
         self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], batch: LoRABatch
     ) -> None:
@@ -105,6 +128,14 @@ class LoRAOp(Protocol):
 class TorchLoRAOp:
     """Grouped batched-matmul implementation; runs on any device torch supports."""
 
+    def __init__(self, device: torch.device, b_rank_major: bool = False) -> None:
+        self.device, self.b_rank_major = device, b_rank_major
+
+    def slot_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        # CPUs have no fast kernels for the small half-precision matmuls here (rank-16 bmms ran 3x
+        # slower in bf16 than in fp32), so slots stay fp32 there; adapters are small.
+        return torch.float32 if self.device.type == "cpu" else model_dtype
+
     def apply(
         self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], batch: LoRABatch
     ) -> None:
@@ -115,7 +146,7 @@ class TorchLoRAOp:
             # Gather the groups' slots, and of each only the rank rows some adapter here uses.
             a = a.view(a.shape[0], num_modules, slot_rank, a.shape[2])[:, :, :rank].index_select(0, batch.slots)
             a = a.view(groups, num_modules * rank, -1)
-            bs = [SlicedB(s.start, s.end, s.b[:, :, :rank].index_select(0, batch.slots)) for s in bs]
+            bs = [SlicedB(s.start, s.end, self._rank_rows(s.b, rank).index_select(0, batch.slots)) for s in bs]
             slot_rank = rank
         if batch.gather_rows is None:
             padded_x = x[batch.first_row :].view(groups, group_len, x.shape[1])
@@ -125,7 +156,7 @@ class TorchLoRAOp:
         # One shrink for every module of the projection (they share x), then one expand each.
         shrunk = torch.bmm(padded_x.to(a.dtype), a.transpose(1, 2))  # [G, M, n·r]
         expanded = [
-            torch.bmm(shrunk[:, :, i * slot_rank : i * slot_rank + rank], s.b[:, :, :rank].transpose(1, 2))
+            torch.bmm(shrunk[:, :, i * slot_rank : i * slot_rank + rank], self._rank_major(s.b, rank))
             for i, s in enumerate(bs)
         ]
         if batch.gather_rows is None:
@@ -136,3 +167,11 @@ class TorchLoRAOp:
         delta = torch.cat(expanded, dim=2) if len(expanded) > 1 else expanded[0]
         delta = delta.view(-1, out.shape[1]).index_select(0, batch.src_positions).to(out.dtype)
         out.index_add_(0, batch.dest_rows, delta)
+
+    def _rank_rows(self, b: torch.Tensor, rank: int) -> torch.Tensor:
+        """B of the first `rank` ranks, in its stored layout."""
+        return b[:, :rank] if self.b_rank_major else b[:, :, :rank]
+
+    def _rank_major(self, b: torch.Tensor, rank: int) -> torch.Tensor:
+        """B of the first `rank` ranks as [slots, rank, out], for the expand matmul."""
+        return b[:, :rank] if self.b_rank_major else b[:, :, :rank].transpose(1, 2)

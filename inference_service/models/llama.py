@@ -388,7 +388,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.lm_head = _param(config.vocab_size, config.hidden_size, device, dtype)
         self.rotary = RotaryEmbedding(config, device)
-        self.lora_op: LoRAOp = TorchLoRAOp()
+        self.lora_op: LoRAOp = TorchLoRAOp(device)  # the model runner picks the op for its device
         self.gather_scratch = GatherScratch()
         self.packed: dict[str, torch.Tensor] = {}
 

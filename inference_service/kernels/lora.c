@@ -1,0 +1,144 @@
+// Batched multi-LoRA on CPU for one fused projection (see lora/ops.py for the math):
+// out[r, cols_i] += (x[r] · A_{s,i}ᵀ) · Bt_{s,i} for each module i and each row r of a group on slot s.
+//
+// Why not torch's batched matmuls: a decode step multiplies a few rows per adapter, so the work is
+// reading the slot weights, and torch paid per-call overhead on ~11 small matmuls and adds per
+// layer. Here each group reads its slot's A rows and B rows once, only up to the adapter's own rank
+// (slots are zero-padded to the pool's maximum: rank-8 adapters in a rank-16 pool cost half), and
+// the expand runs along output columns. For that, B is kept rank-major in the slots, Bt [R, out]:
+// `transpose_copy_*` writes it at load time.
+//
+// x [T, in], out [T, out_stride] (the fused projection's output), a [slots, n·R, in],
+// bs[i] = Bt of module i [slots, R, cols[i+1] - cols[i]], groups: runs of rows on one slot.
+// Products accumulate in fp32; bf16 inputs are widened and the sum rounded once into out.
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t first_row, end_row, slot, rank;
+} Group;
+
+#define TILE_ROWS 8  // rows of a group per task: enough to reuse each weight row from L1
+
+static inline float widen_f32(const float *p, int64_t i) { return p[i]; }
+static inline float widen_bf16(const uint16_t *p, int64_t i) {
+    uint32_t bits = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline void add_into_f32(float *p, int64_t i, float f) { p[i] += f; }
+static inline void add_into_bf16(uint16_t *p, int64_t i, float f) {
+    float sum = widen_bf16(p, i) + f;
+    uint32_t bits;
+    memcpy(&bits, &sum, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
+    p[i] = (uint16_t)(bits >> 16);
+}
+
+// The group and first row of task `task` (tasks are tiles of TILE_ROWS rows, group after group).
+static inline Group tile_of(const Group *groups, const int64_t *first_task, int64_t task, int64_t *row0) {
+    int64_t g = 0;
+    while (first_task[g + 1] <= task) g++;
+    *row0 = groups[g].first_row + (task - first_task[g]) * TILE_ROWS;
+    return groups[g];
+}
+
+#define DEFINE_LORA(NAME, T, WIDEN, ADD_INTO)                                                              \
+    int NAME(const T *x, T *out, int64_t out_stride, const T *a, const T *const *bs, const int64_t *cols,   \
+             int64_t n_modules, int64_t slot_rank, int64_t in, const Group *groups, int64_t num_groups,     \
+             float *y) {                                                                                   \
+        const int64_t ny = n_modules * slot_rank;                                                          \
+        int64_t *first_task = malloc(sizeof(int64_t) * (size_t)(num_groups + 1));                          \
+        if (!first_task) return -2;                                                                        \
+        int64_t tasks = 0, max_width = 0;                                                                  \
+        for (int64_t g = 0; g < num_groups; g++) {                                                         \
+            first_task[g] = tasks;                                                                         \
+            tasks += (groups[g].end_row - groups[g].first_row + TILE_ROWS - 1) / TILE_ROWS;                \
+        }                                                                                                  \
+        first_task[num_groups] = tasks;                                                                    \
+        for (int64_t i = 0; i < n_modules; i++)                                                            \
+            if (cols[i + 1] - cols[i] > max_width) max_width = cols[i + 1] - cols[i];                      \
+        int failed = 0;                                                                                    \
+        _Pragma("omp parallel")                                                                            \
+        {                                                                                                  \
+            float *xs = malloc(sizeof(float) * (size_t)(TILE_ROWS * in));                                  \
+            float *acc = malloc(sizeof(float) * (size_t)(TILE_ROWS * max_width));                          \
+            if (!xs || !acc) failed = 1;                                                                   \
+            /* Shrink: y[r, i·R + j] = x[r] · A[slot, i·R + j] for j below the adapter's rank. */          \
+            _Pragma("omp for schedule(dynamic, 1)")                                                        \
+            for (int64_t task = 0; task < tasks; task++) {                                                 \
+                if (!xs || !acc) continue;                                                                 \
+                int64_t r0;                                                                                \
+                const Group gr = tile_of(groups, first_task, task, &r0);                                   \
+                const int64_t rows = gr.end_row - r0 < TILE_ROWS ? gr.end_row - r0 : TILE_ROWS;            \
+                const int64_t rank = gr.rank < slot_rank ? gr.rank : slot_rank;                            \
+                for (int64_t k = 0; k < rows * in; k++) xs[k] = WIDEN(x, r0 * in + k);                     \
+                for (int64_t i = 0; i < n_modules; i++)                                                    \
+                    for (int64_t j = 0; j < rank; j++) {                                                   \
+                        const T *arow = a + ((gr.slot * n_modules + i) * slot_rank + j) * in;              \
+                        for (int64_t m = 0; m < rows; m++) {                                               \
+                            const float *xm = xs + m * in;                                                 \
+                            float s = 0.f;                                                                 \
+                            _Pragma("omp simd reduction(+:s)")                                             \
+                            for (int64_t d = 0; d < in; d++) s += xm[d] * WIDEN(arow, d);                  \
+                            y[(r0 + m) * ny + i * slot_rank + j] = s;                                      \
+                        }                                                                                  \
+                    }                                                                                      \
+            }                                                                                              \
+            /* Expand: out[r, cols_i] += Σ_j y[r, i·R + j] · Bt[slot, j], streaming Bt's rows once. */    \
+            _Pragma("omp for schedule(dynamic, 1)")                                                        \
+            for (int64_t item = 0; item < tasks * n_modules; item++) {                                     \
+                if (!xs || !acc) continue;                                                                 \
+                const int64_t i = item % n_modules, width = cols[i + 1] - cols[i];                         \
+                int64_t r0;                                                                                \
+                const Group gr = tile_of(groups, first_task, item / n_modules, &r0);                       \
+                const int64_t rows = gr.end_row - r0 < TILE_ROWS ? gr.end_row - r0 : TILE_ROWS;            \
+                const int64_t rank = gr.rank < slot_rank ? gr.rank : slot_rank;                            \
+                const T *bt = bs[i] + gr.slot * slot_rank * width;                                         \
+                memset(acc, 0, sizeof(float) * (size_t)(rows * width));                                    \
+                for (int64_t j = 0; j < rank; j++) {                                                       \
+                    const T *brow = bt + j * width;                                                        \
+                    for (int64_t m = 0; m < rows; m++) {                                                   \
+                        const float yj = y[(r0 + m) * ny + i * slot_rank + j];                             \
+                        float *am = acc + m * width;                                                       \
+                        _Pragma("omp simd")                                                                \
+                        for (int64_t c = 0; c < width; c++) am[c] += yj * WIDEN(brow, c);                  \
+                    }                                                                                      \
+                }                                                                                          \
+                for (int64_t m = 0; m < rows; m++) {                                                       \
+                    const float *am = acc + m * width;                                                     \
+                    T *o = out + (r0 + m) * out_stride + cols[i];                                          \
+                    _Pragma("omp simd")                                                                    \
+                    for (int64_t c = 0; c < width; c++) ADD_INTO(o, c, am[c]);                             \
+                }                                                                                          \
+            }                                                                                              \
+            free(xs);                                                                                      \
+            free(acc);                                                                                     \
+        }                                                                                                  \
+        free(first_task);                                                                                  \
+        return failed ? -2 : 0;                                                                            \
+    }
+
+DEFINE_LORA(lora_apply_f32, float, widen_f32, add_into_f32)
+DEFINE_LORA(lora_apply_bf16, uint16_t, widen_bf16, add_into_bf16)
+
+// dst[c, r] = src[r, c] for src [rows, cols] (row stride src_stride) and dst [cols, rows] (row
+// stride dst_stride): a slot load writing B rank-major. In tiles, so both sides are read and
+// written in cache lines (torch's strided copy of a transposed view ran ~4x slower than a copy).
+#define TRANSPOSE_TILE 16
+#define DEFINE_TRANSPOSE(NAME, T)                                                                          \
+    void NAME(T *dst, int64_t dst_stride, const T *src, int64_t src_stride, int64_t rows, int64_t cols) {   \
+        for (int64_t r0 = 0; r0 < rows; r0 += TRANSPOSE_TILE)                                              \
+            for (int64_t c0 = 0; c0 < cols; c0 += TRANSPOSE_TILE) {                                        \
+                const int64_t r1 = r0 + TRANSPOSE_TILE < rows ? r0 + TRANSPOSE_TILE : rows;                \
+                const int64_t c1 = c0 + TRANSPOSE_TILE < cols ? c0 + TRANSPOSE_TILE : cols;                \
+                for (int64_t c = c0; c < c1; c++)                                                          \
+                    for (int64_t r = r0; r < r1; r++) dst[c * dst_stride + r] = src[r * src_stride + c];   \
+            }                                                                                              \
+    }
+
+DEFINE_TRANSPOSE(transpose_copy_4, uint32_t)
+DEFINE_TRANSPOSE(transpose_copy_2, uint16_t)
