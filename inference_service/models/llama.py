@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_service.errors import FailedPreconditionError
+from inference_service.kernels import fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
@@ -192,9 +193,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused_out = fused.add_rms_norm_(x, None, self.weight, self.eps)
+        if fused_out is not None:
+            return fused_out
         # HF's order: normalise in fp32, cast back, then scale. One fused op for the first part.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm); on CPU one kernel pass, which adds into `residual` in place."""
+        normed = fused.add_rms_norm_(residual, delta, self.weight, self.eps)
+        if normed is not None:
+            return residual, normed
+        residual = residual + delta
+        return residual, self(residual)
 
 
 class LoRASlices:
@@ -279,20 +291,25 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(x)
         qkv = self._project("qkv", x)
         self.lora_qkv.apply(op, x, qkv, batch.lora)
+        k_cache, v_cache = kv
+        # On CPU one kernel rotates q and k in place and writes k and v to the cache.
+        cached = fused.rope_and_cache(qkv, c.num_heads, c.num_kv_heads, c.head_dim, *rope,
+                                      batch.attention.slot_mapping, k_cache, v_cache)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = _apply_rope(q.reshape(-1, c.num_heads, c.head_dim), *rope)
-        k = _apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), *rope)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        attn = paged_attention(q, k, v, kv, batch.attention, scratch).reshape(-1, c.q_size)
+        q, k, v = (t.reshape(-1, heads, c.head_dim) for t, heads in ((q, c.num_heads), (k, c.num_kv_heads),
+                                                                      (v, c.num_kv_heads)))
+        if not cached:
+            q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        attn = paged_attention(q, k, v, kv, batch.attention, scratch, cached).reshape(-1, c.q_size)
         out = self._project("o", attn)
         self.lora_o.apply(op, attn, out, batch.lora)
-        x = residual + out
-        residual = x
-        x = self.post_attention_layernorm(x)
+        residual, x = self.post_attention_layernorm.add_and_norm(residual, out)
         gate_up = self._project("gate_up", x)
         self.lora_gate_up.apply(op, x, gate_up, batch.lora)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = fused.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
         out = self._project("down", act)
         self.lora_down.apply(op, act, out, batch.lora)
         return residual + out
@@ -305,20 +322,25 @@ def paged_attention(
     kv: tuple[torch.Tensor, torch.Tensor],
     attn: AttentionBatch,
     scratch: GatherScratch,
+    cached: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into their blocks, then attend: decode batched, prefill per segment.
+    """Write this step's K/V into their blocks (unless already `cached`), then attend: decode
+    batched, prefill per segment.
 
     q [T, Hq, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D].
     """
     k_cache, v_cache = kv
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
-    out = torch.empty_like(q)
+    if not cached:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
+    all_decode = attn.decode_rows is not None and not attn.prefills and attn.decode_rows.shape[0] == q.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if attn.decode_rows is not None:
         tables, lens = attn.decode_block_tables, attn.decode_lens
         assert tables is not None and lens is not None  # set together with decode_rows
-        queries = q.index_select(0, attn.decode_rows)  # [Bd, Hq, D]
+        # Rows are numbered in batch order, so a batch of decodes only is rows 0..T-1: no gathers.
+        queries = q if all_decode else q.index_select(0, attn.decode_rows)  # [Bd, Hq, D]
         # On CPU, read the blocks in place; elsewhere (or without the kernel) gather them, then SDPA.
         result = cpu_kernels.decode_attention(queries, k_cache, v_cache, tables, lens)
         if result is None:
@@ -329,6 +351,8 @@ def paged_attention(
             result = F.scaled_dot_product_attention(
                 queries.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], enable_gqa=True
             ).squeeze(2)
+        if all_decode:
+            return result
         out.index_copy_(0, attn.decode_rows, result)
     for seg in attn.prefills:
         queries = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
