@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -20,6 +21,10 @@ import torch
 log = logging.getLogger(__name__)
 
 BACKGROUND_NICENESS = 10
+# The longest the scheduler thread waits for the GIL while a loader thread runs Python (parsing an
+# adapter, issuing copies). Python's default, 5 ms, showed up whole in inter-token latency: churn
+# p99 rose to 1.44x of no churn, and to 1.06x with 0.5 ms (2-core CPU, rank-64 loads every 5 steps).
+LOADER_GIL_SWITCH_INTERVAL_S = 0.0005
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 
 
@@ -133,9 +138,12 @@ def background_worker_thread() -> None:
     One torch thread each (the setting is per thread): a second OpenMP team on the cores the
     model is using makes both spin-wait, which costs far more than parallel copies gain. And a
     lower CPU priority (per thread on Linux): loads use the cycles decoding leaves idle instead
-    of stretching inter-token latency.
+    of stretching inter-token latency. And a shorter GIL switch interval for the process (see
+    LOADER_GIL_SWITCH_INTERVAL_S), since these threads now share the GIL with the scheduler's.
     """
     torch.set_num_threads(1)
+    if sys.getswitchinterval() > LOADER_GIL_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(LOADER_GIL_SWITCH_INTERVAL_S)
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
     except (AttributeError, OSError):  # not Linux, or not permitted: loads just compete evenly

@@ -85,9 +85,9 @@ def test_op_matches_per_token_reference(kind, token_slots, shape, ranks, sort, k
 
 
 def test_transposing_copy_matches_torch():
-    """The slot load's B transpose (rank-major slots), at sizes that are not whole tiles."""
+    """The slot load's scaled B transpose (rank-major slots), at sizes that are not whole tiles."""
     for dtype in (torch.float32, torch.bfloat16):
         src = torch.randn(37, 21).to(dtype)
         dst = torch.zeros(24, 40, dtype=dtype)
-        lora_kernel.transpose_into(dst[:21, :37], src)
-        assert torch.equal(dst[:21, :37], src.t()) and not dst[21:].any() and not dst[:, 37:].any()
+        lora_kernel.transpose_into(dst[:21, :37], src, 0.5)
+        assert torch.equal(dst[:21, :37], src.t() * 0.5) and not dst[21:].any() and not dst[:, 37:].any()

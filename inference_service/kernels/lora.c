@@ -196,20 +196,31 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
 DEFINE_LORA(lora_apply_f32, float, widen_f32, vload_f32, add_into_f32)
 DEFINE_LORA(lora_apply_bf16, uint16_t, widen_bf16, vload_bf16, add_into_bf16)
 
-// dst[c, r] = src[r, c] for src [rows, cols] (row stride src_stride) and dst [cols, rows] (row
-// stride dst_stride): a slot load writing B rank-major. In tiles, so both sides are read and
-// written in cache lines (torch's strided copy of a transposed view ran ~4x slower than a copy).
+// dst[c, r] = scale * src[r, c] for src [rows, cols] (row stride src_stride) and dst [cols, rows]
+// (row stride dst_stride): a slot load writing B rank-major with the adapter's scaling folded in.
+// In tiles, so both sides are read and written in cache lines (torch's strided copy of a transposed
+// view ran ~4x slower than a plain copy, and scaling afterwards took another pass).
 #define TRANSPOSE_TILE 16
-#define DEFINE_TRANSPOSE(NAME, T)                                                                          \
-    void NAME(T *dst, int64_t dst_stride, const T *src, int64_t src_stride, int64_t rows, int64_t cols) {   \
+#define DEFINE_TRANSPOSE(NAME, T, WIDEN, STORE)                                                            \
+    void NAME(T *dst, int64_t dst_stride, const T *src, int64_t src_stride, int64_t rows, int64_t cols,     \
+              float scale) {                                                                               \
         for (int64_t r0 = 0; r0 < rows; r0 += TRANSPOSE_TILE)                                              \
             for (int64_t c0 = 0; c0 < cols; c0 += TRANSPOSE_TILE) {                                        \
                 const int64_t r1 = r0 + TRANSPOSE_TILE < rows ? r0 + TRANSPOSE_TILE : rows;                \
                 const int64_t c1 = c0 + TRANSPOSE_TILE < cols ? c0 + TRANSPOSE_TILE : cols;                \
                 for (int64_t c = c0; c < c1; c++)                                                          \
-                    for (int64_t r = r0; r < r1; r++) dst[c * dst_stride + r] = src[r * src_stride + c];   \
+                    for (int64_t r = r0; r < r1; r++)                                                      \
+                        STORE(dst, c * dst_stride + r, scale * WIDEN(src, r * src_stride + c));            \
             }                                                                                              \
     }
 
-DEFINE_TRANSPOSE(transpose_copy_4, uint32_t)
-DEFINE_TRANSPOSE(transpose_copy_2, uint16_t)
+static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
+static inline void store_bf16(uint16_t *p, int64_t i, float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
+    p[i] = (uint16_t)(bits >> 16);
+}
+
+DEFINE_TRANSPOSE(transpose_scale_f32, float, widen_f32, store_f32)
+DEFINE_TRANSPOSE(transpose_scale_bf16, uint16_t, widen_bf16, store_bf16)

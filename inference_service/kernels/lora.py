@@ -16,7 +16,7 @@ from inference_service.kernels.build import load_library
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 
 _APPLY = {torch.float32: "lora_apply_f32", torch.bfloat16: "lora_apply_bf16"}
-_TRANSPOSE = {4: "transpose_copy_4", 2: "transpose_copy_2"}
+_TRANSPOSE = {torch.float32: "transpose_scale_f32", torch.bfloat16: "transpose_scale_bf16"}
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -65,15 +65,16 @@ class CpuLoRAOp:
         return layout
 
 
-def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst [c, r] = src [r, c] for CPU tensors with unit column stride (a B into a rank-major slot)."""
+def transpose_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
+    """dst [c, r] = scale * src [r, c] (a B into a rank-major slot, its scaling folded in)."""
     if src.dtype != dst.dtype:
         src = src.to(dst.dtype)
-    fn = _function(_TRANSPOSE.get(dst.element_size(), ""))
+    fn = _function(_TRANSPOSE.get(dst.dtype, ""))
     if fn is None or src.stride(1) != 1 or dst.stride(1) != 1 or dst.device.type != "cpu":
         dst.copy_(src.t())
+        dst.mul_(scale)
         return
-    fn(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), src.shape[0], src.shape[1])
+    fn(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), src.shape[0], src.shape[1], scale)
 
 
 @functools.cache
@@ -85,7 +86,7 @@ def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defi
     if symbol in _TRANSPOSE.values():
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int64]
+                       ctypes.c_int64, ctypes.c_float]
     else:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [

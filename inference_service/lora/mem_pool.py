@@ -90,7 +90,7 @@ class LoRAMemoryPool:
         """
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        transposed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rank-major B rows, PEFT-layout B)
+        transposed: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (rank-major B rows, B, scaling)
         scaled: list[torch.Tensor] = []
         scales: list[float] = []
         zeroed: list[torch.Tensor] = []
@@ -104,21 +104,23 @@ class LoRAMemoryPool:
             rank = a.shape[0]
             destinations.append(a_slot[:rank])
             sources.append(a)
+            # Scaling is folded into the slot's B (by the transposing copy, for rank-major B).
             if self.b_rank_major:
-                transposed.append((b_slot.t()[:rank], b))
+                transposed.append((b_slot.t()[:rank], b, scaling))
             else:
                 destinations.append(b_slot[:, :rank])
                 sources.append(b)
-            scaled.append(b_slot[:, :rank])  # scaling is folded into the slot's B
-            scales.append(scaling)
+                scaled.append(b_slot[:, :rank])
+                scales.append(scaling)
             if rank < self.max_rank:
                 zeroed += [a_slot[rank:], b_slot[:, rank:]]
 
         def copy() -> None:
             torch._foreach_copy_(destinations, sources, non_blocking=True)
-            for dst, src in transposed:
-                transpose_into(dst, src)
-            torch._foreach_mul_(scaled, scales)
+            for dst, src, scale in transposed:
+                transpose_into(dst, src, scale)
+            if scaled:
+                torch._foreach_mul_(scaled, scales)
             if zeroed:
                 torch._foreach_zero_(zeroed)
 
