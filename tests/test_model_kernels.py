@@ -9,14 +9,15 @@ import torch.nn.functional as F
 
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
-from inference_service.kernels import build
+from inference_service.kernels import build, fused
 from inference_service.kernels import lora as lora_kernel
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.models import linear as dense
 from inference_service.models.llama import GatherScratch
 from inference_service.models.loader import BUILTIN_TINY, load_model
 from inference_service.request import Request, SamplingParams
-from tests.infra.engine_helpers import run_to_completion
+from tests.infra.engine_helpers import load_adapters, run_to_completion
+from tests.test_lora_manager import write_tiny_adapter
 
 CPU = torch.device("cpu")
 
@@ -109,18 +110,45 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(monkeypatch):
     assert calls, "the fallback run should have asked for the kernel and been refused"
 
 
+def forget_kernels() -> None:
+    for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function, fused._function):
+        cached.cache_clear()
+
+
 @pytest.fixture
 def kernel_cache(monkeypatch, tmp_path):
-    """An empty kernel cache, and the process's loaded kernel forgotten before and after."""
+    """An empty kernel cache, and the process's loaded kernels forgotten before and after."""
     monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
-
-    def forget() -> None:
-        for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function):
-            cached.cache_clear()
-
-    forget()
+    forget_kernels()
     yield tmp_path
-    forget()
+    forget_kernels()
+
+
+def test_engine_with_adapters_is_the_same_on_the_torch_paths(monkeypatch, kernel_cache, tmp_path):
+    """All three kernels (LoRA op with its rank-major slots, fused layer ops, decode attention)
+    against the torch paths a GPU or a CPU without a compiler takes, end to end with adapters of
+    two ranks and base-model requests in one batch."""
+    adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4),
+                "b": write_tiny_adapter(tmp_path / "b", seed=2, rank=8)}
+
+    def generate() -> tuple[list[list[int]], str]:
+        core = EngineCore(EngineConfig(model=BUILTIN_TINY, max_num_seqs=8, max_loras=2, max_lora_rank=8))
+        load_adapters(core, adapters, preload=True)
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        for i in range(6):
+            core.add_request(Request(f"r{i}", list(range(3, 3 + 5 * i + 1)), params), [None, "a", "b"][i % 3])
+        outputs = run_to_completion(core)
+        op = type(core.runner.model.lora_op).__name__
+        core.shutdown()
+        return [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(6)], op
+
+    with_kernels, op = generate()
+    assert op == "CpuLoRAOp"
+    monkeypatch.setenv("LORAPLEX_CPU_KERNELS", "0")
+    forget_kernels()
+    on_torch, op = generate()
+    assert op == "TorchLoRAOp"
+    assert on_torch == with_kernels
 
 
 def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 from inference_service.errors import InvalidArgumentError, PermissionDeniedError
 from inference_service.lora.adapter import (
+    CONFIG_FILE,
     WEIGHTS_FILE,
     BaseModelShapes,
     HostAdapter,
@@ -41,17 +45,63 @@ def local_path(uri: str) -> Path:
 
 
 class LocalDirectorySource:
-    """PEFT directories on the local filesystem (file:// URIs or plain paths)."""
+    """PEFT directories on the local filesystem (file:// URIs or plain paths).
 
-    def __init__(self, shapes: BaseModelShapes, max_rank: int) -> None:
-        self.shapes, self.max_rank = shapes, max_rank
+    Validated adapters are kept in host memory, least recently used first out, up to
+    `cache_bytes`: an adapter evicted from its slot and wanted again is copied from there instead
+    of read, parsed and checked again (what the sidecar's shared-memory cache does for remote
+    adapters). An entry is only used while both files keep the size, mtime and inode it was read
+    with.
+    """
+
+    def __init__(self, shapes: BaseModelShapes, max_rank: int, cache_bytes: int = 0) -> None:
+        self.shapes, self.max_rank, self.cache_bytes = shapes, max_rank, cache_bytes
+        self._cache: OrderedDict[Path, tuple[tuple, HostAdapter, str | None]] = OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()  # fetches run on several host-loader threads
 
     def fetch(self, uri: str, sha256: str | None) -> HostAdapter:
         path = local_path(uri)
-        adapter = load_adapter_dir(path, self.shapes, self.max_rank)
+        stamp = _file_stamp(path)
+        with self._lock:
+            hit = self._cache.get(path)
+            if hit is not None and hit[0] == stamp:
+                self._cache.move_to_end(path)
+        digest: str | None
+        if hit is not None and hit[0] == stamp:
+            _, adapter, digest = hit
+            tier = "cache"
+        else:
+            adapter, digest, tier = load_adapter_dir(path, self.shapes, self.max_rank), None, "store"
         if sha256 is not None:
-            digest = hashlib.sha256(bytes(adapter.keepalive)).hexdigest()  # type: ignore[arg-type]
+            if digest is None:  # computed once per read of the file, kept with the cached adapter
+                digest = hashlib.sha256(bytes(adapter.keepalive)).hexdigest()  # type: ignore[arg-type]
             if digest != sha256.lower():
                 raise InvalidArgumentError(f"{WEIGHTS_FILE} sha256 {digest} does not match the expected {sha256}")
-        adapter.tier = "store"
-        return adapter
+        if tier == "store" and stamp is not None:
+            self._remember(path, stamp, adapter, digest)
+        # Each caller gets its own record (the manager sets fields on it); the tensors are shared
+        # and only ever read.
+        return dataclasses.replace(adapter, tier=tier)
+
+    def _remember(self, path: Path, stamp: tuple, adapter: HostAdapter, digest: str | None) -> None:
+        if adapter.size_bytes > self.cache_bytes:
+            return
+        with self._lock:
+            old = self._cache.pop(path, None)
+            if old is not None:
+                self._cached_bytes -= old[1].size_bytes
+            self._cache[path] = (stamp, adapter, digest)
+            self._cached_bytes += adapter.size_bytes
+            while self._cached_bytes > self.cache_bytes:
+                _, (_, evicted, _) = self._cache.popitem(last=False)
+                self._cached_bytes -= evicted.size_bytes
+
+
+def _file_stamp(path: Path) -> tuple | None:
+    """What says the adapter's files are unchanged since they were read; None if unreadable."""
+    try:
+        return tuple((st.st_size, st.st_mtime_ns, st.st_ino) for st in (
+            (path / name).stat() for name in (CONFIG_FILE, WEIGHTS_FILE)))
+    except OSError:
+        return None
