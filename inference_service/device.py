@@ -9,11 +9,12 @@ releases the GIL inside copy kernels). `BlockingCopyEngine` is the no-overlap ba
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -39,10 +40,15 @@ class CopyHandle(Protocol):
 
 
 class CopyEngine(Protocol):
-    def submit(self, copy: Callable[[], None]) -> CopyHandle: ...
+    def submit(self, copy: Callable[[], None]) -> CopyHandle:
+        """Start a copy; one with `chunks` (a list of callables, e.g. a `SlotCopy`) may be run
+        piece by piece."""
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host memory the engine can copy from asynchronously."""
+
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps each forward pass: an engine that shares the compute's cores holds back then."""
 
     def close(self) -> None: ...
 
@@ -62,18 +68,44 @@ class _FutureHandle:
 
 
 class ThreadCopyEngine:
-    """CPU twin of the CUDA side stream: one copy thread, futures as events."""
+    """CPU twin of the CUDA side stream: one copy thread, futures as events.
+
+    On CPU the copy and the forward pass share the cores. A copy running during a forward pass
+    takes a core from one of its OpenMP threads, and every parallel region waits for that thread:
+    with 2 cores the churn p99 rose above that of copying inline on the scheduler thread. So the
+    copy thread runs a copy piece by piece (a layer at a time) and only between forward passes,
+    while the scheduler thread samples, detokenizes, hands out outputs and schedules the next step.
+    """
 
     def __init__(self) -> None:
+        # Full priority: it runs only between forward passes, where a lower one left it ~10% of a
+        # core beside the OpenMP threads' spin-waiting, and loads fell behind.
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="lora-copy", initializer=background_worker_thread
+            1, thread_name_prefix="lora-copy", initializer=background_worker_thread, initargs=(0,)
         )
+        self._idle = threading.Event()  # set while no forward pass runs
+        self._idle.set()
 
     def submit(self, copy: Callable[[], None]) -> CopyHandle:
-        return _FutureHandle(self._pool.submit(_no_grad(copy)))
+        chunks: list[Callable[[], None]] = getattr(copy, "chunks", [copy])
+
+        def run() -> None:
+            for chunk in chunks:
+                self._idle.wait()
+                chunk()
+
+        return _FutureHandle(self._pool.submit(_no_grad(run)))
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._idle.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -93,6 +125,9 @@ class BlockingCopyEngine:
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -128,24 +163,29 @@ class CudaCopyEngine:
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.is_pinned() else tensor.pin_memory()
 
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the copy engine is separate hardware
+
     def close(self) -> None:
         self._stream.synchronize()
 
 
-def background_worker_thread() -> None:
+def background_worker_thread(niceness: int = BACKGROUND_NICENESS) -> None:
     """Set-up of loader threads (host preparation, CPU slot copies), which run beside the model.
 
     One torch thread each (the setting is per thread): a second OpenMP team on the cores the
-    model is using makes both spin-wait, which costs far more than parallel copies gain. And a
-    lower CPU priority (per thread on Linux): loads use the cycles decoding leaves idle instead
-    of stretching inter-token latency. And a shorter GIL switch interval for the process (see
-    LOADER_GIL_SWITCH_INTERVAL_S), since these threads now share the GIL with the scheduler's.
+    model is using makes both spin-wait, which costs far more than parallel copies gain. A lower
+    CPU priority (per thread on Linux) for work that runs beside the forward pass: it uses the
+    cycles decoding leaves idle instead of stretching inter-token latency. And a shorter GIL switch
+    interval for the process (see LOADER_GIL_SWITCH_INTERVAL_S), since these threads now share the
+    GIL with the scheduler's.
     """
     torch.set_num_threads(1)
     if sys.getswitchinterval() > LOADER_GIL_SWITCH_INTERVAL_S:
         sys.setswitchinterval(LOADER_GIL_SWITCH_INTERVAL_S)
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+        if niceness:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
     except (AttributeError, OSError):  # not Linux, or not permitted: loads just compete evenly
         pass
 

@@ -98,7 +98,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor]]:
         """Forward one step; returns (next token, logits) for requests whose chunk reached the end."""
         forward, sampled = self._prepare(batch)
-        logits = self.model(forward, self.kv.layers)
+        with self.lora.computing():
+            logits = self.model(forward, self.kv.layers)
         if not sampled:
             return {}
         tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])

@@ -15,6 +15,7 @@ PEFT files, copying into the slot buffers).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -93,6 +94,9 @@ class ManualCopyEngine:
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         while self.queued:

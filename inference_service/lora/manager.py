@@ -8,6 +8,7 @@ validating) runs on a thread pool and slot copies on the copy engine; both are c
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -168,6 +169,10 @@ class LoRAManager:
             entry.refs.discard(request_id)
 
     # ---- scheduler hooks ----
+
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps each forward pass (the CPU copy engine copies only between them)."""
+        return self.loader.engine.computing()
 
     def drain(self) -> DrainResult:
         """Collect completed slot copies and host preparations; free drained versions."""

@@ -80,14 +80,19 @@ class LoRAMemoryPool:
     def touch(self, uid: str) -> None:
         self._last_use[self.uid_to_slot[uid]] = next(self._clock)
 
-    def copy_into_slot(self, slot: int, adapter: HostAdapter) -> Callable[[], None]:
-        """The work of overwriting one slot, for the overlap loader to run on its copy stream.
+    def copy_into_slot(self, slot: int, adapter: HostAdapter) -> SlotCopy:
+        """The work of overwriting one slot, for the overlap loader to run on its copy engine, in
+        pieces of one layer each (see ThreadCopyEngine).
 
         Every module is written: ranks past the adapter's and modules it lacks become zeros, so
-        nothing of the slot's previous adapter can leak into the new one. The views are made here;
-        the work is three multi-tensor calls (copy, scale B, zero the rest) instead of four torch
-        calls per module, each of which paid torch's per-call overhead and took the GIL again.
-        """
+        nothing of the slot's previous adapter can leak into the new one."""
+        layers = sorted({layer for layer, _ in self.buffers})
+        return SlotCopy([self._copy_layer(slot, adapter, layer) for layer in layers])
+
+    def _copy_layer(self, slot: int, adapter: HostAdapter, layer: int) -> Callable[[], None]:
+        """One layer's part of a slot copy. The views are made here; the work is a few multi-tensor
+        calls (copy, scale B, zero the rest) instead of four torch calls per module, each of which
+        paid torch's per-call overhead and took the GIL again."""
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         transposed: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (rank-major B rows, B, scaling)
@@ -95,6 +100,8 @@ class LoRAMemoryPool:
         scales: list[float] = []
         zeroed: list[torch.Tensor] = []
         for key, (a_buf, b_buf) in self.buffers.items():
+            if key[0] != layer:
+                continue
             a_slot, b_slot = a_buf[slot], b_buf[slot]
             weights = adapter.modules.get(key)
             if weights is None:
@@ -125,3 +132,14 @@ class LoRAMemoryPool:
                 torch._foreach_zero_(zeroed)
 
         return copy
+
+
+class SlotCopy:
+    """A slot copy as pieces run in order; calling it runs them all."""
+
+    def __init__(self, chunks: list[Callable[[], None]]) -> None:
+        self.chunks = chunks
+
+    def __call__(self) -> None:
+        for chunk in self.chunks:
+            chunk()
