@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -85,11 +86,19 @@ class ThreadCopyEngine:
         )
         self._idle = threading.Event()  # set while no forward pass runs
         self._idle.set()
+        self._hold = ctypes.c_int32(0)  # the same, for copies run in C: nonzero during a pass
 
     def submit(self, copy: Callable[[], None]) -> CopyHandle:
         chunks: list[Callable[[], None]] = getattr(copy, "chunks", [copy])
+        make_program = getattr(copy, "program", None)
 
         def run() -> None:
+            # One C call that waits on `_hold` itself: the GIL is taken only to set it up. Each
+            # piece in Python took it again, and the scheduler thread waited for it between steps.
+            program = make_program() if make_program is not None else None
+            if program is not None:
+                program.run(self._hold)
+                return
             for chunk in chunks:
                 self._idle.wait()
                 chunk()
@@ -102,9 +111,11 @@ class ThreadCopyEngine:
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
         self._idle.clear()
+        self._hold.value = 1
         try:
             yield
         finally:
+            self._hold.value = 0
             self._idle.set()
 
     def close(self) -> None:

@@ -1,11 +1,17 @@
-"""The CPU copy engine copies between forward passes only, a piece (one layer) at a time."""
+"""The CPU copy engine copies between forward passes only, a piece (one module) at a time."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
+import torch
+
 from inference_service.device import ThreadCopyEngine
-from inference_service.lora.mem_pool import SlotCopy
+from inference_service.lora.adapter import load_adapter_dir
+from inference_service.lora.mem_pool import LoRAMemoryPool, SlotCopy
+from inference_service.models.loader import builtin_tiny_config
+from tests.test_lora_manager import write_tiny_adapter
 
 
 def test_copies_wait_while_a_forward_pass_runs():
@@ -17,7 +23,7 @@ def test_copies_wait_while_a_forward_pass_runs():
         ran.append(1)
         first_done.set()
 
-    copy = SlotCopy([first, lambda: ran.append(2)])
+    copy = SlotCopy(lambda: None, [first, lambda: ran.append(2)])
     with engine.computing():
         handle = engine.submit(copy)
         assert not first_done.wait(0.3), "no piece starts during a forward pass"
@@ -37,7 +43,7 @@ def test_a_forward_pass_holds_back_the_rest_of_a_copy():
         release_first.wait(5)
         ran.append(1)
 
-    handle = engine.submit(SlotCopy([first, lambda: ran.append(2)]))
+    handle = engine.submit(SlotCopy(lambda: None, [first, lambda: ran.append(2)]))
     assert in_first.wait(5)
     with engine.computing():  # begins while the first piece is running
         release_first.set()
@@ -45,4 +51,31 @@ def test_a_forward_pass_holds_back_the_rest_of_a_copy():
         assert ran == [1] and not handle.done(), "the second piece waits for the pass to end"
     handle.wait()
     assert ran == [1, 2]
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slot_copy_in_one_kernel_call_waits_for_the_pass_and_matches_torch(tmp_path, dtype):
+    """The C copy program (rank-major slots on CPU) holds back during a pass like the pieces do,
+    and writes exactly what the torch pieces write, over a slot that held another adapter."""
+    shapes = builtin_tiny_config().lora_shapes()
+    big = load_adapter_dir(write_tiny_adapter(tmp_path / "big", seed=1, rank=8), shapes, 8)
+    small = load_adapter_dir(write_tiny_adapter(tmp_path / "small", seed=2, rank=4, modules=("q_proj", "o_proj")),
+                             shapes, 8)
+    pool = LoRAMemoryPool(2, 8, shapes, torch.device("cpu"), dtype, b_rank_major=True)
+    for slot in (0, 1):
+        pool.copy_into_slot(slot, big)()  # stale data to overwrite
+    by_torch = pool.copy_into_slot(0, small)
+    assert by_torch.program is not None and by_torch.program() is not None, "the kernel should build here"
+    by_torch()
+    engine = ThreadCopyEngine()
+    before = [b[1].clone() for _, b in pool.buffers.values()]
+    with engine.computing():
+        handle = engine.submit(pool.copy_into_slot(1, small))
+        threading.Event().wait(0.3)
+        assert not handle.done()
+        assert all(torch.equal(b[1], old) for (_, b), old in zip(pool.buffers.values(), before, strict=True))
+    handle.wait()
+    for a, b in pool.buffers.values():
+        assert torch.equal(a[0], a[1]) and torch.equal(b[0], b[1])
     engine.close()

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     int64_t first_row, end_row, slot, rank;
@@ -224,3 +225,55 @@ static inline void store_bf16(uint16_t *p, int64_t i, float f) {
 
 DEFINE_TRANSPOSE(transpose_scale_f32, float, widen_f32, store_f32)
 DEFINE_TRANSPOSE(transpose_scale_bf16, uint16_t, widen_bf16, store_bf16)
+
+// A whole slot load as one call, so the copy thread holds the GIL only to set it up: contiguous
+// copies (A), scaled transposes (B, rank-major) and zero fills (ranks and modules the adapter
+// lacks), with fp32/bf16 conversion. Before each piece it waits while `*hold` is set (a forward
+// pass is running: see ThreadCopyEngine), so a piece that starts just before a pass is all that
+// can overlap it.
+enum { OP_COPY = 0, OP_TRANSPOSE_SCALE = 1, OP_ZERO = 2 };
+
+typedef struct {
+    void *dst;
+    const void *src;
+    int64_t rows, cols;              // copy and zero: rows * cols contiguous elements
+    int64_t dst_stride, src_stride;  // transpose: src [rows, cols] -> dst [cols, rows]
+    float scale;
+    int32_t kind, dst_bf16, src_bf16;
+} CopyOp;
+
+static inline float load_any(const void *p, int bf16, int64_t i) {
+    return bf16 ? widen_bf16((const uint16_t *)p, i) : ((const float *)p)[i];
+}
+static inline void store_any(void *p, int bf16, int64_t i, float f) {
+    if (bf16)
+        store_bf16((uint16_t *)p, i, f);
+    else
+        ((float *)p)[i] = f;
+}
+
+void run_copy_program(const CopyOp *ops, int64_t n, const int32_t *hold) {
+    const struct timespec pause = {0, 20000};
+    for (int64_t k = 0; k < n; k++) {
+        while (__atomic_load_n(hold, __ATOMIC_ACQUIRE)) nanosleep(&pause, NULL);
+        const CopyOp op = ops[k];
+        const int64_t count = op.rows * op.cols;
+        const size_t width = op.dst_bf16 ? 2 : 4;
+        if (op.kind == OP_ZERO) {
+            memset(op.dst, 0, width * (size_t)count);
+        } else if (op.kind == OP_COPY && op.dst_bf16 == op.src_bf16) {
+            memcpy(op.dst, op.src, width * (size_t)count);
+        } else if (op.kind == OP_COPY) {
+            for (int64_t i = 0; i < count; i++) store_any(op.dst, op.dst_bf16, i, load_any(op.src, op.src_bf16, i));
+        } else if (!op.dst_bf16 && !op.src_bf16) {
+            transpose_scale_f32(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
+        } else if (op.dst_bf16 && op.src_bf16) {
+            transpose_scale_bf16(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
+        } else {
+            for (int64_t r = 0; r < op.rows; r++)
+                for (int64_t c = 0; c < op.cols; c++)
+                    store_any(op.dst, op.dst_bf16, c * op.dst_stride + r,
+                              op.scale * load_any(op.src, op.src_bf16, r * op.src_stride + c));
+        }
+    }
+}

@@ -77,13 +77,69 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> 
     fn(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), src.shape[0], src.shape[1], scale)
 
 
+class _CopyOp(ctypes.Structure):
+    _fields_ = [
+        ("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+        ("dst_stride", ctypes.c_int64), ("src_stride", ctypes.c_int64), ("scale", ctypes.c_float),
+        ("kind", ctypes.c_int32), ("dst_bf16", ctypes.c_int32), ("src_bf16", ctypes.c_int32),
+    ]
+
+
+_COPY, _TRANSPOSE_SCALE, _ZERO = 0, 1, 2
+_ELEMENT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class CopyProgram:
+    """A slot load for `run_copy_program` (lora.c): its pieces are added here, on the copy thread,
+    and run in one call without the GIL. `ok` turns false at the first piece it cannot do (another
+    dtype, not CPU, a layout it does not handle): the caller then copies with torch."""
+
+    def __init__(self) -> None:
+        self.ops: list[_CopyOp] = []
+        self.ok = _function("run_copy_program") is not None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._fits(dst, src, dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
+            self._add(_COPY, dst, src, 1, dst.numel(), 0, 0, 1.0)
+
+    def transpose_scale(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+        """dst [c, r] = scale * src [r, c]."""
+        if self._fits(dst, src, dst.stride(1) == 1 and src.stride(1) == 1 and dst.shape == src.shape[::-1]):
+            self._add(_TRANSPOSE_SCALE, dst, src, src.shape[0], src.shape[1], dst.stride(0), src.stride(0), scale)
+
+    def zero(self, dst: torch.Tensor) -> None:
+        if self._fits(dst, dst, dst.is_contiguous()):
+            self._add(_ZERO, dst, None, 1, dst.numel(), 0, 0, 1.0)
+
+    def run(self, hold: ctypes.c_int32) -> None:
+        """Every piece in order, each after `hold` is clear."""
+        assert self.ok
+        fn = _function("run_copy_program")
+        fn((_CopyOp * len(self.ops))(*self.ops), len(self.ops), ctypes.byref(hold))
+
+    def _fits(self, dst: torch.Tensor, src: torch.Tensor, layout_ok: bool) -> bool:
+        self.ok = self.ok and layout_ok and all(t.device.type == "cpu" and t.dtype in _ELEMENT for t in (dst, src))
+        return self.ok
+
+    def _add(self, kind: int, dst: torch.Tensor, src: torch.Tensor | None, rows: int, cols: int, dst_stride: int,
+             src_stride: int, scale: float) -> None:
+        if rows * cols == 0:
+            return
+        src_pointer, src_bf16 = (None, 0) if src is None else (src.data_ptr(), _ELEMENT[src.dtype])
+        self.ops.append(_CopyOp(dst.data_ptr(), src_pointer, rows, cols, dst_stride, src_stride, scale, kind,
+                                _ELEMENT[dst.dtype], src_bf16))
+
+
 @functools.cache
 def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     library = load_library("lora") if symbol else None
     if library is None:
         return None
     fn = getattr(library, symbol)
-    if symbol in _TRANSPOSE.values():
+    if symbol == "run_copy_program":
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    elif symbol in _TRANSPOSE.values():
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_float]

@@ -11,12 +11,13 @@ the storage) pairs. Ranks below r_max are zero-padded and the adapter's scaling 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
 import torch
 
-from inference_service.kernels.lora import transpose_into
+from inference_service.kernels.lora import CopyProgram, transpose_into
 from inference_service.lora.adapter import BaseModelShapes, HostAdapter
 from inference_service.lora.ops import SlicedB
 
@@ -82,26 +83,45 @@ class LoRAMemoryPool:
 
     def copy_into_slot(self, slot: int, adapter: HostAdapter) -> SlotCopy:
         """The work of overwriting one slot, for the overlap loader to run on its copy engine, in
-        pieces of one layer each (see ThreadCopyEngine).
+        pieces of one module each (see ThreadCopyEngine: a piece that starts just before a forward
+        pass keeps a core from it for that long, ~0.1 ms for a rank-64 module here).
 
         Every module is written: ranks past the adapter's and modules it lacks become zeros, so
         nothing of the slot's previous adapter can leak into the new one."""
-        layers = sorted({layer for layer, _ in self.buffers})
-        return SlotCopy([self._copy_layer(slot, adapter, layer) for layer in layers])
+        whole = functools.partial(self._copy_modules, slot, adapter, list(self.buffers))
+        chunks = [functools.partial(self._copy_modules, slot, adapter, [key]) for key in self.buffers]
+        program = functools.partial(self._copy_program, slot, adapter) if self.b_rank_major else None
+        return SlotCopy(whole, chunks, program)
 
-    def _copy_layer(self, slot: int, adapter: HostAdapter, layer: int) -> Callable[[], None]:
-        """One layer's part of a slot copy. The views are made here; the work is a few multi-tensor
-        calls (copy, scale B, zero the rest) instead of four torch calls per module, each of which
-        paid torch's per-call overhead and took the GIL again."""
+    def _copy_program(self, slot: int, adapter: HostAdapter) -> CopyProgram | None:
+        """The whole slot copy as one C call (CPU, rank-major B), or None where it cannot be."""
+        program = CopyProgram()
+        for key, (a_buf, b_buf) in self.buffers.items():
+            a_slot, bt_slot = a_buf[slot], b_buf[slot].t()  # bt_slot: [r_max, out], rows contiguous
+            weights = adapter.modules.get(key)
+            if weights is None:
+                program.zero(a_slot)
+                program.zero(bt_slot)
+                continue
+            a, b, scaling = weights
+            rank = a.shape[0]
+            program.copy(a_slot[:rank], a)
+            program.transpose_scale(bt_slot[:rank], b, scaling)
+            program.zero(a_slot[rank:])
+            program.zero(bt_slot[rank:])
+        return program if program.ok else None
+
+    def _copy_modules(self, slot: int, adapter: HostAdapter, keys: list[tuple[int, str]]) -> None:
+        """The part of a slot copy for these (layer, module) keys, with torch: a few multi-tensor
+        calls (copy, scale B, zero the rest) for all of them."""
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         transposed: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (rank-major B rows, B, scaling)
         scaled: list[torch.Tensor] = []
         scales: list[float] = []
         zeroed: list[torch.Tensor] = []
-        for key, (a_buf, b_buf) in self.buffers.items():
-            if key[0] != layer:
-                continue
+        for key in keys:
+            a_buf, b_buf = self.buffers[key]
             a_slot, b_slot = a_buf[slot], b_buf[slot]
             weights = adapter.modules.get(key)
             if weights is None:
@@ -122,24 +142,28 @@ class LoRAMemoryPool:
             if rank < self.max_rank:
                 zeroed += [a_slot[rank:], b_slot[:, rank:]]
 
-        def copy() -> None:
+        if destinations:
             torch._foreach_copy_(destinations, sources, non_blocking=True)
-            for dst, src, scale in transposed:
-                transpose_into(dst, src, scale)
-            if scaled:
-                torch._foreach_mul_(scaled, scales)
-            if zeroed:
-                torch._foreach_zero_(zeroed)
-
-        return copy
+        for dst, src, scale in transposed:
+            transpose_into(dst, src, scale)
+        if scaled:
+            torch._foreach_mul_(scaled, scales)
+        if zeroed:
+            torch._foreach_zero_(zeroed)
 
 
 class SlotCopy:
-    """A slot copy as pieces run in order; calling it runs them all."""
+    """A slot copy three ways: calling it does it all at once (a CUDA side stream, a blocking
+    load); `chunks`, the same in pieces to run in order; `program`, where the CPU kernels are, the
+    same as one C call (see ThreadCopyEngine)."""
 
-    def __init__(self, chunks: list[Callable[[], None]]) -> None:
-        self.chunks = chunks
+    def __init__(
+        self,
+        whole: Callable[[], None],
+        chunks: list[Callable[[], None]],
+        program: Callable[[], CopyProgram | None] | None = None,
+    ) -> None:
+        self.whole, self.chunks, self.program = whole, chunks, program
 
     def __call__(self) -> None:
-        for chunk in self.chunks:
-            chunk()
+        self.whole()
