@@ -93,11 +93,11 @@ class ThreadCopyEngine:
         make_program = getattr(copy, "program", None)
 
         def run() -> None:
-            # One C call that waits on `_hold` itself: the GIL is taken only to set it up. Each
+            # In C, a call per gap between forward passes: the GIL is taken only for those. Each
             # piece in Python took it again, and the scheduler thread waited for it between steps.
             program = make_program() if make_program is not None else None
             if program is not None:
-                program.run(self._hold)
+                program.run(self._hold, self._idle)
                 return
             for chunk in chunks:
                 self._idle.wait()

@@ -59,6 +59,8 @@ def _cache_dir() -> Path:
 
 def _build_key(compiler: str, source: Path) -> str:
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources include
+        digest.update(header.read_bytes())
     digest.update(" ".join([compiler, *_FLAGS, platform.machine()]).encode())
     try:  # -march=native: a build is only valid on CPUs with the same features
         digest.update(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).encode())

@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
 static inline float round_f32(float f) { return f; }
@@ -99,7 +101,7 @@ static inline float round_bf16(float f) {
             _Pragma("omp simd")                                                                            \
             for (int64_t c = 0; c < inter; c++) {                                                          \
                 const float x = LOAD(g, c);                                                                \
-                STORE(o, c, ROUND(x / (1.f + expf(-x))) * LOAD(u, c));                                     \
+                STORE(o, c, ROUND(x / (1.f + vec_expf(-x))) * LOAD(u, c));                                     \
             }                                                                                              \
         }                                                                                                  \
     }

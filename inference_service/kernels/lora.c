@@ -15,7 +15,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 typedef struct {
     int64_t first_row, end_row, slot, rank;
@@ -226,11 +225,12 @@ static inline void store_bf16(uint16_t *p, int64_t i, float f) {
 DEFINE_TRANSPOSE(transpose_scale_f32, float, widen_f32, store_f32)
 DEFINE_TRANSPOSE(transpose_scale_bf16, uint16_t, widen_bf16, store_bf16)
 
-// A whole slot load as one call, so the copy thread holds the GIL only to set it up: contiguous
-// copies (A), scaled transposes (B, rank-major) and zero fills (ranks and modules the adapter
-// lacks), with fp32/bf16 conversion. Before each piece it waits while `*hold` is set (a forward
-// pass is running: see ThreadCopyEngine), so a piece that starts just before a pass is all that
-// can overlap it.
+// A slot load in few calls, so the copy thread holds the GIL only to set it up: contiguous copies
+// (A), scaled transposes (B, rank-major) and zero fills (ranks and modules the adapter lacks), with
+// fp32/bf16 conversion. It stops before a piece when `*hold` is set (a forward pass is running:
+// see ThreadCopyEngine) and returns how many pieces it did; the caller sleeps until the pass ends
+// and calls again with the rest. (Polling the flag here instead woke the thread so often that it
+// took the cores from the pass.)
 enum { OP_COPY = 0, OP_TRANSPOSE_SCALE = 1, OP_ZERO = 2 };
 
 typedef struct {
@@ -252,10 +252,9 @@ static inline void store_any(void *p, int bf16, int64_t i, float f) {
         ((float *)p)[i] = f;
 }
 
-void run_copy_program(const CopyOp *ops, int64_t n, const int32_t *hold) {
-    const struct timespec pause = {0, 20000};
+int64_t run_copy_program(const CopyOp *ops, int64_t n, const int32_t *hold) {
     for (int64_t k = 0; k < n; k++) {
-        while (__atomic_load_n(hold, __ATOMIC_ACQUIRE)) nanosleep(&pause, NULL);
+        if (__atomic_load_n(hold, __ATOMIC_ACQUIRE)) return k;
         const CopyOp op = ops[k];
         const int64_t count = op.rows * op.cols;
         const size_t width = op.dst_bf16 ? 2 : 4;
@@ -276,4 +275,5 @@ void run_copy_program(const CopyOp *ops, int64_t n, const int32_t *hold) {
                               op.scale * load_any(op.src, op.src_bf16, r * op.src_stride + c));
         }
     }
+    return n;
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -111,11 +112,14 @@ class CopyProgram:
         if self._fits(dst, dst, dst.is_contiguous()):
             self._add(_ZERO, dst, None, 1, dst.numel(), 0, 0, 1.0)
 
-    def run(self, hold: ctypes.c_int32) -> None:
-        """Every piece in order, each after `hold` is clear."""
+    def run(self, hold: ctypes.c_int32, idle: threading.Event) -> None:
+        """Every piece in order, none while `hold` is set; `idle` is set whenever it is clear."""
         assert self.ok
         fn = _function("run_copy_program")
-        fn((_CopyOp * len(self.ops))(*self.ops), len(self.ops), ctypes.byref(hold))
+        ops, done = (_CopyOp * len(self.ops))(*self.ops), 0
+        while done < len(self.ops):
+            idle.wait()
+            done += fn(ctypes.byref(ops, done * ctypes.sizeof(_CopyOp)), len(self.ops) - done, ctypes.byref(hold))
 
     def _fits(self, dst: torch.Tensor, src: torch.Tensor, layout_ok: bool) -> bool:
         self.ok = self.ok and layout_ok and all(t.device.type == "cpu" and t.dtype in _ELEMENT for t in (dst, src))
@@ -137,7 +141,7 @@ def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defi
         return None
     fn = getattr(library, symbol)
     if symbol == "run_copy_program":
-        fn.restype = None
+        fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     elif symbol in _TRANSPOSE.values():
         fn.restype = None

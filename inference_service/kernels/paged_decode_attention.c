@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 // Rows of the next tokens are fetched ahead: a sequence's blocks lie anywhere in the cache, and
 // without this the kernel stalled on memory (1.5x slower with cold caches, where it runs in a step).
 #define PREFETCH_TOKENS 4
@@ -87,7 +89,7 @@ static inline void store_bf16(uint16_t *p, int64_t i, float f) {
                 for (int64_t h = 0; h < nh; h++) {                                                      \
                     float *sh = scores + h * len, mx = -INFINITY, sum = 0.f;                            \
                     for (int64_t t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;                     \
-                    for (int64_t t = 0; t < len; t++) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }       \
+                    for (int64_t t = 0; t < len; t++) { sh[t] = vec_expf(sh[t] - mx); sum += sh[t]; }       \
                     const float inv = sum > 0.f ? 1.f / sum : 0.f;                                      \
                     for (int64_t t = 0; t < len; t++) sh[t] *= inv;                                     \
                 }                                                                                       \
