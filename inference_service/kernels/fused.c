@@ -9,30 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec_math.h"
-
-static inline float load_f32(const float *p, int64_t i) { return p[i]; }
-static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
-static inline float round_f32(float f) { return f; }
-static inline float load_bf16(const uint16_t *p, int64_t i) {
-    uint32_t bits = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-static inline uint16_t bf16_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-    return (uint16_t)(bits >> 16);
-}
-static inline void store_bf16(uint16_t *p, int64_t i, float f) { p[i] = bf16_bits(f); }
-static inline float round_bf16(float f) {
-    uint32_t bits = (uint32_t)bf16_bits(f) << 16;
-    float r;
-    memcpy(&r, &bits, sizeof r);
-    return r;
-}
+#include "common.h"
 
 // Threads only for batches big enough to repay waking them (a decode step's rows are not).
 #define PARALLEL_ROWS(rows, cols)                                                                          \

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 typedef struct {
     int64_t first_row, end_row, slot, rank;
 } Group;
@@ -48,21 +50,8 @@ static inline float hsum(vf v) {
     return s;
 }
 
-static inline float widen_f32(const float *p, int64_t i) { return p[i]; }
-static inline float widen_bf16(const uint16_t *p, int64_t i) {
-    uint32_t bits = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 static inline void add_into_f32(float *p, int64_t i, float f) { p[i] += f; }
-static inline void add_into_bf16(uint16_t *p, int64_t i, float f) {
-    float sum = widen_bf16(p, i) + f;
-    uint32_t bits;
-    memcpy(&bits, &sum, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-    p[i] = (uint16_t)(bits >> 16);
-}
+static inline void add_into_bf16(uint16_t *p, int64_t i, float f) { store_bf16(p, i, load_bf16(p, i) + f); }
 
 // The group and first row of task `task` (tasks are tiles of TILE_ROWS rows, group after group).
 static inline Group tile_of(const Group *groups, const int64_t *first_task, int64_t task, int64_t *row0) {
@@ -193,8 +182,8 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
         return failed ? -2 : 0;                                                                            \
     }
 
-DEFINE_LORA(lora_apply_f32, float, widen_f32, vload_f32, add_into_f32)
-DEFINE_LORA(lora_apply_bf16, uint16_t, widen_bf16, vload_bf16, add_into_bf16)
+DEFINE_LORA(lora_apply_f32, float, load_f32, vload_f32, add_into_f32)
+DEFINE_LORA(lora_apply_bf16, uint16_t, load_bf16, vload_bf16, add_into_bf16)
 
 // dst[c, r] = scale * src[r, c] for src [rows, cols] (row stride src_stride) and dst [cols, rows]
 // (row stride dst_stride): a slot load writing B rank-major with the adapter's scaling folded in.
@@ -214,16 +203,8 @@ DEFINE_LORA(lora_apply_bf16, uint16_t, widen_bf16, vload_bf16, add_into_bf16)
             }                                                                                              \
     }
 
-static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
-static inline void store_bf16(uint16_t *p, int64_t i, float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-    p[i] = (uint16_t)(bits >> 16);
-}
-
-DEFINE_TRANSPOSE(transpose_scale_f32, float, widen_f32, store_f32)
-DEFINE_TRANSPOSE(transpose_scale_bf16, uint16_t, widen_bf16, store_bf16)
+DEFINE_TRANSPOSE(transpose_scale_f32, float, load_f32, store_f32)
+DEFINE_TRANSPOSE(transpose_scale_bf16, uint16_t, load_bf16, store_bf16)
 
 // A slot load in few calls, so the copy thread holds the GIL only to set it up: contiguous copies
 // (A), scaled transposes (B, rank-major) and zero fills (ranks and modules the adapter lacks), with
@@ -243,7 +224,7 @@ typedef struct {
 } CopyOp;
 
 static inline float load_any(const void *p, int bf16, int64_t i) {
-    return bf16 ? widen_bf16((const uint16_t *)p, i) : ((const float *)p)[i];
+    return bf16 ? load_bf16((const uint16_t *)p, i) : ((const float *)p)[i];
 }
 static inline void store_any(void *p, int bf16, int64_t i, float f) {
     if (bf16)

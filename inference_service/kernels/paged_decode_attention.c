@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec_math.h"
+#include "common.h"
 
 // Rows of the next tokens are fetched ahead: a sequence's blocks lie anywhere in the cache, and
 // without this the kernel stalled on memory (1.5x slower with cold caches, where it runs in a step).
@@ -30,21 +30,6 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
 // Index of token t's row in the cache: its block's index times the block size, plus its offset.
 static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_size) {
     return table[t / block_size] * block_size + t % block_size;
-}
-
-static inline float load_f32(const float *p, int64_t i) { return p[i]; }
-static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
-static inline float load_bf16(const uint16_t *p, int64_t i) {
-    uint32_t bits = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-static inline void store_bf16(uint16_t *p, int64_t i, float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-    p[i] = (uint16_t)(bits >> 16);
 }
 
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \

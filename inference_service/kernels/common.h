@@ -1,0 +1,54 @@
+// What the CPU kernels share: fp32/bf16 element access (arithmetic is fp32; bf16 is widened on
+// load and rounded to nearest even on store) and an exp their vectorised loops can inline.
+#ifndef LORAPLEX_KERNELS_COMMON_H
+#define LORAPLEX_KERNELS_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
+static inline float round_f32(float f) { return f; }
+static inline float load_bf16(const uint16_t *p, int64_t i) {
+    uint32_t bits = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
+    return (uint16_t)(bits >> 16);
+}
+static inline void store_bf16(uint16_t *p, int64_t i, float f) { p[i] = bf16_bits(f); }
+static inline float round_bf16(float f) {  // the value a bf16 store of f would hold
+    uint32_t bits = (uint32_t)bf16_bits(f) << 16;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+// exp for the kernels' vectorised loops. libm's expf is a call per element (and its vector
+// versions are only declared under -ffast-math, whose other assumptions the kernels cannot
+// take: -INFINITY starts the softmax max). This is Cephes' single-precision exp: a Cody-Waite
+// range reduction to [-ln2/2, ln2/2], a degree-6 polynomial, 2^n put in by the exponent bits.
+// Within ~2 ulp of expf; it inlines, so loops calling it vectorise.
+static inline float vec_expf(float x) {
+    x = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);  // exp stays a normal float
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln2)
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif
