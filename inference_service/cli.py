@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--cache-address",
          "adapter-cache sidecar address (unix:///path or host:port); unset: read file:// URIs directly")
     _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned} adapters loaded before serving")
+    _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
+         "evicted from its slot is copied back without being read again (0: off)", type=int,
+         default=EngineConfig.host_cache_bytes)
     _add(g, "--adapter-source-allow",
          "allowed adapter URI prefix, e.g. s3://bucket/adapters/ or file:///srv/adapters (repeatable; "
          "none: any URI)", action="append", default=[])
@@ -132,6 +135,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_new_tokens_limit=args.max_new_tokens_limit,
         adapter_source_allow=allow,
         cache_address=args.cache_address,
+        host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
     )
     server_cfg = ServerConfig(
