@@ -8,10 +8,11 @@ blocking loads (`--no-overlap`-style baseline: preparation and copy on the sched
 the slot-load bandwidth with a plain torch copy of the same bytes.
 
 Each run starts a fresh engine, so every churn adapter's first load reads and checks its files
-and later ones come from the source's host cache. The p99 ratios are taken within each round,
-whose three runs follow each other, and the median over rounds is reported: on a shared machine
-a p99 of a few hundred steps moves by tens of percent from one minute to the next, which pooling
-rounds would fold into the ratio. The pooled ratios are printed too.
+and later ones come from the source's host cache (`--host-cache-bytes 0`: every load reads).
+The p99 ratios are taken within each round, whose three runs follow each other, and the median
+over rounds is reported: on a shared machine a p99 of a few hundred steps moves by tens of
+percent from one minute to the next, which pooling rounds would fold into the ratio. The pooled
+ratios are printed too.
 Last line: RESULT overlap_p99_itl_ratio=<median over rounds of p99 with churn / p99 without>.
 """
 
@@ -40,11 +41,12 @@ RESIDENT, CHURN, SLOTS = 4, 8, 8
 
 
 def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path], steps: int, churn_every: int,
-            overlap: bool, max_rank: int) -> tuple[list[float], int, int]:
+            overlap: bool, max_rank: int, host_cache_bytes: int = EngineConfig.host_cache_bytes,
+            ) -> tuple[list[float], int, int]:
     """Inter-token latencies of the resident requests, churn loads completed, and churn turns skipped
     because the previous load had not finished (`churn_every=0`: no churn)."""
     core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=SLOTS, max_lora_rank=max_rank, max_num_seqs=64,
-                                   kv_cache_bytes=128 << 20, overlap_loads=overlap))
+                                   kv_cache_bytes=128 << 20, overlap_loads=overlap, host_cache_bytes=host_cache_bytes))
     load_adapters(core, resident, pinned=False, preload=True)
     load_adapters(core, churn)  # registered only: every use below is a cold load
     params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True)
@@ -118,6 +120,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="runs of each mode, interleaved")
     parser.add_argument("--churn-rank", type=int, default=64, help="rank of the churning adapters (all 7 modules)")
     parser.add_argument("--churn-every", type=int, default=5, help="start one churn load every N steps")
+    parser.add_argument("--host-cache-bytes", type=int, default=EngineConfig.host_cache_bytes,
+                        help="the local source's host cache (0: every load reads and checks its files)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +143,8 @@ def main() -> None:
         for round_index in range(args.rounds):
             p99s = {}
             for label, churn_every, overlap in modes:
-                itl, done, missed = measure(checkpoint, resident, churn, args.steps, churn_every, overlap, rank)
+                itl, done, missed = measure(checkpoint, resident, churn, args.steps, churn_every, overlap, rank,
+                                            args.host_cache_bytes)
                 results[label] += itl
                 loads[label] += done
                 skipped[label] += missed

@@ -98,11 +98,12 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor]]:
         """Forward one step; returns (next token, logits) for requests whose chunk reached the end."""
         forward, sampled = self._prepare(batch)
+        # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():
             logits = self.model(forward, self.kv.layers)
-        if not sampled:
-            return {}
-        tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+            if not sampled:
+                return {}
+            tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
         return {r.request_id: (t, logits[i]) for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))}
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -78,60 +80,66 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> 
     fn(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), src.shape[0], src.shape[1], scale)
 
 
-class _CopyOp(ctypes.Structure):
-    _fields_ = [
-        ("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
-        ("dst_stride", ctypes.c_int64), ("src_stride", ctypes.c_int64), ("scale", ctypes.c_float),
-        ("kind", ctypes.c_int32), ("dst_bf16", ctypes.c_int32), ("src_bf16", ctypes.c_int32),
-    ]
-
-
 _COPY, _TRANSPOSE_SCALE, _ZERO = 0, 1, 2
 _ELEMENT = {torch.float32: 0, torch.bfloat16: 1}
+# CopyOp in lora.c: dst, src, rows, cols, dst_stride, src_stride, scale, kind, dst_bf16, src_bf16.
+_OP = struct.Struct("@PPqqqqfiii")
 
 
 class CopyProgram:
-    """A slot load for `run_copy_program` (lora.c): its pieces are added here, on the copy thread,
-    and run in one call without the GIL. `ok` turns false at the first piece it cannot do (another
-    dtype, not CPU, a layout it does not handle): the caller then copies with torch."""
+    """A slot load for `run_copy_program` (lora.c), written by address into a slot of `dtype`: its
+    pieces are listed here (plain integers, no tensor views: this runs on the copy thread and holds
+    the GIL) and run in few calls without it. `ok` turns false at the first piece it cannot do (a
+    source in another dtype or layout, not CPU): the caller then copies with torch."""
 
-    def __init__(self) -> None:
-        self.ops: list[_CopyOp] = []
-        self.ok = _function("run_copy_program") is not None
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._dst_bf16 = _ELEMENT.get(dtype, -1)
+        self.ok = self._dst_bf16 >= 0 and _function("run_copy_program") is not None
+        self._ops = bytearray()
+        self._count = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self._fits(dst, src, dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
-            self._add(_COPY, dst, src, 1, dst.numel(), 0, 0, 1.0)
+    def copy(self, dst: int, src: torch.Tensor) -> None:
+        """The contiguous `src` to address `dst`."""
+        if self._source_ok(src, src.is_contiguous()):
+            self._add(_COPY, dst, src.data_ptr(), 1, src.numel(), 0, 0, 1.0, _ELEMENT[src.dtype])
 
-    def transpose_scale(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-        """dst [c, r] = scale * src [r, c]."""
-        if self._fits(dst, src, dst.stride(1) == 1 and src.stride(1) == 1 and dst.shape == src.shape[::-1]):
-            self._add(_TRANSPOSE_SCALE, dst, src, src.shape[0], src.shape[1], dst.stride(0), src.stride(0), scale)
+    def transpose_scale(self, dst: int, dst_stride: int, src: torch.Tensor, scale: float) -> None:
+        """dst [c, r] = scale * src [r, c], dst rows `dst_stride` elements apart."""
+        if self._source_ok(src, src.dim() == 2 and src.stride(1) == 1):
+            self._add(_TRANSPOSE_SCALE, dst, src.data_ptr(), src.shape[0], src.shape[1], dst_stride, src.stride(0),
+                      scale, _ELEMENT[src.dtype])
 
-    def zero(self, dst: torch.Tensor) -> None:
-        if self._fits(dst, dst, dst.is_contiguous()):
-            self._add(_ZERO, dst, None, 1, dst.numel(), 0, 0, 1.0)
+    def zero(self, dst: int, count: int) -> None:
+        if count:
+            self._add(_ZERO, dst, 0, 1, count, 0, 0, 1.0, 0)
 
-    def run(self, hold: ctypes.c_int32, idle: threading.Event) -> None:
-        """Every piece in order, none while `hold` is set; `idle` is set whenever it is clear."""
+    def run(self, hold: ctypes.c_int32, idle: threading.Event, before_each_call: Callable[[], None],
+            piece_interval_s: float) -> None:
+        """Every piece in order: between forward passes (`idle` set, `hold` clear) as many as fit
+        in the gap; during a pass, one every `piece_interval_s`, so a load does not depend on the
+        gaps alone (they can be too short to finish it for many steps)."""
         assert self.ok
         fn = _function("run_copy_program")
-        ops, done = (_CopyOp * len(self.ops))(*self.ops), 0
-        while done < len(self.ops):
-            idle.wait()
-            done += fn(ctypes.byref(ops, done * ctypes.sizeof(_CopyOp)), len(self.ops) - done, ctypes.byref(hold))
+        ops = (ctypes.c_char * len(self._ops)).from_buffer(self._ops)
+        unheld = ctypes.c_int32(0)
+        done = 0
+        while done < self._count:
+            in_gap = idle.wait(piece_interval_s)
+            before_each_call()
+            address = ctypes.addressof(ops) + done * _OP.size
+            if in_gap:
+                done += fn(address, self._count - done, ctypes.byref(hold))
+            else:
+                done += fn(address, 1, ctypes.byref(unheld))
 
-    def _fits(self, dst: torch.Tensor, src: torch.Tensor, layout_ok: bool) -> bool:
-        self.ok = self.ok and layout_ok and all(t.device.type == "cpu" and t.dtype in _ELEMENT for t in (dst, src))
+    def _source_ok(self, src: torch.Tensor, layout_ok: bool) -> bool:
+        self.ok = self.ok and layout_ok and src.device.type == "cpu" and src.dtype in _ELEMENT
         return self.ok
 
-    def _add(self, kind: int, dst: torch.Tensor, src: torch.Tensor | None, rows: int, cols: int, dst_stride: int,
-             src_stride: int, scale: float) -> None:
-        if rows * cols == 0:
-            return
-        src_pointer, src_bf16 = (None, 0) if src is None else (src.data_ptr(), _ELEMENT[src.dtype])
-        self.ops.append(_CopyOp(dst.data_ptr(), src_pointer, rows, cols, dst_stride, src_stride, scale, kind,
-                                _ELEMENT[dst.dtype], src_bf16))
+    def _add(self, kind: int, dst: int, src: int, rows: int, cols: int, dst_stride: int, src_stride: int,
+             scale: float, src_bf16: int) -> None:
+        self._ops += _OP.pack(dst, src, rows, cols, dst_stride, src_stride, scale, kind, self._dst_bf16, src_bf16)
+        self._count += 1
 
 
 @functools.cache
@@ -143,6 +151,7 @@ def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defi
     if symbol == "run_copy_program":
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        assert ctypes.sizeof(ctypes.c_void_p) == 8 and _OP.size == 64, "CopyOp layout as in lora.c"
     elif symbol in _TRANSPOSE.values():
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

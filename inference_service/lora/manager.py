@@ -171,7 +171,7 @@ class LoRAManager:
     # ---- scheduler hooks ----
 
     def computing(self) -> contextlib.AbstractContextManager[None]:
-        """Wraps each forward pass (the CPU copy engine copies only between them)."""
+        """Wraps each forward pass and sampling (the CPU copy engine copies only between them)."""
         return self.loader.engine.computing()
 
     def drain(self) -> DrainResult:
