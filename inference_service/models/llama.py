@@ -335,7 +335,7 @@ def paged_attention(
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
     all_decode = attn.decode_rows is not None and not attn.prefills and attn.decode_rows.shape[0] == q.shape[0]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = None if all_decode else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if attn.decode_rows is not None:
         tables, lens = attn.decode_block_tables, attn.decode_lens
         assert tables is not None and lens is not None  # set together with decode_rows
@@ -351,9 +351,10 @@ def paged_attention(
             result = F.scaled_dot_product_attention(
                 queries.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], enable_gqa=True
             ).squeeze(2)
-        if all_decode:
+        if out is None:  # all rows are decodes: the result is the output
             return result
         out.index_copy_(0, attn.decode_rows, result)
+    assert out is not None  # only batches of decodes alone return above
     for seg in attn.prefills:
         queries = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
         if seg.num_computed == 0:
