@@ -1,8 +1,9 @@
-"""The batched LoRA op on CPU, in C (`lora.c`), and the transposing copy its slot loads need.
+"""The batched LoRA op on CPU, in C (`lora.c`), and the slot loads it needs.
 
 Built and loaded by `kernels.build`. The kernel keeps B rank-major in the slots (Bt [R, out]),
-so the pool is created with `b_rank_major=True` when this op is used; `make_lora_op` in
-`lora/ops.py` picks it where it can run and the torch op everywhere else.
+so the pool is created with `b_rank_major=True` when this op is used; `make_lora_op` (below)
+picks it where it can run and the torch op everywhere else. Loads into such slots transpose B
+(`transpose_into`), or run whole as a `CopyProgram` on the CPU copy engine.
 """
 
 from __future__ import annotations
