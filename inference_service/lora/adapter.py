@@ -8,6 +8,7 @@ adapter-cache sidecar (validation before staging).
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 import re
@@ -261,10 +262,25 @@ def parse_adapter_tensors(
             raise AdapterError(f"layer {layer} {module}: lora_A rank {rank_a} != lora_B rank {rank_b}")
         if rank_a > max_rank:
             raise AdapterError(f"adapter rank {rank_a} exceeds max_lora_rank {max_rank}")
-    for key, tensor in tensors.items():
-        if check_finite and tensor.numel() and not _all_finite(tensor):
-            raise AdapterError(_non_finite(key))
+    if check_finite and not _all_finite_at_once(data, manifest):
+        for key, tensor in tensors.items():  # the slower check, which names the tensor
+            if tensor.numel() and not _all_finite(tensor):
+                raise AdapterError(_non_finite(key))
     return tensors
+
+
+def _all_finite_at_once(data: bytes | memoryview, manifest: list[TensorEntry]) -> bool:
+    """True if the tensors, all of one dtype and lying back to back (as PEFT writes them), are all
+    finite: one reduction over the whole run instead of two torch calls per tensor (1.75 -> 0.55 ms
+    for a rank-64 adapter on all 7 modules of 4 layers). False means: check tensor by tensor."""
+    entries = sorted((e for e in manifest if e.nbytes), key=lambda e: e.offset)
+    if not entries or len({e.dtype for e in entries}) != 1:
+        return False
+    if any(a.offset + a.nbytes != b.offset for a, b in itertools.pairwise(entries)):
+        return False
+    dtype = _DTYPES[entries[0].dtype]
+    nbytes = entries[-1].offset + entries[-1].nbytes - entries[0].offset
+    return _all_finite(_view(data, dtype, nbytes // dtype.itemsize, entries[0].offset))
 
 
 def _view(data: bytes | memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
