@@ -88,9 +88,8 @@ class LoRAMemoryPool:
         self._last_use[self.uid_to_slot[uid]] = next(self._clock)
 
     def copy_into_slot(self, slot: int, adapter: HostAdapter) -> SlotCopy:
-        """The work of overwriting one slot, for the overlap loader to run on its copy engine, in
-        pieces of one module each (see ThreadCopyEngine: a piece that starts just before a forward
-        pass keeps a core from it for that long, ~0.1 ms for a rank-64 module here).
+        """The work of overwriting one slot, for the overlap loader to run on its copy engine,
+        whole or in pieces of one module each (see ThreadCopyEngine and `SlotCopy`).
 
         Every module is written: ranks past the adapter's and modules it lacks become zeros, so
         nothing of the slot's previous adapter can leak into the new one."""
@@ -161,7 +160,8 @@ class LoRAMemoryPool:
 class SlotCopy:
     """A slot copy three ways: calling it does it all at once (a CUDA side stream, a blocking
     load); `chunks`, the same in pieces to run in order; `program`, where the CPU kernels are, the
-    same as one C call (see ThreadCopyEngine)."""
+    same as a C copy program (a piece per module's A or B) that runs in few calls (see
+    ThreadCopyEngine)."""
 
     def __init__(
         self,
