@@ -123,7 +123,7 @@ class ModelRunner:
         for request, num_tokens in items:
             start, row = request.num_computed_tokens, len(input_ids)
             end = start + num_tokens
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(request.token_ids(start, end))
             positions.extend(range(start, end))
             table = request.block_table
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
