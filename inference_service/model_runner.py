@@ -95,8 +95,9 @@ class ModelRunner:
         return _CPU_DEFAULT_BUDGET
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor]]:
-        """Forward one step; returns (next token, logits) for requests whose chunk reached the end."""
+    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor | None]]:
+        """Forward one step; returns (next token, logits if the request asked for them) for requests
+        whose chunk reached the end."""
         forward, sampled = self._prepare(batch)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():
@@ -104,7 +105,10 @@ class ModelRunner:
             if not sampled:
                 return {}
             tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
-        return {r.request_id: (t, logits[i]) for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))}
+        return {
+            r.request_id: (t, logits[i] if r.params.return_logits else None)
+            for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))
+        }
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:
         block_size = self.kv.block_size
@@ -119,15 +123,15 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
         # Ordered by slot, so the LoRA op usually sees contiguous, equally long groups (no gathers).
-        items = sorted(batch.items, key=lambda item: self._slot(item[0]))
-        for request, num_tokens in items:
+        slotted = sorted(((self._slot(r), r, n) for r, n in batch.items), key=lambda item: item[0])
+        for slot, request, num_tokens in slotted:
             start, row = request.num_computed_tokens, len(input_ids)
             end = start + num_tokens
             input_ids.extend(request.token_ids(start, end))
             positions.extend(range(start, end))
             table = request.block_table
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            token_slots.extend([self._slot(request)] * num_tokens)
+            token_slots.extend([slot] * num_tokens)
             if num_tokens == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
@@ -148,19 +152,19 @@ class ModelRunner:
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             attention=attention,
-            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device, self._slot_ranks(items)),
+            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device, self._slot_ranks(slotted)),
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled
 
-    def _slot_ranks(self, items: list[tuple[Request, int]]) -> dict[int, int]:
+    def _slot_ranks(self, slotted: list[tuple[int, Request, int]]) -> dict[int, int]:
         """The rank of the adapter in each slot the batch uses, where the registry knows it."""
         versions = self.lora.registry.versions
         ranks = {}
-        for request, _ in items:
-            rank = getattr(versions.get(request.adapter_uid), "rank", 0) if request.adapter_uid is not None else 0
+        for slot, request, _ in slotted:
+            rank = getattr(versions.get(request.adapter_uid), "rank", 0) if slot >= 0 else 0
             if rank > 0:
-                ranks[self._slot(request)] = rank
+                ranks[slot] = rank
         return ranks
 
     def _slot(self, request: Request) -> int:
