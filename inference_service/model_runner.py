@@ -12,6 +12,7 @@ import torch
 
 from inference_service.config import EngineConfig
 from inference_service.device import InlineExecutor, make_copy_engine
+from inference_service.kernels import fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.kernels.lora import make_lora_op
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
@@ -72,8 +73,11 @@ class ModelRunner:
                 f"a KV block needs {per_block} B"
             )
         self.kv = KVCache(model.config, num_blocks, config.block_size, self.device, self.dtype)
+        # Kernels are built (or loaded) now, not in the first request's forward pass.
         if cpu_kernels.prepare(self.device, self.dtype):
             log.info("decode attention: C kernel over the paged KV cache")
+        if fused.available(self.device, self.dtype):
+            log.info("norms, RoPE with the KV write, SiLU-and-multiply: fused C kernels")
         log.info("LoRA op: %s, slots in %s", type(model.lora_op).__name__, model.lora_op.slot_dtype(self.dtype))
         log.info(
             "memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",

@@ -3,6 +3,8 @@ the reused block-gather buffers, and the C paged decode attention kernel (with i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,22 +93,28 @@ def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, h
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+def generate(adapters: dict[str, Path] | None = None) -> tuple[list[list[int]], str]:
+    """Greedy tokens of 6 requests of different lengths (cycling through base model and the
+    adapters), and the name of the LoRA op the engine used."""
+    adapters = adapters or {}
+    core = EngineCore(EngineConfig(model=BUILTIN_TINY, max_num_seqs=8, max_loras=2, max_lora_rank=8))
+    load_adapters(core, adapters, preload=True)
+    names = [None, *adapters]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for i in range(6):
+        core.add_request(Request(f"r{i}", list(range(3, 3 + 5 * i + 1)), params), names[i % len(names)])
+    outputs = run_to_completion(core)
+    op = type(core.runner.model.lora_op).__name__
+    core.shutdown()
+    return [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(6)], op
+
+
 def test_engine_output_is_the_same_with_and_without_the_kernel(monkeypatch):
     """The torch fallback (GPU, or a CPU without a compiler) and the kernel agree end to end."""
-
-    def generate() -> list[list[int]]:
-        core = EngineCore(EngineConfig(model=BUILTIN_TINY, max_num_seqs=8))
-        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-        for i in range(6):
-            core.add_request(Request(f"r{i}", list(range(3, 3 + 5 * i + 1)), params), None)
-        outputs = run_to_completion(core)
-        core.shutdown()
-        return [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(6)]
-
-    with_kernel = generate()
+    with_kernel, _ = generate()
     calls = []
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1))
-    assert generate() == with_kernel
+    assert generate()[0] == with_kernel
     assert calls, "the fallback run should have asked for the kernel and been refused"
 
 
@@ -130,23 +138,11 @@ def test_engine_with_adapters_is_the_same_on_the_torch_paths(monkeypatch, kernel
     two ranks and base-model requests in one batch."""
     adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4),
                 "b": write_tiny_adapter(tmp_path / "b", seed=2, rank=8)}
-
-    def generate() -> tuple[list[list[int]], str]:
-        core = EngineCore(EngineConfig(model=BUILTIN_TINY, max_num_seqs=8, max_loras=2, max_lora_rank=8))
-        load_adapters(core, adapters, preload=True)
-        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-        for i in range(6):
-            core.add_request(Request(f"r{i}", list(range(3, 3 + 5 * i + 1)), params), [None, "a", "b"][i % 3])
-        outputs = run_to_completion(core)
-        op = type(core.runner.model.lora_op).__name__
-        core.shutdown()
-        return [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(6)], op
-
-    with_kernels, op = generate()
+    with_kernels, op = generate(adapters)
     assert op == "CpuLoRAOp"
     monkeypatch.setenv("LORAPLEX_CPU_KERNELS", "0")
     forget_kernels()
-    on_torch, op = generate()
+    on_torch, op = generate(adapters)
     assert op == "TorchLoRAOp"
     assert on_torch == with_kernels
 
@@ -165,6 +161,6 @@ def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):
     """Built at start-up (model runner), not in the first request's decode step."""
     core = EngineCore(EngineConfig(model=BUILTIN_TINY))
     built = sorted(p.name.rsplit("-", 1)[0] for p in kernel_cache.iterdir() if p.suffix == ".so")
-    assert built == ["lora", "paged_decode_attention"]
+    assert built == ["fused", "lora", "paged_decode_attention"]
     assert isinstance(core.runner.model.lora_op, lora_kernel.CpuLoRAOp)
     core.shutdown()

@@ -23,6 +23,7 @@ _SIGNATURES = {
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """True if the model on this device and dtype will use the kernels (builds them now if needed)."""
     return device.type == "cpu" and dtype in _SUFFIX and _function("silu_mul", dtype) is not None
 
 
