@@ -32,6 +32,17 @@ static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_s
     return table[t / block_size] * block_size + t % block_size;
 }
 
+// Token t's part of its cache row (`first` elements in, `fetch_bytes` long), as a byte address;
+// the same part of the row PREFETCH_TOKENS ahead is fetched on the way.
+static inline const void *token_part(const void *cache, int64_t element_size, const int64_t *table, int64_t t,
+                                     int64_t len, int64_t block_size, int64_t row, int64_t first,
+                                     int64_t fetch_bytes) {
+    const char *base = (const char *)cache + first * element_size;
+    if (t + PREFETCH_TOKENS < len)
+        prefetch_bytes(base + cache_row(table, t + PREFETCH_TOKENS, block_size) * row * element_size, fetch_bytes);
+    return base + cache_row(table, t, block_size) * row * element_size;
+}
+
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables, const int64_t *lens,  \
              T *out, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, \
@@ -44,7 +55,8 @@ static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_s
         for (int64_t b = 0; b < batch; b++) {                                                           \
             for (int64_t c = 0; c < chunks; c++) {                                                      \
                 const int64_t len = lens[b], h0 = c * per_chunk * group, nh = per_chunk * group;        \
-                const int64_t kv0 = c * per_chunk, fetch_bytes = per_chunk * head_dim * (int64_t)sizeof(T); \
+                const int64_t first = c * per_chunk * head_dim;                                         \
+                const int64_t fetch_bytes = per_chunk * head_dim * (int64_t)sizeof(T);                  \
                 const int64_t *table = tables + b * max_blocks;                                         \
                 float *scores = malloc(sizeof(float) * (size_t)(nh * (len > 0 ? len : 1)));             \
                 float *acc = calloc((size_t)(nh * head_dim), sizeof(float));                            \
@@ -57,11 +69,8 @@ static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_s
                 for (int64_t i = 0; i < nh * head_dim; i++)                                             \
                     qs[i] = LOAD(q, (b * q_heads + h0) * head_dim + i) * scale;                         \
                 for (int64_t t = 0; t < len; t++) {                                                     \
-                    const int64_t slot = cache_row(table, t, block_size);                        \
-                    const T *k = k_cache + slot * row + kv0 * head_dim;                                 \
-                    if (t + PREFETCH_TOKENS < len)                                                      \
-                        prefetch_bytes(k_cache + cache_row(table, t + PREFETCH_TOKENS, block_size) * row + kv0 * head_dim, \
-                                       fetch_bytes);                                                    \
+                    const T *k = token_part(k_cache, sizeof(T), table, t, len, block_size, row, first,  \
+                                            fetch_bytes);                                               \
                     for (int64_t h = 0; h < nh; h++) {                                                  \
                         const T *kh = k + (h / group) * head_dim;                                       \
                         const float *qh = qs + h * head_dim;                                            \
@@ -79,11 +88,8 @@ static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_s
                     for (int64_t t = 0; t < len; t++) sh[t] *= inv;                                     \
                 }                                                                                       \
                 for (int64_t t = 0; t < len; t++) {                                                     \
-                    const int64_t slot = cache_row(table, t, block_size);                        \
-                    const T *v = v_cache + slot * row + kv0 * head_dim;                                 \
-                    if (t + PREFETCH_TOKENS < len)                                                      \
-                        prefetch_bytes(v_cache + cache_row(table, t + PREFETCH_TOKENS, block_size) * row + kv0 * head_dim, \
-                                       fetch_bytes);                                                    \
+                    const T *v = token_part(v_cache, sizeof(T), table, t, len, block_size, row, first,  \
+                                            fetch_bytes);                                               \
                     for (int64_t h = 0; h < nh; h++) {                                                  \
                         const T *vh = v + (h / group) * head_dim;                                       \
                         float *ah = acc + h * head_dim;                                                 \
