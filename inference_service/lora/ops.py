@@ -65,6 +65,7 @@ def build_lora_batch(
     """Group token rows by slot; None when no token uses an adapter (pure base-model step).
 
     `slot_ranks`: the rank of the adapter in each slot, where known."""
+    slot_ranks = slot_ranks or {}
     groups: dict[int, list[int]] = {}
     runs: list[list[int]] = []
     for row, slot in enumerate(token_slots):
@@ -74,10 +75,10 @@ def build_lora_batch(
         if runs and runs[-1][2] == slot and runs[-1][1] == row:
             runs[-1][1] += 1
         else:
-            runs.append([row, row + 1, slot, (slot_ranks or {}).get(slot, UNKNOWN_RANK)])
+            runs.append([row, row + 1, slot, slot_ranks.get(slot, UNKNOWN_RANK)])
     if not groups:
         return None
-    known = [(slot_ranks or {}).get(slot) for slot in groups]
+    known = [slot_ranks.get(slot) for slot in groups]
     rank = None if None in known else max(known)  # type: ignore[type-var]
     run_table = torch.tensor(runs, dtype=torch.long)
     num_tokens = len(token_slots)

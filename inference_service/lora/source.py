@@ -65,10 +65,12 @@ class LocalDirectorySource:
         stamp = _file_stamp(path)
         with self._lock:
             hit = self._cache.get(path)
-            if hit is not None and hit[0] == stamp:
+            if hit is not None and hit[0] != stamp:
+                hit = None  # the files changed since: read them again
+            if hit is not None:
                 self._cache.move_to_end(path)
         digest: str | None
-        if hit is not None and hit[0] == stamp:
+        if hit is not None:
             _, adapter, digest = hit
             tier = "cache"
         else:
