@@ -94,7 +94,7 @@ def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int) -> tuple[floa
     core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=2, max_lora_rank=max_rank, kv_cache_bytes=8 << 20))
     load_adapters(core, {"bw": adapter}, preload=True)
     uid = core.lora.registry.current["bw"]
-    host = core.lora.source.fetch(str(adapter), None)
+    host = core.lora.source.fetch(str(adapter), None, core.lora.pool.host_form)  # as a load gets it
     nbytes = host.size_bytes
     pool, slot = core.lora.pool, core.lora.pool.uid_to_slot[uid]
     copy = pool.copy_into_slot(slot, host)

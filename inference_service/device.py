@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import logging
 import os
 import sys
@@ -20,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from inference_service.kernels.lora import PassGate
+
 log = logging.getLogger(__name__)
 
 BACKGROUND_NICENESS = 10
@@ -27,8 +28,7 @@ BACKGROUND_NICENESS = 10
 # adapter, setting up a copy). With Python's default, 5 ms, that wait can land whole in one
 # inter-token gap of a ~12 ms decode step.
 LOADER_GIL_SWITCH_INTERVAL_S = 0.0005
-# See ThreadCopyEngine. At 1 ms, half the churn bench's rank-64 loads were still running when their
-# next turn came (5 steps later); at 0.3 ms, 182 of 200 had finished.
+# See ThreadCopyEngine: during a forward pass, one piece of a copy (~30 µs) each this often.
 PASS_PIECE_INTERVAL_S = 0.0003
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 
@@ -77,12 +77,13 @@ class ThreadCopyEngine:
     On CPU the copy and the forward pass share the cores. A copy running during a forward pass
     takes a core from one of its OpenMP threads, and every parallel region waits for that thread:
     with 2 cores the churn p99 rose above that of copying inline on the scheduler thread. So the
-    copy thread runs a copy piece by piece (a module's A or B), between forward passes as much as
-    fits, while the scheduler thread detokenizes, hands out outputs and schedules the next step;
-    during a pass only one piece every PASS_PIECE_INTERVAL_S (a piece takes ~0.05 ms), since the
-    gaps alone (~1 ms, shared with an OpenMP thread's spin-wait) left loads unfinished for many steps.
-    And it keeps off the scheduler thread's core: woken by that thread, Linux put it there nearly
-    every time, and the gap between passes stretched from 1.0 to 4.5 ms while the two took turns.
+    copy runs in pieces (at most `PIECE_ELEMENTS` each), between forward passes as many as fit,
+    while the scheduler thread detokenizes, hands out outputs and schedules the next step; during a
+    pass only one piece every PASS_PIECE_INTERVAL_S, since the gaps alone (~1 ms) can leave a
+    large load unfinished for many steps. Where the C kernels are, a whole load is one call that
+    waits on the pass gate without the GIL (`CopyProgram.run_gated`): with Python waiting on an
+    event, the copy thread needed the GIL to wake, which the scheduler thread held for most of the
+    gap, and it caught a gap in only one step of four.
     """
 
     def __init__(self) -> None:
@@ -91,26 +92,21 @@ class ThreadCopyEngine:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="lora-copy", initializer=background_worker_thread, initargs=(0,)
         )
-        self._idle = threading.Event()  # set while no forward pass runs
+        self._gate = PassGate()
+        self._idle = threading.Event()  # the same for the torch pieces (no C kernels): set between passes
         self._idle.set()
-        self._hold = ctypes.c_int32(0)  # the same, for copies run in C: nonzero during a pass
-        self._scheduler_cpu = -1  # where the last forward pass ended
-        self._avoided_cpu = -1
 
     def submit(self, copy: Callable[[], None]) -> CopyHandle:
         chunks: list[Callable[[], None]] = getattr(copy, "chunks", [copy])
         make_program = getattr(copy, "program", None)
 
         def run() -> None:
-            # In C, a call per gap between forward passes: the GIL is taken only for those. Each
-            # piece in Python took it again, and the scheduler thread waited for it between steps.
             program = make_program() if make_program is not None else None
             if program is not None:
-                program.run(self._hold, self._idle, self._keep_off_scheduler_cpu, PASS_PIECE_INTERVAL_S)
+                program.run_gated(self._gate, PASS_PIECE_INTERVAL_S)
                 return
             for chunk in chunks:
                 self._idle.wait(PASS_PIECE_INTERVAL_S)
-                self._keep_off_scheduler_cpu()
                 chunk()
 
         return _FutureHandle(self._pool.submit(_no_grad(run)))
@@ -121,29 +117,15 @@ class ThreadCopyEngine:
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
         self._idle.clear()
-        self._hold.value = 1
+        self._gate.close()
         try:
             yield
         finally:
-            self._scheduler_cpu = current_cpu()
-            self._hold.value = 0
+            self._gate.open()
             self._idle.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-    def _keep_off_scheduler_cpu(self) -> None:
-        """On the copy thread: allow every core but the scheduler thread's (if that leaves one)."""
-        cpu = self._scheduler_cpu
-        if cpu == self._avoided_cpu or cpu < 0:
-            return
-        try:
-            allowed = os.sched_getaffinity(0) | {self._avoided_cpu} - {-1}
-            if len(allowed - {cpu}) >= 1:
-                os.sched_setaffinity(0, allowed - {cpu})
-                self._avoided_cpu = cpu
-        except (AttributeError, OSError):  # not Linux: the scheduler decides
-            self._scheduler_cpu = -1
 
 
 class BlockingCopyEngine:
@@ -203,23 +185,6 @@ class CudaCopyEngine:
 
     def close(self) -> None:
         self._stream.synchronize()
-
-
-def current_cpu() -> int:
-    """The core the calling thread runs on (Linux, glibc), or -1."""
-    return _sched_getcpu() if _sched_getcpu is not None else -1
-
-
-def _libc_sched_getcpu() -> Callable[[], int] | None:
-    try:
-        fn = ctypes.CDLL(None).sched_getcpu
-    except (AttributeError, OSError):
-        return None
-    fn.restype, fn.argtypes = ctypes.c_int, []
-    return fn
-
-
-_sched_getcpu = _libc_sched_getcpu()
 
 
 def background_worker_thread(niceness: int = BACKGROUND_NICENESS) -> None:

@@ -310,10 +310,10 @@ def test_version_swap_order_last_load_wins(adapters):
     release = threading.Event()
     real_fetch = core.lora.source.fetch
 
-    def fetch(uri: str, sha256: str | None):
+    def fetch(uri: str, sha256: str | None, host_form=None):
         if uri == str(adapters["b"]):
             release.wait(10)  # this version's staging finishes last
-        return real_fetch(uri, sha256)
+        return real_fetch(uri, sha256, host_form)
 
     core.lora.source.fetch = fetch  # type: ignore[method-assign]
     slow = core.lora.load_adapter("a", str(adapters["b"]))

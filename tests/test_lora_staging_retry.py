@@ -22,11 +22,11 @@ class RefuseFirstStages:
     def __init__(self, inner, refusals: int) -> None:
         self.inner, self.refusals = inner, refusals
 
-    def fetch(self, uri: str, sha256: str | None) -> HostAdapter:
+    def fetch(self, uri: str, sha256: str | None, host_form=None) -> HostAdapter:
         if self.refusals > 0:
             self.refusals -= 1
             raise ResourceExhaustedError("adapter cache: every entry is leased")
-        return self.inner.fetch(uri, sha256)
+        return self.inner.fetch(uri, sha256, host_form)
 
 
 def test_cache_full_on_stage_is_retried_not_failed(tmp_path: Path):

@@ -11,10 +11,18 @@
 // x [T, in], out [T, out_stride] (the fused projection's output), a [slots, n·R, in],
 // bs[i] = Bt of module i [slots, R, cols[i+1] - cols[i]], groups: runs of rows on one slot.
 // Products accumulate in fp32; bf16 inputs are widened and the sum rounded once into out.
+#define _GNU_SOURCE  // sched_getcpu, CPU_SET
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "common.h"
 
@@ -206,12 +214,9 @@ DEFINE_LORA(lora_apply_bf16, uint16_t, load_bf16, vload_bf16, add_into_bf16)
 DEFINE_TRANSPOSE(transpose_scale_f32, float, load_f32, store_f32)
 DEFINE_TRANSPOSE(transpose_scale_bf16, uint16_t, load_bf16, store_bf16)
 
-// A slot load in few calls, so the copy thread holds the GIL only to set it up: contiguous copies
-// (A), scaled transposes (B, rank-major) and zero fills (ranks and modules the adapter lacks), with
-// fp32/bf16 conversion. It stops before a piece when `*hold` is set (a forward pass is running:
-// see ThreadCopyEngine) and returns how many pieces it did; the caller sleeps until the pass ends
-// and calls again with the rest. (Polling the flag here instead woke the thread so often that it
-// took the cores from the pass.)
+// A slot load as a list of pieces, run in one call so the copy thread holds the GIL only to set it
+// up: contiguous copies, scaled transposes (B into rank-major slots, for adapters not already in
+// the slots' form) and zero fills (ranks and modules the adapter lacks), with fp32/bf16 conversion.
 enum { OP_COPY = 0, OP_TRANSPOSE_SCALE = 1, OP_ZERO = 2 };
 
 typedef struct {
@@ -233,28 +238,107 @@ static inline void store_any(void *p, int bf16, int64_t i, float f) {
         ((float *)p)[i] = f;
 }
 
-int64_t run_copy_program(const CopyOp *ops, int64_t n, const int32_t *hold) {
-    for (int64_t k = 0; k < n; k++) {
-        if (__atomic_load_n(hold, __ATOMIC_ACQUIRE)) return k;
-        const CopyOp op = ops[k];
-        const int64_t count = op.rows * op.cols;
-        const size_t width = op.dst_bf16 ? 2 : 4;
-        if (op.kind == OP_ZERO) {
-            memset(op.dst, 0, width * (size_t)count);
-        } else if (op.kind == OP_COPY && op.dst_bf16 == op.src_bf16) {
-            memcpy(op.dst, op.src, width * (size_t)count);
-        } else if (op.kind == OP_COPY) {
-            for (int64_t i = 0; i < count; i++) store_any(op.dst, op.dst_bf16, i, load_any(op.src, op.src_bf16, i));
-        } else if (!op.dst_bf16 && !op.src_bf16) {
-            transpose_scale_f32(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
-        } else if (op.dst_bf16 && op.src_bf16) {
-            transpose_scale_bf16(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
-        } else {
-            for (int64_t r = 0; r < op.rows; r++)
-                for (int64_t c = 0; c < op.cols; c++)
-                    store_any(op.dst, op.dst_bf16, c * op.dst_stride + r,
-                              op.scale * load_any(op.src, op.src_bf16, r * op.src_stride + c));
-        }
+static void run_copy_op(const CopyOp *opp) {
+    const CopyOp op = *opp;
+    const int64_t count = op.rows * op.cols;
+    const size_t width = op.dst_bf16 ? 2 : 4;
+    if (op.kind == OP_ZERO) {
+        memset(op.dst, 0, width * (size_t)count);
+    } else if (op.kind == OP_COPY && op.dst_bf16 == op.src_bf16) {
+        memcpy(op.dst, op.src, width * (size_t)count);
+    } else if (op.kind == OP_COPY) {
+        for (int64_t i = 0; i < count; i++) store_any(op.dst, op.dst_bf16, i, load_any(op.src, op.src_bf16, i));
+    } else if (!op.dst_bf16 && !op.src_bf16) {
+        transpose_scale_f32(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
+    } else if (op.dst_bf16 && op.src_bf16) {
+        transpose_scale_bf16(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
+    } else {
+        for (int64_t r = 0; r < op.rows; r++)
+            for (int64_t c = 0; c < op.cols; c++)
+                store_any(op.dst, op.dst_bf16, c * op.dst_stride + r,
+                          op.scale * load_any(op.src, op.src_bf16, r * op.src_stride + c));
     }
-    return n;
+}
+
+// Every piece at once (a blocking load).
+void run_copy_program(const CopyOp *ops, int64_t n) {
+    for (int64_t k = 0; k < n; k++) run_copy_op(&ops[k]);
+}
+
+// The pass gate that ThreadCopyEngine shares with this copy thread: `hold` is 1 while a forward
+// pass runs; `scheduler_cpu` is the core the scheduler thread ended its last pass on.
+typedef struct {
+    int32_t hold;
+    int32_t scheduler_cpu;
+} PassGate;
+
+// Sleeps until the pass ends or `timeout_ns` passes, whichever is first. A futex: the thread is
+// woken by the end of the pass itself, in microseconds, with no GIL to take.
+static void wait_for_gap(PassGate *gate, int64_t timeout_ns) {
+#ifdef __linux__
+    struct timespec ts = {timeout_ns / 1000000000, timeout_ns % 1000000000};
+    syscall(SYS_futex, &gate->hold, FUTEX_WAIT_PRIVATE, 1, &ts, NULL, 0);
+#else
+    struct timespec ts = {0, timeout_ns < 50000 ? timeout_ns : 50000};
+    int64_t left = timeout_ns;
+    while (left > 0 && __atomic_load_n(&gate->hold, __ATOMIC_ACQUIRE)) {
+        nanosleep(&ts, NULL);
+        left -= ts.tv_nsec;
+    }
+#endif
+}
+
+#ifdef __linux__
+// The copy thread may run on any of its cores but the scheduler thread's, if that leaves one: put
+// where the scheduler thread woke it, the two took turns and the gap between passes stretched.
+static void keep_off_cpu(int cpu, int *avoided, const cpu_set_t *allowed) {
+    if (cpu < 0 || cpu == *avoided || !CPU_ISSET(cpu, allowed) || CPU_COUNT(allowed) < 2) return;
+    cpu_set_t set = *allowed;
+    CPU_CLR(cpu, &set);
+    if (sched_setaffinity(0, sizeof set, &set) == 0) *avoided = cpu;
+}
+#define KEEP_OFF_SETUP                                                                                    \
+    cpu_set_t allowed;                                                                                    \
+    int avoided = -1;                                                                                     \
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) CPU_ZERO(&allowed);
+#define KEEP_OFF(gate) keep_off_cpu(__atomic_load_n(&(gate)->scheduler_cpu, __ATOMIC_RELAXED), &avoided, &allowed)
+#define KEEP_OFF_UNDO \
+    if (avoided >= 0) sched_setaffinity(0, sizeof allowed, &allowed);
+#define CURRENT_CPU() sched_getcpu()
+#else
+#define KEEP_OFF_SETUP
+#define KEEP_OFF(gate)
+#define KEEP_OFF_UNDO
+#define CURRENT_CPU() (-1)
+#endif
+
+// A whole slot load on the copy thread, in one call without the GIL: between forward passes as
+// many pieces as fit in the gap (the next pass stops it before its next piece); during a pass one
+// piece each `piece_interval_ns`, so a load still finishes when the gaps are short.
+void run_copy_program_gated(const CopyOp *ops, int64_t n, PassGate *gate, int64_t piece_interval_ns) {
+    KEEP_OFF_SETUP
+    int64_t k = 0;
+    while (k < n) {
+        int in_pass = __atomic_load_n(&gate->hold, __ATOMIC_ACQUIRE);
+        if (in_pass) {
+            wait_for_gap(gate, piece_interval_ns);
+            in_pass = __atomic_load_n(&gate->hold, __ATOMIC_ACQUIRE);
+        }
+        KEEP_OFF(gate);
+        if (in_pass) {
+            run_copy_op(&ops[k++]);
+            continue;
+        }
+        while (k < n && !__atomic_load_n(&gate->hold, __ATOMIC_ACQUIRE)) run_copy_op(&ops[k++]);
+    }
+    KEEP_OFF_UNDO
+}
+
+// On the scheduler thread when a forward pass ends (it sets `hold` itself when one starts).
+void pass_gate_open(PassGate *gate) {
+    __atomic_store_n(&gate->scheduler_cpu, CURRENT_CPU(), __ATOMIC_RELAXED);
+    __atomic_store_n(&gate->hold, 0, __ATOMIC_RELEASE);
+#ifdef __linux__
+    syscall(SYS_futex, &gate->hold, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+#endif
 }

@@ -11,8 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-import threading
-from collections.abc import Callable
 
 import torch
 
@@ -82,6 +80,10 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> 
 
 
 _COPY, _TRANSPOSE_SCALE, _ZERO = 0, 1, 2
+# The most elements one piece of a copy program moves: 256 KiB of fp32, ~30 µs of one core here.
+# Pieces are what runs during a forward pass (see ThreadCopyEngine), so their size bounds how long
+# the copy thread holds a core the pass wants.
+PIECE_ELEMENTS = 1 << 16
 _ELEMENT = {torch.float32: 0, torch.bfloat16: 1}
 # CopyOp in lora.c: dst, src, rows, cols, dst_stride, src_stride, scale, kind, dst_bf16, src_bf16.
 _OP = struct.Struct("@PPqqqqfiii")
@@ -95,6 +97,7 @@ class CopyProgram:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self._dst_bf16 = _ELEMENT.get(dtype, -1)
+        self._dst_width = dtype.itemsize
         self.ok = self._dst_bf16 >= 0 and _function("run_copy_program") is not None
         self._ops = bytearray()
         self._count = 0
@@ -102,36 +105,42 @@ class CopyProgram:
     def copy(self, dst: int, src: torch.Tensor) -> None:
         """The contiguous `src` to address `dst`."""
         if self._source_ok(src, src.is_contiguous()):
-            self._add(_COPY, dst, src.data_ptr(), 1, src.numel(), 0, 0, 1.0, _ELEMENT[src.dtype])
+            src_width, dst_width = src.element_size(), self._dst_width
+            for start in range(0, src.numel(), PIECE_ELEMENTS):
+                count = min(PIECE_ELEMENTS, src.numel() - start)
+                self._add(_COPY, dst + start * dst_width, src.data_ptr() + start * src_width, 1, count, 0, 0, 1.0,
+                          _ELEMENT[src.dtype])
 
     def transpose_scale(self, dst: int, dst_stride: int, src: torch.Tensor, scale: float) -> None:
         """dst [c, r] = scale * src [r, c], dst rows `dst_stride` elements apart."""
         if self._source_ok(src, src.dim() == 2 and src.stride(1) == 1):
-            self._add(_TRANSPOSE_SCALE, dst, src.data_ptr(), src.shape[0], src.shape[1], dst_stride, src.stride(0),
-                      scale, _ELEMENT[src.dtype])
+            rows, cols = src.shape
+            step = max(1, PIECE_ELEMENTS // max(cols, 1))
+            for row in range(0, rows, step):  # a piece is some of src's rows: some of dst's columns
+                self._add(_TRANSPOSE_SCALE, dst + row * self._dst_width, src.data_ptr() + row * src.stride(0)
+                          * src.element_size(), min(step, rows - row), cols, dst_stride, src.stride(0), scale,
+                          _ELEMENT[src.dtype])
 
     def zero(self, dst: int, count: int) -> None:
-        if count:
-            self._add(_ZERO, dst, 0, 1, count, 0, 0, 1.0, 0)
+        for start in range(0, count, PIECE_ELEMENTS):
+            self._add(_ZERO, dst + start * self._dst_width, 0, 1, min(PIECE_ELEMENTS, count - start), 0, 0, 1.0, 0)
 
-    def run(self, hold: ctypes.c_int32, idle: threading.Event, before_each_call: Callable[[], None],
-            piece_interval_s: float) -> None:
-        """Every piece in order: between forward passes (`idle` set, `hold` clear) as many as fit
-        in the gap; during a pass, one every `piece_interval_s`, so a load does not depend on the
-        gaps alone (they can be too short to finish it for many steps)."""
+    def run_all(self) -> None:
+        """Every piece now, on the calling thread (a blocking load)."""
         assert self.ok
-        fn = _function("run_copy_program")
-        ops = (ctypes.c_char * len(self._ops)).from_buffer(self._ops)
-        unheld = ctypes.c_int32(0)
-        done = 0
-        while done < self._count:
-            in_gap = idle.wait(piece_interval_s)
-            before_each_call()
-            address = ctypes.addressof(ops) + done * _OP.size
-            if in_gap:
-                done += fn(address, self._count - done, ctypes.byref(hold))
-            else:
-                done += fn(address, 1, ctypes.byref(unheld))
+        _function("run_copy_program")(self._address(), self._count)
+
+    def run_gated(self, gate: PassGate, piece_interval_s: float) -> None:
+        """Every piece in order, on the copy thread, in one call without the GIL: between forward
+        passes (`gate` open) as many as fit in the gap; during a pass one every `piece_interval_s`,
+        so a load does not depend on the gaps alone (they can be too short to finish it for many
+        steps). See `run_copy_program_gated` in lora.c."""
+        assert self.ok
+        _function("run_copy_program_gated")(self._address(), self._count, ctypes.byref(gate),
+                                            int(piece_interval_s * 1e9))
+
+    def _address(self) -> int:
+        return ctypes.addressof((ctypes.c_char * len(self._ops)).from_buffer(self._ops))
 
     def _source_ok(self, src: torch.Tensor, layout_ok: bool) -> bool:
         self.ok = self.ok and layout_ok and src.device.type == "cpu" and src.dtype in _ELEMENT
@@ -143,16 +152,39 @@ class CopyProgram:
         self._count += 1
 
 
+class PassGate(ctypes.Structure):
+    """Shared by the scheduler thread and the copy thread (`PassGate` in lora.c): `hold` is 1
+    during a forward pass; `scheduler_cpu` is where the scheduler thread ended the last one."""
+
+    _fields_ = [("hold", ctypes.c_int32), ("scheduler_cpu", ctypes.c_int32)]
+
+    def close(self) -> None:
+        """A forward pass starts: copies hold back."""
+        self.hold = 1
+
+    def open(self) -> None:
+        """The pass ended: wake the copy thread (at once, with no GIL to take) and say which core
+        to keep off."""
+        fn = _function("pass_gate_open")
+        if fn is not None:
+            fn(ctypes.byref(self))
+        else:
+            self.hold = 0
+
+
 @functools.cache
 def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     library = load_library("lora") if symbol else None
     if library is None:
         return None
     fn = getattr(library, symbol)
-    if symbol == "run_copy_program":
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    if symbol in ("run_copy_program", "run_copy_program_gated"):
+        fn.restype = None
+        gate = [ctypes.c_void_p, ctypes.c_int64] if symbol.endswith("gated") else []
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, *gate]
         assert ctypes.sizeof(ctypes.c_void_p) == 8 and _OP.size == 64, "CopyOp layout as in lora.c"
+    elif symbol == "pass_gate_open":
+        fn.restype, fn.argtypes = None, [ctypes.c_void_p]
     elif symbol in _TRANSPOSE.values():
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

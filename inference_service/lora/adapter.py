@@ -98,7 +98,9 @@ class HostAdapter:
     """A validated adapter in host memory, ready to be copied into a slot.
 
     `modules[(layer, module)] = (A [r, in], B [out, r], scaling)`; modules it lacks are absent
-    (the slot copy zeroes them).
+    (the slot copy zeroes them). In `slot_form` (see `LoRAMemoryPool.host_form`) the tensors are
+    already as rank-major slots hold them: B is `Bt [r, out]` with the scaling folded in (1.0),
+    both in the slots' dtype, so a load is plain copies.
     """
 
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
@@ -109,6 +111,7 @@ class HostAdapter:
     keepalive: object | None = None
     tier: str = "store"  # where the bytes came from: cache (sidecar hit) | store
     release: Callable[[], None] | None = None  # hands the backing bytes back (a sidecar lease)
+    slot_form: bool = False
 
 
 def parse_adapter_config(raw: bytes | str | dict, max_rank: int) -> LoRAAdapterConfig:

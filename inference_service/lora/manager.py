@@ -248,7 +248,7 @@ class LoRAManager:
     def _prepare(self, uri: str, sha256: str | None) -> HostAdapter:
         """On a host thread: fetch and validate, then make the tensors copyable asynchronously
         (page-locked on CUDA; a no-op for buffers the source already registered, and on CPU)."""
-        host = self.source.fetch(uri, sha256)
+        host = self.source.fetch(uri, sha256, self.pool.host_form)
         pin = self.loader.engine.pin
         host.modules = {key: (pin(a), pin(b), scaling) for key, (a, b, scaling) in host.modules.items()}
         return host

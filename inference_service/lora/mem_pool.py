@@ -7,10 +7,13 @@ reads it: `[n_slots, out, r_max]` (PEFT's layout) or rank-major `[n_slots, r_max
 kernel's, which expands along output columns; a load then transposes each B as it copies).
 `buffers[(layer, module)]` are the per-module (A view, B view as [n_slots, out, r_max] whatever
 the storage) pairs. Ranks below r_max are zero-padded and the adapter's scaling is folded into B.
+Host adapters are brought into the slots' form once, when staged (`host_form`), so that a load
+(again after every eviction) is plain copies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -87,6 +90,20 @@ class LoRAMemoryPool:
     def touch(self, uid: str) -> None:
         self._last_use[self.uid_to_slot[uid]] = next(self._clock)
 
+    def host_form(self, adapter: HostAdapter) -> HostAdapter:
+        """`adapter` as rank-major slots hold it (`HostAdapter.slot_form`); as it is for PEFT-layout
+        slots, which take it as read. Runs on a host-loader thread."""
+        if not self.b_rank_major or adapter.slot_form:
+            return adapter
+        modules = {}
+        for key, (a, b, scaling) in adapter.modules.items():
+            bt = torch.empty(b.shape[1], b.shape[0], dtype=self.dtype)
+            transpose_into(bt, b, scaling)
+            modules[key] = (a.to(self.dtype).contiguous(), bt, 1.0)
+        size = sum(a.nbytes + bt.nbytes for a, bt, _ in modules.values())
+        # The tensors are new, so the source's buffer is not kept alive with them.
+        return dataclasses.replace(adapter, modules=modules, size_bytes=size, keepalive=None, slot_form=True)
+
     def copy_into_slot(self, slot: int, adapter: HostAdapter) -> SlotCopy:
         """The work of overwriting one slot, for the overlap loader to run on its copy engine,
         whole or in pieces of one module each (see ThreadCopyEngine and `SlotCopy`).
@@ -111,7 +128,10 @@ class LoRAMemoryPool:
             if weights is not None:
                 a, b, scaling = weights
                 program.copy(a_slot, a)
-                program.transpose_scale(bt_slot, size_out, b, scaling)
+                if adapter.slot_form:
+                    program.copy(bt_slot, b)
+                else:
+                    program.transpose_scale(bt_slot, size_out, b, scaling)
             program.zero(a_slot + rank * size_in * width, (r_max - rank) * size_in)
             program.zero(bt_slot + rank * size_out * width, (r_max - rank) * size_out)
         return program if program.ok else None
@@ -137,7 +157,10 @@ class LoRAMemoryPool:
             destinations.append(a_slot[:rank])
             sources.append(a)
             # Scaling is folded into the slot's B (by the transposing copy, for rank-major B).
-            if self.b_rank_major:
+            if adapter.slot_form:
+                destinations.append(b_slot.t()[:rank])
+                sources.append(b)
+            elif self.b_rank_major:
                 transposed.append((b_slot.t()[:rank], b, scaling))
             else:
                 destinations.append(b_slot[:, :rank])
@@ -172,4 +195,8 @@ class SlotCopy:
         self.whole, self.chunks, self.program = whole, chunks, program
 
     def __call__(self) -> None:
-        self.whole()
+        program = self.program() if self.program is not None else None
+        if program is not None:
+            program.run_all()
+        else:
+            self.whole()

@@ -24,6 +24,7 @@ from inference_service.lora.adapter import (
     parse_adapter_config,
     parse_adapter_tensors,
 )
+from inference_service.lora.source import HostForm
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class SidecarSource:
         self.client = AdapterCacheClient(address)
         self.shapes, self.max_rank, self.lease_seconds = shapes, max_rank, lease_seconds
 
-    def fetch(self, uri: str, sha256: str | None) -> HostAdapter:
+    def fetch(self, uri: str, sha256: str | None, host_form: HostForm | None = None) -> HostAdapter:
         staged = self.client.stage(uri, sha256 or "", self.lease_seconds)
         try:
             config = parse_adapter_config(staged.config_json, self.max_rank)
@@ -41,6 +42,8 @@ class SidecarSource:
             buffer, pinned = self._map(staged.path, staged.lease_id)
             tensors = parse_adapter_tensors(buffer, config, self.max_rank, manifest)
             adapter = build_host_adapter(config, tensors, self.shapes, keepalive=buffer)
+            if host_form is not None:
+                adapter = host_form(adapter)
         except BaseException:
             self.client.release(staged.lease_id)
             raise

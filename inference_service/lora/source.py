@@ -7,6 +7,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
@@ -20,11 +21,15 @@ from inference_service.lora.adapter import (
     load_adapter_dir,
 )
 
+HostForm = Callable[[HostAdapter], HostAdapter]
+
 
 class AdapterSource(Protocol):
-    def fetch(self, uri: str, sha256: str | None) -> HostAdapter:
+    def fetch(self, uri: str, sha256: str | None, host_form: HostForm | None = None) -> HostAdapter:
         """Validated host tensors for the adapter at `uri`; raises LoraplexError subclasses.
 
+        `host_form` turns a freshly read adapter into the form it is kept and copied in (the
+        slots' layout, `LoRAMemoryPool.host_form`); a source with a host cache keeps that form.
         The returned adapter's `tier` says where the bytes came from (cache | store)."""
 
 
@@ -51,7 +56,7 @@ class LocalDirectorySource:
     `cache_bytes`: an adapter evicted from its slot and wanted again is copied from there instead
     of read, parsed and checked again (what the sidecar's shared-memory cache does for remote
     adapters). An entry is only used while both files keep the size, mtime and inode it was read
-    with.
+    with. Entries are kept in the caller's `host_form`, so a repeated load is plain copies.
     """
 
     def __init__(self, shapes: BaseModelShapes, max_rank: int, cache_bytes: int = 0) -> None:
@@ -60,13 +65,15 @@ class LocalDirectorySource:
         self._cached_bytes = 0
         self._lock = threading.Lock()  # fetches run on several host-loader threads
 
-    def fetch(self, uri: str, sha256: str | None) -> HostAdapter:
+    def fetch(self, uri: str, sha256: str | None, host_form: HostForm | None = None) -> HostAdapter:
         path = local_path(uri)
         stamp = _file_stamp(path)
         with self._lock:
             hit = self._cache.get(path)
-            if hit is not None and hit[0] != stamp:
-                hit = None  # the files changed since: read them again
+            if hit is not None and (hit[0] != stamp or (sha256 is not None and hit[2] is None)):
+                # The files changed since, or a digest is asked for that was not taken when they
+                # were read (the raw bytes are not kept): read them again.
+                hit = None
             if hit is not None:
                 self._cache.move_to_end(path)
         digest: str | None
@@ -74,14 +81,14 @@ class LocalDirectorySource:
             _, adapter, digest = hit
             tier = "cache"
         else:
-            adapter, digest, tier = load_adapter_dir(path, self.shapes, self.max_rank), None, "store"
-        if sha256 is not None:
-            if digest is None:  # computed once per read of the file, kept with the cached adapter
-                digest = hashlib.sha256(bytes(adapter.keepalive)).hexdigest()  # type: ignore[arg-type]
-            if digest != sha256.lower():
-                raise InvalidArgumentError(f"{WEIGHTS_FILE} sha256 {digest} does not match the expected {sha256}")
-        if tier == "store" and stamp is not None:
-            self._remember(path, stamp, adapter, digest)
+            adapter, tier = load_adapter_dir(path, self.shapes, self.max_rank), "store"
+            digest = None if sha256 is None else hashlib.sha256(bytes(adapter.keepalive)).hexdigest()  # type: ignore[arg-type]
+        if sha256 is not None and digest != sha256.lower():
+            raise InvalidArgumentError(f"{WEIGHTS_FILE} sha256 {digest} does not match the expected {sha256}")
+        if tier == "store":
+            adapter = host_form(adapter) if host_form is not None else adapter
+            if stamp is not None:
+                self._remember(path, stamp, adapter, digest)
         # Each caller gets its own record (the manager sets fields on it); the tensors are shared
         # and only ever read.
         return dataclasses.replace(adapter, tier=tier)
