@@ -72,10 +72,10 @@ def test_a_slot_copy_in_one_kernel_call_waits_for_the_pass_and_matches_torch(tmp
                              shapes, 8)
     pool = LoRAMemoryPool(2, 8, shapes, torch.device("cpu"), dtype, b_rank_major=True)
     for slot in (0, 1):
-        pool.copy_into_slot(slot, big)()  # stale data to overwrite
+        pool.copy_into_slot(slot, big).whole()  # stale data to overwrite
     by_torch = pool.copy_into_slot(0, small)
     assert by_torch.program is not None and by_torch.program() is not None, "the kernel should build here"
-    by_torch()
+    by_torch.whole()
     engine = ThreadCopyEngine()
     before = [b[1].clone() for _, b in pool.buffers.values()]
     with engine.computing():
@@ -108,3 +108,66 @@ def test_a_long_forward_pass_does_not_stall_a_copy(tmp_path, monkeypatch, in_c):
     for (a, b), (a_exp, b_exp) in zip(pool.buffers.values(), expected.buffers.values(), strict=True):
         assert torch.equal(a, a_exp) and torch.equal(b, b_exp)
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_adapter_in_the_slots_form_loads_the_same_slot(tmp_path, dtype):
+    """`host_form` (done once, when staged) moves the transpose, the scaling and the dtype out of
+    the load: the C program and the torch pieces then only copy, and write the slot exactly as a
+    load of the adapter as read does."""
+    shapes = builtin_tiny_config().lora_shapes()
+    adapter = load_adapter_dir(write_tiny_adapter(tmp_path / "a", seed=3, rank=4, modules=("q_proj", "down_proj")),
+                               shapes, 8)
+    pool = LoRAMemoryPool(4, 8, shapes, torch.device("cpu"), dtype, b_rank_major=True)
+    form = pool.host_form(adapter)
+    assert form.slot_form and not adapter.slot_form and form.keepalive is None
+    assert pool.host_form(form) is form
+    a, bt, scaling = form.modules[(0, "q_proj")]
+    assert bt.shape == adapter.modules[(0, "q_proj")][1].t().shape and scaling == 1.0 and a.dtype == dtype
+    pool.copy_into_slot(0, adapter).whole()  # as read, by torch
+    pool.copy_into_slot(1, form)()  # in the slots' form, by the C program
+    pool.copy_into_slot(2, form).whole()  # the same by torch
+    for chunk in pool.copy_into_slot(3, form).chunks:  # and piece by piece
+        chunk()
+    for a_buf, b_buf in pool.buffers.values():
+        for slot in (1, 2, 3):
+            assert torch.equal(a_buf[0], a_buf[slot]) and torch.equal(b_buf[0], b_buf[slot])
+    assert LoRAMemoryPool(1, 8, shapes, torch.device("cpu"), dtype).host_form(adapter) is adapter, (
+        "PEFT-layout slots (the GPU's) take adapters as read")
+
+
+def test_copy_program_pieces_are_bounded_and_exact():
+    """A copy program cuts copies, zero fills and transposes into pieces of at most PIECE_ELEMENTS
+    (what runs during a pass), and the pieces together write exactly the whole."""
+    from inference_service.kernels import lora as kernels
+
+    if not kernels.CopyProgram(torch.float32).ok:
+        pytest.skip("the C kernels do not build here (no compiler)")
+    n = kernels.PIECE_ELEMENTS
+    src = torch.randn(3 * n + 5)
+    b = torch.randn(3 * n // 1000 + 7, 1000)  # B [out, r] with out * r > 3 pieces
+    copied, zeroed = torch.empty_like(src), torch.full((n + 1,), 7.0)
+    transposed = torch.empty(b.shape[1], b.shape[0] + 3)  # rows of dst longer than b has rows
+    program = kernels.CopyProgram(torch.float32)
+    program.copy(copied.data_ptr(), src)
+    program.zero(zeroed.data_ptr(), n + 1)
+    program.transpose_scale(transposed.data_ptr(), transposed.stride(0), b, 0.5)
+    ops = len(program._ops) // kernels._OP.size
+    assert ops == 4 + 2 + -(-b.shape[0] // (n // b.shape[1]))
+    program.run_all()
+    assert torch.equal(copied, src) and not zeroed.any()
+    assert torch.equal(transposed[:, : b.shape[0]], 0.5 * b.t())
+
+
+def test_the_engine_stages_adapters_in_its_slots_form(tmp_path):
+    """Through the manager, what the local source keeps is already in the slots' form on CPU with
+    the kernels (a reload is plain copies), and as read where the slots take PEFT's layout."""
+    from tests.infra.engine_helpers import load_adapters
+    from tests.test_lora_manager import make_core
+
+    path = write_tiny_adapter(tmp_path / "a", seed=1)
+    core = make_core()
+    load_adapters(core, {"a": path}, preload=True)
+    kept = core.lora.source.fetch(str(path), None, core.lora.pool.host_form)
+    assert kept.tier == "cache" and kept.slot_form == core.lora.pool.b_rank_major
+    core.shutdown()

@@ -3,6 +3,8 @@ reload is served from there, a changed file is read again, and a checksum is sti
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 
 import pytest
@@ -61,3 +63,33 @@ def test_checksum_is_enforced_on_every_fetch(tmp_path, cache_bytes):
     with pytest.raises(InvalidArgumentError, match="sha256"):
         source.fetch(str(path), "0" * 64)
     assert source.fetch(str(path), None).tier == ("cache" if cache_bytes else "store")
+
+
+def test_the_cache_keeps_the_form_the_caller_loads(tmp_path):
+    """With a `host_form` (the slots' layout), a read adapter is brought into it once and the cache
+    keeps that form: a reload is handed the same tensors, and host_form is not run again."""
+    path = write_tiny_adapter(tmp_path / "a", seed=1)
+    source = LocalDirectorySource(SHAPES, max_rank=8, cache_bytes=64 << 20)
+    calls = []
+
+    def host_form(adapter):
+        calls.append(adapter)
+        return dataclasses.replace(adapter, slot_form=True, keepalive=None)
+
+    first = source.fetch(str(path), None, host_form)
+    second = source.fetch(str(path), None, host_form)
+    assert len(calls) == 1 and first.slot_form and second.slot_form and second.tier == "cache"
+    assert all(x.data_ptr() == y.data_ptr() for x, y in zip(weights(first), weights(second), strict=True))
+
+
+def test_a_checksum_asked_of_an_entry_read_without_one_reads_the_file_again(tmp_path):
+    """The raw bytes are not kept with a cached entry, so a digest not taken when the file was
+    read is taken by reading it again, and still enforced."""
+    path = write_tiny_adapter(tmp_path / "a", seed=1)
+    digest = hashlib.sha256((path / "adapter_model.safetensors").read_bytes()).hexdigest()
+    source = LocalDirectorySource(SHAPES, max_rank=8, cache_bytes=64 << 20)
+    source.fetch(str(path), None)
+    assert source.fetch(str(path), digest).tier == "store"
+    assert source.fetch(str(path), digest).tier == "cache"
+    with pytest.raises(InvalidArgumentError, match="sha256"):
+        source.fetch(str(path), "0" * 64)
