@@ -124,7 +124,7 @@ def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int) -> tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200, help="decode steps per run")
-    parser.add_argument("--rounds", type=int, default=5, help="runs of each mode, interleaved")
+    parser.add_argument("--rounds", type=int, default=7, help="runs of each mode, interleaved")
     parser.add_argument("--churn-rank", type=int, default=256, help="rank of the churning adapters (all 7 modules)")
     parser.add_argument("--churn-every", type=int, default=10, help="start one churn load every N steps")
     parser.add_argument("--host-cache-bytes", type=int, default=EngineConfig.host_cache_bytes,
