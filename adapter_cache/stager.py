@@ -24,7 +24,6 @@ from adapter_cache.host_cache import Entry, HostCache, Lease
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.shm import PartChecksum, PendingFile, ShmDir, StoredMeta, entry_key, sha256_of
 from adapter_cache.store import (
-    AccessPolicy,
     FetchConfig,
     Fetcher,
     FileStore,
@@ -44,6 +43,7 @@ from inference_service.lora.adapter import (
     parse_adapter_tensors,
     safetensors_manifest,
 )
+from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,9 @@ class Stager:
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics or CacheMetrics()
-        self.policy = AccessPolicy(cfg.allow_prefixes)
+        self.policy = UriPolicy(cfg.allow_prefixes, empty_allows_all=False)
         if stores is None:
-            stores = {"s3": S3Store(cfg.s3), "file": FileStore(self.policy.file_roots)}
+            stores = {"s3": S3Store(cfg.s3), "file": FileStore(self.policy)}
             if cfg.enable_http:
                 stores["http"] = stores["https"] = HttpStore(cfg.s3.read_timeout_s)
         self.fetcher = Fetcher(stores, cfg.fetch, self.metrics.on_request, self.metrics.on_bytes)

@@ -35,6 +35,7 @@ from inference_service.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger(__name__)
 
@@ -69,43 +70,6 @@ def _read_fully(read_into: Callable[[memoryview, int], int | None], buf: memoryv
             break
         got += n
     return got
-
-
-# --- access policy ------------------------------------------------------------------------
-
-def _has_dot_segments(path: str) -> bool:
-    return any(seg in (".", "..") for seg in path.split("/"))
-
-
-class AccessPolicy:
-    """Only URIs under an allowed prefix are fetched: no SSRF, no path traversal."""
-
-    def __init__(self, allow_prefixes: list[str]) -> None:
-        self.prefixes = [p.rstrip("/") for p in allow_prefixes]
-        self.file_roots = [
-            Path(os.path.realpath(urllib.parse.urlparse(p).path)) for p in self.prefixes if p.startswith("file://")
-        ]
-
-    def check(self, uri: str) -> str:
-        """Return the normalised uri, or raise PermissionDeniedError / InvalidArgumentError."""
-        parsed = urllib.parse.urlparse(uri)
-        if parsed.scheme not in ("s3", "file", "http", "https"):
-            raise InvalidArgumentError(f"unsupported uri scheme in {uri!r} (s3, file, http, https)")
-        if parsed.query or parsed.fragment or parsed.params:
-            raise InvalidArgumentError(f"uri must not have a query or fragment: {uri!r}")
-        if _has_dot_segments(urllib.parse.unquote(parsed.path)):
-            raise PermissionDeniedError(f"{uri}: '.' and '..' path segments are not allowed")
-        if parsed.scheme == "file":
-            if parsed.netloc:
-                raise InvalidArgumentError(f"file uri must be file:///absolute/path, got {uri!r}")
-            real = Path(os.path.realpath(parsed.path))
-            if not any(real == root or root in real.parents for root in self.file_roots):
-                raise PermissionDeniedError(f"{uri} resolves outside every allowed file root")
-            return "file://" + parsed.path.rstrip("/")
-        norm = uri.rstrip("/")
-        if not any(norm == p or norm.startswith(p + "/") for p in self.prefixes):
-            raise PermissionDeniedError(f"{uri} is not under an allowed prefix")
-        return norm
 
 
 # --- stores ---------------------------------------------------------------------------------
@@ -194,15 +158,16 @@ class S3Store:
 
 
 class FileStore:
-    """file:///path confined to the allowed roots: symlinks out of a root are refused."""
+    """file:///path confined to the allowed roots: symlinks out of a root are refused, here at
+    open time too (a link can change after the URI was checked)."""
 
-    def __init__(self, roots: list[Path]) -> None:
-        self._roots = roots
+    def __init__(self, policy: UriPolicy) -> None:
+        self._policy = policy
 
     def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
         path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
         real = Path(os.path.realpath(path))
-        if not any(real == root or root in real.parents for root in self._roots):
+        if not self._policy.allows_file(str(real)):
             raise PermissionDeniedError(f"{uri} resolves outside every allowed file root")
         try:
             fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)

@@ -24,9 +24,10 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
-from inference_service.auth import AdminAuth, UriPolicy
+from inference_service.auth import AdminAuth
 from inference_service.errors import InvalidArgumentError, LoraplexError
 from inference_service.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.server")
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inference_service.auth import AdminAuth, UriPolicy, is_loopback_listen
+from inference_service.auth import AdminAuth, is_loopback_listen
 from inference_service.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+from inference_service.uri_policy import UriPolicy
 
 
 def test_no_token_configured_allows_everyone():
@@ -58,6 +59,36 @@ def test_traversal_denied_with_and_without_allow_list(uri):
 def test_malformed_uris_are_invalid(uri):
     with pytest.raises((InvalidArgumentError, PermissionDeniedError)):
         UriPolicy().check(uri)
+
+
+def test_the_sidecars_policy_allows_nothing_without_prefixes():
+    """One policy for both processes: the service without an allow-list takes any well-formed
+    URI; the sidecar, which fetches, takes none."""
+    assert UriPolicy().check("s3://bucket/x/") == "s3://bucket/x"
+    with pytest.raises(PermissionDeniedError):
+        UriPolicy((), empty_allows_all=False).check("s3://bucket/x")
+
+
+def test_a_symlink_out_of_an_allowed_directory_is_refused(tmp_path):
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "adapters" / "escape").symlink_to(tmp_path / "secret")
+    (tmp_path / "adapters" / "inside").mkdir()
+    policy = UriPolicy([(tmp_path / "adapters").as_uri()])
+    assert policy.check((tmp_path / "adapters" / "inside").as_uri()) == (tmp_path / "adapters" / "inside").as_uri()
+    with pytest.raises(PermissionDeniedError):
+        policy.check((tmp_path / "adapters" / "escape").as_uri())
+
+
+@pytest.mark.parametrize("uri, error", [
+    ("hf://org/model", InvalidArgumentError),  # no store fetches it
+    ("s3://bucket/team-a/x?versionId=1", InvalidArgumentError),
+    ("s3://bucket/team-a/./x", PermissionDeniedError),  # an object key cannot be normalised
+])
+def test_uris_no_store_would_fetch_as_named_are_refused(uri, error):
+    for policy in (UriPolicy(["s3://bucket/team-a/"]), UriPolicy()):
+        with pytest.raises(error):
+            policy.check(uri)
 
 
 def test_loopback_detection():
