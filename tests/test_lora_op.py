@@ -80,7 +80,9 @@ def test_op_matches_per_token_reference(kind, token_slots, shape, ranks, sort, k
     if batch is not None:
         op.apply(x, out, a, stored, batch)
     expected = reference(x.float(), a.float(), [SlicedB(s.start, s.end, s.b.float()) for s in bs], token_slots)
-    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    # fp32: the op and the reference sum in different orders, over terms of magnitude ~10 (x·A
+    # adds 32-64 products of unit normals): an output that cancels to ~0 can differ by ~1e-5.
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
