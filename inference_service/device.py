@@ -93,8 +93,6 @@ class ThreadCopyEngine:
             1, thread_name_prefix="lora-copy", initializer=background_worker_thread, initargs=(0,)
         )
         self._gate = PassGate()
-        self._idle = threading.Event()  # the same for the torch pieces (no C kernels): set between passes
-        self._idle.set()
 
     def submit(self, copy: Callable[[], None]) -> CopyHandle:
         chunks: list[Callable[[], None]] = getattr(copy, "chunks", [copy])
@@ -106,7 +104,7 @@ class ThreadCopyEngine:
                 program.run_gated(self._gate, PASS_PIECE_INTERVAL_S)
                 return
             for chunk in chunks:
-                self._idle.wait(PASS_PIECE_INTERVAL_S)
+                self._gate.wait_open(PASS_PIECE_INTERVAL_S)
                 chunk()
 
         return _FutureHandle(self._pool.submit(_no_grad(run)))
@@ -116,13 +114,11 @@ class ThreadCopyEngine:
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        self._idle.clear()
         self._gate.close()
         try:
             yield
         finally:
             self._gate.open()
-            self._idle.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

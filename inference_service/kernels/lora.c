@@ -215,49 +215,19 @@ DEFINE_TRANSPOSE(transpose_scale_f32, float, load_f32, store_f32)
 DEFINE_TRANSPOSE(transpose_scale_bf16, uint16_t, load_bf16, store_bf16)
 
 // A slot load as a list of pieces, run in one call so the copy thread holds the GIL only to set it
-// up: contiguous copies, scaled transposes (B into rank-major slots, for adapters not already in
-// the slots' form) and zero fills (ranks and modules the adapter lacks), with fp32/bf16 conversion.
-enum { OP_COPY = 0, OP_TRANSPOSE_SCALE = 1, OP_ZERO = 2 };
-
+// up: copies of host tensors already in the slots' form (`LoRAMemoryPool.host_form`) and zero
+// fills (ranks and modules the adapter lacks).
 typedef struct {
     void *dst;
-    const void *src;
-    int64_t rows, cols;              // copy and zero: rows * cols contiguous elements
-    int64_t dst_stride, src_stride;  // transpose: src [rows, cols] -> dst [cols, rows]
-    float scale;
-    int32_t kind, dst_bf16, src_bf16;
+    const void *src;  // NULL: a zero fill
+    int64_t nbytes;
 } CopyOp;
 
-static inline float load_any(const void *p, int bf16, int64_t i) {
-    return bf16 ? load_bf16((const uint16_t *)p, i) : ((const float *)p)[i];
-}
-static inline void store_any(void *p, int bf16, int64_t i, float f) {
-    if (bf16)
-        store_bf16((uint16_t *)p, i, f);
+static void run_copy_op(const CopyOp *op) {
+    if (op->src)
+        memcpy(op->dst, op->src, (size_t)op->nbytes);
     else
-        ((float *)p)[i] = f;
-}
-
-static void run_copy_op(const CopyOp *opp) {
-    const CopyOp op = *opp;
-    const int64_t count = op.rows * op.cols;
-    const size_t width = op.dst_bf16 ? 2 : 4;
-    if (op.kind == OP_ZERO) {
-        memset(op.dst, 0, width * (size_t)count);
-    } else if (op.kind == OP_COPY && op.dst_bf16 == op.src_bf16) {
-        memcpy(op.dst, op.src, width * (size_t)count);
-    } else if (op.kind == OP_COPY) {
-        for (int64_t i = 0; i < count; i++) store_any(op.dst, op.dst_bf16, i, load_any(op.src, op.src_bf16, i));
-    } else if (!op.dst_bf16 && !op.src_bf16) {
-        transpose_scale_f32(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
-    } else if (op.dst_bf16 && op.src_bf16) {
-        transpose_scale_bf16(op.dst, op.dst_stride, op.src, op.src_stride, op.rows, op.cols, op.scale);
-    } else {
-        for (int64_t r = 0; r < op.rows; r++)
-            for (int64_t c = 0; c < op.cols; c++)
-                store_any(op.dst, op.dst_bf16, c * op.dst_stride + r,
-                          op.scale * load_any(op.src, op.src_bf16, r * op.src_stride + c));
-    }
+        memset(op->dst, 0, (size_t)op->nbytes);
 }
 
 // Every piece at once (a blocking load).

@@ -2,8 +2,9 @@
 
 Built and loaded by `kernels.build`. The kernel keeps B rank-major in the slots (Bt [R, out]),
 so the pool is created with `b_rank_major=True` when this op is used; `make_lora_op` (below)
-picks it where it can run and the torch op everywhere else. Loads into such slots transpose B
-(`transpose_into`), or run whole as a `CopyProgram` on the CPU copy engine.
+picks it where it can run and the torch op everywhere else. Adapters are brought into that form
+once, when staged (`transpose_into`); loads into such slots are then plain copies, run as a
+`CopyProgram` on the CPU copy engine.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+import threading
 
 import torch
 
@@ -79,51 +81,38 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> 
     fn(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), src.shape[0], src.shape[1], scale)
 
 
-_COPY, _TRANSPOSE_SCALE, _ZERO = 0, 1, 2
 # The most elements one piece of a copy program moves: 256 KiB of fp32, ~30 µs of one core here.
 # Pieces are what runs during a forward pass (see ThreadCopyEngine), so their size bounds how long
 # the copy thread holds a core the pass wants.
 PIECE_ELEMENTS = 1 << 16
-_ELEMENT = {torch.float32: 0, torch.bfloat16: 1}
-# CopyOp in lora.c: dst, src, rows, cols, dst_stride, src_stride, scale, kind, dst_bf16, src_bf16.
-_OP = struct.Struct("@PPqqqqfiii")
+# CopyOp in lora.c: dst, src (0: a zero fill), bytes.
+_OP = struct.Struct("@PPq")
 
 
 class CopyProgram:
-    """A slot load for `run_copy_program` (lora.c), written by address into a slot of `dtype`: its
-    pieces are listed here (plain integers, no tensor views: this runs on the copy thread and holds
-    the GIL) and run in few calls without it. `ok` turns false at the first piece it cannot do (a
-    source in another dtype or layout, not CPU): the caller then copies with torch."""
+    """A slot load for `run_copy_program` (lora.c), written by address into a slot of `dtype`:
+    copies of tensors already in the slots' form and zero fills, in pieces of at most
+    PIECE_ELEMENTS. The pieces are listed here (plain integers, no tensor views: this runs on the
+    copy thread and holds the GIL) and run in few calls without it. `ok` turns false at the first
+    source it cannot copy as it is (another dtype, not contiguous, not CPU): the caller then
+    copies with torch."""
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self._dst_bf16 = _ELEMENT.get(dtype, -1)
-        self._dst_width = dtype.itemsize
-        self.ok = self._dst_bf16 >= 0 and _function("run_copy_program") is not None
+        self._dtype = dtype
+        self._piece_bytes = PIECE_ELEMENTS * dtype.itemsize
+        self.ok = _function("run_copy_program") is not None
         self._ops = bytearray()
         self._count = 0
 
     def copy(self, dst: int, src: torch.Tensor) -> None:
-        """The contiguous `src` to address `dst`."""
-        if self._source_ok(src, src.is_contiguous()):
-            src_width, dst_width = src.element_size(), self._dst_width
-            for start in range(0, src.numel(), PIECE_ELEMENTS):
-                count = min(PIECE_ELEMENTS, src.numel() - start)
-                self._add(_COPY, dst + start * dst_width, src.data_ptr() + start * src_width, 1, count, 0, 0, 1.0,
-                          _ELEMENT[src.dtype])
-
-    def transpose_scale(self, dst: int, dst_stride: int, src: torch.Tensor, scale: float) -> None:
-        """dst [c, r] = scale * src [r, c], dst rows `dst_stride` elements apart."""
-        if self._source_ok(src, src.dim() == 2 and src.stride(1) == 1):
-            rows, cols = src.shape
-            step = max(1, PIECE_ELEMENTS // max(cols, 1))
-            for row in range(0, rows, step):  # a piece is some of src's rows: some of dst's columns
-                self._add(_TRANSPOSE_SCALE, dst + row * self._dst_width, src.data_ptr() + row * src.stride(0)
-                          * src.element_size(), min(step, rows - row), cols, dst_stride, src.stride(0), scale,
-                          _ELEMENT[src.dtype])
+        """The contiguous `src`, in the slots' dtype, to address `dst`."""
+        self.ok = self.ok and src.device.type == "cpu" and src.dtype == self._dtype and src.is_contiguous()
+        if self.ok:
+            self._add(dst, src.data_ptr(), src.numel() * src.element_size())
 
     def zero(self, dst: int, count: int) -> None:
-        for start in range(0, count, PIECE_ELEMENTS):
-            self._add(_ZERO, dst + start * self._dst_width, 0, 1, min(PIECE_ELEMENTS, count - start), 0, 0, 1.0, 0)
+        """`count` zeros of the slots' dtype at address `dst`."""
+        self._add(dst, 0, count * self._dtype.itemsize)
 
     def run_all(self) -> None:
         """Every piece now, on the calling thread (a blocking load)."""
@@ -136,40 +125,53 @@ class CopyProgram:
         so a load does not depend on the gaps alone (they can be too short to finish it for many
         steps). See `run_copy_program_gated` in lora.c."""
         assert self.ok
-        _function("run_copy_program_gated")(self._address(), self._count, ctypes.byref(gate),
+        _function("run_copy_program_gated")(self._address(), self._count, ctypes.byref(gate.word),
                                             int(piece_interval_s * 1e9))
 
     def _address(self) -> int:
         return ctypes.addressof((ctypes.c_char * len(self._ops)).from_buffer(self._ops))
 
-    def _source_ok(self, src: torch.Tensor, layout_ok: bool) -> bool:
-        self.ok = self.ok and layout_ok and src.device.type == "cpu" and src.dtype in _ELEMENT
-        return self.ok
-
-    def _add(self, kind: int, dst: int, src: int, rows: int, cols: int, dst_stride: int, src_stride: int,
-             scale: float, src_bf16: int) -> None:
-        self._ops += _OP.pack(dst, src, rows, cols, dst_stride, src_stride, scale, kind, self._dst_bf16, src_bf16)
-        self._count += 1
+    def _add(self, dst: int, src: int, nbytes: int) -> None:
+        for start in range(0, nbytes, self._piece_bytes):
+            self._ops += _OP.pack(dst + start, src + start if src else 0, min(self._piece_bytes, nbytes - start))
+            self._count += 1
 
 
-class PassGate(ctypes.Structure):
-    """Shared by the scheduler thread and the copy thread (`PassGate` in lora.c): `hold` is 1
-    during a forward pass; `scheduler_cpu` is where the scheduler thread ended the last one."""
+class _GateWord(ctypes.Structure):
+    """`PassGate` in lora.c: `hold` is 1 during a forward pass; `scheduler_cpu` is where the
+    scheduler thread ended the last one."""
 
     _fields_ = [("hold", ctypes.c_int32), ("scheduler_cpu", ctypes.c_int32)]
 
+
+class PassGate:
+    """Closed during each forward pass, open between them; shared by the scheduler thread and the
+    copy thread. A copy program waits on it in C (`run_gated`); torch pieces, where the C kernels
+    are missing, wait on it in Python (`wait_open`)."""
+
+    def __init__(self) -> None:
+        self.word = _GateWord()
+        self._open = threading.Event()
+        self._open.set()
+
     def close(self) -> None:
         """A forward pass starts: copies hold back."""
-        self.hold = 1
+        self._open.clear()
+        self.word.hold = 1
 
     def open(self) -> None:
-        """The pass ended: wake the copy thread (at once, with no GIL to take) and say which core
-        to keep off."""
+        """The pass ended: wake the copy thread (in C at once, with no GIL to take) and say which
+        core to keep off."""
         fn = _function("pass_gate_open")
         if fn is not None:
-            fn(ctypes.byref(self))
+            fn(ctypes.byref(self.word))
         else:
-            self.hold = 0
+            self.word.hold = 0
+        self._open.set()
+
+    def wait_open(self, timeout_s: float) -> bool:
+        """Until the gate opens or `timeout_s` passes; True if it is open."""
+        return self._open.wait(timeout_s)
 
 
 @functools.cache
@@ -182,7 +184,7 @@ def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defi
         fn.restype = None
         gate = [ctypes.c_void_p, ctypes.c_int64] if symbol.endswith("gated") else []
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, *gate]
-        assert ctypes.sizeof(ctypes.c_void_p) == 8 and _OP.size == 64, "CopyOp layout as in lora.c"
+        assert ctypes.sizeof(ctypes.c_void_p) == 8 and _OP.size == 24, "CopyOp layout as in lora.c"
     elif symbol == "pass_gate_open":
         fn.restype, fn.argtypes = None, [ctypes.c_void_p]
     elif symbol in _TRANSPOSE.values():

@@ -4,7 +4,7 @@ The modules that feed one fused base projection (q,k,v; gate,up; see `BaseModelS
 share one A buffer, `A [n_slots, n·r_max, in]` with their A stacked along the rank axis, so one
 shrink matmul serves the whole projection; each module has its own B, stored as the LoRA op
 reads it: `[n_slots, out, r_max]` (PEFT's layout) or rank-major `[n_slots, r_max, out]` (the CPU
-kernel's, which expands along output columns; a load then transposes each B as it copies).
+kernel's, which expands along output columns).
 `buffers[(layer, module)]` are the per-module (A view, B view as [n_slots, out, r_max] whatever
 the storage) pairs. Ranks below r_max are zero-padded and the adapter's scaling is folded into B.
 Host adapters are brought into the slots' form once, when staged (`host_form`), so that a load
@@ -92,7 +92,8 @@ class LoRAMemoryPool:
 
     def host_form(self, adapter: HostAdapter) -> HostAdapter:
         """`adapter` as rank-major slots hold it (`HostAdapter.slot_form`); as it is for PEFT-layout
-        slots, which take it as read. Runs on a host-loader thread."""
+        slots, which take it as read. Runs on a host-loader thread when an adapter is staged (the
+        manager's adapters reach `copy_into_slot` in this form already)."""
         if not self.b_rank_major or adapter.slot_form:
             return adapter
         modules = {}
@@ -110,14 +111,16 @@ class LoRAMemoryPool:
 
         Every module is written: ranks past the adapter's and modules it lacks become zeros, so
         nothing of the slot's previous adapter can leak into the new one."""
+        adapter = self.host_form(adapter)
         whole = functools.partial(self._copy_modules, slot, adapter, list(self.buffers))
         chunks = [functools.partial(self._copy_modules, slot, adapter, [key]) for key in self.buffers]
         program = functools.partial(self._copy_program, slot, adapter) if self.b_rank_major else None
         return SlotCopy(whole, chunks, program)
 
     def _copy_program(self, slot: int, adapter: HostAdapter) -> CopyProgram | None:
-        """The whole slot copy for the C copy engine (CPU, rank-major B), or None where it cannot
-        be. Addresses are computed, not viewed: views cost ~1 ms of GIL per load here."""
+        """The whole slot copy for the C copy engine (CPU, rank-major B, the adapter in the slots'
+        form), or None where it cannot be. Addresses are computed, not viewed: views cost ~1 ms of
+        GIL per load here."""
         program = CopyProgram(self.dtype)
         width, r_max = self.dtype.itemsize, self.max_rank
         for key, (a_base, a_slot_stride, size_in, bt_base, size_out) in self._addresses.items():
@@ -126,12 +129,8 @@ class LoRAMemoryPool:
             weights = adapter.modules.get(key)
             rank = 0 if weights is None else weights[0].shape[0]
             if weights is not None:
-                a, b, scaling = weights
-                program.copy(a_slot, a)
-                if adapter.slot_form:
-                    program.copy(bt_slot, b)
-                else:
-                    program.transpose_scale(bt_slot, size_out, b, scaling)
+                program.copy(a_slot, weights[0])
+                program.copy(bt_slot, weights[1])
             program.zero(a_slot + rank * size_in * width, (r_max - rank) * size_in)
             program.zero(bt_slot + rank * size_out * width, (r_max - rank) * size_out)
         return program if program.ok else None
@@ -141,7 +140,6 @@ class LoRAMemoryPool:
         calls (copy, scale B, zero the rest) for all of them."""
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        transposed: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (rank-major B rows, B, scaling)
         scaled: list[torch.Tensor] = []
         scales: list[float] = []
         zeroed: list[torch.Tensor] = []
@@ -156,15 +154,9 @@ class LoRAMemoryPool:
             rank = a.shape[0]
             destinations.append(a_slot[:rank])
             sources.append(a)
-            # Scaling is folded into the slot's B (by the transposing copy, for rank-major B).
-            if adapter.slot_form:
-                destinations.append(b_slot.t()[:rank])
-                sources.append(b)
-            elif self.b_rank_major:
-                transposed.append((b_slot.t()[:rank], b, scaling))
-            else:
-                destinations.append(b_slot[:, :rank])
-                sources.append(b)
+            destinations.append(b_slot.t()[:rank] if self.b_rank_major else b_slot[:, :rank])
+            sources.append(b)
+            if not self.b_rank_major:  # an adapter in the slots' form has its scaling folded in already
                 scaled.append(b_slot[:, :rank])
                 scales.append(scaling)
             if rank < self.max_rank:
@@ -172,8 +164,6 @@ class LoRAMemoryPool:
 
         if destinations:
             torch._foreach_copy_(destinations, sources, non_blocking=True)
-        for dst, src, scale in transposed:
-            transpose_into(dst, src, scale)
         if scaled:
             torch._foreach_mul_(scaled, scales)
         if zeroed:
@@ -183,7 +173,7 @@ class LoRAMemoryPool:
 class SlotCopy:
     """A slot copy three ways: calling it does it all at once (a CUDA side stream, a blocking
     load); `chunks`, the same in pieces to run in order; `program`, where the CPU kernels are, the
-    same as a C copy program (a piece per module's A or B) that runs in few calls (see
+    same as a C copy program (pieces of at most PIECE_ELEMENTS) that runs in one call (see
     ThreadCopyEngine)."""
 
     def __init__(
