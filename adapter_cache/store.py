@@ -22,7 +22,6 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import urllib3
@@ -165,9 +164,8 @@ class FileStore:
         self._policy = policy
 
     def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
-        path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
-        real = Path(os.path.realpath(path))
-        if not self._policy.allows_file(str(real)):
+        real = self._policy.resolve_file(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+        if real is None:
             raise PermissionDeniedError(f"{uri} resolves outside every allowed file root")
         try:
             fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)

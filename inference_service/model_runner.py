@@ -74,11 +74,11 @@ class ModelRunner:
             )
         self.kv = KVCache(model.config, num_blocks, config.block_size, self.device, self.dtype)
         # Kernels are built (or loaded) now, not in the first request's forward pass.
-        if cpu_kernels.prepare(self.device, self.dtype):
+        if cpu_kernels.available(self.device, self.dtype):
             log.info("decode attention: C kernel over the paged KV cache")
         if fused.available(self.device, self.dtype):
             log.info("norms, RoPE with the KV write, SiLU-and-multiply: fused C kernels")
-        log.info("LoRA op: %s, slots in %s", type(model.lora_op).__name__, model.lora_op.slot_dtype(self.dtype))
+        log.info("LoRA op: %s, slots in %s", type(model.lora_op).__name__, self.lora.pool.dtype)
         log.info(
             "memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",
             lora_bytes / 2**20, config.max_loras, config.max_lora_rank, self.kv.nbytes / 2**20, num_blocks,

@@ -43,17 +43,18 @@ class UriPolicy:
                 return norm
             raise PermissionDeniedError(f"adapter uri {uri!r} refused: no allowed sources are configured")
         if norm.startswith("file://"):
-            if self.allows_file(norm[len("file://"):]):
+            if self.resolve_file(norm[len("file://"):]) is not None:
                 return norm
         elif any(norm == p or norm.startswith(p if p.endswith("/") else p + "/") for p in self.allow):
             return norm
         raise PermissionDeniedError(f"adapter uri {uri!r} is outside the allowed sources ({', '.join(self.allow)})")
 
-    def allows_file(self, path: str) -> bool:
-        """True if `path`, symlinks resolved, is one of the allowed directories or under one (a
-        reader checks again at open time: a link can change after the URI was checked)."""
+    def resolve_file(self, path: str) -> Path | None:
+        """`path` with symlinks resolved if that is one of the allowed directories or under one,
+        else None. A reader calls it again at open time and opens what it returns: a link can
+        change after the URI was checked."""
         real = Path(os.path.realpath(path))
-        return any(real == root or root in real.parents for root in self.file_roots)
+        return real if any(real == root or root in real.parents for root in self.file_roots) else None
 
 
 def _real(file_uri: str) -> Path:

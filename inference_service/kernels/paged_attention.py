@@ -16,9 +16,9 @@ from inference_service.kernels.build import load_library
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
 
-def prepare(device: torch.device, dtype: torch.dtype) -> bool:
-    """Build (or load) the kernel now, at start-up, rather than in the first request's decode step.
-    True if decode attention on this device and dtype will use it."""
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """True if decode attention on this device and dtype will use the kernel (builds it now if
+    needed: the model runner asks at start-up, not in the first request's decode step)."""
     return device.type == "cpu" and dtype in _SYMBOLS and _kernel(dtype) is not None
 
 
