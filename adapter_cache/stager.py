@@ -135,7 +135,7 @@ class Stager:
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics or CacheMetrics()
-        self.policy = UriPolicy(cfg.allow_prefixes, empty_allows_all=False)
+        self.policy = UriPolicy(cfg.allow_prefixes, flag="--allow-prefix")
         if stores is None:
             stores = {"s3": S3Store(cfg.s3), "file": FileStore(self.policy)}
             if cfg.enable_http:

@@ -34,6 +34,7 @@ from inference_service.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from inference_service.file_access import open_regular
 from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger(__name__)
@@ -157,24 +158,17 @@ class S3Store:
 
 
 class FileStore:
-    """file:///path confined to the allowed roots: symlinks out of a root are refused, here at
-    open time too (a link can change after the URI was checked)."""
+    """file:///path under the rule of `inference_service.file_access` (the service's local source
+    follows it too): regular files only, confined to the allowed roots at open time (a link can
+    change after the URI was checked)."""
 
     def __init__(self, policy: UriPolicy) -> None:
         self._policy = policy
 
     def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
-        real = self._policy.resolve_file(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
-        if real is None:
-            raise PermissionDeniedError(f"{uri} resolves outside every allowed file root")
+        path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
+        fd, st = open_regular(path, self._policy.file_roots, None)
         try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise NotFoundError(f"{uri}: file not found") from None
-        except PermissionError:
-            raise PermissionDeniedError(f"{uri}: not readable") from None
-        try:
-            st = os.fstat(fd)
             if etag and etag != f"{st.st_mtime_ns}-{st.st_size}":
                 raise TransientStoreError(f"{uri} changed while it was being fetched")
             expected = max(0, min(len(buf), st.st_size - start))

@@ -70,6 +70,7 @@ def run_inprocess(args, adapters: dict[str, str], work) -> tuple[int, float]:
 
 def run_grpc(args, adapters: dict[str, str], work, log_dir: str) -> tuple[int, float]:
     server = start_inference_server(["--model", args.model, "--max-loras", str(args.max_loras),
+                                     "--adapter-source-allow", Path(log_dir).as_uri(),
                                      "--log-level", "WARNING"], log_dir=log_dir)
     try:
         with InferenceClient(server.address) as c:

@@ -25,7 +25,9 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     aging_steps: int = 64  # a request skipped this many steps stops later ones overtaking it
-    adapter_source_allow: tuple[str, ...] = ()  # allowed URI prefixes; empty: file:// anywhere
+    # allowed URI prefixes; the local source opens files only under the file:// ones. Empty: the engine
+    # confines nothing (the server refuses every URI without --adapter-source-allow)
+    adapter_source_allow: tuple[str, ...] = ()
     cache_address: str | None = None  # adapter-cache sidecar; None: read file:// URIs directly
     host_load_workers: int = 2  # threads preparing adapters on the host (never the scheduler)
     # Validated adapters read from local directories, kept in host memory (LRU) so that one evicted

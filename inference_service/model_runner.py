@@ -88,7 +88,8 @@ class ModelRunner:
     def _default_source(self, shapes: BaseModelShapes) -> AdapterSource:
         if self.config.cache_address:
             return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank)
-        return LocalDirectorySource(shapes, self.config.max_lora_rank, self.config.host_cache_bytes)
+        return LocalDirectorySource(shapes, self.config.max_lora_rank, self.config.host_cache_bytes,
+                                    allow=self.config.adapter_source_allow)
 
     def _memory_budget(self) -> int:
         if self.config.memory_budget_bytes is not None:

@@ -252,7 +252,7 @@ def test_admin_auth_and_unavailable_mapping():
         info = await stub.GetModelInfo(pb.GetModelInfoRequest())
         assert (info.model_name, info.max_context, info.max_new_tokens_limit) == ("fake", 64, 32)
 
-    text = run(_with_server(engine, body, admin_token="tok"))
+    text = run(_with_server(engine, body, admin_token="tok", adapter_source_allow=("file:///srv",)))
     assert 'loraplex_grpc_requests_total{code="UNAUTHENTICATED",method="LoadAdapter"} 1.0' in text
     assert 'loraplex_grpc_requests_total{code="PERMISSION_DENIED",method="LoadAdapter"} 2.0' in text
 
