@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
          default=EngineConfig.host_cache_bytes)
     _add(g, "--adapter-source-allow",
          "allowed adapter URI prefix, e.g. s3://bucket/adapters/ or file:///srv/adapters (repeatable; "
-         "none: any URI)", action="append", default=[])
+         "none: every adapter URI is PERMISSION_DENIED)", action="append", default=[])
 
     g = p.add_argument_group("serving")
     _add(g, "--listen", "HOST:PORT or unix:///path", default=ServerConfig.listen)

@@ -14,6 +14,7 @@ listen="${LORAPLEX_LISTEN:-127.0.0.1:50051}"
 metrics_port="${LORAPLEX_METRICS_PORT:-9400}"
 cache_metrics_port="${LORAPLEX_CACHE_METRICS_PORT:-9401}"
 cache_socket="$RUN_DIR/adapter-cache.sock"
+# The one adapter source both processes accept: without an allow-list every adapter URI is refused.
 adapters_uri="file://$RUN_DIR/adapters"
 
 "$PY" -m adapter_cache.cli \
