@@ -36,7 +36,7 @@ from tests.test_adapter_validation import (
     write_adapter,
 )
 
-VICTIM_TOKENS = 160  # ~0.5 s alone on an idle 2-core box: longer than any attack here takes
+VICTIM_TOKENS = 384  # ~0.4 s alone on an idle 2-core box: longer than any attack here, long enough to even out jitter
 INVALID, DENIED, OK = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
 CATASTROPHIC = "(.+.+)+Z"  # exponential for a backtracking matcher on a 30-character module path
 
