@@ -1,20 +1,37 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+
+Rows fail alone: a row whose logits are not all finite, or whose sampling raises, gets no token
+(None) and the engine ends that request only; the other rows of the batch are unaffected.
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from inference_service.request import SamplingParams
 
+log = logging.getLogger(__name__)
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits [S, V]. Each seeded row draws from its own generator, so a
-    request's tokens do not depend on what else is in the batch."""
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | None]:
+    """One token per row of logits [S, V], None for a row that cannot be sampled. Each seeded row
+    draws from its own generator, so a request's tokens do not depend on what else is in the batch."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here.
-    tokens = logits.max(dim=-1).indices.tolist()
+    tokens: list[int | None] = logits.max(dim=-1).indices.tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, gen)
+        if not finite[row]:
+            tokens[row] = None
+        elif not p.greedy:
+            try:
+                tokens[row] = _sample_row(logits[row], p, gen)
+            except RuntimeError as exc:  # e.g. torch.multinomial on a degenerate distribution
+                log.warning("sampling row %d failed: %s", row, exc)
+                tokens[row] = None
     return tokens
 
 
