@@ -123,7 +123,7 @@ class EngineCore:
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {info.max_context} tokens")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
-        check_stop(len(params.stop), max(map(len, params.stop), default=0), len(params.stop_token_ids), info.limits)
+        check_stop(params.stop, len(params.stop_token_ids), info.limits)
         params.validate(info.max_new_tokens_limit)
         if any(t >= info.vocab_size for t in params.stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be in [0, {info.vocab_size})")

@@ -7,6 +7,7 @@ adapter-name and request-id grammars, and `shown()`, which makes a client-chosen
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inference_service.errors import InvalidArgumentError
@@ -49,16 +50,18 @@ def check_request_id(request_id: str, max_length: int) -> None:
         )
 
 
-def check_stop(stop_count: int, longest: int, stop_ids_count: int, limits: RequestLimits) -> None:
-    """Stop conditions are checked for every generated token: their size is bounded up front."""
-    if stop_count > limits.max_stop_strings:
-        raise InvalidArgumentError(f"at most {limits.max_stop_strings} stop strings, got {stop_count}")
+def check_stop(stop: Sequence[str], stop_ids_count: int, limits: RequestLimits) -> None:
+    """Stop conditions are checked for every generated token: their size is bounded up front
+    (the counts first, so that a huge list is refused without walking it)."""
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidArgumentError(f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+    if stop_ids_count > limits.max_stop_token_ids:
+        raise InvalidArgumentError(f"at most {limits.max_stop_token_ids} stop_token_ids, got {stop_ids_count}")
+    longest = max(map(len, stop), default=0)
     if longest > limits.max_stop_string_length:
         raise InvalidArgumentError(
             f"stop strings must be at most {limits.max_stop_string_length} characters, got one of {longest}"
         )
-    if stop_ids_count > limits.max_stop_token_ids:
-        raise InvalidArgumentError(f"at most {limits.max_stop_token_ids} stop_token_ids, got {stop_ids_count}")
 
 
 def shown(text: str, limit: int = SHOWN_MAX_CHARS) -> str:

@@ -174,8 +174,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def _sampling_params(self, request: pb.GenerateRequest) -> SamplingParams:
         s = request.sampling
-        check_stop(len(request.stop), max(map(len, request.stop), default=0), len(request.stop_token_ids),
-                   self.engine.model_info.limits)
+        check_stop(request.stop, len(request.stop_token_ids), self.engine.model_info.limits)
         if request.HasField("max_new_tokens"):
             max_new = request.max_new_tokens
         else:

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
@@ -262,7 +263,7 @@ class LoRAManager:
     def _start_staging(self, entry: AdapterVersion) -> None:
         if self._staging_pool is not None:
             entry.staging = self._staging_pool.submit(self._prepare, entry.uri, entry.sha256,
-                                                      on_orphan=_release_host)
+                                                      key=_source_key(entry.uri), on_orphan=_release_host)
         else:
             entry.staging = self._host_pool.submit(self._prepare, entry.uri, entry.sha256)
         self._staging.add(entry.uid)
@@ -427,6 +428,12 @@ class LoRAManager:
             free, _ = torch.cuda.mem_get_info(self.device)
             text += f", {free / 2**30:.2f} GiB device memory free"
         return text
+
+
+def _source_key(uri: str) -> str:
+    """Where an adapter's bytes come from, for the staging pool's per-source share."""
+    parsed = urllib.parse.urlsplit(uri)
+    return f"{parsed.scheme}://{parsed.netloc}"
 
 
 def _release_host(host: HostAdapter) -> None:

@@ -1,7 +1,9 @@
 """Host-preparation workers that one hung source cannot hold.
 
 Each task (fetch + validate one adapter, or release a sidecar lease) runs on a thread of its own,
-at most `workers` at a time; the rest queue. A task still running at its deadline is abandoned: its
+at most `workers` at a time; the rest queue. Tasks carry a source key (the URI's scheme and host or
+bucket): one source may hold at most `workers - 1` places, so a stuck origin always leaves a worker
+to the others. A task still running at its deadline is abandoned: its
 future fails with UNAVAILABLE (retryable) and it no longer counts against `workers`, so the queue
 moves on while its thread is left to finish, or hang, alone. Abandoned threads are bounded too:
 past `max_abandoned`, new tasks fail at once rather than pile up threads.
@@ -13,7 +15,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ class _Task:
     fn: Callable[[], Any]
     future: concurrent.futures.Future
     on_orphan: Callable[[Any], None] | None
+    key: str
     deadline: float = 0.0
     abandoned: bool = False
 
@@ -39,18 +42,19 @@ class StagingPool:
             raise ValueError("host_load_workers must be at least 1")
         self.workers, self.timeout_s = workers, timeout_s
         self.max_abandoned = max_abandoned if max_abandoned is not None else 4 * workers
+        self.per_source = max(1, workers - 1)
         self._lock = threading.Lock()
         self._queue: deque[_Task] = deque()
         self._running: set[_Task] = set()
         self._abandoned = 0
         self._closed = False
 
-    def submit(self, fn: Callable[..., Any], *args: Any,
+    def submit(self, fn: Callable[..., Any], *args: Any, key: str = "",
                on_orphan: Callable[[Any], None] | None = None) -> concurrent.futures.Future:
-        """`on_orphan` gets the result of a task that completes after it was abandoned (e.g. to
-        release what it holds)."""
+        """`key`: the task's source; `on_orphan` gets the result of a task that completes after it
+        was abandoned (e.g. to release what it holds)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        task = _Task(lambda: fn(*args), future, on_orphan)
+        task = _Task(lambda: fn(*args), future, on_orphan, key)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the staging pool is shut down")
@@ -86,14 +90,24 @@ class StagingPool:
                 task.future.cancel()
 
     def _start_queued(self) -> None:
-        """Under the lock: start queued tasks while places are free."""
-        while self._queue and len(self._running) < self.workers:
+        """Under the lock: start queued tasks, oldest first, while places are free and their source
+        is under its share."""
+        if not self._queue or len(self._running) >= self.workers:
+            return
+        held = Counter(t.key for t in self._running)
+        waiting: deque[_Task] = deque()
+        while self._queue:
             task = self._queue.popleft()
+            if len(self._running) >= self.workers or held[task.key] >= self.per_source:
+                waiting.append(task)
+                continue
             if not task.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             task.deadline = time.monotonic() + self.timeout_s
             self._running.add(task)
+            held[task.key] += 1
             threading.Thread(target=self._run, args=(task,), name="lora-host", daemon=True).start()
+        self._queue = waiting
 
     def _run(self, task: _Task) -> None:
         background_worker_thread()
