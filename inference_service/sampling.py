@@ -20,11 +20,12 @@ def sample(
 ) -> list[int | None]:
     """One token per row of logits [S, V], None for a row that cannot be sampled. Each seeded row
     draws from its own generator, so a request's tokens do not depend on what else is in the batch."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here.
-    tokens: list[int | None] = logits.max(dim=-1).indices.tolist()
+    # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here; -1 marks
+    # a row with a non-finite logit (one transfer from the device for both).
+    best = logits.max(dim=-1).indices
+    tokens: list[int | None] = torch.where(torch.isfinite(logits).all(dim=-1), best, -1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not finite[row]:
+        if tokens[row] == -1:
             tokens[row] = None
         elif not p.greedy:
             try:
