@@ -20,10 +20,11 @@ def sample(
 ) -> list[int | None]:
     """One token per row of logits [S, V], None for a row that cannot be sampled. Each seeded row
     draws from its own generator, so a request's tokens do not depend on what else is in the batch."""
-    # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here; -1 marks
-    # a row with a non-finite logit (one transfer from the device for both).
-    best = logits.max(dim=-1).indices
-    tokens: list[int | None] = torch.where(torch.isfinite(logits).all(dim=-1), best, -1).tolist()
+    # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here. The max
+    # is NaN or +inf exactly when the row cannot be sampled (max propagates NaN; -inf entries are
+    # harmless while the max is finite): -1 marks those rows, one transfer from the device for both.
+    best = logits.max(dim=-1)
+    tokens: list[int | None] = torch.where(torch.isfinite(best.values), best.indices, -1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if tokens[row] == -1:
             tokens[row] = None
