@@ -65,7 +65,10 @@ def check_stop(stop: Sequence[str], stop_ids_count: int, limits: RequestLimits) 
 
 
 def shown(text: str, limit: int = SHOWN_MAX_CHARS) -> str:
-    """`text` as it may appear in a log line or message: escaped (no CR/LF, control or bidi
-    characters reach the log) and truncated, with the full length noted."""
+    """`text` as it may appear in a log line or message: as it is if short printable ASCII without
+    spaces, else quoted and escaped (no CR/LF, control or bidi characters reach the log) and
+    truncated, with the full length noted."""
+    if len(text) <= limit and _REQUEST_ID.fullmatch(text):
+        return text
     head = ascii(text[:limit])
     return head if len(text) <= limit else f"{head}...({len(text)} chars)"
