@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from inference_service.api import inference_pb2 as pb
@@ -29,7 +29,7 @@ from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine import Engine
 from inference_service.server import ServerConfig, build_server
 
-EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "300"))
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.NOT_FOUND}
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -85,33 +85,42 @@ def _assert_engine_empty(engine: Engine) -> None:
     raise AssertionError(f"the engine kept state after the fuzzed requests: {engine.stats()}")
 
 
+def _mostly(valid: st.SearchStrategy, hostile: st.SearchStrategy) -> st.SearchStrategy:
+    """About four in five draws valid, so requests get past validation and exercise the engine too."""
+    return st.integers(0, 4).flatmap(lambda i: hostile if i == 0 else valid)
+
+
 _text = st.text(max_size=60) | st.text(alphabet=st.characters(max_codepoint=0x7F), max_size=300)
 _floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 1e-300, 5e-324, 1e-6, 1.0, 1e300])
 _sampling = st.builds(
     lambda t, p, k, seed: pb.SamplingParams(temperature=t, top_k=k, **({} if p is None else {"top_p": p}),
                                             **({} if seed is None else {"seed": seed})),
-    _floats, st.none() | _floats, st.integers(-(2**31), 2**31 - 1), st.none() | st.integers(0, 2**64 - 1),
+    _mostly(st.sampled_from([0.0, 1e-300, 0.5, 1.0, 2.0]) | st.floats(0, 5), _floats),
+    st.none() | _mostly(st.floats(0.01, 1.0), _floats),
+    _mostly(st.integers(0, 300), st.integers(-(2**31), 2**31 - 1)),
+    st.none() | st.integers(0, 2**64 - 1),
 )
-_uint32 = st.integers(0, 2**32 - 1) | st.integers(0, 300)
+_uint32 = _mostly(st.integers(0, 300), st.integers(0, 2**32 - 1))
 
 
 @st.composite
 def generate_requests(draw) -> pb.GenerateRequest:  # type: ignore[no-untyped-def]
     req = pb.GenerateRequest(
-        request_id=draw(st.just("") | _text | st.text(alphabet="abc-_.", min_size=1, max_size=140)),
-        adapter=draw(st.sampled_from(["", "good", "missing", "bad@1", "x" * 129]) | _text),
+        request_id=draw(_mostly(st.just("") | st.text(alphabet="abc-_.", min_size=1, max_size=20),
+                                _text | st.text(alphabet="abc", min_size=120, max_size=140))),
+        adapter=draw(_mostly(st.sampled_from(["", "good"]), st.sampled_from(["missing", "bad@1", "x" * 129]) | _text)),
         sampling=draw(_sampling),
-        stop=draw(st.lists(_text, max_size=20)),
-        stop_token_ids=draw(st.lists(_uint32, max_size=80)),
+        stop=draw(_mostly(st.lists(st.text(min_size=1, max_size=8), max_size=4), st.lists(_text, max_size=20))),
+        stop_token_ids=draw(_mostly(st.lists(st.integers(0, 300), max_size=4), st.lists(_uint32, max_size=80))),
         ignore_eos=draw(st.booleans()),
     )
-    which = draw(st.sampled_from(["text", "ids", "none"]))
+    which = draw(_mostly(st.sampled_from(["text", "ids"]), st.just("none")))
     if which == "text":
-        req.text = draw(_text)
+        req.text = draw(_mostly(st.text(min_size=1, max_size=40), _text))
     elif which == "ids":
         req.token_ids.ids.extend(draw(st.lists(_uint32, max_size=40)))
     if draw(st.booleans()):
-        req.max_new_tokens = draw(st.integers(0, 8) | _uint32)
+        req.max_new_tokens = draw(_mostly(st.integers(1, 8), st.integers(0, 8) | _uint32))
     return req
 
 
@@ -120,6 +129,7 @@ def generate_requests(draw) -> pb.GenerateRequest:  # type: ignore[no-untyped-de
 def test_fuzzed_generate_requests_get_ok_or_a_documented_code(served, request):
     engine, channel = served
     code = _code(lambda: list(pb_grpc.InferenceStub(channel).Generate(request, timeout=30)))
+    event(code.name)  # --hypothesis-show-statistics: how the outcomes spread
     assert code in ALLOWED, (code, request)
     _assert_engine_empty(engine)
 
@@ -131,5 +141,6 @@ def test_fuzzed_request_bytes_get_ok_or_a_documented_code(served, raw):
     call = channel.unary_stream("/loraplex.v1.Inference/Generate", request_serializer=None,
         response_deserializer=pb.GenerateResponse.FromString)
     code = _code(lambda: list(call(raw, timeout=30)))
+    event(code.name)
     assert code in ALLOWED, (code, raw)
     _assert_engine_empty(engine)
