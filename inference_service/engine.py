@@ -35,6 +35,7 @@ from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.model_runner import ModelRunner
 from inference_service.models.loader import load_model
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.sampling import NON_FINITE, SAMPLING_FAILED
 from inference_service.scheduler import ScheduledBatch, Scheduler
 from inference_service.tokenizer import IncrementalDetokenizer
 
@@ -165,8 +166,12 @@ class EngineCore:
                     request.timings.first_scheduled = now
                 if request.request_id in results:
                     token, logits = results[request.request_id]
-                    if token is None:
+                    if token == NON_FINITE:
                         self.scheduler.finish(request, FinishReason.ERROR, self._non_finite(request))
+                        continue
+                    if token == SAMPLING_FAILED:
+                        self.scheduler.finish(request, FinishReason.ERROR,
+                                              LoraplexError(f"internal error sampling request {request.request_id}"))
                         continue
                     try:
                         outputs[request.request_id] = self._append_token(request, token, logits, now)
@@ -179,7 +184,7 @@ class EngineCore:
         self.scheduler.finished_this_step.clear()
         return list(outputs.values())
 
-    def _run(self, batch: ScheduledBatch) -> dict[str, tuple[int | None, object]]:
+    def _run(self, batch: ScheduledBatch) -> dict[str, tuple[int, object]]:
         """The batch's forward pass; if it raises, its requests run again one at a time, so only a
         request that fails alone is ended (with INTERNAL: that is a bug) and the others go on."""
         try:
@@ -192,7 +197,7 @@ class EngineCore:
                                       LoraplexError(f"internal error in request {request.request_id}"))
                 return {}
             log.exception("a forward pass of %d requests failed; running them one at a time", len(batch.items))
-        results: dict[str, tuple[int | None, object]] = {}
+        results: dict[str, tuple[int, object]] = {}
         for item in batch.items:
             results.update(self._run(ScheduledBatch([item])))
         return results

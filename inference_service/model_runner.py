@@ -101,10 +101,10 @@ class ModelRunner:
         return _CPU_DEFAULT_BUDGET
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int | None, torch.Tensor | None]]:
+    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor | None]]:
         """Forward one step; returns (next token, logits if the request asked for them) for requests
-        whose chunk reached the end. The token is None where that row could not be sampled
-        (non-finite logits): the engine ends that request alone."""
+        whose chunk reached the end. The token is negative where that row could not be sampled
+        (`sampling.NON_FINITE`, `SAMPLING_FAILED`): the engine ends that request alone."""
         forward, sampled = self._prepare(batch)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():

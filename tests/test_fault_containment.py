@@ -20,7 +20,7 @@ from inference_service.engine import EngineCore
 from inference_service.errors import UnavailableError
 from inference_service.lora.staging_pool import StagingPool
 from inference_service.request import FinishReason, Request, SamplingParams
-from inference_service.sampling import sample
+from inference_service.sampling import NON_FINITE, sample
 from tests.infra.engine_helpers import run_to_completion
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -88,7 +88,9 @@ def test_sampling_marks_only_non_finite_rows_and_tiny_temperatures_are_greedy():
     logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 1.0, 0.0], [0.0, float("inf"), 1.0], [2.0, 0.5, 1.0]])
     params = [SamplingParams(temperature=1e-300), SamplingParams(), SamplingParams(temperature=0.7),
               SamplingParams(temperature=1e-6, top_p=0.5)]
-    assert sample(logits, params, [None] * 4) == [1, None, None, 0]
+    assert sample(logits, params, [None] * 4) == [1, NON_FINITE, NON_FINITE, 0]
+    # top_p below float32's resolution keeps the most likely token (it used to drop every one).
+    assert sample(logits[:1], [SamplingParams(temperature=1.0, top_p=1e-300)], [None]) == [1]
 
 
 def test_staging_pool_abandons_a_hung_task_and_one_source_never_holds_every_worker():
