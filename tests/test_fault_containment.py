@@ -28,15 +28,13 @@ PROMPTS = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, list[int]]:
-    core = _core()
-    for rid, prompt in PROMPTS.items():
-        core.add_request(Request(rid, prompt, PARAMS), None)
-    return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in run_to_completion(core).items()}
-
-
-def _core() -> EngineCore:
+def core() -> EngineCore:
     return EngineCore(EngineConfig(model="builtin:tiny", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def reference(core) -> dict[str, list[int]]:
+    return {rid: tokens for rid, (tokens, _, _) in _run(core).items()}
 
 
 def _run(core: EngineCore) -> dict[str, tuple[list[int], FinishReason | None, object]]:
@@ -50,8 +48,7 @@ def _run(core: EngineCore) -> dict[str, tuple[list[int], FinishReason | None, ob
     return results
 
 
-def test_a_forward_pass_failing_for_one_request_ends_only_that_one(reference):
-    core = _core()
+def test_a_forward_pass_failing_for_one_request_ends_only_that_one(core, reference, monkeypatch):
     real_run = core.runner.run
     calls = {"n": 0}
 
@@ -61,15 +58,14 @@ def test_a_forward_pass_failing_for_one_request_ends_only_that_one(reference):
             raise RuntimeError("simulated kernel failure")
         return real_run(batch)
 
-    core.runner.run = run  # type: ignore[method-assign]
+    monkeypatch.setattr(core.runner, "run", run)
     results = _run(core)
     assert results["b"][1] is FinishReason.ERROR and results["b"][2].code == "INTERNAL"
     for rid in ("a", "c"):
         assert results[rid][:2] == (reference[rid], FinishReason.LENGTH)
 
 
-def test_a_detokenizer_error_ends_only_that_request(reference, monkeypatch):
-    core = _core()
+def test_a_detokenizer_error_ends_only_that_request(core, reference, monkeypatch):
     real_append = core._append_token
 
     def append(request, token, logits, now):  # patch: a detokenizer bug hit by request "a" only
