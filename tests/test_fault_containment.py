@@ -89,12 +89,12 @@ def test_sampling_marks_only_non_finite_rows_and_tiny_temperatures_are_greedy():
     assert sample(logits[:1], [SamplingParams(temperature=1.0, top_p=1e-300)], [None]) == [1]
 
 
-def test_staging_pool_abandons_a_hung_task_and_one_source_never_holds_every_worker():
+def test_staging_pool_abandons_hung_tasks_and_a_stuck_source_does_not_block_another():
     release = threading.Event()
     pool = StagingPool(workers=2, timeout_s=0.5)
     hung = [pool.submit(release.wait, key="http://stuck") for _ in range(3)]
     other = pool.submit(lambda: "ok", key="s3://fine")
-    assert other.result(timeout=0.4) == "ok"  # the stuck source holds one worker, not both
+    assert other.result(timeout=0.4) == "ok"  # the stuck source holds both workers, yet this one runs
     t0 = time.monotonic()
     while not all(f.done() for f in hung):
         pool.expire()

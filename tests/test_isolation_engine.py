@@ -305,8 +305,8 @@ def test_hung_staging_does_not_block_other_loads(inference_server_factory, adapt
             stuck_too = stub.LoadAdapter.future(
                 pb.LoadAdapterRequest(name="stuck2", uri=hung_prefix + "b", preload=True), timeout=60)
             with victim_beside(server, base, check_clean=False):
-                # The stuck origin may hold only one of the two workers: this load completes before
-                # the stuck ones' deadline frees anything.
+                # The stuck origin holds both workers, yet this load (another source) completes
+                # before the stuck ones' deadline frees anything.
                 good = stub.LoadAdapter(pb.LoadAdapterRequest(name="good", uri=(adapters / "good").as_uri(),
                                                               preload=True), timeout=2.7)
             assert good.adapter.state == pb.ADAPTER_STATE_LOADED

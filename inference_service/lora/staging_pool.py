@@ -2,8 +2,9 @@
 
 Each task (fetch + validate one adapter, or release a sidecar lease) runs on a thread of its own,
 at most `workers` at a time; the rest queue. Tasks carry a source key (the URI's scheme and host or
-bucket): one source may hold at most `workers - 1` places, so a stuck origin always leaves a worker
-to the others. A task still running at its deadline is abandoned: its
+bucket), and a task whose source has nothing running may start beyond `workers` (up to twice it):
+so a stuck origin holding every worker does not hold up the others' loads, while loads from one
+source run `workers` wide as before. A task still running at its deadline is abandoned: its
 future fails with UNAVAILABLE (retryable) and it no longer counts against `workers`, so the queue
 moves on while its thread is left to finish, or hang, alone. Abandoned threads are bounded too:
 past `max_abandoned`, new tasks fail at once rather than pile up threads.
@@ -42,7 +43,6 @@ class StagingPool:
             raise ValueError("host_load_workers must be at least 1")
         self.workers, self.timeout_s = workers, timeout_s
         self.max_abandoned = max_abandoned if max_abandoned is not None else 4 * workers
-        self.per_source = max(1, workers - 1)
         self._lock = threading.Lock()
         self._queue: deque[_Task] = deque()
         self._running: set[_Task] = set()
@@ -90,15 +90,16 @@ class StagingPool:
                 task.future.cancel()
 
     def _start_queued(self) -> None:
-        """Under the lock: start queued tasks, oldest first, while places are free and their source
-        is under its share."""
-        if not self._queue or len(self._running) >= self.workers:
+        """Under the lock: start queued tasks, oldest first, while places are free (or the task's
+        source has none running and the pool is under twice its size)."""
+        if not self._queue:
             return
         held = Counter(t.key for t in self._running)
         waiting: deque[_Task] = deque()
         while self._queue:
             task = self._queue.popleft()
-            if len(self._running) >= self.workers or held[task.key] >= self.per_source:
+            running = len(self._running)
+            if running >= self.workers and (held[task.key] or running >= 2 * self.workers):
                 waiting.append(task)
                 continue
             if not task.future.set_running_or_notify_cancel():
