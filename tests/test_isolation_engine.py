@@ -61,18 +61,24 @@ def stub(server) -> Iterator[pb_grpc.InferenceStub]:
         yield pb_grpc.InferenceStub(ch)
 
 
-def _request(**fields) -> pb.GenerateRequest:
+@pytest.fixture
+def refused(server) -> Iterator:
+    """Sends a serialized GenerateRequest and returns the status it failed with. Attacks are built
+    and serialized before the victim starts: the attacker's own client work is not what is measured."""
+    with server.channel(options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        call = ch.unary_stream("/loraplex.v1.Inference/Generate", request_serializer=None,
+                               response_deserializer=pb.GenerateResponse.FromString)
+        yield lambda raw: status_of(lambda: list(call(raw, timeout=60)))
+
+
+def _request(**fields) -> bytes:
     fields.setdefault("text", "attack")
-    return pb.GenerateRequest(**fields)
+    return pb.GenerateRequest(**fields).SerializeToString()
 
 
 def _generate(stub, **fields) -> list[pb.GenerateResponse]:
-    return list(stub.Generate(_request(**fields), timeout=60))
-
-
-def _refused(stub, request: pb.GenerateRequest) -> grpc.StatusCode:
-    """Built before the victim starts: the attacker's own client work is not what is measured."""
-    return status_of(lambda: list(stub.Generate(request, timeout=60)))
+    fields.setdefault("text", "attack")
+    return list(stub.Generate(pb.GenerateRequest(**fields), timeout=60))
 
 
 def _assert_log_bounded(server: InferenceServer, marker: str | None = None) -> None:
@@ -106,32 +112,32 @@ def test_non_finite_logits_end_only_that_request(server, base, stub, adapters):
 
 # ---- item 2: bounded inputs ---------------------------------------------------------------------
 
-def test_150k_stop_strings_refused(server, base, stub):
+def test_150k_stop_strings_refused(server, base, refused):
     request = _request(stop=[f"s{i}" for i in range(150_000)])
     with victim_beside(server, base):
-        code = _refused(stub, request)
+        code = refused(request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_overlong_stop_string_refused(server, base, stub):
+def test_overlong_stop_string_refused(server, base, refused):
     request = _request(stop=["x" * 100_000])
     with victim_beside(server, base):
-        code = _refused(stub, request)
+        code = refused(request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_900k_stop_token_ids_refused(server, base, stub):
+def test_900k_stop_token_ids_refused(server, base, refused):
     request = _request(stop_token_ids=[7] * 900_000)
     with victim_beside(server, base):
-        code = _refused(stub, request)
+        code = refused(request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_megabyte_adapter_name_refused_and_not_logged(server, base, stub, adapters):
+def test_megabyte_adapter_name_refused_and_not_logged(server, base, stub, refused, adapters):
     name = "a" * (1 << 20)
     request = _request(adapter=name)
     with victim_beside(server, base):
-        assert _refused(stub, request) == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused(request) == grpc.StatusCode.INVALID_ARGUMENT
         code = status_of(lambda: stub.LoadAdapter(
             pb.LoadAdapterRequest(name=name, uri=(adapters / "good").as_uri()), metadata=ADMIN, timeout=60))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
@@ -140,25 +146,27 @@ def test_megabyte_adapter_name_refused_and_not_logged(server, base, stub, adapte
     _assert_log_bounded(server)
 
 
-def test_megabyte_request_id_refused_and_not_logged(server, base, stub):
+def test_megabyte_request_id_refused_and_not_logged(server, base, refused):
     request = _request(request_id="r" * (1 << 20))
     with victim_beside(server, base):
-        code = _refused(stub, request)
+        code = refused(request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     _assert_log_bounded(server)
 
 
-def test_crlf_request_id_cannot_forge_log_lines(server, base, stub):
+def test_crlf_request_id_cannot_forge_log_lines(server, base, refused):
+    request = _request(request_id="x\r\nFORGED INFO loraplex.server: admin ok")
     with victim_beside(server, base):
-        code = status_of(lambda: _generate(stub, request_id="x\r\nFORGED INFO loraplex.server: admin ok"))
+        code = refused(request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     _assert_log_bounded(server, marker="FORGED")
 
 
 @pytest.mark.parametrize("name", ["acme@v3", "evil\u202etxt", "zero\u200bwidth"])
-def test_adapter_names_outside_the_grammar_refused(server, base, stub, adapters, name):
+def test_adapter_names_outside_the_grammar_refused(server, base, stub, refused, adapters, name):
+    request = _request(adapter=name)
     with victim_beside(server, base, check_clean=False):
-        assert status_of(lambda: _generate(stub, adapter=name)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused(request) == grpc.StatusCode.INVALID_ARGUMENT
         code = status_of(lambda: stub.LoadAdapter(
             pb.LoadAdapterRequest(name=name, uri=(adapters / "good").as_uri()), metadata=ADMIN, timeout=60))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
@@ -180,21 +188,21 @@ def test_invalid_utf8_is_invalid_argument_and_counted(server, base):
     assert after == counted + 1
 
 
-def test_token_id_outside_vocab_refused(server, base, stub):
+def test_token_id_outside_vocab_refused(server, base, stub, refused):
     vocab = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).vocab_size
+    prompt = _request(text=None, token_ids=pb.TokenIds(ids=[1, vocab, 2]))
+    stop = _request(text=None, token_ids=pb.TokenIds(ids=[1]), stop_token_ids=[vocab])
     with victim_beside(server, base):
-        code = status_of(lambda: _generate(stub, text=None, token_ids=pb.TokenIds(ids=[1, vocab, 2])))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT
-        code = status_of(lambda: _generate(stub, text=None, token_ids=pb.TokenIds(ids=[1]), stop_token_ids=[vocab]))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused(prompt) == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused(stop) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_huge_prompts_refused_before_tokenizing(server, base, stub):
+def test_huge_prompts_refused_before_tokenizing(server, base, stub, refused):
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     text, ids = _request(text="p" * (3 << 20)), _request(text=None, token_ids=pb.TokenIds(ids=[1] * 1_000_000))
     with victim_beside(server, base):
-        assert _refused(stub, text) == grpc.StatusCode.INVALID_ARGUMENT
-        assert _refused(stub, ids) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused(text) == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused(ids) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.max_prompt_chars < 3 << 20 and info.max_context < 1_000_000
 
 
