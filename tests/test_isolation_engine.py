@@ -227,6 +227,8 @@ def test_list_adapters_shows_uris_to_admins_only(server, base, stub, adapters):
     assert anonymous["listed"].uri == "" and anonymous["listed"].state == pb.ADAPTER_STATE_REGISTERED
     assert all(a.uri == "" for a in wrong.adapters)
     assert admin["listed"].uri == (adapters / "good").as_uri()
+    assert status_of(lambda: stub.ListAdapters(pb.ListAdaptersRequest(page_token="x" * 10_000), timeout=30)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---- item 5: bounded registry, O(active) steps (last: it fills the registry) ---------------------
