@@ -18,7 +18,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +82,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.uri_policy = UriPolicy(config.adapter_source_allow)
 
     # ---- Generate -------------------------------------------------------------------------
-    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator:
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         started = time.monotonic()
         request_id, adapter = "-", None
         code = "OK"
@@ -107,7 +107,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.finished:
                     finished = True
                     reason = out.finish_reason
-                yield self._response(request_id, out)
+                await _write(context, self._response(request_id, out))
                 if out.finished:
                     break
             if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
@@ -117,11 +117,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except LoraplexError as e:
             code = e.code
             await context.abort(grpc.StatusCode[e.code], str(e))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, _ClientGone) as e:
             code = _cancel_code(context)
             if code == "DEADLINE_EXCEEDED":
                 abort_reason = FinishReason.DEADLINE
             reason = abort_reason
+            if isinstance(e, _ClientGone):
+                raise asyncio.CancelledError from None  # what it is; grpc logs that at DEBUG only
             raise
         except grpc.aio.AbortError:
             raise
@@ -317,6 +319,37 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.metrics.grpc_request(method, code)
 
 
+class _DepartedClientFilter(logging.Filter):
+    """grpc logs a write or final status that races a departing client (cancel, deadline) as an
+    error with a traceback from its own handler, after ours has returned: that is no fault of the
+    server, so it becomes one DEBUG line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and type(exc).__name__ == "ExecuteBatchError":
+            log.debug("dropped a response to a departed client: %s", exc)
+            return False
+        return True
+
+
+class _ClientGone(Exception):
+    """A response could not be written: the client cancelled or its deadline passed meanwhile."""
+
+
+async def _write(context: grpc.aio.ServicerContext, response: pb.GenerateResponse) -> None:
+    # Streaming by context.write rather than yield: a write that races a cancel then fails here,
+    # where it is counted as the cancel it is, instead of in grpc's own handler (which logs it
+    # with a traceback and leaves the call counted OK).
+    # The call's state may not show the cancel yet when the write fails (grpc's ExecuteBatchError),
+    # and the response is built already, so any failure here means the call can take no more.
+    try:
+        await context.write(response)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see above
+        raise _ClientGone(type(e).__name__) from None
+
+
 def _parse(message: type[Message], raw: bytes) -> Any:
     try:
         return message.FromString(raw)
@@ -417,6 +450,9 @@ async def build_server(engine: Any, config: ServerConfig, metrics: Any = None) -
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
+    cygrpc_log = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _DepartedClientFilter) for f in cygrpc_log.filters):
+        cygrpc_log.addFilter(_DepartedClientFilter())
     add_servicer(InferenceServicer(engine, config, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
