@@ -21,6 +21,7 @@ from inference_service.auth import is_loopback_listen, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.env_flags import add_env_flag, env_name
 from inference_service.errors import LoraplexError
+from inference_service.limits import RequestLimits
 from inference_service.server import ServerConfig
 from inference_service.uri_policy import UriPolicy
 
@@ -62,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "engine seed", type=int, default=EngineConfig.seed)
 
+    g = p.add_argument_group("request limits (INVALID_ARGUMENT past them; reported by GetModelInfo)")
+    _add(g, "--max-stop-strings", "stop strings per request", type=int, default=RequestLimits.max_stop_strings)
+    _add(g, "--max-stop-string-length", "characters per stop string", type=int,
+         default=RequestLimits.max_stop_string_length)
+    _add(g, "--max-stop-token-ids", "stop token ids per request", type=int, default=RequestLimits.max_stop_token_ids)
+    _add(g, "--max-prompt-chars", "characters of a text prompt, checked before tokenization", type=int,
+         default=RequestLimits.max_prompt_chars)
+    _add(g, "--max-request-id-length", "characters of a request id (printable ASCII)", type=int,
+         default=RequestLimits.max_request_id_length)
+
     g = p.add_argument_group("adapters")
     _add(g, "--cache-address",
          "adapter-cache sidecar address (unix:///path or host:port); unset: read file:// URIs directly")
@@ -69,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
          default=EngineConfig.host_cache_bytes)
+    _add(g, "--max-registered-adapters", "adapter names held at most (LoadAdapter past it: RESOURCE_EXHAUSTED)",
+         type=int, default=EngineConfig.max_registered_adapters)
+    _add(g, "--host-load-workers", "adapter preparations (fetch + validation) running at once", type=int,
+         default=EngineConfig.host_load_workers)
+    _add(g, "--adapter-load-timeout-s", "deadline of one adapter's preparation; past it the load fails "
+         "(UNAVAILABLE) and its worker is freed for others", type=float, default=EngineConfig.adapter_load_timeout_s)
     _add(g, "--adapter-source-allow",
          "allowed adapter URI prefix, e.g. s3://bucket/adapters/ or file:///srv/adapters (repeatable; "
          "none: every adapter URI is PERMISSION_DENIED)", action="append", default=[])
@@ -138,6 +155,16 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         cache_address=args.cache_address,
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
+        max_registered_adapters=args.max_registered_adapters,
+        host_load_workers=args.host_load_workers,
+        adapter_load_timeout_s=args.adapter_load_timeout_s,
+        limits=RequestLimits(
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_prompt_chars=args.max_prompt_chars,
+            max_request_id_length=args.max_request_id_length,
+        ),
     )
     server_cfg = ServerConfig(
         listen=args.listen,

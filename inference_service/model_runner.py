@@ -61,6 +61,8 @@ class ModelRunner:
             # Blocking mode (benchmark baseline): preparation and copy both stall the scheduler.
             host_executor=None if config.overlap_loads else InlineExecutor(),
             b_rank_major=model.lora_op.b_rank_major,
+            max_registered=config.max_registered_adapters,
+            load_timeout_s=config.adapter_load_timeout_s,
         )
         model.attach_lora_buffers(self.lora.pool.group_buffers)
         lora_bytes = self.lora.pool.nbytes
@@ -102,7 +104,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor | None]]:
         """Forward one step; returns (next token, logits if the request asked for them) for requests
-        whose chunk reached the end."""
+        whose chunk reached the end. The token is negative where that row could not be sampled
+        (`sampling.NON_FINITE`, `SAMPLING_FAILED`): the engine ends that request alone."""
         forward, sampled = self._prepare(batch)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():

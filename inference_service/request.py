@@ -27,9 +27,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (to
+# inf, then NaN probabilities), and the distribution is already all but one-hot at 1e-5.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+    """Per-request sampling. temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy;
+    top_k 0 and top_p 1 mean off."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -65,7 +71,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass

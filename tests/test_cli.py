@@ -14,7 +14,9 @@ FLAGS = [
     "--model", "--listen", "--metrics-port", "--max-loras", "--max-lora-rank", "--kv-cache-bytes",
     "--cache-address", "--preload-file", "--max-queue", "--max-new-tokens-limit", "--admin-token-file",
     "--insecure-admin", "--adapter-source-allow", "--tls-cert", "--tls-key", "--tls-client-ca",
-    "--max-message-bytes", "--adapter-metrics-top-k",
+    "--max-message-bytes", "--adapter-metrics-top-k", "--max-stop-strings", "--max-stop-string-length",
+    "--max-stop-token-ids", "--max-prompt-chars", "--max-request-id-length", "--max-registered-adapters",
+    "--host-load-workers", "--adapter-load-timeout-s",
 ]
 
 

@@ -103,7 +103,7 @@ def test_streaming_generate_equals_inprocess_engine(server, adapter_dir):
 
 
 def test_usage_timings_and_list(server):
-    with InferenceClient(server.address) as c:
+    with InferenceClient(server.address, token=TOKEN) as c:  # an admin: ListAdapters shows URIs
         msgs = list(c.generate("Hi", adapter="ad1", max_new_tokens=5, ignore_eos=True))
         last = msgs[-1]
         assert last.finish_reason == pb.FINISH_REASON_LENGTH

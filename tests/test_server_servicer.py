@@ -18,6 +18,7 @@ from prometheus_client import generate_latest
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.errors import NotFoundError, ResourceExhaustedError, UnavailableError
+from inference_service.limits import RequestLimits
 from inference_service.metrics import build_registry
 from inference_service.request import FinishReason, RequestOutput, Timings
 from inference_service.server import ServerConfig, build_server
@@ -34,6 +35,8 @@ class FakeModelInfo:
     max_loras: int = 2
     max_lora_rank: int = 8
     max_new_tokens_limit: int = 32
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_registered_adapters: int = 8
 
 
 @dataclass
@@ -109,8 +112,14 @@ class FakeEngine:
             fut.set_result(None)
         return fut
 
-    def list_adapters(self):
-        return list(self.adapters.values())
+    def list_adapters(self, limit=None, after=None):
+        import concurrent.futures
+
+        fut = concurrent.futures.Future()
+        listed = sorted((a for a in self.adapters.values() if after is None or (a.name, a.version) > after),
+                        key=lambda a: (a.name, a.version))
+        fut.set_result(listed[:limit])
+        return fut
 
 
 def run(coro):
@@ -247,7 +256,9 @@ def test_admin_auth_and_unavailable_mapping():
             await stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a"))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         listed = await stub.ListAdapters(pb.ListAdaptersRequest())  # read-only RPCs are open
-        assert [a.name for a in listed.adapters] == ["a"]
+        assert [(a.name, a.uri) for a in listed.adapters] == [("a", "")]  # URIs for admins only
+        listed = await stub.ListAdapters(pb.ListAdaptersRequest(), metadata=good)
+        assert [(a.name, a.uri) for a in listed.adapters] == [("a", "file:///srv/a")]
         await stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a"), metadata=good)
         info = await stub.GetModelInfo(pb.GetModelInfoRequest())
         assert (info.model_name, info.max_context, info.max_new_tokens_limit) == ("fake", 64, 32)

@@ -172,31 +172,51 @@ class UnloadAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "next_page_token")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_context", "vocab_size", "max_loras", "max_lora_rank", "max_new_tokens_limit")
+    __slots__ = ("model_name", "max_context", "vocab_size", "max_loras", "max_lora_rank", "max_new_tokens_limit", "max_stop_strings", "max_stop_string_length", "max_stop_token_ids", "max_prompt_chars", "max_request_id_length", "adapter_name_pattern", "max_registered_adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRING_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_ID_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_NAME_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    MAX_REGISTERED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context: int
     vocab_size: int
     max_loras: int
     max_lora_rank: int
     max_new_tokens_limit: int
-    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ...) -> None: ...
+    max_stop_strings: int
+    max_stop_string_length: int
+    max_stop_token_ids: int
+    max_prompt_chars: int
+    max_request_id_length: int
+    adapter_name_pattern: str
+    max_registered_adapters: int
+    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., adapter_name_pattern: _Optional[str] = ..., max_registered_adapters: _Optional[int] = ...) -> None: ...
