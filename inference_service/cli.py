@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("adapters")
     _add(g, "--cache-address",
          "adapter-cache sidecar address (unix:///path or host:port); unset: read file:// URIs directly")
+    _add(g, "--cache-token-file", "file holding the bearer token the sidecar requires (its --token-file)")
     _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned} adapters loaded before serving")
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
@@ -136,6 +137,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_new_tokens_limit=args.max_new_tokens_limit,
         adapter_source_allow=allow,
         cache_address=args.cache_address,
+        cache_token_file=args.cache_token_file,
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
     )

@@ -27,6 +27,7 @@ class EngineConfig:
     aging_steps: int = 64  # a request skipped this many steps stops later ones overtaking it
     adapter_source_allow: tuple[str, ...] = ()  # allowed URI prefixes; empty: file:// anywhere
     cache_address: str | None = None  # adapter-cache sidecar; None: read file:// URIs directly
+    cache_token_file: str | None = None  # bearer token for the sidecar (its --token-file)
     host_load_workers: int = 2  # threads preparing adapters on the host (never the scheduler)
     # Validated adapters read from local directories, kept in host memory (LRU) so that one evicted
     # from its slot is copied back without reading and checking it again; 0 turns this off.

@@ -87,7 +87,8 @@ class ModelRunner:
 
     def _default_source(self, shapes: BaseModelShapes) -> AdapterSource:
         if self.config.cache_address:
-            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank)
+            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank,
+                                 token_file=self.config.cache_token_file)
         return LocalDirectorySource(shapes, self.config.max_lora_rank, self.config.host_cache_bytes)
 
     def _memory_budget(self) -> int:
