@@ -66,6 +66,7 @@ class CacheConfig:
     default_lease_s: float = 600.0
     max_lease_s: float = 900.0
     max_leases_per_client: int = 256
+    follower_grace_s: float = 30.0  # a follower waits the fetch deadline plus this (validate, commit)
     lock_memory: bool = True
     group: int | None = None  # staged files readable by this group too (else the owner only)
     enable_http: bool = True
@@ -195,7 +196,7 @@ class Stager:
     def follower_wait_s(self) -> float:
         """How long a caller waits on another caller's fetch of the same uri: the fetch deadline
         plus time to validate and commit. A leader stuck past that is not waited on forever."""
-        return self.cfg.fetch.deadline_s + 30.0
+        return self.cfg.fetch.deadline_s + self.cfg.follower_grace_s
 
     def stage(self, uri: str, sha256: str = "", lease_seconds: float = 0, owner: str = "",
               wait_s: float | None = None) -> Staged:
