@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterCacheService"].full_name
 _MAX_CHUNK = 2 << 20
+_ANSWER_MARGIN_S = 0.5
 
 
 class AdapterCacheServicer(pb_grpc.AdapterCacheServiceServicer):
@@ -45,7 +46,7 @@ class AdapterCacheServicer(pb_grpc.AdapterCacheServiceServicer):
         try:
             caller = self._auth.caller(context.invocation_metadata())
             staged = self._stager.stage(request.uri, request.sha256, request.lease_seconds, owner=caller.name,
-                                        wait_s=context.time_remaining())
+                                        wait_s=_follower_wait(context))
         except Exception as exc:
             self._fail(context, exc)
         finally:
@@ -92,6 +93,13 @@ class AdapterCacheServicer(pb_grpc.AdapterCacheServiceServicer):
             capacity_bytes=cache.capacity_bytes,
             used_bytes=cache.used_bytes,
         )
+
+
+def _follower_wait(context: grpc.ServicerContext) -> float | None:
+    """How long this Stage may wait on another call's fetch: its own deadline, less a margin so
+    the caller gets the sidecar's explanation (UNAVAILABLE) rather than a bare DEADLINE_EXCEEDED."""
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, remaining - _ANSWER_MARGIN_S)
 
 
 def _stage_response(staged: Staged) -> pb.StageResponse:
