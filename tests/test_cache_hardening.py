@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from adapter_cache.auth import LOCAL, CacheAuth, Caller
-from adapter_cache.cli import build_parser, main
+from adapter_cache.cli import build_parser, listen_securely, main
 from adapter_cache.host_cache import HostCache
 from adapter_cache.shm import ShmDir, StoredMeta
 from adapter_cache.stager import CacheConfig, Stager
@@ -310,3 +310,19 @@ def test_tcp_listen_needs_a_token_file(capsys):
         main(["--listen", "127.0.0.1:0", "--shm-dir", "/nonexistent"])
     assert "give --token-file" in capsys.readouterr().err
     assert build_parser().parse_args([]).max_lease_seconds == 900
+
+
+@pytest.mark.parametrize("group", [None, os.getgid()])
+def test_socket_mode_and_directory(tmp_path, group):
+    stager = Stager(CacheConfig(shm_dir=str(tmp_path / "shm"), capacity_bytes=1 << 20, allow_prefixes=[],
+                                lock_memory=False))
+    sock = tmp_path / "run" / "cache.sock"
+    server, _ = listen_securely(stager, f"unix://{sock}", CacheAuth(), group)
+    try:
+        assert stat.S_IMODE(sock.stat().st_mode) == (0o600 if group is None else 0o660)
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == (0o700 if group is None else 0o750)
+        if group is not None:
+            assert sock.stat().st_gid == group
+    finally:
+        server.stop(None)
+        stager.close()
