@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adapter_cache.deadline import Deadline
 from adapter_cache.host_cache import Entry, HostCache, Lease
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.shm import PartChecksum, PendingFile, ShmDir, StoredMeta, entry_key, sha256_of
 from adapter_cache.store import (
-    Deadline,
     FetchConfig,
     Fetcher,
     FileStore,

@@ -10,7 +10,7 @@ everything else maps to the gRPC-facing errors of `inference_service.errors`.
 
 What an origin sends is never trusted to be bounded: every read fills at most the caller's
 buffer, an origin that ignores Range is read as one counted stream (never whole into memory),
-and a fetch has an overall deadline that cuts its connections (see `Deadline`).
+and a fetch has an overall deadline that cuts its connections (adapter_cache.deadline).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import http.client
 import logging
 import os
 import re
-import socket
 import stat
 import threading
 import time
@@ -28,13 +27,14 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import urllib3
 from tenacity import Retrying, retry_if_exception_type, wait_random_exponential
 
+from adapter_cache.deadline import Deadline, deadline_timeout, watch_response
 from inference_service.errors import (
     InvalidArgumentError,
     LoraplexError,
@@ -51,10 +51,6 @@ class TransientStoreError(UnavailableError):
     """A failure worth retrying (connection refused/reset, timeout, 5xx, throttling)."""
 
 
-class FetchDeadlineError(UnavailableError):
-    """A fetch ran past --fetch-deadline-seconds (a slow or stalled origin); not retried here."""
-
-
 UNKNOWN_SIZE = -1  # Part.total_size of an unranged body longer than the buffer, sent without a length
 
 
@@ -64,74 +60,6 @@ class Part:
     total_size: int  # UNKNOWN_SIZE: the origin ignored Range and gave no Content-Length
     etag: str | None = None
     ranged: bool = True  # False: the origin ignored Range and sent the object from byte 0
-
-
-class Deadline:
-    """The overall time one fetch may take, enforced on its connections.
-
-    A socket timeout cannot stop an origin that drips a byte at a time, and a read into a large
-    buffer only returns once the buffer is full; so when the time is up a timer shuts down every
-    connection the fetch is reading from, which ends those reads at once.
-    """
-
-    def __init__(self, seconds: float, what: str) -> None:
-        self.seconds, self.what = seconds, what
-        self._at = time.monotonic() + seconds
-        self._lock = threading.Lock()
-        self._socks: set[socket.socket] = set()
-        self._expired = False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def remaining(self) -> float:
-        return self._at - time.monotonic()
-
-    def check(self) -> None:
-        if self._expired or self.remaining() <= 0:
-            raise FetchDeadlineError(
-                f"{self.what}: not fetched within {self.seconds:g}s (--fetch-deadline-seconds); "
-                "the origin is too slow or stalled"
-            )
-
-    @contextmanager
-    def watch(self, fileno: int) -> Iterator[None]:
-        """Cut the connection behind `fileno` if the deadline passes while it is read.
-
-        The descriptor is duplicated for the duration, so the timer can never shut down a
-        socket whose number was reused after the response was closed.
-        """
-        sock = socket.socket(fileno=os.dup(fileno))
-        with self._lock:
-            self._socks.add(sock)
-        try:
-            self.check()
-            yield
-        finally:
-            with self._lock:
-                self._socks.discard(sock)
-            sock.close()
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-    def _expire(self) -> None:
-        with self._lock:
-            self._expired = True
-            socks = list(self._socks)
-        for sock in socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already closed by the peer
-                pass
-
-
-def _watch(deadline: Deadline | None, resp: object) -> AbstractContextManager[None]:
-    return deadline.watch(resp.fileno()) if deadline is not None else nullcontext()  # type: ignore[attr-defined]
-
-
-def _timeout(limit_s: float, deadline: Deadline | None) -> float:
-    return limit_s if deadline is None else max(0.01, min(limit_s, deadline.remaining()))
 
 
 class ObjectStore(Protocol):
@@ -222,7 +150,7 @@ class S3Store:
             # urllib3's own readinto (the fallback) goes through an intermediate bytes object.
             raw = body._raw_stream
             reader = getattr(raw, "_fp", None) or raw
-            with _watch(deadline, raw):
+            with watch_response(deadline, raw):
                 nbytes = _read_fully(lambda view, _: reader.readinto(view), buf, expected, deadline)
             if length is not None and nbytes != expected:
                 body.close()
@@ -313,7 +241,7 @@ class HttpStore:
 
     def _open(self, uri: str, headers: dict[str, str], deadline: Deadline | None) -> http.client.HTTPResponse:
         return self._opener.open(urllib.request.Request(uri, headers=headers),
-                                 timeout=_timeout(self._timeout, deadline))
+                                 timeout=deadline_timeout(self._timeout, deadline))
 
     def read_range(
         self, uri: str, start: int, buf: memoryview, etag: str | None = None, deadline: Deadline | None = None
@@ -322,7 +250,7 @@ class HttpStore:
         if etag:
             headers["If-Match"] = etag
         try:
-            with self._errors(uri, start), self._open(uri, headers, deadline) as resp, _watch(deadline, resp):
+            with self._errors(uri, start), self._open(uri, headers, deadline) as resp, watch_response(deadline, resp):
                 if resp.status == 200:
                     return self._unranged(uri, resp, start, buf, deadline)
                 length = resp.length if resp.length is not None else len(buf)
@@ -339,7 +267,7 @@ class HttpStore:
         """GET the whole object and hand it over in `len(buf)`-sized parts, in order, reading
         exactly `total` bytes (the size the first response announced) and nothing more."""
         headers = {"If-Match": etag} if etag else {}
-        with self._errors(uri, 0), self._open(uri, headers, deadline) as resp, _watch(deadline, resp):
+        with self._errors(uri, 0), self._open(uri, headers, deadline) as resp, watch_response(deadline, resp):
             if resp.status != 200 or resp.length != total:
                 raise TransientStoreError(f"{uri}: whole-object GET answered {resp.status} with "
                                           f"{resp.length} bytes, expected {total} (object changed?)")

@@ -16,17 +16,11 @@ import pytest
 
 from adapter_cache.auth import LOCAL, CacheAuth, Caller
 from adapter_cache.cli import build_parser, listen_securely, main
+from adapter_cache.deadline import FetchDeadlineError
 from adapter_cache.host_cache import HostCache
 from adapter_cache.shm import ShmDir, StoredMeta
 from adapter_cache.stager import CacheConfig, Stager
-from adapter_cache.store import (
-    FetchConfig,
-    FetchDeadlineError,
-    Fetcher,
-    FileStore,
-    HttpStore,
-    Part,
-)
+from adapter_cache.store import FetchConfig, Fetcher, FileStore, HttpStore, Part
 from inference_service.errors import (
     InvalidArgumentError,
     NotFoundError,
