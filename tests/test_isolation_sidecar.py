@@ -5,7 +5,8 @@ A real `loraplex-cache` subprocess (token-authenticated, 1 MiB adapter cap, 4 s 
 `--cache-token-file`; hostile origins are real HTTP servers on loopback that ignore Range
 (tests/test_cache_helpers.RangeIgnoringOrigin); hostile files are real FIFOs and device nodes.
 Each attack runs beside a victim stream (tests/infra/isolation.py): the victim must finish with
-its solo tokens within 1.5x its solo time, and the server must be clean afterwards. The sidecar's
+its solo tokens within 1.5x its solo time (measured just before), and the server must be clean
+afterwards. The sidecar's
 memory is measured as the growth of its peak RSS (VmHWM).
 """
 
@@ -28,7 +29,7 @@ from inference_service.api import adapter_cache_pb2_grpc as cpb_grpc
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
 from tests.infra.inference_server import InferenceServer, start_inference_server
-from tests.infra.isolation import solo_run, status_of, victim_beside
+from tests.infra.isolation import VictimResult, solo_run, status_of, victim_beside
 from tests.test_cache_helpers import RangeIgnoringOrigin, Sidecar, write_token
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -37,6 +38,7 @@ MAX_LEASES = 4
 MAX_LEASE_S = 120
 MAX_ADAPTER_BYTES = 1 << 20
 PART_BYTES = 64 << 10
+VICTIM_TOKENS = 384
 HWM_BOUND = 32 << 20  # the sidecar's peak RSS may grow by at most this (one part, buffers, allocator slack)
 
 
@@ -70,10 +72,15 @@ class Stack:
             "--read-timeout-seconds", "30", "--no-mlock"])
         self.server: InferenceServer = start_inference_server(
             ["--model", "builtin:tiny", "--cache-address", self.sidecar.target, "--cache-token-file",
-             str(server_token_file), "--max-new-tokens-limit", "512",
+             str(server_token_file), "--max-new-tokens-limit", "1024",
              *(a for prefix in allow for a in ("--adapter-source-allow", prefix))],
             log_dir=root)
-        self.base = solo_run(self.server, max_new_tokens=160)
+
+    @property
+    def base(self) -> VictimResult:
+        """The victim's solo tokens and time, measured just before each attack: on a shared
+        machine the background load drifts over the minute this file takes."""
+        return solo_run(self.server, max_new_tokens=VICTIM_TOKENS)
 
     def _hostile_files(self) -> None:
         good = self.adapters / "good0"
