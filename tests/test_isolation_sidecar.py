@@ -125,6 +125,18 @@ def stack(tmp_path_factory):
     s.stop()
 
 
+@pytest.fixture(autouse=True)
+def sidecar_clean(stack):
+    """After each attack the sidecar is clean too: no fetch or follower left, no half-written
+    file, still SERVING, no traceback in its log."""
+    yield
+    wait_until(lambda: stack.sidecar.metric("loraplex_cache_inflight_fetches") == 0)
+    assert stack.sidecar.metric("loraplex_cache_stage_followers") == 0
+    assert not [p.name for p in stack.sidecar.shm_dir.iterdir() if ".tmp-" in p.name]
+    stack.sidecar.wait_healthy(timeout=5)
+    assert "Traceback" not in stack.sidecar.log.read_text()
+
+
 def _md(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
