@@ -11,6 +11,9 @@ import signal
 import threading
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health
+
 from adapter_cache.auth import CacheAuth
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.server import build_server
@@ -115,7 +118,8 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
     )
 
 
-def listen_securely(stager: Stager, listen: str, auth: CacheAuth, group: int | None):
+def listen_securely(stager: Stager, listen: str, auth: CacheAuth,
+                    group: int | None) -> tuple[grpc.Server, health.HealthServicer]:
     """Bind `listen`; a unix socket is created 0600 (0660 for `group`), never wider even for an
     instant, in a directory this creates 0700 (0750)."""
     if not listen.startswith("unix://"):
