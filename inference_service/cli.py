@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from adapter_cache.auth import read_tokens
 from inference_service.auth import is_loopback_listen, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.env_flags import add_env_flag, env_name
@@ -117,6 +118,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     token = os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
     if args.admin_token_file:
         token = read_token_file(args.admin_token_file)
+    if args.cache_token_file:
+        read_tokens(args.cache_token_file)  # unreadable or empty: a usage error now, not at the first load
     allow = tuple(args.adapter_source_allow)
     UriPolicy(allow)  # reject malformed prefixes at startup
     if not is_loopback_listen(args.listen) and token is None and not args.insecure_admin:
