@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from adapter_cache.auth import read_tokens
 from inference_service.auth import is_loopback_listen, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.env_flags import add_env_flag, env_name
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("adapters")
     _add(g, "--cache-address",
          "adapter-cache sidecar address (unix:///path or host:port); unset: read file:// URIs directly")
+    _add(g, "--cache-token-file", "file holding the bearer token the sidecar requires (its --token-file)")
     _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned} adapters loaded before serving")
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
@@ -133,6 +135,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     token = os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
     if args.admin_token_file:
         token = read_token_file(args.admin_token_file)
+    if args.cache_token_file:
+        read_tokens(args.cache_token_file)  # unreadable or empty: a usage error now, not at the first load
     allow = tuple(args.adapter_source_allow)
     UriPolicy(allow)  # reject malformed prefixes at startup
     if not is_loopback_listen(args.listen) and token is None and not args.insecure_admin:
@@ -153,6 +157,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_new_tokens_limit=args.max_new_tokens_limit,
         adapter_source_allow=allow,
         cache_address=args.cache_address,
+        cache_token_file=args.cache_token_file,
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
         max_registered_adapters=args.max_registered_adapters,

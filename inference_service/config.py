@@ -31,6 +31,7 @@ class EngineConfig:
     # confines nothing (the server refuses every URI without --adapter-source-allow)
     adapter_source_allow: tuple[str, ...] = ()
     cache_address: str | None = None  # adapter-cache sidecar; None: read file:// URIs directly
+    cache_token_file: str | None = None  # bearer token for the sidecar (its --token-file)
     host_load_workers: int = 2  # threads preparing adapters on the host (never the scheduler)
     # Validated adapters read from local directories, kept in host memory (LRU) so that one evicted
     # from its slot is copied back without reading and checking it again; 0 turns this off.

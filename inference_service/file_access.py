@@ -43,6 +43,7 @@ def open_regular(path: str | Path, roots: Sequence[Path] | None, max_bytes: int 
     if roots is not None and not _inside(real, roots):
         raise PermissionDeniedError(f"{path} resolves outside every allowed file root")
     try:
+        _require_regular(path, os.stat(real).st_mode)  # before opening: opening a device can act
         fd = os.open(real, _FLAGS)
     except FileNotFoundError:
         raise NotFoundError(f"adapter file not found: {path}") from None
@@ -54,8 +55,7 @@ def open_regular(path: str | Path, roots: Sequence[Path] | None, max_bytes: int 
         raise InvalidArgumentError(f"{path} cannot be opened: {os.strerror(exc.errno or 0)}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidArgumentError(f"{path} is not a regular file")
+        _require_regular(path, st.st_mode)  # a FIFO or device swapped in after the stat
         if roots is not None and not _inside(_opened_path(fd, real), roots):
             raise PermissionDeniedError(f"{path} resolves outside every allowed file root")
         if max_bytes is not None and st.st_size > max_bytes:
@@ -64,6 +64,13 @@ def open_regular(path: str | Path, roots: Sequence[Path] | None, max_bytes: int 
         os.close(fd)
         raise
     return fd, st
+
+
+def _require_regular(path: str | Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = ("directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "socket"
+                if stat.S_ISSOCK(mode) else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file")
+        raise InvalidArgumentError(f"{path} is a {kind}, not a regular file")
 
 
 def _opened_path(fd: int, fallback: Path) -> Path:

@@ -89,7 +89,8 @@ class ModelRunner:
 
     def _default_source(self, shapes: BaseModelShapes) -> AdapterSource:
         if self.config.cache_address:
-            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank)
+            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank,
+                                 token_file=self.config.cache_token_file)
         return LocalDirectorySource(shapes, self.config.max_lora_rank, self.config.host_cache_bytes,
                                     allow=self.config.adapter_source_allow)
 
