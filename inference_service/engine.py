@@ -391,6 +391,21 @@ class Engine:
     def list_adapters(self) -> list[AdapterInfo]:
         return list(self._adapters)
 
+    def call(self, fn: Command) -> concurrent.futures.Future[None]:
+        """Runs `fn` on the scheduler thread between steps; the health watchdog's heartbeat."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run(core: EngineCore) -> None:
+            fn(core)
+            done.set_result(None)
+
+        self._commands.put(run)
+        return done
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         return self._stats
 
