@@ -28,9 +28,11 @@ log = logging.getLogger("loraplex.health")
 LIVENESS_SERVICE = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Test-only fault hook: with this set to "die" or "hang", SIGUSR1 kills the scheduler thread or
-# wedges it in a never-ending "step" (tests/test_kubelet_pod.py). Never set in production.
+# Test-only fault hooks (tests/test_kubelet_pod.py), never set in production: with the first set to
+# "die" or "hang", SIGUSR1 kills the scheduler thread or wedges it in a never-ending "step"; the
+# second makes every scheduler step this many seconds slower (a big model's pace on a toy model).
 TEST_FAULT_ENV = "LORAPLEX_TEST_FAULT_SCHEDULER"
+TEST_STEP_DELAY_ENV = "LORAPLEX_TEST_FAULT_STEP_DELAY_S"
 
 
 class HealthReporter:
@@ -114,7 +116,11 @@ async def watch_engine(engine: Any, reporter: HealthReporter, stall_s: float) ->
 
 
 def install_test_fault(engine: Any) -> None:
-    """Arms the test-only scheduler fault named by LORAPLEX_TEST_FAULT_SCHEDULER (see above)."""
+    """Arms the test-only faults named by the LORAPLEX_TEST_FAULT_* variables (see above)."""
+    delay = float(os.environ.get(TEST_STEP_DELAY_ENV) or 0)
+    if delay > 0:
+        log.warning("TEST FAULT ARMED: every scheduler step %.3fs slower", delay)
+        threading.Thread(target=_slow_steps, args=(engine, delay), name="test-fault-slow", daemon=True).start()
     kind = os.environ.get(TEST_FAULT_ENV)
     if not kind:
         return
@@ -129,3 +135,12 @@ def install_test_fault(engine: Any) -> None:
         threading.Event().wait()
 
     signal.signal(signal.SIGUSR1, lambda *_: engine.call(fault))
+
+
+def _slow_steps(engine: Any, delay: float) -> None:
+    """One sleeping command at a time: the scheduler runs it between every two steps."""
+    while engine.alive:
+        try:
+            engine.call(lambda core: time.sleep(delay)).result(timeout=delay + 1)
+        except TimeoutError:
+            continue

@@ -183,10 +183,14 @@ class Pod:
         self._tmpfs: list[Path] = []
         self.containers: dict[str, Container] = {}
         self.grace_s = float(self.spec.get("terminationGracePeriodSeconds", 30))
+        self.sigterm_at: dict[str, float] = {}  # container -> time.monotonic() of its SIGTERM
 
     # ---- volumes ----
     def _make_volumes(self) -> None:
         for v in self.spec.get("volumes", []):
+            if "hostPath" in v:
+                self.volumes[v["name"]] = Path(v["hostPath"]["path"])
+                continue
             path = self.root / v["name"]
             path.mkdir(parents=True)
             if "emptyDir" in v and v["emptyDir"].get("medium") == "Memory":
@@ -428,6 +432,8 @@ class Pod:
     def _signal(self, name: str, sig: int) -> None:
         proc = self.containers[name].proc
         if proc is not None and proc.poll() is None:
+            if sig == signal.SIGTERM:
+                self.sigterm_at[name] = time.monotonic()
             os.killpg(proc.pid, sig)
 
     def _wait(self, name: str, timeout: float) -> int:
