@@ -34,12 +34,13 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
 from tests.infra.inference_server import start_inference_server
-from tests.infra.pod import HELM, NO_PROXY_GRPC, Pod, netns_supported, render_chart, running_pod
+from tests.infra.pod import HELM, NO_PROXY_GRPC, Pod, netns_supported, render_chart, render_notes, running_pod
 from tests.infra.prometheus import dashboard_queries, prometheus_available, running_prometheus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,8 +108,16 @@ def test_default_install_starts_is_scraped_serves_and_drains() -> None:
     """Default values, plus one test-only env var that slows every scheduler step by 15 ms: a toy
     model's 600-token stream then lasts past the preStop sleep and the drain delay, as a big model's
     would (the default values' own env is unchanged otherwise)."""
-    docs = render_chart(sets=["inference.extraEnv[0].name=LORAPLEX_TEST_FAULT_STEP_DELAY_S",
-                              "inference.extraEnv[0].value=0.015"])
+    sets = ["inference.extraEnv[0].name=LORAPLEX_TEST_FAULT_STEP_DELAY_S", "inference.extraEnv[0].value=0.015"]
+    docs = render_chart(sets=sets)
+    notes = " ".join(render_notes(sets=sets).split())  # the claims this test checks, as NOTES.txt makes them
+    for claim in ("gRPC (loraplex.v1, grpc.health.v1, reflection) on the Service port 50051",
+                  "inference on :9400/metrics (job loraplex-inference)",
+                  "adapter cache on :9401/metrics (job loraplex-cache)",
+                  "a pod is Ready once the model is loaded;",
+                  "On shutdown the pod reports NOT_SERVING first; in-flight streams then get 50s to finish",
+                  "Generate works, admin RPCs (LoadAdapter/UnloadAdapter) answer PERMISSION_DENIED"):
+        assert claim in notes, claim
     with running_pod(docs, {}) as pod:
         inf = pod.containers[INFERENCE]
         # Start order: the sidecar is a native sidecar (init container, restartPolicy: Always).
@@ -119,6 +128,8 @@ def test_default_install_starts_is_scraped_serves_and_drains() -> None:
 
         # Metrics of both containers on the pod address, scraped from outside the pod's netns.
         targets = _scrape_targets_from_service(pod)
+        assert [t.split(":")[1] for t in (*targets["loraplex-inference"], *targets["loraplex-cache"])] == \
+            ["9400", "9401"]
         with running_prometheus(targets, scrape_interval="1s") as prom:
             _wait_up(prom, list(targets))
             for series in ("vllm:num_requests_running", "vllm:lora_requests_info", "loraplex_cache_bytes",
@@ -127,6 +138,10 @@ def test_default_install_starts_is_scraped_serves_and_drains() -> None:
 
         # Generate through the Service port; admin RPCs refused, saying how to enable them.
         address = pod.service_target("grpc")
+        assert address.endswith(":50051")
+        with grpc.insecure_channel(address, options=NO_PROXY_GRPC) as ch:
+            services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+        assert {"loraplex.v1.Inference", "grpc.health.v1.Health"} <= services
         with InferenceClient(address) as client:
             out = list(client.generate("hello pod", max_new_tokens=4, ignore_eos=True, timeout=30))
             assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH and out[-1].usage.generated_tokens == 4
@@ -174,6 +189,7 @@ def _drain_with_stream_in_flight(pod: Pod, address: str) -> None:
     assert sum(len(r.token_ids) for r in [first, *rest]) == 600
     assert events["first_token"] < sigterm < events["stream_end"], "the stream was not in flight at SIGTERM"
     assert events["stream_end"] - sigterm < grace, "the stream outlived --shutdown-grace-s"
+    assert events["stream_end"] - sigterm > float(_arg(inf, "--drain-delay-s")), "ended before new RPCs were refused"
     not_serving = [t for t, s in health_log if s == "NOT_SERVING"]
     refused = [t for t, s in health_log if s not in ("SERVING", "NOT_SERVING")]
     assert not_serving, health_log

@@ -67,6 +67,26 @@ def render_chart(*value_files: Path, sets: Sequence[str] = (), namespace: str = 
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+def render_notes(*value_files: Path, sets: Sequence[str] = ()) -> str:
+    """NOTES.txt as `helm install` prints it (helm template skips it: rendered here through `tpl` in
+    a copy of the chart)."""
+    with tempfile.TemporaryDirectory(prefix="lpxnotes-") as tmp:
+        chart = Path(tmp) / "loraplex"
+        shutil.copytree(CHART_DIR, chart)
+        shutil.copy(chart / "templates" / "NOTES.txt", chart / "NOTES.src")
+        (chart / "templates" / "notes-rendered.yaml").write_text(
+            'notes: {{ tpl (.Files.Get "NOTES.src") . | toJson }}\n')
+        args = [str(HELM), "template", "rel", str(chart), "--namespace", "ml",
+                "--show-only", "templates/notes-rendered.yaml"]
+        for f in value_files:
+            args += ["-f", str(f)]
+        for s in sets:
+            args += ["--set", s]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return yaml.safe_load(out.stdout)["notes"]
+
+
 def netns_supported() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None
 
