@@ -405,6 +405,7 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
     preloader = Preloader(engine, running.servicer.uri_policy, _check_name, config.preload_file, config.preload,
                           config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
     running.servicer.preloader = preloader
+    await reporter.update()  # liveness SERVING, readiness NOT_SERVING until the preloads say otherwise
     if collectors is not None:
         collectors.register(reporter.collector())
         collectors.register(preloader.collector())

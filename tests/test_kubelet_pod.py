@@ -320,6 +320,11 @@ def _every_option_checks(pod: Pod, docs: list[dict], pki: dict[str, str], token:
         with _client(pod, pki) as client:
             _wait(lambda: _states(client).get("late") == "ADAPTER_STATE_LOADED" and "ghost" not in _states(client),
                   timeout=30, what="the preload change reached the server")
+        # ...and a removed entry is unloaded.
+        pod.update_config_map(cm["metadata"]["name"],
+                              {"preload.yaml": yaml.safe_dump([e for e in entries if e["name"] != "late"])})
+        with _client(pod, pki) as client:
+            _wait(lambda: "late" not in _states(client), timeout=30, what="the removed preload entry unloaded")
         assert inf.proc.poll() is None and inf.proc.pid == pid
 
         after = time.time()
