@@ -393,3 +393,25 @@ def test_stuck_scheduler_step_turns_health_not_serving(tmp_path: Path) -> None:
         assert "has not finished a step" in server.log()
     finally:
         server.stop(timeout=5)
+
+
+def test_streams_left_at_the_end_of_the_grace_are_cancelled_and_counted(tmp_path: Path) -> None:
+    """The other drain case, on a plain server: a stream longer than --shutdown-grace-s is cut when
+    the grace runs out (not before), and the cut is logged and counted."""
+    server = start_inference_server(["--shutdown-grace-s", "1.5", "--drain-delay-s", "0.5"],
+                                    env={"LORAPLEX_TEST_FAULT_STEP_DELAY_S": "0.02"}, log_dir=tmp_path)
+    try:
+        with InferenceClient(server.address) as client:
+            stream = client.generate("a long answer", max_new_tokens=600, ignore_eos=True, timeout=60)
+            next(stream)
+            server.proc.send_signal(__import__("signal").SIGTERM)
+            sigterm = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            cut = time.monotonic() - sigterm
+        assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), info.value
+        assert 1.3 <= cut <= 5.0, cut
+        assert server.proc.wait(30) == 0
+        assert "drain: 1 request(s) still running after 1.5s were cancelled" in server.log()
+    finally:
+        server.stop(timeout=5)
