@@ -257,6 +257,13 @@ def test_values_validate_against_schema() -> None:
         jsonschema.validate(bad, schema)
 
 
+@pytest.mark.parametrize("bad", ["model.dtype=fp8", "inference.drain.preStopSeconds=-1", "preload.reloadSeconds=x",
+                                 "strategy.type=Sometimes", "tolerations[0].operator=Maybe"])
+def test_helm_rejects_bad_new_values(bad: str) -> None:
+    out = helm("template", "rel", str(CHART_DIR), "--set", bad)
+    assert out.returncode != 0 and "schema" in out.stderr.lower(), out.stderr
+
+
 @pytest.mark.parametrize("how", ["file", "set"])
 def test_helm_rejects_wrong_types(how: str) -> None:
     args = ["template", "rel", str(CHART_DIR)]
