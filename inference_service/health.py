@@ -29,7 +29,8 @@ LIVENESS_SERVICE = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Test-only fault hooks (tests/test_kubelet_pod.py), never set in production: with the first set to
-# "die" or "hang", SIGUSR1 kills the scheduler thread or wedges it in a never-ending "step"; the
+# "die" or "hang[:SECONDS]", SIGUSR1 kills the scheduler thread or wedges it in a "step" that lasts
+# that long (default: forever); the
 # second makes every scheduler step this many seconds slower (a big model's pace on a toy model).
 TEST_FAULT_ENV = "LORAPLEX_TEST_FAULT_SCHEDULER"
 TEST_STEP_DELAY_ENV = "LORAPLEX_TEST_FAULT_STEP_DELAY_S"
@@ -46,6 +47,7 @@ class HealthReporter:
         self.draining = False
         self.drain_cancelled = 0  # requests still running when the shutdown grace ran out
         self._shown: tuple[bool, bool] | None = None
+        self._lock = asyncio.Lock()  # the watchdog, the preloader and the drain all update
 
     @property
     def ready(self) -> bool:
@@ -56,15 +58,16 @@ class HealthReporter:
         return self.engine_problem is None
 
     async def update(self) -> None:
-        now = (self.ready, self.live)
-        if now == self._shown:
-            return
-        for name in self._readiness_services:
-            await self._servicer.set(name, SERVING if now[0] else NOT_SERVING)
-        await self._servicer.set(LIVENESS_SERVICE, SERVING if now[1] else NOT_SERVING)
-        log.log(logging.INFO if now[1] else logging.ERROR, "health: readiness %s, liveness %s (%s)",
-                _word(now[0]), _word(now[1]), self._why())
-        self._shown = now
+        async with self._lock:
+            now = (self.ready, self.live)
+            if now == self._shown:
+                return
+            for name in self._readiness_services:
+                await self._servicer.set(name, SERVING if now[0] else NOT_SERVING)
+            await self._servicer.set(LIVENESS_SERVICE, SERVING if now[1] else NOT_SERVING)
+            log.log(logging.INFO if now[1] else logging.ERROR, "health: readiness %s, liveness %s (%s)",
+                    _word(now[0]), _word(now[1]), self._why())
+            self._shown = now
 
     def _why(self) -> str:
         if self.engine_problem:
@@ -102,15 +105,15 @@ async def watch_engine(engine: Any, reporter: HealthReporter, stall_s: float) ->
     while True:
         if not engine.alive:
             reporter.engine_problem = "the scheduler thread has died"
-        else:
-            if beat is None or beat.done():
-                beat, sent = engine.call(lambda core: None), time.monotonic()
+        elif beat is not None and not beat.done():
             waited = time.monotonic() - sent
-            if not beat.done() and waited > stall_s:
+            if waited > stall_s:
                 reporter.engine_problem = f"the scheduler has not finished a step for {waited:.0f}s " \
                                           f"(limit {stall_s:g}s, --watchdog-stall-s)"
-            elif beat.done():
-                reporter.engine_problem = None
+        else:
+            if beat is not None:
+                reporter.engine_problem = None  # the last heartbeat came back: the loop moves
+            beat, sent = engine.call(lambda core: None), time.monotonic()
         await reporter.update()
         await asyncio.sleep(interval)
 
@@ -124,15 +127,16 @@ def install_test_fault(engine: Any) -> None:
     kind = os.environ.get(TEST_FAULT_ENV)
     if not kind:
         return
-    if kind not in ("die", "hang"):
-        raise ValueError(f"{TEST_FAULT_ENV}={kind!r}: expected 'die' or 'hang'")
+    kind, _, seconds = kind.partition(":")
+    if kind not in ("die", "hang") or (seconds and (kind == "die" or not seconds.replace(".", "", 1).isdigit())):
+        raise ValueError(f"{TEST_FAULT_ENV}={os.environ[TEST_FAULT_ENV]!r}: expected 'die', 'hang' or 'hang:SECONDS'")
     log.warning("TEST FAULT ARMED: SIGUSR1 makes the scheduler thread %s", kind)
 
     def fault(core: Any) -> None:
         log.error("TEST FAULT: scheduler thread %s now", "exits" if kind == "die" else "hangs")
         if kind == "die":
             raise SystemExit  # not an Exception: leaves the scheduler loop, the thread ends
-        threading.Event().wait()
+        threading.Event().wait(float(seconds) if seconds else None)
 
     signal.signal(signal.SIGUSR1, lambda *_: engine.call(fault))
 

@@ -379,9 +379,10 @@ def test_dead_scheduler_thread_fails_the_rendered_liveness_probe(tmp_path: Path)
 
 
 def test_stuck_scheduler_step_turns_health_not_serving(tmp_path: Path) -> None:
-    """The other watchdog case, on a plain server: a step that never ends (the hook wedges the
-    scheduler thread) → NOT_SERVING for readiness and liveness once --watchdog-stall-s passes."""
-    server = start_inference_server(["--watchdog-stall-s", "2"], env={"LORAPLEX_TEST_FAULT_SCHEDULER": "hang"},
+    """The other watchdog case, on a plain server: a step that does not end (the hook wedges the
+    scheduler thread for 6 s) → NOT_SERVING for readiness and liveness once --watchdog-stall-s
+    passes, and SERVING again once the step is over."""
+    server = start_inference_server(["--watchdog-stall-s", "2"], env={"LORAPLEX_TEST_FAULT_SCHEDULER": "hang:6"},
                                     log_dir=tmp_path)
     try:
         assert _health(server.address, "liveness") == "SERVING"
@@ -392,6 +393,11 @@ def test_stuck_scheduler_step_turns_health_not_serving(tmp_path: Path) -> None:
         assert 1.0 <= time.monotonic() - started <= 6.0
         assert _health(server.address, "") == "NOT_SERVING"
         assert "has not finished a step" in server.log()
+        _wait(lambda: _health(server.address, "") == "SERVING", timeout=15, what="recovered after the step")
+        assert time.monotonic() - started >= 3.5  # not before the 6 s step ended
+        with InferenceClient(server.address) as client:
+            out = list(client.generate("still alive", max_new_tokens=2, ignore_eos=True, timeout=30))
+            assert out[-1].usage.generated_tokens == 2
     finally:
         server.stop(timeout=5)
 
