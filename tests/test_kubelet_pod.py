@@ -229,7 +229,7 @@ def _overlay(root: Path, adapters: Path, adapter_bytes: int) -> Path:
     mounts = [*base["inference"]["extraVolumeMounts"], {"name": "adapters", "mountPath": str(adapters),
                                                         "readOnly": True}]
     overlay = {
-        "model": {"path": "builtin:tiny", "dtype": "float32"},
+        "model": {"path": "builtin:tiny"},
         "inference": {"maxLoras": 2, "maxLoraRank": 16, "kvCacheBytes": 64 << 20,
                       "adapterSourceAllow": [*base["inference"]["adapterSourceAllow"], allow],
                       "extraVolumeMounts": mounts},
