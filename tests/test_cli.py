@@ -95,3 +95,20 @@ def test_client_cli_parses_subcommands(monkeypatch):
     assert (a.token, a.name, a.uri, a.pinned, a.preload) == ("t", "n", "file:///u", True, True)
     assert p.parse_args(["unload", "n"]).name == "n"
     assert p.parse_args(["list"]).command == "list"
+
+
+def test_dtype_auto(tmp_path):
+    """--dtype auto (the CLI default): the checkpoint's torch_dtype on an accelerator (fp32 when it
+    names none), on CPU bf16 only where the CPU computes it natively."""
+    import torch
+
+    from inference_service.config import auto_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.bfloat16
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16"}))  # transformers 5 spelling
+    assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.float16
+    assert auto_dtype("builtin:tiny", torch.device("cuda")) == torch.float32
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert cli.build_parser().parse_args([]).dtype == "auto"
