@@ -24,6 +24,7 @@ the way the kubelet, a Service and Prometheus reach a pod:
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -370,7 +371,7 @@ def test_dead_scheduler_thread_fails_the_rendered_liveness_probe(tmp_path: Path)
         address = pod.service_target("grpc")
         probe = pod.containers[INFERENCE].spec["livenessProbe"]
         budget = probe["periodSeconds"] * probe["failureThreshold"]
-        pod.containers[INFERENCE].proc.send_signal(__import__("signal").SIGUSR1)
+        pod.containers[INFERENCE].proc.send_signal(signal.SIGUSR1)
         took = pod.wait_probe(INFERENCE, "livenessProbe", want=False, timeout=budget + 10)
         # The watchdog notices a dead thread within a second; then failureThreshold failures.
         assert took <= budget + 2.0, took
@@ -386,7 +387,7 @@ def test_stuck_scheduler_step_turns_health_not_serving(tmp_path: Path) -> None:
                                     log_dir=tmp_path)
     try:
         assert _health(server.address, "liveness") == "SERVING"
-        server.proc.send_signal(__import__("signal").SIGUSR1)
+        server.proc.send_signal(signal.SIGUSR1)
         started = time.monotonic()
         _wait(lambda: _health(server.address, "liveness") == "NOT_SERVING", timeout=10, what="liveness NOT_SERVING")
         # The heartbeat in flight may have been sent up to a watchdog interval (0.5 s) before the hang.
@@ -411,7 +412,7 @@ def test_streams_left_at_the_end_of_the_grace_are_cancelled_and_counted(tmp_path
         with InferenceClient(server.address) as client:
             stream = client.generate("a long answer", max_new_tokens=600, ignore_eos=True, timeout=60)
             next(stream)
-            server.proc.send_signal(__import__("signal").SIGTERM)
+            server.proc.send_signal(signal.SIGTERM)
             sigterm = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 list(stream)
