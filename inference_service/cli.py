@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -18,11 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from adapter_cache.auth import read_tokens
-from inference_service.auth import is_loopback_listen, read_token_file
+from inference_service.auth import admin_disabled_reason, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.env_flags import add_env_flag, env_name
 from inference_service.errors import LoraplexError
 from inference_service.limits import RequestLimits
+from inference_service.preload import read_preload_file
 from inference_service.server import ServerConfig
 from inference_service.uri_policy import UriPolicy
 
@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model and engine")
     _add(g, "--model", "HF checkpoint directory, or builtin:tiny (a small random LLaMA)", default="builtin:tiny")
     _add(g, "--device", "auto | cpu | cuda | cuda:N", default="auto")
-    _add(g, "--dtype", "float32 | float16 | bfloat16", default="float32",
-         choices=("float32", "float16", "bfloat16"))
+    _add(g, "--dtype", "auto | float32 | float16 | bfloat16; auto: the checkpoint's torch_dtype on an "
+         "accelerator, on CPU bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
+         default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    _add(g, "--max-model-len", "longest prompt + output in tokens (default: the model's context)", type=int)
     _add(g, "--max-loras", "LoRA slots on the device", type=int, default=EngineConfig.max_loras)
     _add(g, "--max-lora-rank", "largest adapter rank accepted", type=int, default=EngineConfig.max_lora_rank)
     _add(g, "--kv-cache-bytes", "KV cache size in bytes (default: what the memory budget leaves)", type=int)
@@ -78,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--cache-address",
          "adapter-cache sidecar address (unix:///path or host:port); unset: read file:// URIs directly")
     _add(g, "--cache-token-file", "file holding the bearer token the sidecar requires (its --token-file)")
-    _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned} adapters loaded before serving")
+    _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned, required, sha256} adapters to keep "
+         "loaded: failures retry in the background; required ones gate readiness")
+    _add(g, "--preload-reload-s", "re-read --preload-file this often, applying changes (0: read once)",
+         type=float, default=ServerConfig.preload_reload_s)
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
          default=EngineConfig.host_cache_bytes)
@@ -103,31 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
          default=ServerConfig.max_message_bytes)
     _add(g, "--log-level", "DEBUG | INFO | WARNING | ERROR", default="INFO")
 
+    g = p.add_argument_group("health and shutdown")
+    _add(g, "--watchdog-stall-s", "a scheduler step unfinished this long (or a dead scheduler thread) turns "
+         "health NOT_SERVING, the 'liveness' service included (0: off)", type=float,
+         default=ServerConfig.watchdog_stall_s)
+    _add(g, "--shutdown-grace-s", "on SIGTERM, in-flight requests get this long to finish; the rest are "
+         "cancelled", type=float, default=ServerConfig.shutdown_grace_s)
+    _add(g, "--drain-delay-s", "on SIGTERM, health turns NOT_SERVING at once and new RPCs are still served "
+         "this long (part of --shutdown-grace-s) before they are refused", type=float,
+         default=ServerConfig.drain_delay_s)
+
     g = p.add_argument_group("security")
     _add(g, "--admin-token-file",
-         "file holding the bearer token LoadAdapter/UnloadAdapter require (or set LORAPLEX_ADMIN_TOKEN)")
+         "file holding the bearer token LoadAdapter/UnloadAdapter require (or set LORAPLEX_ADMIN_TOKEN); "
+         "without one, admin RPCs are PERMISSION_DENIED on a non-loopback --listen (open on loopback)")
     _add(g, "--insecure-admin",
-         "allow listening on a non-loopback address with unauthenticated admin RPCs", action="store_true")
+         "admin RPCs without a token on a non-loopback address too", action="store_true")
     _add(g, "--tls-cert", "server certificate (PEM); enables TLS")
     _add(g, "--tls-key", "server private key (PEM)")
     _add(g, "--tls-client-ca", "CA (PEM) client certificates must chain to; enables mTLS")
     return p
-
-
-def load_preload_file(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
-    if isinstance(data, dict) and "adapters" in data:
-        data = data["adapters"]
-    if not isinstance(data, list) or not all(isinstance(e, dict) and "name" in e and "uri" in e for e in data):
-        raise ValueError(f"{path}: expected a list of {{name, uri, pinned}} entries")
-    return data
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -139,15 +139,16 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         read_tokens(args.cache_token_file)  # unreadable or empty: a usage error now, not at the first load
     allow = tuple(args.adapter_source_allow)
     UriPolicy(allow)  # reject malformed prefixes at startup
-    if not is_loopback_listen(args.listen) and token is None and not args.insecure_admin:
-        raise ValueError(
-            f"refusing to listen on non-loopback {args.listen} without an admin token: set "
-            "--admin-token-file or LORAPLEX_ADMIN_TOKEN, or pass --insecure-admin"
-        )
+    if args.shutdown_grace_s < 0 or args.drain_delay_s < 0 or args.watchdog_stall_s < 0:
+        raise ValueError("--shutdown-grace-s, --drain-delay-s and --watchdog-stall-s must be >= 0")
+    reason = admin_disabled_reason(args.listen, token, args.insecure_admin)
+    if reason:
+        log.warning("%s", reason)
     engine_cfg = EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        max_model_len=args.max_model_len,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         kv_cache_bytes=args.kv_cache_bytes,
@@ -184,19 +185,24 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_message_bytes=args.max_message_bytes,
         default_max_new_tokens=args.default_max_new_tokens,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
-        preload=load_preload_file(args.preload_file) if args.preload_file else [],
+        preload=read_preload_file(args.preload_file) if args.preload_file else [],
+        preload_file=args.preload_file,
+        preload_reload_s=args.preload_reload_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        drain_delay_s=args.drain_delay_s,
+        watchdog_stall_s=args.watchdog_stall_s,
     )
     return engine_cfg, server_cfg
 
 
-async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any) -> None:
+async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, registry: Any) -> None:
     from inference_service.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve(engine, server_cfg, sink, stop=stop)
+    await serve(engine, server_cfg, sink, stop=stop, collectors=registry)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -223,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server_cfg.metrics_port:
             metrics_server = serve_metrics(registry, server_cfg.metrics_port, server_cfg.metrics_addr)
             print(f"METRICS http://{server_cfg.metrics_addr}:{server_cfg.metrics_port}/metrics", flush=True)
-        asyncio.run(_serve_until_signal(engine, server_cfg, sink))
+        asyncio.run(_serve_until_signal(engine, server_cfg, sink, registry))
     except (RuntimeError, LoraplexError) as e:
         log.error("%s", e)
         return 1

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from inference_service.limits import RequestLimits
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class EngineConfig:
     model: str = "builtin:tiny"  # HF checkpoint dir or builtin:tiny
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "float32"  # float32 | float16 | bfloat16
+    dtype: str = "float32"  # auto | float32 | float16 | bfloat16 (the CLI defaults to auto)
     max_loras: int = 4  # LoRA slots on the device
     max_lora_rank: int = 16
     block_size: int = 16  # tokens per KV block
@@ -50,4 +56,27 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        dtype = auto_dtype(self.model, self.torch_device())
+        log.info("--dtype auto: %s on %s", str(dtype).removeprefix("torch."), self.torch_device())
+        return dtype
+
+
+def auto_dtype(model: str, device: torch.device) -> torch.dtype:
+    """On an accelerator the checkpoint's own `torch_dtype` (what it was trained and shipped in);
+    on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX), else fp32 (emulated bf16
+    is slower than fp32 there)."""
+    if device.type != "cpu":
+        return _checkpoint_dtype(model) or torch.float32
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() \
+        else torch.float32
+
+
+def _checkpoint_dtype(model: str) -> torch.dtype | None:
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None  # builtin:tiny, or a missing dir (loading reports that)
+    fields = json.loads(config.read_text())
+    name = fields.get("torch_dtype") or fields.get("dtype")  # transformers 5 writes "dtype"
+    return DTYPES.get(str(name).removeprefix("torch.")) if name else None

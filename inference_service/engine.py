@@ -474,6 +474,21 @@ class Engine:
         self._commands.put(lambda core: self._guarded(core, run, result))
         return result
 
+    def call(self, fn: Command) -> concurrent.futures.Future[None]:
+        """Runs `fn` on the scheduler thread between steps; the health watchdog's heartbeat."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run(core: EngineCore) -> None:
+            fn(core)
+            done.set_result(None)
+
+        self._commands.put(run)
+        return done
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         return self._stats
 

@@ -29,9 +29,11 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
-from inference_service.auth import AdminAuth
+from inference_service.auth import AdminAuth, admin_disabled_reason
 from inference_service.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from inference_service.health import HealthReporter, install_test_fault, watch_engine
 from inference_service.limits import ADAPTER_NAME_PATTERN, check_adapter_name, check_request_id, check_stop, shown
+from inference_service.preload import PreloadEntry, Preloader
 from inference_service.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.uri_policy import UriPolicy
 
@@ -67,8 +69,15 @@ class ServerConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     default_max_new_tokens: int = 64
     adapter_metrics_top_k: int = 20
-    preload: list[dict[str, Any]] = field(default_factory=list)  # [{name, uri, pinned}]
-    shutdown_grace_s: float = 5.0
+    preload: list[PreloadEntry] = field(default_factory=list)
+    preload_file: str | None = None  # re-read every preload_reload_s (0: read once)
+    preload_reload_s: float = 10.0
+    # SIGTERM: health NOT_SERVING at once; new RPCs still served for drain_delay_s (clients and
+    # load balancers see NOT_SERVING and move away); then new RPCs are refused and in-flight ones
+    # get what is left of shutdown_grace_s before they are cancelled.
+    shutdown_grace_s: float = 30.0
+    drain_delay_s: float = 0.0
+    watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: off)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -78,8 +87,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.engine = engine
         self.config = config
         self.metrics = metrics  # PrometheusMetrics or None
-        self.auth = AdminAuth(config.admin_token)
+        self.auth = AdminAuth(config.admin_token,
+                              admin_disabled_reason(config.listen, config.admin_token, config.insecure_admin))
         self.uri_policy = UriPolicy(config.adapter_source_allow)
+        self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
 
     # ---- Generate -------------------------------------------------------------------------
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
@@ -256,7 +267,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         resp = pb.ListAdaptersResponse(adapters=[_adapter_pb(a, with_uri=admin) for a in page])
         if more:
             resp.next_page_token = f"{page[-1].name}@{page[-1].version}"
+        else:
+            resp.adapters.extend(await self._unregistered_preloads(admin))
         return resp
+
+    async def _unregistered_preloads(self, with_uri: bool) -> list[pb.Adapter]:
+        """Preload entries that never registered (LOADING / FAILED), shown after the last page."""
+        if self.preloader is None or not self.preloader.states():
+            return []
+        registered = {a.name for a in await asyncio.wrap_future(self.engine.list_adapters())}
+        return [pb.Adapter(name=entry.name, uri=entry.uri if with_uri else "", slot=-1, pinned=entry.pinned,
+                           state=pb.AdapterState.Value("ADAPTER_STATE_" + state))
+                for entry, state in self.preloader.unregistered(registered)]
 
     def _is_admin(self, context: grpc.aio.ServicerContext) -> bool:
         try:
@@ -436,14 +458,17 @@ class RunningServer:
     server: grpc.aio.Server
     port: int  # bound TCP port (0 for unix sockets)
     health: health.aio.HealthServicer
+    servicer: InferenceServicer
 
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight calls drain
         await self.server.stop(grace_s)
 
 
-async def build_server(engine: Any, config: ServerConfig, metrics: Any = None) -> RunningServer:
-    """A started grpc.aio server with the Inference service, health and reflection."""
+async def build_server(engine: Any, config: ServerConfig, metrics: Any = None,
+                       serving: bool = True) -> RunningServer:
+    """A started grpc.aio server with the Inference service, health and reflection; health starts
+    SERVING unless `serving` is False (then the caller's HealthReporter decides)."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -453,7 +478,8 @@ async def build_server(engine: Any, config: ServerConfig, metrics: Any = None) -
     cygrpc_log = logging.getLogger("grpc._cython.cygrpc")
     if not any(isinstance(f, _DepartedClientFilter) for f in cygrpc_log.filters):
         cygrpc_log.addFilter(_DepartedClientFilter())
-    add_servicer(InferenceServicer(engine, config, metrics), server)
+    servicer = InferenceServicer(engine, config, metrics)
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -465,34 +491,32 @@ async def build_server(engine: Any, config: ServerConfig, metrics: Any = None) -
     if port == 0 and not config.listen.startswith("unix"):
         raise RuntimeError(f"could not bind {config.listen}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, health_servicer)
-
-
-async def preload_adapters(engine: Any, entries: list[dict[str, Any]], uri_policy: UriPolicy) -> None:
-    """Loads the --preload-file adapters (into slots) before the server reports SERVING."""
-    futures = []
-    for entry in entries:
-        name, uri = entry["name"], entry["uri"]
-        check_adapter_name(name)
-        futures.append(
-            asyncio.wrap_future(
-                engine.load_adapter(name, uri_policy.check(uri), sha256=entry.get("sha256") or None,
-                                    pinned=bool(entry.get("pinned", False)), preload=True)
-            )
-        )
-    for entry, result in zip(entries, await asyncio.gather(*futures, return_exceptions=True), strict=True):
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"preloading adapter {entry['name']!r} from {entry['uri']!r} failed: {result}")
-        log.info("preloaded adapter %s from %s", entry["name"], entry["uri"])
+    if serving:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, port, health_servicer, servicer)
 
 
 async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Runs until `stop` is set (or the task is cancelled), then drains gracefully."""
-    await preload_adapters(engine, config.preload, UriPolicy(config.adapter_source_allow))
-    running = await build_server(engine, config, metrics)
+                stop: asyncio.Event | None = None, collectors: Any = None) -> None:
+    """Serves until `stop` is set (or the task is cancelled), then drains (see ServerConfig).
+
+    Health: the liveness service is SERVING from the start; readiness once the required preloads
+    are in. Other preloads load (and retry) in the background. `collectors`: a prometheus registry
+    to register the health and preload metrics on."""
+    running = await build_server(engine, config, metrics, serving=False)
+    reporter = HealthReporter(running.health, ("", SERVICE_NAME))
+    preloader = Preloader(engine, running.servicer.uri_policy, check_adapter_name, config.preload_file, config.preload,
+                          config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
+    running.servicer.preloader = preloader
+    await reporter.update()  # liveness SERVING, readiness NOT_SERVING until the preloads say otherwise
+    if collectors is not None:
+        collectors.register(reporter.collector())
+        collectors.register(preloader.collector())
+    install_test_fault(engine)
+    tasks = [asyncio.create_task(preloader.run())]
+    if config.watchdog_stall_s > 0:
+        tasks.append(asyncio.create_task(watch_engine(engine, reporter, config.watchdog_stall_s)))
     shown = config.listen
     if not config.listen.startswith("unix"):
         shown = f"{config.listen.rsplit(':', 1)[0]}:{running.port}"
@@ -504,5 +528,37 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
         else:
             await stop.wait()
     finally:
-        await running.stop(config.shutdown_grace_s)
+        await drain(running, reporter, engine, config)
+        preloader.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
+
+async def _preloads_changed(reporter: HealthReporter, preloader: Preloader) -> None:
+    reporter.preloads_ready = preloader.required_ready
+    await reporter.update()
+
+
+async def drain(running: RunningServer, reporter: HealthReporter, engine: Any, config: ServerConfig) -> None:
+    """Readiness NOT_SERVING first; after drain_delay_s new RPCs are refused; in-flight ones finish
+    within what is left of shutdown_grace_s; the rest are cancelled and counted."""
+    started = time.monotonic()
+    reporter.draining = True
+    await reporter.update()
+    log.info("draining: NOT_SERVING now, new RPCs refused in %.1fs, in-flight ones have %.1fs",
+             config.drain_delay_s, config.shutdown_grace_s)
+    await asyncio.sleep(max(0.0, min(config.drain_delay_s, config.shutdown_grace_s)))
+    left = max(0.0, config.shutdown_grace_s - (time.monotonic() - started))
+    stopping = asyncio.create_task(running.server.stop(left))
+    done, _ = await asyncio.wait({stopping}, timeout=max(0.0, left - 0.1))
+    cancelled = 0
+    if not done:
+        stats = engine.stats()
+        cancelled = stats.requests_running + sum(stats.requests_waiting.values())
+    await stopping
+    if cancelled:
+        reporter.drain_cancelled += cancelled
+        log.warning("drain: %d request(s) still running after %.1fs were cancelled", cancelled,
+                    config.shutdown_grace_s)
+    log.info("drained in %.1fs", time.monotonic() - started)

@@ -114,6 +114,11 @@ def start_inference_server(
     log_path = log_dir / f"inference-{port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    # The CLI's --dtype auto picks bf16 on CPUs with native bf16; tests compare against fp32
+    # references unless they pass --dtype themselves (a flag wins over this env mirror).
+    full_env.setdefault("LORAPLEX_DTYPE", "float32")
+    # Tests stop servers with streams possibly open: keep their drain short (the CLI default is 30 s).
+    full_env.setdefault("LORAPLEX_SHUTDOWN_GRACE_S", "5")
     cmd = [sys.executable, "-m", "inference_service.cli", "--listen", listen,
            "--metrics-port", str(metrics_port), *args]
     with open(log_path, "wb") as log:
