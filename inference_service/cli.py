@@ -21,6 +21,7 @@ from inference_service.auth import is_loopback_listen, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.env_flags import add_env_flag, env_name
 from inference_service.errors import LoraplexError
+from inference_service.http.config import HttpConfig
 from inference_service.server import ServerConfig
 from inference_service.uri_policy import UriPolicy
 
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--default-max-new-tokens", "max_new_tokens of requests that leave it unset", type=int,
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "engine seed", type=int, default=EngineConfig.seed)
+    _add(g, "--max-model-len", "longest prompt + generation (default: the model's max_position_embeddings)",
+         type=int)
 
     g = p.add_argument_group("adapters")
     _add(g, "--cache-address",
@@ -83,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--max-message-bytes", "largest gRPC message accepted or sent", type=int,
          default=ServerConfig.max_message_bytes)
     _add(g, "--log-level", "DEBUG | INFO | WARNING | ERROR", default="INFO")
+
+    g = p.add_argument_group("OpenAI-compatible HTTP API (docs/http.md)")
+    _add(g, "--http-port", "HTTP port of /v1/completions, /v1/chat/completions, /v1/models, /metrics... (0: off)",
+         type=int, default=HttpConfig.port)
+    _add(g, "--http-addr", "address the HTTP API binds", default=HttpConfig.addr)
+    _add(g, "--served-model-name", "name(s) clients give as `model` for the base model (repeatable; default: "
+         "the checkpoint directory's name)", action="append", default=[])
+    _add(g, "--chat-template", "Jinja chat template file (default: the checkpoint's)")
 
     g = p.add_argument_group("security")
     _add(g, "--admin-token-file",
@@ -138,6 +149,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         cache_address=args.cache_address,
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
+        max_model_len=args.max_model_len,
     )
     server_cfg = ServerConfig(
         listen=args.listen,
@@ -157,14 +169,46 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     return engine_cfg, server_cfg
 
 
-async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any) -> None:
+def http_config_from_args(args: argparse.Namespace, token: str | None) -> HttpConfig:
+    """The HTTP front end's settings; its admin routes follow the gRPC rule for non-loopback addresses."""
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError("--max-model-len must be >= 2")
+    if args.http_port and not is_loopback_listen(f"{args.http_addr}:{args.http_port}") and token is None \
+            and not args.insecure_admin:
+        raise ValueError(
+            f"refusing to serve HTTP on non-loopback {args.http_addr} without an admin token: set "
+            "--admin-token-file or LORAPLEX_ADMIN_TOKEN, or pass --insecure-admin"
+        )
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template {args.chat_template}: no such file")
+    return HttpConfig(port=args.http_port, addr=args.http_addr,
+                      served_model_names=tuple(args.served_model_name), chat_template=args.chat_template)
+
+
+async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
+                              registry: Any) -> None:
     from inference_service.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve(engine, server_cfg, sink, stop=stop)
+    http = None
+    if http_cfg.port:
+        from inference_service.chat_template import load_chat_template
+        from inference_service.http.app import build_app
+        from inference_service.http.serving import start_http
+
+        names = http_cfg.served_model_names or (engine.model_info.name,)
+        template = load_chat_template(engine.config.model, http_cfg.chat_template)
+        app = build_app(engine, server_cfg, names, template, registry)
+        http = await start_http(app, http_cfg, server_cfg.shutdown_grace_s)
+        print(f"HTTP http://{http_cfg.addr}:{http_cfg.port}", flush=True)
+    try:
+        await serve(engine, server_cfg, sink, stop=stop)
+    finally:
+        if http is not None:
+            await http.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         engine_cfg, server_cfg = configs_from_args(args)
+        http_cfg = http_config_from_args(args, server_cfg.admin_token)
     except (ValueError, OSError, LoraplexError) as e:
         parser.error(str(e))
 
@@ -191,8 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server_cfg.metrics_port:
             metrics_server = serve_metrics(registry, server_cfg.metrics_port, server_cfg.metrics_addr)
             print(f"METRICS http://{server_cfg.metrics_addr}:{server_cfg.metrics_port}/metrics", flush=True)
-        asyncio.run(_serve_until_signal(engine, server_cfg, sink))
-    except (RuntimeError, LoraplexError) as e:
+        asyncio.run(_serve_until_signal(engine, server_cfg, sink, http_cfg, registry))
+    except (RuntimeError, ValueError, LoraplexError) as e:
         log.error("%s", e)
         return 1
     finally:

@@ -12,7 +12,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -27,8 +27,8 @@ class ByteTokenizer:
         self.vocab_size = 258
         self.eos_token_ids = (self.EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
@@ -42,8 +42,8 @@ class FileTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_ids = eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
