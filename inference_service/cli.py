@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--default-max-new-tokens", "max_new_tokens of requests that leave it unset", type=int,
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "engine seed", type=int, default=EngineConfig.seed)
+    _add(g, "--tokenizer", "auto: the checkpoint's tokenizer.json (required); byte: UTF-8 bytes as token ids",
+         default=EngineConfig.tokenizer, choices=("auto", "byte"))
     _add(g, "--max-model-len", "longest prompt + generation (default: the model's max_position_embeddings)",
          type=int)
 
@@ -150,6 +152,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
         max_model_len=args.max_model_len,
+        tokenizer=args.tokenizer,
     )
     server_cfg = ServerConfig(
         listen=args.listen,

@@ -33,6 +33,8 @@ class EngineConfig:
     host_cache_bytes: int = 512 << 20
     overlap_loads: bool = True  # False: blocking slot copies (benchmark baseline only)
     seed: int = 0
+    # auto: the checkpoint's tokenizer.json (refused without one); byte: bytes 0-255 are tokens 0-255
+    tokenizer: str = "auto"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

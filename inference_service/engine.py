@@ -83,7 +83,8 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.metrics = metrics or NullMetrics()
-        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype())
+        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
+                                           config.tokenizer)
         self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
         self.lora = self.runner.lora
         self.scheduler = Scheduler(config, self.runner.kv, self.lora)
@@ -122,7 +123,7 @@ class EngineCore:
         """Take a validated request in; resolves the adapter name and takes its reference."""
         if adapter:
             request.adapter_uid = self.lora.acquire(adapter, request.request_id)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         self.scheduler.add(request)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -52,25 +53,43 @@ class FileTokenizer:
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, holding back an incomplete UTF-8 tail.
 
-    Each update decodes a short window, not the whole output so far (that made a long generation
-    quadratic): the tokens not yet emitted, after the previously emitted ones as context. Both
-    decodes start at the same token, so a tokenizer that drops a leading space at the start of a
-    decode (SentencePiece) drops it from both and the difference is right.
+    Seeded with the prompt's last tokens: the first generated token is decoded after them, as
+    in the full text, so a tokenizer that drops the leading space of a decode's first piece
+    (SentencePiece/Metaspace) keeps that token's space. Each update decodes a short window, not
+    the whole output so far (that made a long generation quadratic): the tokens not yet
+    emitted, after the previously emitted ones as context; both decodes start at the same
+    token, so whatever a decoder does at a window's start it does to both and the difference
+    is right.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    PROMPT_CONTEXT = 6  # prompt tokens of context: enough for any decoder's look-back at a boundary
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.text = ""
+        self._context = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
+        # Offsets count context + output tokens.
         self._prefix_offset = 0  # the window starts here: context, already emitted
-        self._read_offset = 0  # tokens before this one are emitted
+        self._read_offset = len(self._context)  # tokens before this one are emitted
 
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """All output tokens so far → the new text since the last call."""
-        prefix = self.tokenizer.decode(token_ids[self._prefix_offset : self._read_offset])
-        text = self.tokenizer.decode(token_ids[self._prefix_offset :])
+        prefix = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, self._read_offset))
+        text = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, None))
         if not final and text.endswith("\ufffd"):
             return ""  # a character split across tokens: wait for the rest of it
         delta = text[len(prefix) :] if text.startswith(prefix) else ""  # never retract sent text
-        self.text += delta
-        self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        if delta:
+            # Slide only past tokens that produced text: a window must not start at a token that
+            # decodes to nothing (a skipped special token), where a decoder would strip the next
+            # piece's leading space in `text` but not in `prefix`.
+            self.text += delta
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._context) + len(token_ids)
         return delta
+
+    def _window(self, token_ids: list[int], start: int, end: int | None) -> list[int]:
+        """Tokens [start, end) of context + output, without joining the two whole."""
+        n = len(self._context)
+        out_end = None if end is None else max(0, end - n)
+        head = self._context[start:end] if start < n else []
+        return head + token_ids[max(0, start - n) : out_end]
