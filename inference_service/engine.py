@@ -109,6 +109,8 @@ class EngineCore:
             raise InvalidArgumentError("the prompt is empty")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
+        if any(t >= info.vocab_size for t, _ in params.logit_bias):
+            raise InvalidArgumentError(f"logit_bias token ids must be in [0, {info.vocab_size})")
         params.validate(info.max_new_tokens_limit)
         total = len(prompt_token_ids) + params.max_new_tokens
         if len(prompt_token_ids) >= info.max_context or total > info.max_context:
@@ -123,7 +125,8 @@ class EngineCore:
         """Take a validated request in; resolves the adapter name and takes its reference."""
         if adapter:
             request.adapter_uid = self.lora.acquire(adapter, request.request_id)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.scheduler.add(request)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
@@ -165,7 +168,7 @@ class EngineCore:
         detok = self._detokenizers[request.request_id]
         reason = None
         if token in p.stop_token_ids:
-            reason = FinishReason.STOP
+            reason, request.stop_reason = FinishReason.STOP, token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             reason = FinishReason.EOS
         elif len(request.output_token_ids) >= p.max_new_tokens:
@@ -173,12 +176,13 @@ class EngineCore:
         previous = detok.text
         detok.update(request.output_token_ids, final=reason is not None)
         text = detok.text
-        if p.stop and reason in (None, FinishReason.LENGTH):
+        if p.stop and reason in (None, FinishReason.LENGTH) and len(request.output_token_ids) >= p.min_tokens:
             longest = max(len(s) for s in p.stop)
             window_start = max(0, len(previous) - longest)
-            hits = [i for s in p.stop if (i := text.find(s, window_start)) >= 0]
+            hits = [(i, s) for s in p.stop if (i := text.find(s, window_start)) >= 0]
             if hits:
-                text, reason = text[: min(hits)], FinishReason.STOP
+                first, request.stop_reason = min(hits)
+                text, reason = text[:first], FinishReason.STOP
             elif reason is None:
                 # Hold back a tail that may yet become a stop string: never stream part of one.
                 text = text[: max(0, len(text) - longest + 1)]
@@ -192,6 +196,8 @@ class EngineCore:
             generated_tokens=len(request.output_token_ids),
             timings=timings,
             logits=[logits] if p.return_logits else None,  # type: ignore[list-item]
+            logprobs=[request.step_logprobs] if p.logprobs is not None else None,  # type: ignore[list-item]
+            stop_reason=request.stop_reason,
         )
         if reason is not None:
             self.scheduler.finish(request, reason)

@@ -15,7 +15,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -31,8 +31,12 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.BOS, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+        special = {self.BOS: b"<s>", self.EOS: b"</s>"}
+        return b"".join(special.get(t, b"") if t >= 256 else bytes((t,)) for t in token_ids).decode(
+            "utf-8", errors="replace")
 
 
 class FileTokenizer:
@@ -46,8 +50,8 @@ class FileTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -63,19 +67,35 @@ class IncrementalDetokenizer:
     """
 
     PROMPT_CONTEXT = 6  # prompt tokens of context: enough for any decoder's look-back at a boundary
+    MAX_PROMPT_CONTEXT = 96
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.text = ""
-        self._context = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
+        self._context = self._prompt_context(prompt_token_ids)
         # Offsets count context + output tokens.
         self._prefix_offset = 0  # the window starts here: context, already emitted
         self._read_offset = len(self._context)  # tokens before this one are emitted
 
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last tokens, reaching back (a bounded way) past tokens that decode to
+        nothing (skipped special tokens): a context that decodes empty is no context, the
+        decoder would strip the first generated token's leading space again."""
+        n = self.PROMPT_CONTEXT
+        context = list(prompt_token_ids[-n:])
+        while not self.tokenizer.decode(context, self.skip_special_tokens) and len(context) < len(prompt_token_ids) \
+                and n < self.MAX_PROMPT_CONTEXT:
+            n *= 2
+            context = list(prompt_token_ids[-n:])
+        return context
+
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """All output tokens so far → the new text since the last call."""
-        prefix = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, self._read_offset))
-        text = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, None))
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, self._read_offset), skip)
+        text = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, None), skip)
         if not final and text.endswith("\ufffd"):
             return ""  # a character split across tokens: wait for the rest of it
         delta = text[len(prefix) :] if text.startswith(prefix) else ""  # never retract sent text

@@ -127,9 +127,9 @@ def test_each_update_decodes_a_short_window():
     class Counting(ByteTokenizer):
         decoded = 0
 
-        def decode(self, token_ids: list[int]) -> str:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
             Counting.decoded += len(token_ids)
-            return super().decode(token_ids)
+            return super().decode(token_ids, skip_special_tokens)
 
     token_ids = list(("héllo wörld " * 100).encode("utf-8"))
     assert "".join(stream(Counting(), token_ids, list(range(50)))) == "héllo wörld " * 100
