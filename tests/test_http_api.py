@@ -13,6 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
+import grpc
 import httpx2 as httpx  # the HTTP client the openai SDK is built on
 import openai
 import pytest
@@ -331,6 +332,15 @@ GENERATE_CASES = {
     "two prompts": (dict(prompt=["a", "b"]), 400),
     "prompt of the wrong type": (dict(prompt={"text": "hi"}), 400),
     "no model": (dict(model=None), 400),
+    # sampling parity fields (their gRPC twins: test_parity_bad_inputs_over_grpc)
+    "frequency_penalty too large": (dict(frequency_penalty=2.5), 400),
+    "presence_penalty too small": (dict(presence_penalty=-2.5), 400),
+    "repetition_penalty zero": (dict(repetition_penalty=0), 400),
+    "min_p above 1": (dict(min_p=1.5), 400),
+    "min_tokens over max_tokens": (dict(min_tokens=5), 400),
+    "logit_bias out of range": (dict(logit_bias={"65": 101}), 400),
+    "logit_bias id outside vocab": (dict(logit_bias={"100000": 1}), 400),
+    "logit_bias key not an id": (dict(logit_bias={"abc": 1}), 400),
 }
 
 
@@ -453,3 +463,101 @@ def test_plain_urllib_sees_openai_error_shape(env):
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400
     assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+
+
+# ---- sampling parity over both APIs ---------------------------------------------------------
+
+PARITY = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3, min_tokens=4,
+              logit_bias={"101": 3.0, "32": -2.0})
+
+
+def _grpc_parity(server, prompt: str, logprobs: int, **sampling) -> list:
+    from inference_service.api import inference_pb2 as pb
+    from inference_service.api import inference_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest(text=prompt, adapter=ADAPTERS[0], max_new_tokens=10, logprobs=logprobs,
+                             min_tokens=sampling.pop("min_tokens", 0), stop=sampling.pop("stop", []))
+    bias = sampling.pop("logit_bias", {})
+    req.sampling.CopyFrom(pb.SamplingParams(**sampling))
+    for k, v in bias.items():
+        req.sampling.logit_bias[int(k)] = v
+    with InferenceClient(server.address) as c:
+        return list(pb_grpc.InferenceStub(c.channel).Generate(req, timeout=60))
+
+
+def test_sampling_parity_fields_give_the_same_output_over_http_and_grpc(env):
+    server = env[0]
+    r = _client(server).completions.create(
+        model=ADAPTERS[0], prompt="parity", max_tokens=10, temperature=0, logprobs=3,
+        frequency_penalty=PARITY["frequency_penalty"], presence_penalty=PARITY["presence_penalty"],
+        logit_bias=PARITY["logit_bias"], extra_body={k: PARITY[k] for k in ("repetition_penalty", "min_tokens")})
+    msgs = _grpc_parity(server, "parity", 3, **PARITY)
+    assert r.choices[0].text == "".join(m.text for m in msgs)
+    grpc_lps = [lp for m in msgs for lp in m.logprobs]
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(grpc_lps) == 10
+    assert lp.token_logprobs == pytest.approx([g.logprob for g in grpc_lps], abs=1e-6)
+    assert all(len(g.top) == 3 for g in grpc_lps)
+    # completions' top_logprobs is a dict by token text: byte tokens >= 0x80 all read '\ufffd' and merge
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert [len(t) for t in lp.tokens] and lp.text_offset[0] == 0
+    plain = _client(server).completions.create(model=ADAPTERS[0], prompt="parity", max_tokens=10, temperature=0)
+    assert plain.choices[0].text != r.choices[0].text, "the parity fields changed nothing"
+
+
+def test_chat_logprobs_and_stop_reason(env):
+    server = env[0]
+    client = _client(server)
+    r = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy: the top one
+    full = client.completions.create(model=BASE, prompt="stop here", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[4:7]
+    for stream in (False, True):
+        kw = dict(model=BASE, prompt="stop here", max_tokens=30, temperature=0, stop=["\x00nope", stop],
+                  extra_body={"ignore_eos": True})
+        if stream:
+            last = [c for c in client.completions.create(stream=True, **kw) if c.choices][-1].choices[0]
+        else:
+            last = client.completions.create(**kw).choices[0]
+        assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop, stream
+    r = _post(server, "/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "x"}],
+                                               "top_logprobs": 2})
+    assert r.status_code == 400 and "logprobs" in _error_of(r)["message"]
+    r = _post(server, "/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "x"}],
+                                               "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400
+
+
+def test_tokenize_and_detokenize_rpcs(env):
+    from inference_service.api import inference_pb2 as pb
+    from inference_service.api import inference_pb2_grpc as pb_grpc
+
+    server = env[0]
+    with InferenceClient(server.address) as c:
+        stub = pb_grpc.InferenceStub(c.channel)
+        ids = list(stub.Tokenize(pb.TokenizeRequest(text="héllo"), timeout=10).token_ids)
+        assert ids == _post(server, "/tokenize", {"prompt": "héllo"}).json()["tokens"]
+        bare = stub.Tokenize(pb.TokenizeRequest(text="hi", add_special_tokens=False), timeout=10).token_ids
+        assert list(bare) == [104, 105]
+        assert stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=10).text == "héllo"
+        shown = stub.Detokenize(pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=False), timeout=10).text
+        assert shown == "<s>héllo"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Detokenize(pb.DetokenizeRequest(token_ids=[99999]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("bad", [
+    dict(frequency_penalty=2.5), dict(presence_penalty=-2.5), dict(repetition_penalty=0.0), dict(min_p=1.5),
+    dict(min_tokens=11), dict(logit_bias={"65": 101.0}), dict(logit_bias={"100000": 1.0}), dict(logprobs=21),
+])
+def test_parity_bad_inputs_over_grpc(env, bad):
+    bad = dict(bad)
+    logprobs = bad.pop("logprobs", 0)
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_parity(env[0], "x", logprobs, **bad)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details()

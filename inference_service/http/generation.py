@@ -23,7 +23,7 @@ from inference_service.chat_template import ChatTemplate
 from inference_service.errors import InvalidArgumentError, LoraplexError
 from inference_service.http.errors import error_body, status_of
 from inference_service.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
-from inference_service.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
 log = logging.getLogger("loraplex.http")
 
@@ -142,6 +142,14 @@ class OpenAIGeneration:
             stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            min_p=body.min_p,
+            min_tokens=body.min_tokens,
+            logit_bias=_logit_bias(body.logit_bias),
+            logprobs=_logprobs(body),
+            skip_special_tokens=body.skip_special_tokens,
         )
         params.validate(info.max_new_tokens_limit)
         return params
@@ -160,10 +168,13 @@ class OpenAIGeneration:
 
         async def run() -> tuple[str, RequestOutput]:
             parts: list[str] = []
+            logprobs: list[TokenLogprobs] = []
             async for out in gen.stream:
                 gen.observe(out)
                 parts.append(out.text)
+                logprobs += out.logprobs or ()
                 if out.finished:
+                    out.logprobs = logprobs if out.logprobs is not None else None
                     return "".join(parts), out
             raise RuntimeError("engine stream ended without a final output")
 
@@ -191,7 +202,7 @@ class OpenAIGeneration:
                                     "choices": [] if no_choice else [{"index": 0, **choice}]}
             if usage is not None:
                 body["usage"] = usage
-            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+            return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
         if chat:
             yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
@@ -205,28 +216,65 @@ class OpenAIGeneration:
                 yield b"data: " + json.dumps(error_body(str(error), gen.status, error.code)).encode() + b"\n\n"
                 break
             finish = OPENAI_FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
-            if out.text or finish:
+            if out.text or finish or out.logprobs:
                 content = {"delta": {"content": out.text}} if chat else {"text": out.text}
-                yield chunk({**content, "logprobs": None, "finish_reason": finish})
+                yield chunk({**content, "logprobs": self.logprobs_body(out.logprobs, chat), "finish_reason": finish,
+                             **({"stop_reason": out.stop_reason} if finish else {})})
             if out.finished:
                 break
         if include_usage and last is not None and gen.status == 200:
             yield chunk({}, usage=usage(gen.prompt_tokens, last.generated_tokens), no_choice=True)
         yield b"data: [DONE]\n\n"
 
-    @staticmethod
-    def completion_body(gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
+    def completion_body(self, gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
         return {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": OPENAI_FINISH.get(last.finish_reason)}],  # type: ignore[arg-type]
+                "choices": [{"index": 0, "text": text, "logprobs": self.logprobs_body(last.logprobs, chat=False),
+                             "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
+                             "stop_reason": last.stop_reason}],
                 "usage": usage(gen.prompt_tokens, last.generated_tokens)}
 
-    @staticmethod
-    def chat_body(gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
+    def chat_body(self, gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
         return {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": OPENAI_FINISH.get(last.finish_reason)}],  # type: ignore[arg-type]
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": self.logprobs_body(last.logprobs, chat=True),
+                             "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
+                             "stop_reason": last.stop_reason}],
                 "usage": usage(gen.prompt_tokens, last.generated_tokens)}
+
+    def logprobs_body(self, logprobs: list[TokenLogprobs] | None, chat: bool) -> dict[str, Any] | None:
+        """OpenAI's logprobs shapes: chat's `content` list, or completions' parallel lists."""
+        if logprobs is None:
+            return None
+        piece = self._piece
+        if chat:
+            return {"content": [
+                {"token": piece(lp.token_id), "logprob": lp.logprob, "bytes": list(piece(lp.token_id).encode()),
+                 "top_logprobs": [{"token": piece(t), "logprob": v, "bytes": list(piece(t).encode())}
+                                  for t, v in lp.top]}
+                for lp in logprobs]}
+        tokens = [piece(lp.token_id) for lp in logprobs]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{piece(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+
+    def _piece(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple(sorted((int(token), float(value)) for token, value in (bias or {}).items()))
+    except ValueError:
+        raise InvalidArgumentError("logit_bias keys must be token ids") from None
+
+
+def _logprobs(body: _Sampling) -> int | None:
+    """Completions: `logprobs` is the top-k count; chat: `logprobs` switches on, `top_logprobs` is k."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidArgumentError("top_logprobs needs logprobs set to true")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -7,11 +7,9 @@ OpenAI schema is accepted and ignored (`user`, `metadata`) or refused with a cle
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-
-MAX_STOP_STRINGS = 16
 
 
 class StreamOptions(BaseModel):
@@ -35,6 +33,13 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
+    repetition_penalty: float | None = None  # vLLM extension
+    min_p: float = 0.0  # vLLM extension
+    min_tokens: int = 0  # vLLM extension
+    skip_special_tokens: bool = True  # vLLM extension
 
 
 class CompletionRequest(_Sampling):
@@ -43,6 +48,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = None  # the top-k alternatives per token (k <= 20)
 
 
 class ChatMessage(BaseModel):
@@ -60,6 +66,8 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
     tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -87,5 +95,3 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
 
-
-FinishReasonName = Literal["stop", "length"]
