@@ -1,14 +1,13 @@
 """Chat templates render exactly as transformers' apply_chat_template does, for the three
 template families most checkpoints use (Llama 3, ChatML/Qwen2, Mistral), built here; template
 errors (raise_exception, sandbox escapes) are INVALID_ARGUMENT; the template comes from
-tokenizer_config.json, chat_template.jinja or --chat-template; a chat request to a model
-without one gets a clear 400 over HTTP."""
+tokenizer_config.json, chat_template.jinja or --chat-template. (A chat request to a model without
+one: tests/test_http_api.py::test_server_without_a_chat_template_and_with_max_model_len.)"""
 
 from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
 import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
@@ -143,13 +142,3 @@ def test_loaded_from_the_checkpoint_or_the_override(tmp_path):
     llama = hf_tokenizer(LLAMA3).apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert load_chat_template(str(ckpt), str(override)).render(conversation) == llama
 
-
-def test_chat_request_to_a_model_without_a_template_is_a_clear_400(inference_server_factory):
-    server = inference_server_factory("--model", "builtin:tiny", http=True)
-    r = httpx.post(server.http_url + "/v1/chat/completions", timeout=30,
-                   json={"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400
-    assert "no chat template" in r.json()["error"]["message"] and "--chat-template" in r.json()["error"]["message"]
-    ok = httpx.post(server.http_url + "/v1/completions", timeout=30,
-                    json={"model": "builtin:tiny", "prompt": "hi", "max_tokens": 2})
-    assert ok.status_code == 200

@@ -67,7 +67,8 @@ def env(tmp_path_factory):
         ["--model", BASE, "--max-loras", "2", "--max-lora-rank", "16", "--max-new-tokens-limit", str(LIMIT),
          "--max-message-bytes", str(MAX_MESSAGE), "--adapter-source-allow", root.as_uri(),
          "--chat-template", str(template)],
-        env={"LORAPLEX_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path_factory.mktemp("http-logs"), http=True,
+        env={"LORAPLEX_ADMIN_TOKEN": TOKEN, "LORAPLEX_SERVED_MODEL_NAME": f"{BASE},base-alias"},
+        log_dir=tmp_path_factory.mktemp("http-logs"), http=True,
     )
     for name in ADAPTERS:
         r = _post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(root / name)}, token=TOKEN)
@@ -220,6 +221,29 @@ def test_models_lists_base_and_adapters_with_parent(env):
     assert models[BASE].model_extra["parent"] is None
     assert all(models[a].model_extra["parent"] == BASE for a in ADAPTERS)
     assert models[ADAPTERS[0]].model_extra["root"].endswith("/" + ADAPTERS[0])
+
+
+def test_served_model_names_all_name_the_base_model(env):
+    server = env[0]
+    models = {m.id: m for m in _client(server).models.list().data}
+    assert models["base-alias"].model_extra["parent"] is None
+    kw = dict(prompt="alias", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    client = _client(server)
+    assert client.completions.create(model="base-alias", **kw).choices[0].text == \
+        client.completions.create(model=BASE, **kw).choices[0].text
+
+
+def test_server_without_a_chat_template_and_with_max_model_len(inference_server_factory):
+    server = inference_server_factory("--model", BASE, "--max-model-len", "128", http=True)
+    r = _post(server, "/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    message = _error_of(r)["message"]
+    assert "no chat template" in message and "--chat-template" in message
+    assert _client(server).models.list().data[0].model_extra["max_model_len"] == 128
+    r = _post(server, "/v1/completions", {"model": BASE, "prompt": "x" * 120, "max_tokens": 16})
+    assert r.status_code == 400 and "context" in _error_of(r)["message"]
+    ok = _post(server, "/v1/completions", {"model": BASE, "prompt": "x" * 100, "max_tokens": 16})
+    assert ok.status_code == 200, ok.text
 
 
 def test_tokenize_and_detokenize(env):
