@@ -196,7 +196,7 @@ async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    http = None
+    http_stopped = None
     if http_cfg.port:
         from inference_service.chat_template import load_chat_template
         from inference_service.http.app import build_app
@@ -207,11 +207,20 @@ async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, 
         app = build_app(engine, server_cfg, names, template, registry)
         http = await start_http(app, http_cfg, server_cfg.shutdown_grace_s)
         print(f"HTTP http://{http_cfg.addr}:{http_cfg.port}", flush=True)
+
+        async def stop_http() -> None:  # drains beside gRPC (same signal, same grace), not after it
+            try:
+                await stop.wait()
+            finally:
+                await http.stop()
+
+        http_stopped = asyncio.create_task(stop_http())
     try:
         await serve(engine, server_cfg, sink, stop=stop)
     finally:
-        if http is not None:
-            await http.stop()
+        stop.set()
+        if http_stopped is not None:
+            await http_stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:

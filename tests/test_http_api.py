@@ -6,6 +6,7 @@ input (mapped status + OpenAI error body), and no leak when a client walks away 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 import urllib.error
@@ -244,6 +245,16 @@ def test_server_without_a_chat_template_and_with_max_model_len(inference_server_
     assert r.status_code == 400 and "context" in _error_of(r)["message"]
     ok = _post(server, "/v1/completions", {"model": BASE, "prompt": "x" * 100, "max_tokens": 16})
     assert ok.status_code == 200, ok.text
+    # SIGTERM drains: a stream in flight finishes (within the grace period), then the process exits 0
+    body = {"model": BASE, "prompt": "drain", "max_tokens": 100, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.http_url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(30) == 0
 
 
 def test_tokenize_and_detokenize(env):
