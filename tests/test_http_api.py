@@ -367,6 +367,7 @@ GENERATE_CASES = {
     "two prompts": (dict(prompt=["a", "b"]), 400),
     "prompt of the wrong type": (dict(prompt={"text": "hi"}), 400),
     "no model": (dict(model=None), 400),
+    "seed out of range": (dict(seed=2**64), 400),
     # sampling parity fields (their gRPC twins: test_parity_bad_inputs_over_grpc)
     "frequency_penalty too large": (dict(frequency_penalty=2.5), 400),
     "presence_penalty too small": (dict(presence_penalty=-2.5), 400),
@@ -596,3 +597,4 @@ def test_parity_bad_inputs_over_grpc(env, bad):
     with pytest.raises(grpc.RpcError) as e:
         _grpc_parity(env[0], "x", logprobs, **bad)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details()
+

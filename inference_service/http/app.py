@@ -101,15 +101,17 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
     base = served_model_names[0]
 
     @app.exception_handler(LoraplexError)
-    async def _loraplex_error(_: HttpRequest, exc: LoraplexError) -> JSONResponse:
+    async def _loraplex_error(http: HttpRequest, exc: LoraplexError) -> JSONResponse:
+        log.info("%s %s refused: %s %s", http.method, http.url.path, exc.code, exc)  # as gRPC logs each outcome
         return loraplex_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+    async def _bad_body(http: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(f"{where}: {first.get('msg', 'invalid request body')}" if where else
-                              str(first.get("msg", "invalid request body")), 400, "INVALID_ARGUMENT",
+        message = str(first.get("msg", "invalid request body"))
+        log.info("%s %s refused: INVALID_ARGUMENT %s %s", http.method, http.url.path, where, message)
+        return error_response(f"{where}: {message}" if where else message, 400, "INVALID_ARGUMENT",
                               param=where or None)
 
     @app.exception_handler(Exception)

@@ -25,7 +25,7 @@ class _Sampling(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # vLLM extension
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)  # gRPC's uint64
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
