@@ -451,6 +451,8 @@ def _admin_cases(root, outside):
         "empty name": (TOKEN, dict(lora_name="", lora_path=str(root / ADAPTERS[0])), 400),
         "the base model's name": (TOKEN, dict(lora_name=BASE, lora_path=str(root / ADAPTERS[0])), 400),
         "no path": (TOKEN, dict(lora_name="x"), 400),
+        "bad sha256": (TOKEN, dict(lora_name="x", lora_path=str(root / ADAPTERS[0]), sha256="zz"), 400),
+        "sha256 mismatch": (TOKEN, dict(lora_name="x", lora_path=str(root / ADAPTERS[0]), sha256="0" * 64), 400),
     }
 
 

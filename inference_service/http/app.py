@@ -172,10 +172,13 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
             raise InvalidArgumentError(f"{body.lora_name!r} is the base model's name")
         path = body.lora_path
         uri = uri_policy.check(Path(path).absolute().as_uri() if path.startswith("/") else path)
+        sha256 = (body.sha256 or "").lower() or None
+        if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
+            raise InvalidArgumentError("sha256 must be 64 hex characters")
         if not body.load_inplace and any(a.name == body.lora_name for a in engine.list_adapters()):
             raise InvalidArgumentError(
                 f"adapter {body.lora_name!r} is already loaded (set load_inplace to replace it)")
-        await asyncio.wrap_future(engine.load_adapter(body.lora_name, uri, preload=True))
+        await asyncio.wrap_future(engine.load_adapter(body.lora_name, uri, sha256=sha256, preload=True))
         log.info("adapter %s loaded from %s (HTTP)", body.lora_name, uri)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 

@@ -76,6 +76,7 @@ class LoadLoraAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
     load_inplace: bool = False
+    sha256: str | None = None  # extension (gRPC's LoadAdapter field): expected digest of the weights
 
 
 class UnloadLoraAdapterRequest(BaseModel):
