@@ -176,10 +176,11 @@ class EngineCore:
         previous = detok.text
         detok.update(request.output_token_ids, final=reason is not None)
         text = detok.text
-        if p.stop and reason in (None, FinishReason.LENGTH) and len(request.output_token_ids) >= p.min_tokens:
+        if p.stop and reason in (None, FinishReason.LENGTH):
             longest = max(len(s) for s in p.stop)
             window_start = max(0, len(previous) - longest)
-            hits = [(i, s) for s in p.stop if (i := text.find(s, window_start)) >= 0]
+            matching = len(request.output_token_ids) >= p.min_tokens  # no stop string before min_tokens
+            hits = [(i, s) for s in p.stop if matching and (i := text.find(s, window_start)) >= 0]
             if hits:
                 first, request.stop_reason = min(hits)
                 text, reason = text[:first], FinishReason.STOP

@@ -186,3 +186,17 @@ def test_engine_skip_special_tokens(core):
     assert "".join(o.text for o in eos_banned) == ""
     shown = _run(core, prompt, max_new_tokens=4, logit_bias=((EOS, 100.0),), skip_special_tokens=False)
     assert "".join(o.text for o in shown) == "</s>" * 4
+
+
+def test_engine_min_tokens_holds_off_stop_strings_and_tokens(core):
+    prompt = [256, *b"The quick brown"]
+    tokens = [t for o in _run(core, prompt, max_new_tokens=24) for t in o.new_token_ids]
+    text = "".join(o.text for o in _run(core, prompt, max_new_tokens=24))
+    early = text[1:3]  # appears within the first few tokens
+    assert _run(core, prompt, max_new_tokens=24, stop=(early,))[-1].finish_reason is FinishReason.STOP
+    # ignore_eos: min_tokens bans no token here, so the same greedy tokens come, the early match included
+    outs = _run(core, prompt, max_new_tokens=24, stop=(early,), min_tokens=20)
+    generated = [t for o in outs for t in o.new_token_ids]
+    assert len(generated) >= 20 and generated[:20] == tokens[:20], "stopped before min_tokens"
+    outs = _run(core, prompt, max_new_tokens=24, min_tokens=5, stop_token_ids=(tokens[0],))
+    assert len([t for o in outs for t in o.new_token_ids]) >= 5
