@@ -21,6 +21,7 @@ from inference_service.auth import admin_disabled_reason, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.env_flags import add_env_flag, env_name
 from inference_service.errors import LoraplexError
+from inference_service.http.config import HttpConfig
 from inference_service.limits import RequestLimits
 from inference_service.preload import read_preload_file
 from inference_service.server import ServerConfig
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--default-max-new-tokens", "max_new_tokens of requests that leave it unset", type=int,
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "engine seed", type=int, default=EngineConfig.seed)
+    _add(g, "--tokenizer", "auto: the checkpoint's tokenizer.json (required); byte: UTF-8 bytes as token ids",
+         default=EngineConfig.tokenizer, choices=("auto", "byte"))
 
     g = p.add_argument_group("request limits (INVALID_ARGUMENT past them; reported by GetModelInfo)")
     _add(g, "--max-stop-strings", "stop strings per request", type=int, default=RequestLimits.max_stop_strings)
@@ -117,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--drain-delay-s", "on SIGTERM, health turns NOT_SERVING at once and new RPCs are still served "
          "this long (part of --shutdown-grace-s) before they are refused", type=float,
          default=ServerConfig.drain_delay_s)
+
+    g = p.add_argument_group("OpenAI-compatible HTTP API (docs/http.md)")
+    _add(g, "--http-port", "HTTP port of /v1/completions, /v1/chat/completions, /v1/models, /metrics... (0: off)",
+         type=int, default=HttpConfig.port)
+    _add(g, "--http-addr", "address the HTTP API binds", default=HttpConfig.addr)
+    _add(g, "--served-model-name", "name(s) clients give as `model` for the base model (repeatable; default: "
+         "the checkpoint directory's name)", action="append", default=[])
+    _add(g, "--chat-template", "Jinja chat template file (default: the checkpoint's)")
 
     g = p.add_argument_group("security")
     _add(g, "--admin-token-file",
@@ -171,6 +182,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             max_prompt_chars=args.max_prompt_chars,
             max_request_id_length=args.max_request_id_length,
         ),
+        tokenizer=args.tokenizer,
     )
     server_cfg = ServerConfig(
         listen=args.listen,
@@ -195,14 +207,49 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     return engine_cfg, server_cfg
 
 
-async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, registry: Any) -> None:
+def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
+    """The HTTP front end's settings; its admin routes follow the gRPC rules (admin_disabled_reason)."""
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError("--max-model-len must be >= 2")
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template {args.chat_template}: no such file")
+    return HttpConfig(port=args.http_port, addr=args.http_addr,
+                      served_model_names=tuple(args.served_model_name), chat_template=args.chat_template)
+
+
+async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
+                              registry: Any) -> None:
     from inference_service.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve(engine, server_cfg, sink, stop=stop, collectors=registry)
+    http_stopped = None
+    if http_cfg.port:
+        from inference_service.chat_template import load_chat_template
+        from inference_service.http.app import build_app
+        from inference_service.http.serving import start_http
+
+        names = http_cfg.served_model_names or (engine.model_info.name,)
+        template = load_chat_template(engine.config.model, http_cfg.chat_template)
+        app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}")
+        http = await start_http(app, http_cfg, server_cfg.shutdown_grace_s)
+        print(f"HTTP http://{http_cfg.addr}:{http_cfg.port}", flush=True)
+
+        async def stop_http() -> None:  # drains beside gRPC (same signal, same grace), not after it
+            try:
+                await stop.wait()
+            finally:
+                await http.stop()
+
+        http_stopped = asyncio.create_task(stop_http())
+    try:
+        await serve(engine, server_cfg, sink, stop=stop, collectors=registry)
+    finally:
+        stop.set()
+        if http_stopped is not None:
+            await http_stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         engine_cfg, server_cfg = configs_from_args(args)
+        http_cfg = http_config_from_args(args)
     except (ValueError, OSError, LoraplexError) as e:
         parser.error(str(e))
 
@@ -229,8 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server_cfg.metrics_port:
             metrics_server = serve_metrics(registry, server_cfg.metrics_port, server_cfg.metrics_addr)
             print(f"METRICS http://{server_cfg.metrics_addr}:{server_cfg.metrics_port}/metrics", flush=True)
-        asyncio.run(_serve_until_signal(engine, server_cfg, sink, registry))
-    except (RuntimeError, LoraplexError) as e:
+        asyncio.run(_serve_until_signal(engine, server_cfg, sink, http_cfg, registry))
+    except (RuntimeError, ValueError, LoraplexError) as e:
         log.error("%s", e)
         return 1
     finally:

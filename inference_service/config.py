@@ -49,6 +49,8 @@ class EngineConfig:
     adapter_load_timeout_s: float = 120.0
     limits: RequestLimits = field(default_factory=RequestLimits)
     seed: int = 0
+    # auto: the checkpoint's tokenizer.json (refused without one); byte: bytes 0-255 are tokens 0-255
+    tokenizer: str = "auto"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

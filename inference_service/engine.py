@@ -94,7 +94,8 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.metrics = metrics or NullMetrics()
-        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype())
+        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
+                                           config.tokenizer)
         self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
         self.lora = self.runner.lora
         self.scheduler = Scheduler(config, self.runner.kv, self.lora)
@@ -125,6 +126,8 @@ class EngineCore:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
         check_stop(params.stop, len(params.stop_token_ids), info.limits)
+        if any(t >= info.vocab_size for t, _ in params.logit_bias):
+            raise InvalidArgumentError(f"logit_bias token ids must be in [0, {info.vocab_size})")
         params.validate(info.max_new_tokens_limit)
         if any(t >= info.vocab_size for t in params.stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be in [0, {info.vocab_size})")
@@ -141,7 +144,8 @@ class EngineCore:
         """Take a validated request in; resolves the adapter name and takes its reference."""
         if adapter:
             request.adapter_uid = self.lora.acquire(adapter, request.request_id)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.scheduler.add(request)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
@@ -225,7 +229,7 @@ class EngineCore:
         detok = self._detokenizers[request.request_id]
         reason = None
         if token in p.stop_token_ids:
-            reason = FinishReason.STOP
+            reason, request.stop_reason = FinishReason.STOP, token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             reason = FinishReason.EOS
         elif len(request.output_token_ids) >= p.max_new_tokens:
@@ -236,9 +240,11 @@ class EngineCore:
         if p.stop and reason in (None, FinishReason.LENGTH):
             longest = max(len(s) for s in p.stop)
             window_start = max(0, len(previous) - longest)
-            hits = [i for s in p.stop if (i := text.find(s, window_start)) >= 0]
+            matching = len(request.output_token_ids) >= p.min_tokens  # no stop string before min_tokens
+            hits = [(i, s) for s in p.stop if matching and (i := text.find(s, window_start)) >= 0]
             if hits:
-                text, reason = text[: min(hits)], FinishReason.STOP
+                first, request.stop_reason = min(hits)
+                text, reason = text[:first], FinishReason.STOP
             elif reason is None:
                 # Hold back a tail that may yet become a stop string: never stream part of one.
                 text = text[: max(0, len(text) - longest + 1)]
@@ -252,6 +258,8 @@ class EngineCore:
             generated_tokens=len(request.output_token_ids),
             timings=timings,
             logits=[logits] if p.return_logits else None,  # type: ignore[list-item]
+            logprobs=[request.step_logprobs] if p.logprobs is not None else None,  # type: ignore[list-item]
+            stop_reason=request.stop_reason,
         )
         if reason is not None:
             self.scheduler.finish(request, reason)

@@ -24,7 +24,7 @@ from inference_service.lora.source import AdapterSource, LocalDirectorySource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
 from inference_service.request import Request
-from inference_service.sampling import sample
+from inference_service.sampling import attach_logprobs, process_logits, sample
 from inference_service.scheduler import ScheduledBatch
 from inference_service.tokenizer import Tokenizer
 
@@ -113,7 +113,9 @@ class ModelRunner:
             logits = self.model(forward, self.kv.layers)
             if not sampled:
                 return {}
-            tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+            processed = process_logits(logits, sampled, self.tokenizer.eos_token_ids)  # return_logits: raw
+            tokens = sample(processed, [r.params for r in sampled], [r.generator for r in sampled])
+            attach_logprobs(processed, sampled, tokens)
         return {
             r.request_id: (t, logits[i] if r.params.return_logits else None)
             for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))

@@ -201,6 +201,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             stop=tuple(request.stop),
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            min_p=s.min_p,
+            min_tokens=request.min_tokens,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
         )
         # The engine validates again; checking here too keeps the contract independent of it.
         params.validate(self.engine.model_info.max_new_tokens_limit)
@@ -209,6 +217,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     @staticmethod
     def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.text)
+        for lp in out.logprobs or ():
+            resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                              top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        if isinstance(out.stop_reason, str):
+            resp.stop_string = out.stop_reason
+        elif out.stop_reason is not None:
+            resp.stop_token_id = out.stop_reason
         if out.finished:
             resp.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
             resp.usage.prompt_tokens = out.prompt_tokens
@@ -308,6 +323,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
 
         return await self._unary("GetModelInfo", context, run, pb.GetModelInfoRequest, raw)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
+        async def run(r: pb.TokenizeRequest) -> pb.TokenizeResponse:
+            special = r.add_special_tokens if r.HasField("add_special_tokens") else True
+            return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(r.text, add_special_tokens=special))
+
+        return await self._unary("Tokenize", context, run, request)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        async def run(r: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+            vocab = self.engine.model_info.vocab_size
+            if any(t >= vocab for t in r.token_ids):
+                raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
+            skip = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
+            return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(list(r.token_ids), skip))
+
+        return await self._unary("Detokenize", context, run, request)
 
     async def _unary(
         self,
