@@ -221,7 +221,10 @@ def test_models_lists_base_and_adapters_with_parent(env):
     assert set(models) >= {BASE, *ADAPTERS}
     assert models[BASE].model_extra["parent"] is None
     assert all(models[a].model_extra["parent"] == BASE for a in ADAPTERS)
-    assert models[ADAPTERS[0]].model_extra["root"].endswith("/" + ADAPTERS[0])
+    assert models[ADAPTERS[0]].model_extra["root"] == ADAPTERS[0]  # anonymous callers never see URIs
+    admin = openai.OpenAI(base_url=server.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    as_admin = {m.id: m for m in admin.models.list().data}
+    assert as_admin[ADAPTERS[0]].model_extra["root"].endswith("/" + ADAPTERS[0])
 
 
 def test_served_model_names_all_name_the_base_model(env):
@@ -488,9 +491,15 @@ def test_server_healthy_and_leak_free_after_errors(env):
     assert "Traceback" not in server.log(), server.log()[-3000:]
 
 
-def test_refuses_to_serve_http_on_a_public_address_without_a_token(tmp_path):
-    with pytest.raises(RuntimeError, match="without an admin token"):
-        start_inference_server(["--http-addr", "0.0.0.0"], log_dir=tmp_path, http=True, timeout=30)
+def test_public_http_address_without_a_token_serves_with_admin_routes_disabled(tmp_path, inference_server_factory):
+    """As gRPC (auth.admin_disabled_reason): off loopback with no token the server starts, generation
+    works, and the admin routes are refused with how to enable them."""
+    server = inference_server_factory("--http-addr", "0.0.0.0", http=True,
+                                      env={"LORAPLEX_ADMIN_TOKEN": ""})
+    r = _post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}, token="guess")
+    assert r.status_code == 403 and "admin RPCs are disabled" in r.json()["error"]["message"], r.text
+    done = _client(server).completions.create(model=BASE, prompt="hi", max_tokens=2, temperature=0)
+    assert done.usage.completion_tokens >= 1
 
 
 def test_plain_urllib_sees_openai_error_shape(env):
