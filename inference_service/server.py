@@ -324,22 +324,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
         return await self._unary("GetModelInfo", context, run, pb.GetModelInfoRequest, raw)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
-        async def run(r: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def run(r: pb.TokenizeRequest, _: Any) -> pb.TokenizeResponse:
+            limit = self.engine.model_info.limits.max_prompt_chars
+            if len(r.text) > limit:
+                raise InvalidArgumentError(f"text is longer than {limit} characters (--max-prompt-chars)")
             special = r.add_special_tokens if r.HasField("add_special_tokens") else True
             return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(r.text, add_special_tokens=special))
 
-        return await self._unary("Tokenize", context, run, request)
+        return await self._unary("Tokenize", context, run, pb.TokenizeRequest, raw)
 
-    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
-        async def run(r: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+    async def Detokenize(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def run(r: pb.DetokenizeRequest, _: Any) -> pb.DetokenizeResponse:
             vocab = self.engine.model_info.vocab_size
             if any(t >= vocab for t in r.token_ids):
                 raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
             skip = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
             return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(list(r.token_ids), skip))
 
-        return await self._unary("Detokenize", context, run, request)
+        return await self._unary("Detokenize", context, run, pb.DetokenizeRequest, raw)
 
     async def _unary(
         self,

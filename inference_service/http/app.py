@@ -212,6 +212,9 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
         if body.messages is not None:
             ids = openai.chat_prompt_ids(body.messages, body.add_generation_prompt)
         else:
+            limit = engine.model_info.limits.max_prompt_chars
+            if len(body.prompt) > limit:
+                raise InvalidArgumentError(f"prompt is longer than {limit} characters (--max-prompt-chars)")
             ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return JSONResponse({"count": len(ids), "max_model_len": engine.model_info.max_context, "tokens": ids})
 

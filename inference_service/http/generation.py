@@ -101,7 +101,7 @@ class OpenAIGeneration:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError("prompt is empty")
-            return list(self.engine.tokenizer.encode(prompt))
+            return list(self.engine.tokenizer.encode(self._bounded(prompt)))
         if not prompt:
             raise InvalidArgumentError("prompt is empty")
         return list(prompt)  # type: ignore[arg-type]
@@ -119,7 +119,14 @@ class OpenAIGeneration:
         text = self.chat_template.render([_message_dict(m) for m in messages], add_generation_prompt,
                                          continue_final_message, **(kwargs or {}))
         # The template writes the special tokens (BOS) itself, as transformers' apply_chat_template.
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.engine.tokenizer.encode(self._bounded(text), add_special_tokens=False))
+
+    def _bounded(self, text: str) -> str:
+        """Checked before tokenizing: that work grows with what the client sent (as gRPC's prompt check)."""
+        limit = self.engine.model_info.limits.max_prompt_chars
+        if len(text) > limit:
+            raise InvalidArgumentError(f"prompt is longer than {limit} characters (--max-prompt-chars)")
+        return text
 
     def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         refuse = [name for name, bad in (("n", body.n != 1), ("echo", getattr(body, "echo", False)),
