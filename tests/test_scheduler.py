@@ -57,7 +57,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def _core(**kwargs) -> EngineCore:
     config = dict(max_loras=4, max_lora_rank=8, kv_cache_bytes=4 << 20)
     config.update(kwargs)
-    return EngineCore(EngineConfig(**config))
+    return EngineCore(EngineConfig(device="cpu", **config))
 
 
 def test_preemption_gives_identical_outputs(tiny_adapters):

@@ -28,6 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.infra.devices import SERVER_DEVICE
 from tests.infra.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +115,7 @@ def start_inference_server(
     log_path = log_dir / f"inference-{port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.setdefault("LORAPLEX_DEVICE", SERVER_DEVICE)  # never "auto": a test states its device
     cmd = [sys.executable, "-m", "inference_service.cli", "--listen", listen,
            "--metrics-port", str(metrics_port), *args]
     with open(log_path, "wb") as log:
