@@ -108,7 +108,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except LoraplexError as e:
             code = e.code
             await context.abort(grpc.StatusCode[e.code], str(e))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while suspended at `yield`
             code = _cancel_code(context)
             if code == "DEADLINE_EXCEEDED":
                 abort_reason = FinishReason.DEADLINE
