@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from inference_service.metrics import build_registry
 from inference_service.request import FinishReason, RequestOutput, Timings
 from inference_service.server import ServerConfig, build_server
 from inference_service.tokenizer import ByteTokenizer
+from tests.infra.tools import require_tool
 
 GRPCURL = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "grpcurl"
 
@@ -263,9 +263,7 @@ def test_health_and_reflection_with_grpcurl():
         for service in ("", "loraplex.v1.Inference"):
             resp = await h.Check(health_pb2.HealthCheckRequest(service=service))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
-        if not GRPCURL.exists() and not shutil.which("grpcurl"):
-            return
-        exe = str(GRPCURL) if GRPCURL.exists() else "grpcurl"
+        exe = require_tool("grpcurl", GRPCURL)
         out = await asyncio.to_thread(subprocess.run, [exe, "-plaintext", f"127.0.0.1:{port}", "list"],
                                       capture_output=True, text=True, timeout=30)
         assert "loraplex.v1.Inference" in out.stdout and "grpc.health.v1.Health" in out.stdout, out
@@ -284,8 +282,7 @@ def _openssl(*args, cwd):
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    if not shutil.which("openssl"):
-        pytest.skip("openssl not installed")
+    require_tool("openssl")
     d = tmp_path_factory.mktemp("pki")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
              "-subj", "/CN=loraplex-test-ca", "-days", "1", cwd=d)
