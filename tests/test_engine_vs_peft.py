@@ -203,3 +203,39 @@ def test_half_precision_engine_tracks_peft_at_every_step(family_setup, path):
         if adapter is not None:
             moved = (logits[0] - base[rid][0][0].float()).abs().max().item()
             assert moved > 2 * bound, f"{rid}: the adapter moves the prefill logits by only {moved}"
+
+
+def test_tied_embeddings_checkpoint_matches_peft(tmp_path):
+    """A checkpoint whose head is its embedding (Llama 3.2 1B, the docs' example, is one): no
+    lm_head.weight is saved, and the engine must read the embedding in its place."""
+    from safetensors import safe_open
+
+    checkpoint = make_checkpoint(tmp_path / "tied", "llama", seed=5, tie_word_embeddings=True)
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    adapter = make_adapter(checkpoint, tmp_path / "a", AdapterSpec("a", 8, 16, seed=11))
+    prompts = [("x", [5, 9, 33, 7], "a"), ("y", [4, 8, 15, 16, 23, 42], None)]
+    ours = _engine_logits(checkpoint, {"a": adapter}, prompts)
+    ref = _reference_logits(checkpoint, {"a": adapter}, prompts)
+    for rid, _, _ in prompts:
+        assert (ours[rid][0] - ref[rid]).abs().max().item() < TOL, rid
+
+
+def test_mistral_sliding_window_bounds_the_context_and_matches_peft(tmp_path):
+    """Mistral's sliding window: the engine serves within it (full attention is exact there), so its
+    context is the window, a request beyond it is refused, and within it logits match PEFT's."""
+    from inference_service.errors import ResourceExhaustedError
+
+    window = 24
+    checkpoint = make_checkpoint(tmp_path / "mistral", "mistral", seed=6, sliding_window=window)
+    adapter = make_adapter(checkpoint, tmp_path / "a", AdapterSpec("a", 8, 16, seed=12))
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", kv_cache_bytes=4 << 20))
+    assert core.model_info.max_context == window
+    with pytest.raises(ResourceExhaustedError):
+        core.validate(list(range(3, 10)), SamplingParams(max_new_tokens=window - 6))
+    core.shutdown()
+    prompts = [("x", list(range(3, 10)), "a"), ("y", list(range(20, 27)), None)]  # 7 + 17 = the window
+    ours = _engine_logits(checkpoint, {"a": adapter}, prompts)
+    ref = _reference_logits(checkpoint, {"a": adapter}, prompts)
+    for rid, _, _ in prompts:
+        assert (ours[rid][0] - ref[rid]).abs().max().item() < TOL, rid
