@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -27,7 +26,8 @@ def test_help_documents_every_flag_and_its_env_var(module):
 
     mod = importlib.import_module(module)
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
-                         check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+                         check=True).stdout
+    out = " ".join(out.split())  # argparse wraps long help lines
     actions = [a for a in mod.build_parser()._actions if a.option_strings and a.dest != "help"]
     assert len(actions) > 15
     for action in actions:
