@@ -167,6 +167,40 @@ def test_client_cancel_aborts_in_engine_and_counts_cancelled():
     assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text  # never counted as success
 
 
+class _EndlessBigStream(FakeStream):
+    """64 KiB deltas, always ready, until aborted: the handler fills the stream's flow-control window
+    and then waits at its `yield` (grpc's send) for a client that does not read."""
+
+    async def __anext__(self) -> RequestOutput:
+        await asyncio.sleep(0)
+        if self.request_id in self.engine.aborted:
+            raise StopAsyncIteration
+        return RequestOutput(self.request_id, [65], text="x" * 65536)
+
+
+def test_cancel_while_the_handler_waits_to_send_counts_cancelled():
+    """A cancel that finds the handler suspended at `yield` reaches it as GeneratorExit, not
+    CancelledError: still a cancel (aborted in the engine, counted CANCELLED), never an OK."""
+    engine = FakeEngine()
+    engine.add_request = lambda prompt, params, adapter=None, request_id=None: _EndlessBigStream(  # type: ignore
+        engine, request_id, 0, 0.0)
+
+    async def body(stub, *_):
+        call = stub.Generate(_req(request_id="w1", max_new_tokens=30))
+        await call.read()
+        await asyncio.sleep(0.5)  # not reading: the server's sends back up
+        call.cancel()
+        for _ in range(100):
+            if "w1" in engine.aborted:
+                break
+            await asyncio.sleep(0.02)
+
+    text = run(_with_server(engine, body))
+    assert engine.aborted == {"w1": FinishReason.CANCELLED}
+    assert 'loraplex_grpc_requests_total{code="CANCELLED",method="Generate"} 1.0' in text
+    assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text
+
+
 def test_deadline_aborts_with_deadline_reason():
     engine = FakeEngine(delay=0.05)
 
