@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from inference_service.server import ServerConfig, build_server
 from inference_service.tokenizer import ByteTokenizer
 from tests.infra.tools import require_tool
 
-GRPCURL = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "grpcurl"
+GRPCURL = Path(sys.executable).with_name("grpcurl")  # the venv running the tests ships it (pip wrapper)
 
 
 @dataclass
