@@ -9,7 +9,6 @@ fp32 reference within a bound derived from the dtype, at prefill and every decod
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
 from inference_service.kernels import lora as lora_kernel
 from inference_service.request import Request, SamplingParams
-from tests.infra.devices import requires_cuda
+from tests.infra.devices import C_KERNELS_OFF, requires_cuda
 from tests.infra.engine_helpers import load_adapters, run_to_completion
 from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 
@@ -58,9 +57,6 @@ OP_PATHS = [
     pytest.param(("cpu", "TorchLoRAOp"), id="cpu-torch-op"),
     pytest.param(("cuda", "TorchLoRAOp"), id="cuda-torch-op", marks=requires_cuda),
 ]
-
-
-C_KERNELS_OFF = os.environ.get("LORAPLEX_CPU_KERNELS", "1").strip().lower() in {"0", "false", "no", "off"}
 
 
 @pytest.fixture(params=OP_PATHS)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from inference_service.kernels import lora as lora_kernel
 from inference_service.lora.ops import LoRAOp, SlicedB, TorchLoRAOp, build_lora_batch
+from tests.infra.devices import C_KERNELS_OFF
 
 NUM_SLOTS, MAX_RANK = 5, 8
 # (input size, output sizes of a fused projection of three modules, like q, k, v with GQA). The
@@ -51,6 +52,8 @@ def make_op(kind: str) -> tuple[LoRAOp, torch.dtype]:
         return TorchLoRAOp(torch.device("cpu"), b_rank_major=True), torch.float32
     if kind.startswith("torch "):  # half-precision slots: what the torch op holds on CUDA
         return TorchLoRAOp(torch.device("cpu")), {"torch bf16": torch.bfloat16, "torch fp16": torch.float16}[kind]
+    if C_KERNELS_OFF:
+        pytest.skip("the C kernels are turned off in this run (LORAPLEX_CPU_KERNELS)")
     dtype = torch.float32 if kind == "kernel fp32" else torch.bfloat16
     assert lora_kernel.available(dtype), "the LoRA kernel should build with the compiler on these machines"
     return lora_kernel.CpuLoRAOp(dtype), dtype
