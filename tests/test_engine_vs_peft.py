@@ -102,12 +102,12 @@ def _reference_logits(checkpoint: Path, adapters: dict[str, Path], prompts) -> d
     return result
 
 
-def _forced_reference_logits(checkpoint: Path, adapters: dict[str, Path], prompts,
-                             generated: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """PEFT's fp32 logits over each prompt followed by the tokens our engine generated: the logits
-    of every step given the same context, so a near-tie that a half-precision engine breaks the
-    other way does not make the later steps incomparable."""
-    model = peft_reference(checkpoint, adapters)
+def _forced_reference_logits(checkpoint: Path, adapters: dict[str, Path], prompts, generated: dict[str, list[int]],
+                             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """PEFT's logits (in `dtype`) over each prompt followed by the tokens our engine generated: the
+    logits of every step given the same context, so a near-tie that a half-precision engine breaks
+    the other way does not make the later steps incomparable."""
+    model = peft_reference(checkpoint, adapters).to(dtype)
     result = {}
     with torch.no_grad():
         for rid, tokens, adapter in prompts:
@@ -166,14 +166,16 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path):
         assert (ours[rid][0] - ref[rid]).abs().max().item() < TOL
 
 
-# Half precision: each rounding of a value to the dtype errs by at most half its eps, relative. A
-# logit of this 2-layer model passes through about 12 roundings per layer (norm, q/k/v, attention,
-# o, residual, norm, gate/up, activation, down, residual) plus the embedding, final norm and head:
-# ~28, so if every error added up in the same direction a logit would be off by 14·eps times the
-# largest activations' scale, which the largest reference logit stands for here. The bound is that,
-# and it must stay well below what an adapter moves the logits by, or the comparison could not
-# notice a LoRA path that does nothing (checked below).
-HALF_ROUNDINGS = 28
+# Half precision: how far a forward pass in bf16/fp16 lands from the fp32 logits depends on how each
+# op accumulates (some CPU kernels sum in the dtype, some in fp32) and grows with the reductions'
+# lengths, so no fixed count of roundings bounds it (one such bound, 14 eps x the largest logit, held
+# for the C kernels and failed by 2.6x on the torch path). The bound is the dtype's cost to the
+# reference itself: PEFT run in the same dtype on the same tokens, its largest distance from its fp32
+# logits over the batch, times HALF_FACTOR. Measured on CPU: our largest distance was up to 1.9x
+# PEFT's in bf16 on the torch path (LORAPLEX_CPU_KERNELS=0; llama, the longest request), at most
+# 0.6x in fp16. The bound must also stay below how far the base model's logits are from the
+# adapter's, or a LoRA path that does nothing would pass (checked below).
+HALF_FACTOR = 2.5
 HALF_PATHS = [
     pytest.param(("cpu", torch.bfloat16), id="cpu-bf16"),  # the C op with bf16 slots
     pytest.param(("cpu", torch.float16), id="cpu-fp16"),  # the torch op (fp32 slots on CPU)
@@ -189,16 +191,20 @@ def test_half_precision_engine_tracks_peft_at_every_step(family_setup, path):
     prompts = _prompts(160)
     dtype_name = str(dtype).removeprefix("torch.")
     ours = _engine_logits(checkpoint, adapters, prompts, device, dtype=dtype_name)
-    ref = _forced_reference_logits(checkpoint, adapters, prompts, {rid: t for rid, (_, t) in ours.items()})
+    generated = {rid: t for rid, (_, t) in ours.items()}
+    ref = _forced_reference_logits(checkpoint, adapters, prompts, generated)
+    ref_half = _forced_reference_logits(checkpoint, adapters, prompts, generated, dtype)
+    floor = max((ref_half[rid] - ref[rid]).abs().max().item() for rid, _, _ in prompts)
+    bound = HALF_FACTOR * floor
     base = _engine_logits(checkpoint, {}, [(rid, t, None) for rid, t, _ in prompts], device, dtype=dtype_name)
     for rid, _, adapter in prompts:
         logits = ours[rid][0].float()
-        bound = HALF_ROUNDINGS / 2 * torch.finfo(dtype).eps * ref[rid].abs().max().item()
         diff = (logits - ref[rid]).abs().max().item()
+        print(f"MEASURE {dtype} {rid} diff {diff:.4f} bound {bound:.4f}")
         assert diff < bound, f"{rid} ({adapter}): max |logit diff| {diff} over {NEW_TOKENS} steps, bound {bound}"
-        if adapter is not None:
-            moved = (logits[0] - base[rid][0][0].float()).abs().max().item()
-            assert moved > 2 * bound, f"{rid}: the adapter moves the prefill logits by only {moved}"
+        if adapter is not None:  # the base model's prefill logits would fail this comparison
+            without = (base[rid][0][0].float() - ref[rid][0]).abs().max().item()
+            assert without > bound, f"{rid}: without its adapter the prefill is only {without} off, bound {bound}"
 
 
 def test_tied_embeddings_checkpoint_matches_peft(tmp_path):
