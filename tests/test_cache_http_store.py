@@ -15,6 +15,7 @@ from inference_service.errors import PermissionDeniedError
 from tests.test_cache_helpers import Sidecar, make_adapter
 
 FILES: dict[str, bytes] = {}
+RANGES: list[str] = []  # Range headers of the GETs served, in order
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -32,6 +33,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         first, last = 0, len(body) - 1
         if rng := self.headers.get("Range"):
+            RANGES.append(rng)
             start, _, end = rng.removeprefix("bytes=").partition("-")
             first, last = int(start), min(int(end or last), len(body) - 1)
             self.send_response(206)
@@ -55,6 +57,7 @@ def http_base() -> Iterator[str]:
     server.shutdown()
     server.server_close()
     FILES.clear()
+    RANGES.clear()
 
 
 @pytest.fixture
@@ -80,6 +83,7 @@ def test_http_store_stages_in_ranged_parts_and_locks_the_file_in_ram(sidecar, ht
     locked_before = _locked_kib(sidecar.proc.pid)
     staged = sidecar.client.stage(f"{http_base}/adapters/a")
     assert Path(staged.path).read_bytes() == weights and not staged.cache_hit
+    assert len([r for r in RANGES if not r.startswith("bytes=0-")]) >= 4, RANGES  # fetched in 4 KiB parts
     # The staged file's pages are locked in the sidecar (we run as root here, so mlock is permitted).
     assert _locked_kib(sidecar.proc.pid) - locked_before >= len(weights) // 1024
     sidecar.client.release(staged.lease_id)
