@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -117,7 +116,7 @@ def test_variable_substitution() -> None:
         'rate(x{pod=~"p-1", ns=~".*", a=".*"}[2m]) offset 1h'
 
 
-@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed")
+@pytest.mark.needs_tool("promtool")
 def test_every_query_is_valid_promql(tmp_path: Path) -> None:
     queries = dashboard_queries()
     assert len(queries) > 30

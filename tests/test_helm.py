@@ -31,7 +31,7 @@ BAD_VALUES = DATA / "helm-values-bad-type.yaml"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
-pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm not installed (scripts/install_test_tools.sh)")
+pytestmark = pytest.mark.needs_tool("helm", HELM)
 
 
 def helm(*args: str) -> subprocess.CompletedProcess:

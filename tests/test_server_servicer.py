@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +23,9 @@ from inference_service.metrics import build_registry
 from inference_service.request import FinishReason, RequestOutput, Timings
 from inference_service.server import ServerConfig, build_server
 from inference_service.tokenizer import ByteTokenizer
+from tests.infra.tools import require_tool
 
-GRPCURL = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "grpcurl"
+GRPCURL = Path(sys.executable).with_name("grpcurl")  # the venv running the tests ships it (pip wrapper)
 
 
 @dataclass
@@ -176,6 +177,40 @@ def test_client_cancel_aborts_in_engine_and_counts_cancelled():
     assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text  # never counted as success
 
 
+class _EndlessBigStream(FakeStream):
+    """64 KiB deltas, always ready, until aborted: the handler fills the stream's flow-control window
+    and then waits at its `yield` (grpc's send) for a client that does not read."""
+
+    async def __anext__(self) -> RequestOutput:
+        await asyncio.sleep(0)
+        if self.request_id in self.engine.aborted:
+            raise StopAsyncIteration
+        return RequestOutput(self.request_id, [65], text="x" * 65536)
+
+
+def test_cancel_while_the_handler_waits_to_send_counts_cancelled():
+    """A cancel that finds the handler suspended at `yield` reaches it as GeneratorExit, not
+    CancelledError: still a cancel (aborted in the engine, counted CANCELLED), never an OK."""
+    engine = FakeEngine()
+    engine.add_request = lambda prompt, params, adapter=None, request_id=None: _EndlessBigStream(  # type: ignore
+        engine, request_id, 0, 0.0)
+
+    async def body(stub, *_):
+        call = stub.Generate(_req(request_id="w1", max_new_tokens=30))
+        await call.read()
+        await asyncio.sleep(0.5)  # not reading: the server's sends back up
+        call.cancel()
+        for _ in range(100):
+            if "w1" in engine.aborted:
+                break
+            await asyncio.sleep(0.02)
+
+    text = run(_with_server(engine, body))
+    assert engine.aborted == {"w1": FinishReason.CANCELLED}
+    assert 'loraplex_grpc_requests_total{code="CANCELLED",method="Generate"} 1.0' in text
+    assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text
+
+
 def test_deadline_aborts_with_deadline_reason():
     engine = FakeEngine(delay=0.05)
 
@@ -274,9 +309,7 @@ def test_health_and_reflection_with_grpcurl():
         for service in ("", "loraplex.v1.Inference"):
             resp = await h.Check(health_pb2.HealthCheckRequest(service=service))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
-        if not GRPCURL.exists() and not shutil.which("grpcurl"):
-            return
-        exe = str(GRPCURL) if GRPCURL.exists() else "grpcurl"
+        exe = require_tool("grpcurl", GRPCURL)
         out = await asyncio.to_thread(subprocess.run, [exe, "-plaintext", f"127.0.0.1:{port}", "list"],
                                       capture_output=True, text=True, timeout=30)
         assert "loraplex.v1.Inference" in out.stdout and "grpc.health.v1.Health" in out.stdout, out
@@ -295,8 +328,7 @@ def _openssl(*args, cwd):
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    if not shutil.which("openssl"):
-        pytest.skip("openssl not installed")
+    require_tool("openssl")
     d = tmp_path_factory.mktemp("pki")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
              "-subj", "/CN=loraplex-test-ca", "-days", "1", cwd=d)

@@ -28,6 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.infra.devices import SERVER_DEVICE
 from tests.infra.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,6 +124,7 @@ def start_inference_server(
     full_env.setdefault("LORAPLEX_DTYPE", "float32")
     # Tests stop servers with streams possibly open: keep their drain short (the CLI default is 30 s).
     full_env.setdefault("LORAPLEX_SHUTDOWN_GRACE_S", "5")
+    full_env.setdefault("LORAPLEX_DEVICE", SERVER_DEVICE)  # never "auto": a test states its device
     cmd = [sys.executable, "-m", "inference_service.cli", "--listen", listen,
            "--metrics-port", str(metrics_port), *(["--http-port", str(http_port)] if http else []), *args]
     with open(log_path, "wb") as log:
