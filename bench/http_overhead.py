@@ -46,7 +46,8 @@ def run_inprocess(args, work: list[list[int]]) -> tuple[int, float]:
     from inference_service.engine import Engine
     from inference_service.request import SamplingParams
 
-    engine = Engine(EngineConfig(model=args.model, max_num_seqs=max(64, args.concurrency), tokenizer="byte"))
+    engine = Engine(EngineConfig(model=args.model, device=args.device, max_num_seqs=max(64, args.concurrency),
+                                 tokenizer="byte"))
     engine.start()
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -108,7 +109,7 @@ def run_http(args, log_dir: str) -> tuple[int, float]:
     url = f"http://127.0.0.1:{http_port}"
     with open(Path(log_dir) / f"server-{http_port}.log", "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--tokenizer", "byte",
+            [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device, "--tokenizer", "byte",
              "--listen", f"127.0.0.1:{_free_port()}", "--http-port", str(http_port), "--log-level", "WARNING",
              "--max-num-seqs", str(max(64, args.concurrency))],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -159,6 +160,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2, help="runs per side; the best of each is compared")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (the server gets the same)")
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as the load generator against this URL
     p.add_argument("--served-model", help=argparse.SUPPRESS)
     args = p.parse_args()

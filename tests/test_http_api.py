@@ -27,6 +27,7 @@ from inference_service.engine import EngineCore
 from inference_service.request import SamplingParams
 from inference_service.tokenizer import ByteTokenizer
 from tests.infra.engine_helpers import generate, load_adapters
+from tests.infra.devices import SERVER_DEVICE
 from tests.infra.inference_server import start_inference_server
 
 pytestmark = pytest.mark.slow
@@ -163,7 +164,7 @@ def test_greedy_outputs_equal_grpc_and_the_in_process_engine(env):
             jobs[("ids", model, 0, False)] = pool.submit(_completion, server, model, tok.encode(PROMPTS[0]), False)
         results = {k: f.result() for k, f in jobs.items()}
 
-    core = EngineCore(EngineConfig(model=BASE, max_loras=2, max_lora_rank=16))
+    core = EngineCore(EngineConfig(model=BASE, device=SERVER_DEVICE, max_loras=2, max_lora_rank=16))
     load_adapters(core, {name: (root / name).as_uri() for name in ADAPTERS})
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     requests = {}
