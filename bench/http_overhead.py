@@ -109,7 +109,8 @@ def run_http(args, log_dir: str) -> tuple[int, float]:
     url = f"http://127.0.0.1:{http_port}"
     with open(Path(log_dir) / f"server-{http_port}.log", "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device, "--tokenizer", "byte",
+            [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
+             "--tokenizer", "byte",
              "--listen", f"127.0.0.1:{_free_port()}", "--http-port", str(http_port), "--log-level", "WARNING",
              "--max-num-seqs", str(max(64, args.concurrency))],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

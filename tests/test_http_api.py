@@ -26,8 +26,8 @@ from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine import EngineCore
 from inference_service.request import SamplingParams
 from inference_service.tokenizer import ByteTokenizer
-from tests.infra.engine_helpers import generate, load_adapters
 from tests.infra.devices import SERVER_DEVICE
+from tests.infra.engine_helpers import generate, load_adapters
 from tests.infra.inference_server import start_inference_server
 
 pytestmark = pytest.mark.slow
