@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests packag
 from bench.engine_throughput import MODEL  # noqa: E402
 from inference_service.config import EngineConfig  # noqa: E402
 from inference_service.engine import EngineCore  # noqa: E402
+from inference_service.kernels.copy import CopyJob  # noqa: E402
 from inference_service.request import Request, SamplingParams  # noqa: E402
 from tests.infra.engine_helpers import load_adapters  # noqa: E402
 from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
@@ -115,7 +116,7 @@ def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int) -> tuple[floa
     plain = []
     for _ in range(10):  # on the same copy engine (thread or stream), so only the work differs
         start = time.perf_counter()
-        core.lora.loader.engine.submit(lambda: dst.copy_(src)).wait()
+        core.lora.loader.engine.submit(CopyJob(lambda: dst.copy_(src))).wait()
         plain.append(time.perf_counter() - start)
     core.shutdown()
     return nbytes / min(times) / 1e9, nbytes / min(plain) / 1e9

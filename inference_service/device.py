@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from inference_service.kernels.lora import PassGate
+from inference_service.kernels.copy import CopyJob, PassGate
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,8 @@ class CopyHandle(Protocol):
 
 
 class CopyEngine(Protocol):
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
-        """Start a copy; one with `chunks` (a list of callables, e.g. a `SlotCopy`) may be run
-        piece by piece."""
+    def submit(self, job: CopyJob) -> CopyHandle:
+        """Start a copy: whole, piece by piece, or as its C program (see `CopyJob`)."""
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host memory the engine can copy from asynchronously."""
@@ -94,16 +93,13 @@ class ThreadCopyEngine:
         )
         self._gate = PassGate()
 
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
-        chunks: list[Callable[[], None]] = getattr(copy, "chunks", [copy])
-        make_program = getattr(copy, "program", None)
-
+    def submit(self, job: CopyJob) -> CopyHandle:
         def run() -> None:
-            program = make_program() if make_program is not None else None
+            program = job.program() if job.program is not None else None
             if program is not None:
                 program.run_gated(self._gate, PASS_PIECE_INTERVAL_S)
                 return
-            for chunk in chunks:
+            for chunk in job.pieces():
                 self._gate.wait_open(PASS_PIECE_INTERVAL_S)
                 chunk()
 
@@ -127,10 +123,10 @@ class ThreadCopyEngine:
 class BlockingCopyEngine:
     """Copies inline on the caller's thread: the no-overlap baseline for benchmarks."""
 
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
+    def submit(self, job: CopyJob) -> CopyHandle:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         try:
-            _no_grad(copy)()
+            _no_grad(job)()
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle like the async engines
             future.set_exception(exc)
@@ -166,9 +162,9 @@ class CudaCopyEngine:
     def __init__(self, device: torch.device) -> None:
         self._stream = torch.cuda.Stream(device=device)
 
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
+    def submit(self, job: CopyJob) -> CopyHandle:
         with torch.cuda.stream(self._stream), torch.no_grad():
-            copy()
+            job()
             event = torch.cuda.Event()
             event.record(self._stream)
         return _EventHandle(event)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
 from inference_service.errors import NotFoundError, ResourceExhaustedError
+from inference_service.kernels.copy import CopyJob
 from inference_service.lora.adapter import SUPPORTED_TARGET_MODULES
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config
@@ -62,7 +63,7 @@ def make_core(max_loras: int = 2, **config: object) -> EngineCore:
 def hold_copies(core: EngineCore) -> threading.Event:
     """Occupy the real copy thread: slot copies submitted from now on wait until the gate is set."""
     gate = threading.Event()
-    core.lora.loader.engine.submit(gate.wait)
+    core.lora.loader.engine.submit(CopyJob(gate.wait))
     return gate
 
 

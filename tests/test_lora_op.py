@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_service.kernels import lora as lora_kernel
+from inference_service.lora import backend as lora_kernel
 from inference_service.lora.ops import LoRAOp, SlicedB, TorchLoRAOp, build_lora_batch
 
 NUM_SLOTS, MAX_RANK = 5, 8

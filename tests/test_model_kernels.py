@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
 from inference_service.kernels import build, fused
-from inference_service.kernels import lora as lora_kernel
 from inference_service.kernels import paged_attention as cpu_kernels
+from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
 from inference_service.models.llama import GatherScratch
 from inference_service.models.loader import BUILTIN_TINY, load_model

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
+from inference_service.kernels.copy import CopyJob
 from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
@@ -82,7 +83,7 @@ def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
     core = _core(max_loras=2)
     load_adapters(core, {"a0": tiny_adapters["a0"], "a1": tiny_adapters["a1"]})  # registered, not in slots
     gate = threading.Event()
-    core.lora.loader.engine.submit(gate.wait)  # hold the real copy thread: a0's slot copy stays in flight
+    core.lora.loader.engine.submit(CopyJob(gate.wait))  # hold the real copy thread: a0's slot copy stays in flight
     core.add_request(Request("cold", [256, 65, 66], GREEDY), "a0")
     core.add_request(Request("base", [256, 67, 68], SamplingParams(max_new_tokens=3, ignore_eos=True)), None)
     finished = set()
