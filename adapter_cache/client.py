@@ -1,6 +1,6 @@
 """A small client of the sidecar for the inference service: stage / release / read / list / evict.
 
-gRPC failures come back as the matching `inference_service.errors` class, so callers handle
+gRPC failures come back as the matching `adapter_cache.errors` class, so callers handle
 sidecar and local errors alike (an unreachable sidecar is UnavailableError: retryable).
 """
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from inference_service.api import adapter_cache_pb2 as pb
-from inference_service.api import adapter_cache_pb2_grpc as pb_grpc
-from inference_service.errors import (
+from adapter_cache.api import adapter_cache_pb2 as pb
+from adapter_cache.api import adapter_cache_pb2_grpc as pb_grpc
+from adapter_cache.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     LoraplexError,

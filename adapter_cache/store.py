@@ -6,7 +6,7 @@ and how big is it", so one fetcher can split large objects into parts for a thre
 land in each fetch thread's reusable buffer straight from the socket or file (no intermediate
 bytes objects: on a small machine the copies cost more than the network). Transient failures
 raise `TransientStoreError` and are retried by tenacity with jittered exponential backoff;
-everything else maps to the gRPC-facing errors of `inference_service.errors`.
+everything else maps to the gRPC-facing errors of `adapter_cache.errors`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from typing import Protocol
 import urllib3
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from inference_service.errors import (
+from adapter_cache.errors import (
     InvalidArgumentError,
     LoraplexError,
     NotFoundError,
     PermissionDeniedError,
     UnavailableError,
 )
-from inference_service.uri_policy import UriPolicy
+from adapter_cache.uri_policy import UriPolicy
 
 log = logging.getLogger(__name__)
 

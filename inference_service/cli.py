@@ -17,12 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from adapter_cache.env_flags import add_env_flag, env_name
+from adapter_cache.errors import LoraplexError
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.auth import is_loopback_listen, read_token_file
 from inference_service.config import EngineConfig
-from inference_service.env_flags import add_env_flag, env_name
-from inference_service.errors import LoraplexError
 from inference_service.server import ServerConfig
-from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.cli")
 ENV_PREFIX = "LORAPLEX_"

@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError, ResourceExhaustedError
 from inference_service.config import EngineConfig
-from inference_service.errors import InvalidArgumentError, LoraplexError, NotFoundError, ResourceExhaustedError
 from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.model_runner import ModelRunner

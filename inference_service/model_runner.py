@@ -10,12 +10,12 @@ import logging
 
 import torch
 
+from adapter_cache.adapter_format import BaseModelShapes
 from inference_service.config import EngineConfig
 from inference_service.device import InlineExecutor, make_copy_engine
 from inference_service.kernels import fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
-from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.errors import InvalidArgumentError, LoraplexError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 
 
 class FinishReason(enum.Enum):

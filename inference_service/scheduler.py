@@ -15,8 +15,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from adapter_cache.errors import LoraplexError
 from inference_service.config import EngineConfig
-from inference_service.errors import LoraplexError
 from inference_service.kv_cache import KVCache
 from inference_service.lora.manager import LoRAManager
 from inference_service.request import FinishReason, Request, RequestStatus

@@ -22,12 +22,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.auth import AdminAuth
-from inference_service.errors import InvalidArgumentError, LoraplexError
 from inference_service.request import FinishReason, RequestOutput, SamplingParams
-from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.server")
 

@@ -20,9 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import (
+from adapter_cache.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from adapter_cache.errors import (
     AdapterError,
     AdapterIncompatibleError,
     InvalidArgumentError,
@@ -30,7 +29,8 @@ from inference_service.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from inference_service.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from inference_service.config import EngineConfig
+from inference_service.engine import EngineCore
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
 from tests.infra.engine_helpers import load_adapters, run_to_completion

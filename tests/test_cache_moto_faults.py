@@ -16,7 +16,7 @@ from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
 
-from inference_service.errors import UnavailableError
+from adapter_cache.errors import UnavailableError
 from tests.infra.ports import free_port
 from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
 

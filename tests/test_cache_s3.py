@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from safetensors.torch import load
 
 from adapter_cache.client import AdapterCacheClient
-from inference_service.errors import (
+from adapter_cache.errors import (
     InvalidArgumentError,
     LoraplexError,
     NotFoundError,

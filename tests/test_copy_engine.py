@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
+from adapter_cache.adapter_format import load_adapter_dir
 from inference_service import device
 from inference_service.device import ThreadCopyEngine
 from inference_service.kernels.copy import CopyJob
-from inference_service.lora.adapter import load_adapter_dir
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.models.loader import builtin_tiny_config
 from tests.test_lora_manager import write_tiny_adapter

@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from adapter_cache.adapter_format import SUPPORTED_TARGET_MODULES
+from adapter_cache.errors import NotFoundError, ResourceExhaustedError
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
-from inference_service.errors import NotFoundError, ResourceExhaustedError
 from inference_service.kernels.copy import CopyJob
-from inference_service.lora.adapter import SUPPORTED_TARGET_MODULES
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, RequestStatus, SamplingParams

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from adapter_cache.adapter_format import HostAdapter
+from adapter_cache.errors import ResourceExhaustedError
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
-from inference_service.errors import ResourceExhaustedError
-from inference_service.lora.adapter import HostAdapter
 from inference_service.lora.registry import AdapterState
 from inference_service.request import FinishReason, Request, SamplingParams
 from tests.infra.engine_helpers import load_adapters, run_to_completion

@@ -33,10 +33,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from adapter_cache.adapter_format import load_adapter_dir
+from adapter_cache.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
-from inference_service.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
-from inference_service.lora.adapter import load_adapter_dir
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config

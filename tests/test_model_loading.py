@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from adapter_cache.errors import FailedPreconditionError
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
-from inference_service.errors import FailedPreconditionError
 from inference_service.models.loader import BUILTIN_TINY, load_model
 from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
-from inference_service.errors import InvalidArgumentError, ResourceExhaustedError
 from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams

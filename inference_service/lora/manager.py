@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.device import CopyEngine, background_worker_thread
-from inference_service.errors import (
+from adapter_cache.adapter_format import BaseModelShapes, HostAdapter
+from adapter_cache.errors import (
     FailedPreconditionError,
     LoraplexError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from inference_service.lora.adapter import BaseModelShapes, HostAdapter
+from inference_service.device import CopyEngine, background_worker_thread
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.lora.overlap_loader import OverlapLoader
 from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion

@@ -19,8 +19,8 @@ import itertools
 
 import torch
 
+from adapter_cache.adapter_format import BaseModelShapes, HostAdapter
 from inference_service.kernels.copy import CopyJob, CopyProgram
-from inference_service.lora.adapter import BaseModelShapes, HostAdapter
 from inference_service.lora.backend import transpose_into
 from inference_service.lora.ops import SlicedB
 

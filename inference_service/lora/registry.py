@@ -11,8 +11,8 @@ import concurrent.futures
 import enum
 from dataclasses import dataclass, field
 
-from inference_service.errors import LoraplexError, NotFoundError
-from inference_service.lora.adapter import HostAdapter
+from adapter_cache.adapter_format import HostAdapter
+from adapter_cache.errors import LoraplexError, NotFoundError
 
 
 class AdapterState(enum.Enum):

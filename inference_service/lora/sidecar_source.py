@@ -14,9 +14,7 @@ import os
 
 import torch
 
-from adapter_cache.client import AdapterCacheClient
-from inference_service.device import register_host_memory, unregister_host_memory
-from inference_service.lora.adapter import (
+from adapter_cache.adapter_format import (
     BaseModelShapes,
     HostAdapter,
     TensorEntry,
@@ -24,6 +22,8 @@ from inference_service.lora.adapter import (
     parse_adapter_config,
     parse_adapter_tensors,
 )
+from adapter_cache.client import AdapterCacheClient
+from inference_service.device import register_host_memory, unregister_host_memory
 from inference_service.lora.source import HostForm
 
 log = logging.getLogger(__name__)

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
-from inference_service.errors import InvalidArgumentError, PermissionDeniedError
-from inference_service.lora.adapter import (
+from adapter_cache.adapter_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     BaseModelShapes,
     HostAdapter,
     load_adapter_dir,
 )
+from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError
 
 HostForm = Callable[[HostAdapter], HostAdapter]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from inference_service.errors import AdapterError, AdapterIncompatibleError, NotFoundError
+from adapter_cache.errors import AdapterError, AdapterIncompatibleError, NotFoundError
 
 # LLaMA-family projections we can apply LoRA to, and the submodule holding each.
 SUPPORTED_TARGET_MODULES: dict[str, str] = {

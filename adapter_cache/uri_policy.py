@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from inference_service.errors import InvalidArgumentError, PermissionDeniedError
+from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError
 
 SCHEMES = ("file", "s3", "http", "https")
 
