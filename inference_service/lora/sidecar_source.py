@@ -17,7 +17,6 @@ import torch
 from adapter_cache.adapter_format import (
     BaseModelShapes,
     HostAdapter,
-    TensorEntry,
     build_host_adapter,
     parse_adapter_config,
     parse_adapter_tensors,
@@ -38,9 +37,8 @@ class SidecarSource:
         staged = self.client.stage(uri, sha256 or "", self.lease_seconds)
         try:
             config = parse_adapter_config(staged.config_json, self.max_rank)
-            manifest = [TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in staged.tensors]
             buffer, pinned = self._map(staged.path, staged.lease_id)
-            tensors = parse_adapter_tensors(buffer, config, self.max_rank, manifest)
+            tensors = parse_adapter_tensors(buffer, config, self.max_rank, list(staged.tensors))
             adapter = build_host_adapter(config, tensors, self.shapes, keepalive=buffer)
             if host_form is not None:
                 adapter = host_form(adapter)
