@@ -35,15 +35,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package: checkpoint and adapter makers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 
 from bench.engine_throughput import MODEL  # noqa: E402
+from harness.engine_helpers import load_adapters  # noqa: E402
+from harness.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
 from inference_service.config import EngineConfig  # noqa: E402
 from inference_service.engine import EngineCore  # noqa: E402
 from inference_service.kernels.copy import CopyJob  # noqa: E402
 from inference_service.request import Request, SamplingParams  # noqa: E402
-from tests.infra.engine_helpers import load_adapters  # noqa: E402
-from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
 
 RESIDENT, CHURN, SLOTS = 4, 8, 8
 

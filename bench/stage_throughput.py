@@ -35,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from adapter_cache.client import AdapterCacheClient  # noqa: E402
+from harness.ceph import start_ceph  # noqa: E402
+from harness.inference_server import start_inference_server  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 from inference_service.client import InferenceClient  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
-from tests.infra.ceph import start_ceph  # noqa: E402
-from tests.infra.inference_server import start_inference_server  # noqa: E402
-from tests.infra.ports import free_port  # noqa: E402
 
 
 def metric_sum(url: str, name: str) -> float:

@@ -29,11 +29,11 @@ from adapter_cache.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
+from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
-from tests.infra.engine_helpers import load_adapters, run_to_completion
 
 MAX_RANK = 8
 RANK = 4

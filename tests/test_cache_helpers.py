@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save
 
 from adapter_cache.client import AdapterCacheClient
-from tests.infra.ports import free_port
+from harness.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],

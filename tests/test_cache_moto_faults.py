@@ -17,7 +17,7 @@ from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoReque
 from werkzeug.serving import make_server
 
 from adapter_cache.errors import UnavailableError
-from tests.infra.ports import free_port
+from harness.ports import free_port
 from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'

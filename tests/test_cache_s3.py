@@ -1,5 +1,5 @@
 """The adapter-cache sidecar end to end: a real `loraplex-cache` subprocess, a real gRPC client,
-and a real S3 server (Ceph radosgw, tests/infra/ceph.py)."""
+and a real S3 server (Ceph radosgw, harness/ceph.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from adapter_cache.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from tests.infra.ports import free_port
+from harness.ports import free_port
 from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
 
 pytestmark = pytest.mark.timeout(300)

@@ -166,7 +166,7 @@ def test_copy_program_pieces_are_bounded_and_exact():
 def test_the_engine_stages_adapters_in_its_slots_form(tmp_path):
     """Through the manager, what the local source keeps is already in the slots' form on CPU with
     the kernels (a reload is plain copies), and as read where the slots take PEFT's layout."""
-    from tests.infra.engine_helpers import load_adapters
+    from harness.engine_helpers import load_adapters
     from tests.test_lora_manager import make_core
 
     path = write_tiny_adapter(tmp_path / "a", seed=1)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.engine_helpers import load_adapters, run_to_completion
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
 from inference_service.request import Request, SamplingParams
-from tests.infra.engine_helpers import load_adapters, run_to_completion
-from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 
 ADAPTERS = [
     AdapterSpec("r4-attn", 4, 8, ("q_proj", "v_proj"), seed=1),

@@ -19,14 +19,14 @@ from safetensors.torch import save_file
 
 from adapter_cache.adapter_format import SUPPORTED_TARGET_MODULES
 from adapter_cache.errors import NotFoundError, ResourceExhaustedError
+from harness.engine_helpers import load_adapters, run_to_completion
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
 from inference_service.engine import EngineCore
 from inference_service.kernels.copy import CopyJob
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, RequestStatus, SamplingParams
-from tests.infra.engine_helpers import load_adapters, run_to_completion
-from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 
 ALL_MODULES = tuple(SUPPORTED_TARGET_MODULES)
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
