@@ -41,7 +41,7 @@ from bench.engine_throughput import MODEL  # noqa: E402
 from harness.engine_helpers import load_adapters  # noqa: E402
 from harness.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
 from inference_service.config import EngineConfig  # noqa: E402
-from inference_service.engine import EngineCore  # noqa: E402
+from inference_service.engine_core import EngineCore  # noqa: E402
 from inference_service.kernels.copy import CopyJob  # noqa: E402
 from inference_service.request import Request, SamplingParams  # noqa: E402
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.request import Request, RequestOutput, SamplingParams
 
 

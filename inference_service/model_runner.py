@@ -11,6 +11,7 @@ import logging
 import torch
 
 from adapter_cache.adapter_format import BaseModelShapes
+from inference_service.batch import ScheduledBatch
 from inference_service.config import EngineConfig
 from inference_service.device import InlineExecutor, make_copy_engine
 from inference_service.kernels import fused
@@ -25,7 +26,6 @@ from inference_service.metrics_sink import MetricsSink
 from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
 from inference_service.request import Request
 from inference_service.sampling import sample
-from inference_service.scheduler import ScheduledBatch
 from inference_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+
+import torch
 
 from adapter_cache.errors import LoraplexError
+from inference_service.batch import ScheduledBatch
 from inference_service.config import EngineConfig
 from inference_service.kv_cache import KVCache
 from inference_service.lora.manager import LoRAManager
@@ -24,12 +27,8 @@ from inference_service.request import FinishReason, Request, RequestStatus
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledBatch:
-    items: list[tuple[Request, int]] = field(default_factory=list)  # request, tokens this step
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+# Called for each new token: its output is made and whether it ends the request is decided there.
+OnToken = Callable[[Request, torch.Tensor | None, float], FinishReason | None]
 
 
 class Scheduler:
@@ -73,6 +72,29 @@ class Scheduler:
             self.lora.release(request.adapter_uid, request.request_id)
         del self.requests[request.request_id]
         self.finished_this_step.append(request)
+
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: dict[str, tuple[int, torch.Tensor | None]], on_token: OnToken
+    ) -> None:
+        """The one place a request advances after a step: its computed tokens, its new token, and
+        its finish when `on_token` (output processing) says the token ends it."""
+        now = time.monotonic()
+        for request, num_tokens in batch.items:
+            request.num_computed_tokens += num_tokens
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = now
+            if request.request_id not in sampled:
+                continue  # a prefill chunk short of the prompt's end
+            token, logits = sampled[request.request_id]
+            request.output_token_ids.append(token)
+            reason = on_token(request, logits, now)
+            if reason is not None:
+                self.finish(request, reason)
+
+    def take_finished(self) -> list[Request]:
+        """The requests that ended since the last call (each exactly once)."""
+        finished, self.finished_this_step = self.finished_this_step, []
+        return finished
 
     def schedule(self) -> ScheduledBatch:
         self._fail_waiters(self.lora.drain().failed)

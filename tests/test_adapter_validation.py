@@ -31,7 +31,7 @@ from adapter_cache.errors import (
 )
 from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
 

@@ -15,7 +15,7 @@ import torch
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.request import Request, SamplingParams
 
 ADAPTERS = [

@@ -16,7 +16,7 @@ from adapter_cache.adapter_format import load_adapter_dir, parse_adapter_config,
 from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
 from inference_service.device import CudaCopyEngine, register_host_memory, unregister_host_memory
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import Request, SamplingParams

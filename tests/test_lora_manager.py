@@ -22,7 +22,7 @@ from adapter_cache.errors import NotFoundError, ResourceExhaustedError
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.kernels.copy import CopyJob
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config

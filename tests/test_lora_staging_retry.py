@@ -12,7 +12,7 @@ from adapter_cache.adapter_format import HostAdapter
 from adapter_cache.errors import ResourceExhaustedError
 from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.lora.registry import AdapterState
 from inference_service.request import FinishReason, Request, SamplingParams
 from tests.test_scheduler import write_tiny_adapter

@@ -36,7 +36,7 @@ from hypothesis.stateful import (
 from adapter_cache.adapter_format import load_adapter_dir
 from adapter_cache.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.kernels import build, fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel

@@ -16,7 +16,7 @@ from adapter_cache.errors import FailedPreconditionError
 from harness.engine_helpers import run_to_completion
 from harness.models import make_checkpoint
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.models.loader import BUILTIN_TINY, load_model
 from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer

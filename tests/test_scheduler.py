@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from harness.engine_helpers import generate, load_adapters, run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.kernels.copy import CopyJob
 from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config

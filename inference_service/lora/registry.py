@@ -47,6 +47,11 @@ class AdapterVersion:
         return f"{self.name}@{self.version}"
 
 
+def adapter_name(uid: str) -> str:
+    """The name in a version's uid (`name@version`, made by `AdapterVersion.uid`)."""
+    return uid.rpartition("@")[0]
+
+
 class AdapterRegistry:
     def __init__(self) -> None:
         self.current: dict[str, str] = {}  # name → uid of the version new requests get

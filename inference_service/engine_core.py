@@ -1,0 +1,200 @@
+"""The synchronous engine: one object that takes requests in, steps them, and reports.
+
+`EngineCore` owns the scheduler, the model runner, the LoRA manager and output processing; call
+it from one thread only. `engine.Engine` runs it on the scheduler thread and is the only bridge
+to other threads: everything it needs is a method here, so a process bridge could replace it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import Counter
+from dataclasses import dataclass, field
+
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from inference_service.config import EngineConfig
+from inference_service.lora.registry import AdapterVersion, adapter_name
+from inference_service.lora.source import AdapterSource
+from inference_service.metrics_sink import MetricsSink, NullMetrics
+from inference_service.model_runner import ModelRunner
+from inference_service.models.loader import load_model
+from inference_service.output_processor import OutputProcessor
+from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_context: int
+    vocab_size: int
+    max_loras: int
+    max_lora_rank: int
+    max_new_tokens_limit: int
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    version: int
+    uri: str
+    state: str
+    slot: int
+    pinned: bool
+    rank: int
+    size_bytes: int
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    slots_total: int = 0
+    slots_occupied: int = 0
+    slots_referenced: int = 0
+    slots_pinned: int = 0
+    pending_load_events: int = 0
+    requests_running: int = 0
+    requests_waiting: dict[str, int] = field(default_factory=dict)
+    kv_cache_usage: float = 0.0
+    kv_blocks_used: int = 0
+    adapter_references: int = 0
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    loads_total: int = 0
+    evictions_total: int = 0
+
+
+class EngineCore:
+    """Synchronous engine: call from one thread only."""
+
+    def __init__(
+        self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or NullMetrics()
+        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype())
+        self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
+        self.lora = self.runner.lora
+        self.scheduler = Scheduler(config, self.runner.kv, self.lora)
+        mc = model.config
+        max_context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.model_info = ModelInfo(
+            name=mc.name or config.model,
+            max_context=max_context,
+            vocab_size=mc.vocab_size,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_new_tokens_limit=config.max_new_tokens_limit,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.metrics)
+
+    # ---- intake ----
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Checks that need no scheduler state (safe from any thread)."""
+        info = self.model_info
+        if not prompt_token_ids:
+            raise InvalidArgumentError("the prompt is empty")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
+        params.validate(info.max_new_tokens_limit)
+        total = len(prompt_token_ids) + params.max_new_tokens
+        if len(prompt_token_ids) >= info.max_context or total > info.max_context:
+            raise ResourceExhaustedError(
+                f"prompt of {len(prompt_token_ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                f"does not fit the context of {info.max_context} tokens"
+            )
+        if self.runner.kv.blocks_needed(total) > self.runner.kv.num_blocks:
+            raise ResourceExhaustedError(f"{total} tokens do not fit the KV cache ({self.runner.kv.num_blocks} blocks)")
+
+    def add_request(self, request: Request, adapter: str | None) -> None:
+        """Take a validated request in; resolves the adapter name and takes its reference."""
+        if adapter:
+            request.adapter_uid = self.lora.acquire(adapter, request.request_id)
+        self.outputs.add(request)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        self.scheduler.abort(request_id, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch:
+            self.scheduler.postprocess(batch, self.runner.run(batch), self.outputs.on_token)
+        return self.outputs.take(self.scheduler.take_finished())
+
+    def fail_running(self, error: LoraplexError) -> list[RequestOutput]:
+        """After a failed step: end every running request with `error` (waiting ones stay)."""
+        for request in list(self.scheduler.running):
+            self.scheduler.finish(request, FinishReason.ERROR, error)
+        return self.outputs.take(self.scheduler.take_finished())
+
+    # ---- adapters (the admin calls of the bridge) ----
+
+    def load_adapter(
+        self, name: str, uri: str, sha256: str | None = None, pinned: bool = False, preload: bool = False
+    ) -> concurrent.futures.Future[AdapterVersion]:
+        return self.lora.load_adapter(name, uri, sha256, pinned, preload)
+
+    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
+        return self.lora.unload_adapter(name)
+
+    def adapter_names(self) -> frozenset[str]:
+        """The names new requests may use now."""
+        return frozenset(self.lora.registry.current)
+
+    def has_pending_work(self) -> bool:
+        """Adapter loads in flight (the scheduler thread must keep polling them)."""
+        return self.lora.has_pending_work()
+
+    # ---- snapshots ----
+
+    def stats(self) -> EngineStats:
+        lora, pool = self.lora, self.lora.pool
+        versions = lora.registry.versions
+        occupied = [uid for uid in pool.slot_to_uid if uid is not None]
+        waiting = {r.adapter_uid for r in self.scheduler.waiting if r.adapter_uid}
+        running = {r.adapter_uid for r in self.scheduler.running if r.adapter_uid}
+        return EngineStats(
+            slots_total=pool.num_slots,
+            slots_occupied=len(occupied),
+            slots_referenced=sum(1 for uid in occupied if versions[uid].refs),
+            slots_pinned=sum(1 for uid in occupied if versions[uid].pinned),
+            pending_load_events=len(lora.loader.pending),
+            requests_running=len(self.scheduler.running),
+            requests_waiting=dict(Counter(r.wait_reason or "queued" for r in self.scheduler.waiting)),
+            kv_cache_usage=self.runner.kv.usage,
+            kv_blocks_used=self.runner.kv.num_used,
+            adapter_references=lora.registry.total_refs(),
+            max_lora=pool.num_slots,
+            running_lora_adapters=tuple(sorted(adapter_name(u) for u in running)),
+            waiting_lora_adapters=tuple(sorted(adapter_name(u) for u in waiting - running)),
+            loads_total=lora.loads_total,
+            evictions_total=lora.evictions_total,
+        )
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        lora = self.lora
+        return [
+            AdapterInfo(
+                name=v.name,
+                version=v.version,
+                uri=v.uri,
+                state=lora.state(v.uid).value,
+                slot=lora.pool.uid_to_slot.get(v.uid, -1),
+                pinned=v.pinned,
+                rank=v.rank,
+                size_bytes=v.size_bytes,
+                active_requests=len(v.refs),
+            )
+            for v in sorted(lora.registry.versions.values(), key=lambda v: (v.name, v.version))
+        ]
+
+    def shutdown(self) -> None:
+        self.lora.shutdown()
