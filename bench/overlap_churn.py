@@ -41,8 +41,13 @@ from bench.engine_throughput import MODEL  # noqa: E402
 from harness.engine_helpers import load_adapters  # noqa: E402
 from harness.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
 from inference_service.config import EngineConfig  # noqa: E402
+from inference_service.device import make_copy_engine  # noqa: E402
 from inference_service.engine_core import EngineCore  # noqa: E402
 from inference_service.kernels.copy import CopyJob  # noqa: E402
+from inference_service.lora.backend import make_lora_op  # noqa: E402
+from inference_service.lora.mem_pool import LoRAMemoryPool  # noqa: E402
+from inference_service.lora.source import LocalDirectorySource  # noqa: E402
+from inference_service.models.loader import load_model  # noqa: E402
 from inference_service.request import Request, SamplingParams  # noqa: E402
 
 RESIDENT, CHURN, SLOTS = 4, 8, 8
@@ -62,8 +67,8 @@ def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path],
         core.add_request(Request(f"r{i}", list(range(3, 40)), params), list(resident)[i % RESIDENT])
     for _ in range(3):  # prefill and warm-up
         core.step()
-    needed = {core.lora.registry.current[n] for n in resident}
-    churn_uids = [core.lora.registry.current[n] for n in churn]
+    needed = {core.lora.uid_of(n) for n in resident}
+    churn_uids = [core.lora.uid_of(n) for n in churn]
     loads_before = core.lora.loads_total
     itl: list[float] = []
     current: str | None = None
@@ -98,27 +103,30 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int) -> tuple[float, float]:
-    """Slot load (staging excluded) vs one torch copy of the same bytes on the same copy engine, in GB/s."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=2, max_lora_rank=max_rank, kv_cache_bytes=8 << 20))
-    load_adapters(core, {"bw": adapter}, preload=True)
-    uid = core.lora.registry.current["bw"]
-    host = core.lora.source.fetch(str(adapter), None, core.lora.pool.host_form)  # as a load gets it
+    """Slot load (staging excluded) vs one torch copy of the same bytes on the same copy engine, in GB/s:
+    the engine's own parts (op, slot pool, source, copy engine) as EngineCore assembles them."""
+    config = EngineConfig(model=str(checkpoint))
+    device, dtype = config.torch_device(), config.torch_dtype()
+    model, _ = load_model(config.model, device, dtype)
+    shapes, op = model.config.lora_shapes(), make_lora_op(device, dtype)
+    pool = LoRAMemoryPool(2, max_rank, shapes, device, op.slot_dtype(dtype), op.b_rank_major)
+    host = LocalDirectorySource(shapes, max_rank, 0).fetch(str(adapter), None, pool.host_form)  # as a load gets it
     nbytes = host.size_bytes
-    pool, slot = core.lora.pool, core.lora.pool.uid_to_slot[uid]
-    copy = pool.copy_into_slot(slot, host)
+    engine = make_copy_engine(device, overlap=True)
+    copy = pool.copy_into_slot(0, host)
     times = []
     for _ in range(10):
         start = time.perf_counter()
-        core.lora.loader.engine.submit(copy).wait()
+        engine.submit(copy).wait()
         times.append(time.perf_counter() - start)
     src = torch.cat([t.flatten() for a, b, _ in host.modules.values() for t in (a, b)])
     dst = torch.empty_like(src)
     plain = []
     for _ in range(10):  # on the same copy engine (thread or stream), so only the work differs
         start = time.perf_counter()
-        core.lora.loader.engine.submit(CopyJob(lambda: dst.copy_(src))).wait()
+        engine.submit(CopyJob(lambda: dst.copy_(src))).wait()
         plain.append(time.perf_counter() - start)
-    core.shutdown()
+    engine.close()
     return nbytes / min(times) / 1e9, nbytes / min(plain) / 1e9
 
 

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
          default=EngineConfig.max_new_tokens_limit)
     _add(g, "--default-max-new-tokens", "max_new_tokens of requests that leave it unset", type=int,
          default=ServerConfig.default_max_new_tokens)
-    _add(g, "--seed", "engine seed", type=int, default=EngineConfig.seed)
+    _add(g, "--seed", "seeds sampling for requests that set no seed of their own", type=int,
+         default=EngineConfig.seed)
 
     g = p.add_argument_group("adapters")
     _add(g, "--cache-address",
@@ -134,7 +135,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue,
         max_new_tokens_limit=args.max_new_tokens_limit,
-        adapter_source_allow=allow,
         cache_address=args.cache_address,
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,

@@ -25,14 +25,13 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     aging_steps: int = 64  # a request skipped this many steps stops later ones overtaking it
-    adapter_source_allow: tuple[str, ...] = ()  # allowed URI prefixes; empty: file:// anywhere
     cache_address: str | None = None  # adapter-cache sidecar; None: read file:// URIs directly
     host_load_workers: int = 2  # threads preparing adapters on the host (never the scheduler)
     # Validated adapters read from local directories, kept in host memory (LRU) so that one evicted
     # from its slot is copied back without reading and checking it again; 0 turns this off.
     host_cache_bytes: int = 512 << 20
     overlap_loads: bool = True  # False: blocking slot copies (benchmark baseline only)
-    seed: int = 0
+    seed: int = 0  # seeds sampling for requests without a seed of their own
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

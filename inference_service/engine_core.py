@@ -8,13 +8,19 @@ to other threads: everything it needs is a method here, so a process bridge coul
 from __future__ import annotations
 
 import concurrent.futures
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
+from adapter_cache.adapter_format import BaseModelShapes
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
 from inference_service.config import EngineConfig
+from inference_service.lora.manager import AdapterInfo
 from inference_service.lora.registry import AdapterVersion, adapter_name
-from inference_service.lora.source import AdapterSource
+from inference_service.lora.sidecar_source import SidecarSource
+from inference_service.lora.source import AdapterSource, LocalDirectorySource
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.model_runner import ModelRunner
 from inference_service.models.loader import load_model
@@ -31,19 +37,6 @@ class ModelInfo:
     max_loras: int
     max_lora_rank: int
     max_new_tokens_limit: int
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    name: str
-    version: int
-    uri: str
-    state: str
-    slot: int
-    pinned: bool
-    rank: int
-    size_bytes: int
-    active_requests: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +58,13 @@ class EngineStats:
     evictions_total: int = 0
 
 
+def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSource:
+    """Where adapters come from: the sidecar when one is configured, else local directories."""
+    if config.cache_address:
+        return SidecarSource(config.cache_address, shapes, config.max_lora_rank)
+    return LocalDirectorySource(shapes, config.max_lora_rank, config.host_cache_bytes)
+
+
 class EngineCore:
     """Synchronous engine: call from one thread only."""
 
@@ -74,6 +74,7 @@ class EngineCore:
         self.config = config
         self.metrics = metrics or NullMetrics()
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype())
+        source = source or default_source(config, model.config.lora_shapes())
         self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
         self.lora = self.runner.lora
         self.scheduler = Scheduler(config, self.runner.kv, self.lora)
@@ -88,6 +89,9 @@ class EngineCore:
             max_new_tokens_limit=config.max_new_tokens_limit,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
+        # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
+        # same arrivals samples the same tokens; a request's own seed always wins.
+        self._seeds = random.Random(config.seed)
 
     # ---- intake ----
 
@@ -112,6 +116,8 @@ class EngineCore:
         """Take a validated request in; resolves the adapter name and takes its reference."""
         if adapter:
             request.adapter_uid = self.lora.acquire(adapter, request.request_id)
+        if request.generator is None and not request.params.greedy:
+            request.generator = torch.Generator().manual_seed(self._seeds.getrandbits(63))
         self.outputs.add(request)
         self.scheduler.add(request)
 
@@ -147,7 +153,7 @@ class EngineCore:
 
     def adapter_names(self) -> frozenset[str]:
         """The names new requests may use now."""
-        return frozenset(self.lora.registry.current)
+        return self.lora.adapter_names()
 
     def has_pending_work(self) -> bool:
         """Adapter loads in flight (the scheduler thread must keep polling them)."""
@@ -156,23 +162,21 @@ class EngineCore:
     # ---- snapshots ----
 
     def stats(self) -> EngineStats:
-        lora, pool = self.lora, self.lora.pool
-        versions = lora.registry.versions
-        occupied = [uid for uid in pool.slot_to_uid if uid is not None]
+        lora = self.lora.stats()
         waiting = {r.adapter_uid for r in self.scheduler.waiting if r.adapter_uid}
         running = {r.adapter_uid for r in self.scheduler.running if r.adapter_uid}
         return EngineStats(
-            slots_total=pool.num_slots,
-            slots_occupied=len(occupied),
-            slots_referenced=sum(1 for uid in occupied if versions[uid].refs),
-            slots_pinned=sum(1 for uid in occupied if versions[uid].pinned),
-            pending_load_events=len(lora.loader.pending),
+            slots_total=lora.slots_total,
+            slots_occupied=lora.slots_occupied,
+            slots_referenced=lora.slots_referenced,
+            slots_pinned=lora.slots_pinned,
+            pending_load_events=lora.pending_loads,
             requests_running=len(self.scheduler.running),
             requests_waiting=dict(Counter(r.wait_reason or "queued" for r in self.scheduler.waiting)),
             kv_cache_usage=self.runner.kv.usage,
             kv_blocks_used=self.runner.kv.num_used,
-            adapter_references=lora.registry.total_refs(),
-            max_lora=pool.num_slots,
+            adapter_references=lora.references,
+            max_lora=lora.slots_total,
             running_lora_adapters=tuple(sorted(adapter_name(u) for u in running)),
             waiting_lora_adapters=tuple(sorted(adapter_name(u) for u in waiting - running)),
             loads_total=lora.loads_total,
@@ -180,21 +184,7 @@ class EngineCore:
         )
 
     def list_adapters(self) -> list[AdapterInfo]:
-        lora = self.lora
-        return [
-            AdapterInfo(
-                name=v.name,
-                version=v.version,
-                uri=v.uri,
-                state=lora.state(v.uid).value,
-                slot=lora.pool.uid_to_slot.get(v.uid, -1),
-                pinned=v.pinned,
-                rank=v.rank,
-                size_bytes=v.size_bytes,
-                active_requests=len(v.refs),
-            )
-            for v in sorted(lora.registry.versions.values(), key=lambda v: (v.name, v.version))
-        ]
+        return self.lora.adapters()
 
     def shutdown(self) -> None:
         self.lora.shutdown()

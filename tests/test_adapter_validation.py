@@ -289,13 +289,13 @@ def good(tmp_path_factory) -> Path:
 def snapshot(core: EngineCore) -> dict:
     lora = core.lora
     return {
-        "versions": dict(lora.registry.versions),
-        "current": dict(lora.registry.current),
-        "slots": list(lora.pool.slot_to_uid),
-        "uid_to_slot": dict(lora.pool.uid_to_slot),
-        "pending": dict(lora.loader.pending),
+        "versions": dict(lora._registry.versions),
+        "current": dict(lora._registry.current),
+        "slots": list(lora._pool.slot_to_uid),
+        "uid_to_slot": dict(lora._pool.uid_to_slot),
+        "pending": dict(lora._loader.pending),
         "pinned": core.stats().slots_pinned,
-        "refs": lora.registry.total_refs(),
+        "refs": lora.stats().references,
     }
 
 
@@ -311,7 +311,7 @@ def expect_rejected(core: EngineCore, name: str, uri: str, error: type[LoraplexE
     core.lora.drain()
     assert snapshot(core) == before
     assert not core.lora.has_pending_work()
-    assert name not in core.lora.registry.current or before["current"].get(name) == core.lora.registry.current[name]
+    assert name not in core.lora._registry.current or before["current"].get(name) == core.lora.uid_of(name)
     return info.value
 
 
@@ -337,7 +337,7 @@ def expect_healthy(core: EngineCore, name: str, good: Path) -> None:
     unload(core, name)
     stats = core.stats()
     assert stats.adapter_references == 0 and stats.kv_blocks_used == 0 and stats.pending_load_events == 0
-    assert core.lora.registry.versions == {} and core.lora.registry.current == {}
+    assert core.lora._registry.versions == {} and core.lora._registry.current == {}
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -350,7 +350,7 @@ def test_good_adapter_loads_and_serves(core, good):
     base = serve_one(core, None, "base-req", n=8)
     assert with_adapter != base  # the adapter changes the output
     unload(core, "good")
-    assert core.lora.registry.versions == {}
+    assert core.lora._registry.versions == {}
 
 
 @pytest.mark.parametrize("case_id, edit, error", CASES, ids=[c[0] for c in CASES])
@@ -410,7 +410,7 @@ def test_failed_new_version_keeps_current_one_serving(core, good, tmp_path):
     shutil.copytree(good, bad)
     edit_config(use_dora=True)(bad)
     expect_rejected(core, "live", str(bad), AdapterError)
-    assert core.lora.registry.current == {"live": "live@1"}
+    assert core.lora._registry.current == {"live": "live@1"}
     assert serve_one(core, "live", "live-after") == before
     unload(core, "live")
     expect_healthy(core, "live", good)

@@ -51,7 +51,7 @@ def test_configs_from_args(tmp_path, monkeypatch):
     engine_cfg, server_cfg = cli.configs_from_args(args)
     assert (engine_cfg.max_loras, engine_cfg.max_lora_rank, engine_cfg.kv_cache_bytes) == (4, 32, 1000000)
     assert (engine_cfg.max_queue, engine_cfg.max_new_tokens_limit) == (9, 100)
-    assert engine_cfg.adapter_source_allow == ("file:///x",) and engine_cfg.host_cache_bytes == 0
+    assert server_cfg.adapter_source_allow == ("file:///x",) and engine_cfg.host_cache_bytes == 0
     assert server_cfg.admin_token == "s3cret"
     assert [e["name"] for e in server_cfg.preload] == ["a", "b"] and server_cfg.preload[0]["pinned"]
 

@@ -172,6 +172,6 @@ def test_the_engine_stages_adapters_in_its_slots_form(tmp_path):
     path = write_tiny_adapter(tmp_path / "a", seed=1)
     core = make_core()
     load_adapters(core, {"a": path}, preload=True)
-    kept = core.lora.source.fetch(str(path), None, core.lora.pool.host_form)
-    assert kept.tier == "cache" and kept.slot_form == core.lora.pool.b_rank_major
+    kept = core.lora._source.fetch(str(path), None, core.lora._pool.host_form)
+    assert kept.tier == "cache" and kept.slot_form == core.lora._pool.b_rank_major
     core.shutdown()

@@ -54,7 +54,7 @@ def _engine_logits(checkpoint: Path, adapters: dict[str, Path], prompts, **confi
     for rid, tokens, adapter in prompts:
         core.add_request(Request(rid, tokens, params), adapter)
     outputs = run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
     return {rid: torch.stack([x for o in outs for x in (o.logits or [])]) for rid, outs in outputs.items()}
 
 

@@ -74,7 +74,7 @@ def test_engine_on_cuda_matches_cpu(tmp_path: Path):
         outputs = run_to_completion(core)
         logits[device] = {rid: torch.stack([x.cpu() for o in outs for x in (o.logits or [])])
                           for rid, outs in outputs.items()}
-        assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+        assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
         core.shutdown()
     for rid, cpu_logits in logits["cpu"].items():
         torch.testing.assert_close(logits["cuda"][rid], cpu_logits, atol=1e-3, rtol=1e-3)

@@ -75,7 +75,7 @@ def test_preemption_gives_identical_outputs(tiny_adapters):
     constrained = generate(tight, prompts, GREEDY)
     assert tight.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
     assert constrained == reference
-    assert tight.runner.kv.num_used == 0 and tight.lora.registry.total_refs() == 0
+    assert tight.runner.kv.num_used == 0 and tight.lora.stats().references == 0
 
 
 def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
@@ -83,7 +83,7 @@ def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
     core = _core(max_loras=2)
     load_adapters(core, {"a0": tiny_adapters["a0"], "a1": tiny_adapters["a1"]})  # registered, not in slots
     gate = threading.Event()
-    core.lora.loader.engine.submit(CopyJob(gate.wait))  # hold the real copy thread: a0's slot copy stays in flight
+    core.lora._loader.engine.submit(CopyJob(gate.wait))  # hold the real copy thread: a0's slot copy stays in flight
     core.add_request(Request("cold", [256, 65, 66], GREEDY), "a0")
     core.add_request(Request("base", [256, 67, 68], SamplingParams(max_new_tokens=3, ignore_eos=True)), None)
     finished = set()
@@ -94,7 +94,7 @@ def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
     assert "base" in finished and "cold" not in finished
     gate.set()
     run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -129,7 +129,7 @@ def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed):
         time.sleep(0.005)
     stats = core.stats()
     assert core.runner.kv.num_used == 0
-    assert core.lora.registry.total_refs() == 0
+    assert core.lora.stats().references == 0
     assert stats.pending_load_events == 0 and stats.slots_referenced == 0
     assert not core.scheduler.requests and not core.scheduler.running and not core.scheduler.waiting
 
@@ -162,7 +162,7 @@ def test_aging_serves_an_adapter_that_busier_ones_would_starve(tiny_adapters):
     core = _starvation_setup(tiny_adapters, aging_steps=5)
     assert any(_busy_step(core, step) for step in range(300)), "the a2 request starved behind a0/a1 traffic"
     run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
 
 
 def test_without_aging_the_same_traffic_starves_it(tiny_adapters):

@@ -1,4 +1,4 @@
-"""LoRAManager: the only entry point for adapters (registry, slot pool, overlap loader).
+"""LoRAManager: the only face of the LoRA subsystem (its registry, slot pool and loader are private).
 
 Runs on the scheduler thread only, so its state needs no locks. Host preparation (fetching,
 validating) runs on a thread pool and slot copies on the copy engine; both are collected by
@@ -45,6 +45,33 @@ class AdminOp:
     started: float = field(default_factory=time.monotonic)
 
 
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One adapter version as callers see it (ListAdapters, LoadAdapter's answer)."""
+
+    name: str
+    version: int
+    uri: str
+    state: str
+    slot: int
+    pinned: bool
+    rank: int
+    size_bytes: int
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class LoRAStats:
+    slots_total: int
+    slots_occupied: int
+    slots_referenced: int  # slots whose adapter a queued or running request holds
+    slots_pinned: int
+    pending_loads: int  # slot copies in flight
+    references: int  # request references over all versions
+    loads_total: int
+    evictions_total: int
+
+
 @dataclass
 class DrainResult:
     """What `drain` found: versions whose preparation failed (their waiters must fail)."""
@@ -72,10 +99,10 @@ class LoRAManager:
         if num_slots < 1:
             raise ValueError("max_loras must be at least 1")
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
-        self.registry = AdapterRegistry()
-        self.pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major)
-        self.loader = OverlapLoader(copy_engine)
-        self.source = source
+        self._registry = AdapterRegistry()
+        self._pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major)
+        self._loader = OverlapLoader(copy_engine)
+        self._source = source
         self.metrics = metrics or NullMetrics()
         self._host_pool = host_executor or concurrent.futures.ThreadPoolExecutor(
             host_workers, thread_name_prefix="lora-host", initializer=background_worker_thread
@@ -84,7 +111,7 @@ class LoRAManager:
         self._waiting_unloads: dict[str, list[concurrent.futures.Future[None]]] = {}
         self.loads_total = 0
         self.evictions_total = 0
-        log.info("LoRA slots: %d x rank %d = %.1f MiB", num_slots, max_rank, self.pool.nbytes / 2**20)
+        log.info("LoRA slots: %d x rank %d = %.1f MiB", num_slots, max_rank, self._pool.nbytes / 2**20)
 
     # ---- admin API (public: logs, wraps the private implementation) ----
 
@@ -104,9 +131,9 @@ class LoRAManager:
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         """Stop new requests at once; in-flight ones finish, then the slot is freed."""
         log.info("unload adapter %s; %s", name, self._memory())
-        entry = self.registry.resolve(name)
-        del self.registry.current[name]
-        for version in self.registry.versions.values():
+        entry = self._registry.resolve(name)
+        del self._registry.current[name]
+        for version in self._registry.versions.values():
             if version.name == name:
                 version.draining = True  # versions still staging too, or one would become current later
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -117,7 +144,7 @@ class LoRAManager:
     def set_pinned(self, name: str, pinned: bool) -> concurrent.futures.Future[AdapterVersion]:
         """Pin the current version (resolves once in a slot) or unpin it (evictable again)."""
         log.info("%s adapter %s; %s", "pin" if pinned else "unpin", name, self._memory())
-        entry = self.registry.resolve(name)
+        entry = self._registry.resolve(name)
         if pinned:
             return self._load_adapter(name, entry.uri, entry.sha256, True, True)
         entry.pinned = False
@@ -129,9 +156,9 @@ class LoRAManager:
         self, name: str, uri: str, sha256: str | None, pinned: bool, preload: bool
     ) -> concurrent.futures.Future[AdapterVersion]:
         future: concurrent.futures.Future[AdapterVersion] = concurrent.futures.Future()
-        existing = self.registry.current.get(name)
+        existing = self._registry.current.get(name)
         if existing is not None:
-            current = self.registry.versions[existing]
+            current = self._registry.versions[existing]
             if current.uri == uri and current.sha256 == sha256 and current.failure is None:
                 if pinned and not current.pinned:
                     self._check_pin_capacity(name)
@@ -140,23 +167,23 @@ class LoRAManager:
                 return future
         if pinned:
             self._check_pin_capacity(name)
-        entry = self.registry.add_version(name, uri, sha256, pinned)
+        entry = self._registry.add_version(name, uri, sha256, pinned)
         self._start_staging(entry)
         self._admin_ops.append(AdminOp(entry, future, preload or pinned))
         return future
 
     def _check_pin_capacity(self, name: str) -> None:
         # Another version of the same name is replaced by this one, so it does not count.
-        pinned = sum(1 for v in self.registry.versions.values() if v.pinned and not v.draining and v.name != name)
-        if pinned + 1 >= self.pool.num_slots:
+        pinned = sum(1 for v in self._registry.versions.values() if v.pinned and not v.draining and v.name != name)
+        if pinned + 1 >= self._pool.num_slots:
             raise ResourceExhaustedError(
-                f"pinning another adapter would leave no unpinned slot ({pinned} of {self.pool.num_slots} pinned)"
+                f"pinning another adapter would leave no unpinned slot ({pinned} of {self._pool.num_slots} pinned)"
             )
 
     # ---- request references ----
 
     def acquire(self, name: str, request_id: str) -> str:
-        entry = self.registry.resolve(name)
+        entry = self._registry.resolve(name)
         if entry.failure is not None:
             raise entry.failure
         entry.refs.add(request_id)
@@ -164,22 +191,86 @@ class LoRAManager:
 
     def release(self, uid: str, request_id: str) -> None:
         """Drop one request's reference (idempotent, so every end path may call it)."""
-        entry = self.registry.versions.get(uid)
+        entry = self._registry.versions.get(uid)
         if entry is not None:
             entry.refs.discard(request_id)
+
+    # ---- snapshots (scheduler thread; the bridge publishes them) ----
+
+    def stats(self) -> LoRAStats:
+        versions, pool = self._registry.versions, self._pool
+        occupied = [uid for uid in pool.slot_to_uid if uid is not None]
+        return LoRAStats(
+            slots_total=pool.num_slots,
+            slots_occupied=len(occupied),
+            slots_referenced=sum(1 for uid in occupied if versions[uid].refs),
+            slots_pinned=sum(1 for uid in occupied if versions[uid].pinned),
+            pending_loads=len(self._loader.pending),
+            references=self._registry.total_refs(),
+            loads_total=self.loads_total,
+            evictions_total=self.evictions_total,
+        )
+
+    def adapters(self) -> list[AdapterInfo]:
+        return [
+            AdapterInfo(
+                name=v.name,
+                version=v.version,
+                uri=v.uri,
+                state=self.state(v.uid).value,
+                slot=self._pool.uid_to_slot.get(v.uid, -1),
+                pinned=v.pinned,
+                rank=v.rank,
+                size_bytes=v.size_bytes,
+                active_requests=len(v.refs),
+            )
+            for v in sorted(self._registry.versions.values(), key=lambda v: (v.name, v.version))
+        ]
+
+    def adapter_names(self) -> frozenset[str]:
+        """The names new requests may use now."""
+        return frozenset(self._registry.current)
+
+    def uid_of(self, name: str) -> str:
+        """The uid of the version of `name` new requests get (NotFoundError if none)."""
+        return self._registry.resolve(name).uid
+
+    # ---- what the model runner needs ----
+
+    @property
+    def num_slots(self) -> int:
+        return self._pool.num_slots
+
+    @property
+    def slot_dtype(self) -> torch.dtype:
+        return self._pool.dtype
+
+    @property
+    def slots_nbytes(self) -> int:
+        return self._pool.nbytes
+
+    @property
+    def slot_buffers(self) -> dict:
+        """The slot buffers grouped as the model's fused projections read them."""
+        return self._pool.group_buffers
+
+    def rank_of(self, uid: str) -> int:
+        """The adapter's own rank where known (0 before it was staged or once it is gone)."""
+        entry = self._registry.versions.get(uid)
+        return entry.rank if entry is not None else 0
 
     # ---- scheduler hooks ----
 
     def computing(self) -> contextlib.AbstractContextManager[None]:
         """Wraps each forward pass and sampling (the CPU copy engine copies only between them)."""
-        return self.loader.engine.computing()
+        return self._loader.engine.computing()
 
     def drain(self) -> DrainResult:
         """Collect completed slot copies and host preparations; free drained versions."""
         result = DrainResult()
-        for done in self.loader.drain():
+        for done in self._loader.drain():
             self._finish_load(done.load.uid, done.seconds, done.load.tier, done.error, result)
-        for entry in list(self.registry.versions.values()):
+        for entry in list(self._registry.versions.values()):
             if entry.staging is not None and entry.staging.done():
                 self._finish_staging(entry, result)
         self._advance_admin_ops(result)
@@ -187,14 +278,14 @@ class LoRAManager:
         return result
 
     def state(self, uid: str) -> AdapterState:
-        entry = self.registry.versions[uid]
+        entry = self._registry.versions[uid]
         if entry.failure is not None:
             return AdapterState.FAILED
         if entry.draining:
             return AdapterState.DRAINING
-        if self.loader.is_loading(uid):
+        if self._loader.is_loading(uid):
             return AdapterState.LOADING
-        if uid in self.pool.uid_to_slot:
+        if uid in self._pool.uid_to_slot:
             return AdapterState.LOADED
         if entry.staging is not None:
             return AdapterState.STAGING
@@ -204,9 +295,9 @@ class LoRAManager:
 
     def slot_of(self, uid: str) -> int | None:
         """The slot of a LOADED adapter; None while its copy is in flight or it has no slot."""
-        if self.loader.is_loading(uid):
+        if self._loader.is_loading(uid):
             return None
-        return self.pool.uid_to_slot.get(uid)
+        return self._pool.uid_to_slot.get(uid)
 
     def ensure_loading(self, uid: str, needed: set[str]) -> bool:
         """Move an adapter towards LOADED without blocking: stage it, or copy it into a slot.
@@ -214,8 +305,8 @@ class LoRAManager:
         `needed` holds the adapters that queued or running requests need: their slots are never
         taken. Returns False when no slot can be had now (the request waits, never errors).
         """
-        entry = self.registry.versions[uid]
-        if entry.failure is not None or uid in self.pool.uid_to_slot:
+        entry = self._registry.versions[uid]
+        if entry.failure is not None or uid in self._pool.uid_to_slot:
             return True
         if entry.host is None:
             if entry.staging is None and time.monotonic() >= entry.retry_at:
@@ -225,20 +316,20 @@ class LoRAManager:
 
     def touch(self, uids: set[str]) -> None:
         for uid in uids:
-            self.pool.touch(uid)
+            self._pool.touch(uid)
 
     def unevictable(self, needed: set[str]) -> set[str]:
-        pinned = {v.uid for v in self.registry.versions.values() if v.pinned}
-        return needed | pinned | set(self.loader.pending)
+        pinned = {v.uid for v in self._registry.versions.values() if v.pinned}
+        return needed | pinned | set(self._loader.pending)
 
     def has_pending_work(self) -> bool:
-        return bool(self.loader.pending) or any(v.staging is not None for v in self.registry.versions.values())
+        return bool(self._loader.pending) or any(v.staging is not None for v in self._registry.versions.values())
 
     def shutdown(self) -> None:
-        for uid in list(self.loader.pending):
-            self.loader.wait(uid)
+        for uid in list(self._loader.pending):
+            self._loader.wait(uid)
         self._host_pool.shutdown(wait=False, cancel_futures=True)
-        self.loader.engine.close()
+        self._loader.engine.close()
 
     # ---- internals ----
 
@@ -248,8 +339,8 @@ class LoRAManager:
     def _prepare(self, uri: str, sha256: str | None) -> HostAdapter:
         """On a host thread: fetch and validate, then make the tensors copyable asynchronously
         (page-locked on CUDA; a no-op for buffers the source already registered, and on CPU)."""
-        host = self.source.fetch(uri, sha256, self.pool.host_form)
-        pin = self.loader.engine.pin
+        host = self._source.fetch(uri, sha256, self._pool.host_form)
+        pin = self._loader.engine.pin
         host.modules = {key: (pin(a), pin(b), scaling) for key, (a, b, scaling) in host.modules.items()}
         return host
 
@@ -259,7 +350,7 @@ class LoRAManager:
         try:
             host: HostAdapter = future.result()
         except ResourceExhaustedError as exc:
-            if entry.refs and self.registry.current.get(entry.name) == entry.uid:
+            if entry.refs and self._registry.current.get(entry.name) == entry.uid:
                 # The sidecar's cache is full of leased entries: transient. The waiting requests
                 # keep waiting and staging is retried shortly, instead of failing the adapter.
                 entry.retry_at = time.monotonic() + STAGING_RETRY_SECONDS
@@ -289,21 +380,21 @@ class LoRAManager:
             entry.failure = error
 
     def _start_slot_load(self, entry: AdapterVersion, needed: set[str]) -> bool:
-        slot = self.pool.find_slot(self.unevictable(needed | {entry.uid}))
+        slot = self._pool.find_slot(self.unevictable(needed | {entry.uid}))
         if slot is None:
             return False
-        victim = self.pool.slot_to_uid[slot]
+        victim = self._pool.slot_to_uid[slot]
         if victim is not None:
             self._evict(victim)
         host = entry.host
         assert host is not None
-        self.pool.assign(slot, entry.uid)
+        self._pool.assign(slot, entry.uid)
         tier = entry.tier
-        self.loader.start(entry.uid, slot, self.pool.copy_into_slot(slot, host), tier, time.monotonic())
+        self._loader.start(entry.uid, slot, self._pool.copy_into_slot(slot, host), tier, time.monotonic())
         return True
 
     def _evict(self, uid: str) -> None:
-        slot = self.pool.free(uid)
+        slot = self._pool.free(uid)
         self.evictions_total += 1
         self.metrics.adapter_evicted()
         log.info("evicted adapter %s from slot %d", uid, slot)
@@ -311,9 +402,9 @@ class LoRAManager:
     def _finish_load(
         self, uid: str, seconds: float, tier: str, error: BaseException | None, result: DrainResult
     ) -> None:
-        entry = self.registry.versions[uid]
+        entry = self._registry.versions[uid]
         if error is not None:
-            self.pool.free(uid)
+            self._pool.free(uid)
             self._drop_host(entry)
             self._fail(entry, UnavailableError(f"copying adapter {entry.name} into its slot failed: {error}"), result)
             return
@@ -321,7 +412,7 @@ class LoRAManager:
         entry.tier = "cache"
         self.loads_total += 1
         self.metrics.adapter_loaded(tier, seconds)
-        log.info("adapter %s loaded into slot %d in %.1f ms (%s)", uid, self.pool.uid_to_slot[uid], seconds * 1e3,
+        log.info("adapter %s loaded into slot %d in %.1f ms (%s)", uid, self._pool.uid_to_slot[uid], seconds * 1e3,
                  tier)
 
     def _advance_admin_ops(self, result: DrainResult) -> None:
@@ -330,7 +421,7 @@ class LoRAManager:
             entry = op.entry
             if op.future.done():
                 continue
-            if entry.draining or entry.uid not in self.registry.versions:
+            if entry.draining or entry.uid not in self._registry.versions:
                 op.future.set_exception(NotFoundError(f"adapter {entry.name} was unloaded or replaced while loading"))
                 continue
             error = result.failed.get(entry.uid) or entry.failure
@@ -339,24 +430,24 @@ class LoRAManager:
                 op.future.set_exception(error)
                 log.info("load adapter %s failed after %.1f ms", entry.name, (time.monotonic() - op.started) * 1e3)
                 continue
-            if entry.staging is not None or (entry.host is None and entry.uid not in self.pool.uid_to_slot):
+            if entry.staging is not None or (entry.host is None and entry.uid not in self._pool.uid_to_slot):
                 if entry.staging is None:
                     self._start_staging(entry)  # evicted meanwhile: stage again for the preload
                 still.append(op)
                 continue
-            current = self.registry.versions.get(self.registry.current.get(entry.name, ""))
+            current = self._registry.versions.get(self._registry.current.get(entry.name, ""))
             if current is not None and current.version > entry.version:
                 entry.draining = True  # a later LoadAdapter of this name got ready first and wins
                 op.future.set_exception(FailedPreconditionError(
                     f"adapter {entry.name} version {entry.version} was superseded by version {current.version}"))
                 continue
             if current is not entry:
-                old = self.registry.make_current(entry)
+                old = self._registry.make_current(entry)
                 if old is not None:
                     old.draining = True
                     log.info("version swap %s: %s → %s (old drains)", entry.name, old.uid, entry.uid)
             if op.preload and self.slot_of(entry.uid) is None:
-                if entry.uid not in self.pool.uid_to_slot:  # not yet copying: try for a slot
+                if entry.uid not in self._pool.uid_to_slot:  # not yet copying: try for a slot
                     self._start_slot_load(entry, self._referenced())
                 still.append(op)
                 continue
@@ -369,20 +460,20 @@ class LoRAManager:
 
     def _discard_failed(self, entry: AdapterVersion) -> None:
         """A version that never became current is forgotten; a current one stays FAILED."""
-        if self.registry.current.get(entry.name) != entry.uid and not entry.refs:
-            self.registry.remove(entry.uid)
+        if self._registry.current.get(entry.name) != entry.uid and not entry.refs:
+            self._registry.remove(entry.uid)
 
     def _reap_drained(self) -> None:
-        for entry in list(self.registry.versions.values()):
-            if not entry.draining or entry.refs or self.loader.is_loading(entry.uid):
+        for entry in list(self._registry.versions.values()):
+            if not entry.draining or entry.refs or self._loader.is_loading(entry.uid):
                 continue
-            if entry.uid in self.pool.uid_to_slot:
-                slot = self.pool.free(entry.uid)
+            if entry.uid in self._pool.uid_to_slot:
+                slot = self._pool.free(entry.uid)
                 log.info("drained adapter %s freed slot %d", entry.uid, slot)
             if entry.staging is not None:
                 entry.staging.cancel()
             self._drop_host(entry)
-            self.registry.remove(entry.uid)
+            self._registry.remove(entry.uid)
             for future in self._waiting_unloads.pop(entry.uid, []):
                 future.set_result(None)
 
@@ -392,11 +483,11 @@ class LoRAManager:
             self._host_pool.submit(host.release)  # a sidecar call: never on the scheduler thread
 
     def _referenced(self) -> set[str]:
-        return {v.uid for v in self.registry.versions.values() if v.refs}
+        return {v.uid for v in self._registry.versions.values() if v.refs}
 
     def _memory(self) -> str:
-        free_slots = sum(1 for uid in self.pool.slot_to_uid if uid is None)
-        text = f"{free_slots}/{self.pool.num_slots} slots free"
+        free_slots = sum(1 for uid in self._pool.slot_to_uid if uid is None)
+        text = f"{free_slots}/{self._pool.num_slots} slots free"
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             text += f", {free / 2**30:.2f} GiB device memory free"
