@@ -57,6 +57,21 @@ class UriPolicy:
         return real if any(real == root or root in real.parents for root in self.file_roots) else None
 
 
+def local_path(uri: str) -> Path:
+    """The directory a file:// URI names, parsed and checked as `UriPolicy.check` does, or a plain
+    path (in-process callers: tests, benches); symlinks resolved. Other schemes need the sidecar."""
+    if urlsplit(uri).scheme:
+        norm = _normalise(uri, what="adapter uri")
+        if not norm.startswith("file://"):
+            raise InvalidArgumentError(f"adapter uri {uri!r}: only file:// is read without the adapter-cache sidecar")
+        raw = norm[len("file://"):]
+    else:
+        if ".." in Path(uri).parts:
+            raise PermissionDeniedError(f"adapter path {uri!r} contains a '..' path segment")
+        raw = uri
+    return Path(os.path.realpath(raw))
+
+
 def _real(file_uri: str) -> Path:
     return Path(os.path.realpath(file_uri[len("file://"):]))
 

@@ -25,7 +25,7 @@ from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.model_runner import ModelRunner
 from inference_service.models.loader import load_model
 from inference_service.output_processor import OutputProcessor
-from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams, WaitReason
 from inference_service.scheduler import Scheduler
 
 
@@ -172,7 +172,7 @@ class EngineCore:
             slots_pinned=lora.slots_pinned,
             pending_load_events=lora.pending_loads,
             requests_running=len(self.scheduler.running),
-            requests_waiting=dict(Counter(r.wait_reason or "queued" for r in self.scheduler.waiting)),
+            requests_waiting=dict(Counter(r.wait_reason or WaitReason.QUEUED for r in self.scheduler.waiting)),
             kv_cache_usage=self.runner.kv.usage,
             kv_blocks_used=self.runner.kv.num_used,
             adapter_references=lora.references,

@@ -21,6 +21,17 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+class WaitReason(enum.StrEnum):
+    """Why the scheduler last passed over a waiting request (metrics label, aging)."""
+
+    QUEUED = "queued"  # behind a request blocked on KV memory (FCFS)
+    AGING = "aging"  # an older request must get a slot first
+    BATCH_FULL = "batch_full"
+    ADAPTER_LOADING = "adapter_loading"
+    SLOTS_FULL = "slots_full"
+    KV_CACHE = "kv_cache"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -135,7 +146,7 @@ class Request:
         self.skipped_steps = 0  # aging: steps this request was passed over while waiting
         self.finish_reason: FinishReason | None = None
         self.error: LoraplexError | None = None
-        self.wait_reason: str | None = None  # why it was last passed over (metrics, aging)
+        self.wait_reason: WaitReason | None = None  # why it was last passed over (metrics, aging)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -22,7 +22,7 @@ from inference_service.batch import ScheduledBatch
 from inference_service.config import EngineConfig
 from inference_service.kv_cache import KVCache
 from inference_service.lora.manager import LoRAManager
-from inference_service.request import FinishReason, Request, RequestStatus
+from inference_service.request import FinishReason, Request, RequestStatus, WaitReason
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +153,14 @@ class Scheduler:
         for request in self.waiting:
             reason = None
             if blocked:
-                reason = "queued"
+                reason = WaitReason.QUEUED
             elif barrier is not None and request.arrival_seq > barrier and request.adapter_uid is not None:
-                reason = "aging"  # an older request must get a slot first
+                reason = WaitReason.AGING  # an older request must get a slot first
             elif len(self.running) + len(admitted) >= self.config.max_num_seqs or budget == 0:
-                reason = "batch_full"
+                reason = WaitReason.BATCH_FULL
             elif request.adapter_uid is not None and self.lora.slot_of(request.adapter_uid) is None:
                 got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
-                reason = "adapter_loading" if got_slot else "slots_full"
+                reason = WaitReason.ADAPTER_LOADING if got_slot else WaitReason.SLOTS_FULL
             else:
                 if request.timings.adapter_ready is None:
                     request.timings.adapter_ready = time.monotonic()
@@ -172,7 +172,7 @@ class Scheduler:
                     batch.items.append((request, num_tokens))
                     budget -= num_tokens
                     continue
-                reason = "kv_cache"
+                reason = WaitReason.KV_CACHE
                 blocked = True  # FCFS for memory: no overtaking on KV, or long prompts would starve
             request.skipped_steps += 1
             request.wait_reason = reason
@@ -186,6 +186,6 @@ class Scheduler:
         for request in self.waiting:
             if request.skipped_steps < self.config.aging_steps or request.adapter_uid is None:
                 continue
-            if request.wait_reason == "slots_full":
+            if request.wait_reason is WaitReason.SLOTS_FULL:
                 return request.arrival_seq
         return None

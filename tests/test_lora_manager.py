@@ -217,12 +217,10 @@ def test_pinning_never_takes_every_slot(adapters, num_slots):
     for name in names:
         if len(pinned) + 1 >= num_slots:
             with pytest.raises(ResourceExhaustedError):
-                core.lora.set_pinned(name, True)
-            with pytest.raises(ResourceExhaustedError):
                 core.lora.load_adapter(name, str(adapters[name]), pinned=True)
             assert not core.lora._registry.resolve(name).pinned
             continue
-        future = core.lora.set_pinned(name, True)
+        future = core.lora.load_adapter(name, str(adapters[name]), pinned=True)  # the same version, now pinned
         step_until(core, future.done)
         assert core.lora.state(future.result().uid) is AdapterState.LOADED
         pinned.append(name)
@@ -236,9 +234,9 @@ def test_pinning_never_takes_every_slot(adapters, num_slots):
         f"r-{n}" for n in unpinned
     }
     assert all(core.lora.state(uid_of(core, n)) is AdapterState.LOADED for n in pinned)
-    if pinned:  # unpinning gives the slot back to the pool
-        core.lora.set_pinned(pinned[0], False)
-        step_until(core, core.lora.set_pinned(unpinned[0], True).done)
+    if pinned:  # unloading a pinned adapter gives its slot back to the pool
+        step_until(core, core.lora.unload_adapter(pinned[0]).done)
+        step_until(core, core.lora.load_adapter(unpinned[0], str(adapters[unpinned[0]]), pinned=True).done)
         assert core.lora._registry.resolve(unpinned[0]).pinned
     assert_leak_free(core)
     core.shutdown()

@@ -1,6 +1,6 @@
 """A Hypothesis state machine over EngineCore + LoRAManager: DESIGN.md's slot pool invariants.
 
-Rules: load / version-swap an adapter (optionally pinned or preloaded), pin, unpin, unload,
+Rules: load / version-swap an adapter (optionally pinned or preloaded), pin (the same version loaded pinned), unload,
 start a request (an adapter or the base model), abort one, run a scheduler step, and complete any
 host staging or slot copy in any order. After every rule every invariant of "Slot pool
 invariants" is checked, the slot buffers against the adapters' own tensors; every forward pass
@@ -211,13 +211,9 @@ class SlotPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(self.lora._registry.current)))
-        self._load(lambda: self.lora.set_pinned(name, True), name, True, self.lora._registry.resolve(name).uri)
-
-    @precondition(lambda self: self.core is not None and bool(self.lora._registry.current))
-    @rule(data=st.data())
-    def unpin(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(self.lora._registry.current)))
-        assert not self.lora.set_pinned(name, False).result().pinned
+        current = self.lora._registry.resolve(name)
+        self._load(lambda: self.lora.load_adapter(name, current.uri, current.sha256, pinned=True), name, True,
+                   current.uri)
 
     @rule(name=st.sampled_from(NAMES))
     def unload(self, name: str) -> None:

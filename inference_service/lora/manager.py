@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapter_cache.adapter_format import BaseModelShapes, HostAdapter
+from adapter_cache.adapter_format import BaseModelShapes, HostAdapter, LoadTier
 from adapter_cache.errors import (
     FailedPreconditionError,
     LoraplexError,
@@ -139,17 +139,6 @@ class LoRAManager:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._waiting_unloads.setdefault(entry.uid, []).append(future)
         self._reap_drained()
-        return future
-
-    def set_pinned(self, name: str, pinned: bool) -> concurrent.futures.Future[AdapterVersion]:
-        """Pin the current version (resolves once in a slot) or unpin it (evictable again)."""
-        log.info("%s adapter %s; %s", "pin" if pinned else "unpin", name, self._memory())
-        entry = self._registry.resolve(name)
-        if pinned:
-            return self._load_adapter(name, entry.uri, entry.sha256, True, True)
-        entry.pinned = False
-        future: concurrent.futures.Future[AdapterVersion] = concurrent.futures.Future()
-        future.set_result(entry)
         return future
 
     def _load_adapter(
@@ -400,7 +389,7 @@ class LoRAManager:
         log.info("evicted adapter %s from slot %d", uid, slot)
 
     def _finish_load(
-        self, uid: str, seconds: float, tier: str, error: BaseException | None, result: DrainResult
+        self, uid: str, seconds: float, tier: LoadTier, error: BaseException | None, result: DrainResult
     ) -> None:
         entry = self._registry.versions[uid]
         if error is not None:
@@ -409,7 +398,7 @@ class LoRAManager:
             self._fail(entry, UnavailableError(f"copying adapter {entry.name} into its slot failed: {error}"), result)
             return
         self._drop_host(entry)  # the slot holds it now; re-staging is cheap (sidecar cache)
-        entry.tier = "cache"
+        entry.tier = LoadTier.CACHE
         self.loads_total += 1
         self.metrics.adapter_loaded(tier, seconds)
         log.info("adapter %s loaded into slot %d in %.1f ms (%s)", uid, self._pool.uid_to_slot[uid], seconds * 1e3,

@@ -11,7 +11,7 @@ import concurrent.futures
 import enum
 from dataclasses import dataclass, field
 
-from adapter_cache.adapter_format import HostAdapter
+from adapter_cache.adapter_format import HostAdapter, LoadTier
 from adapter_cache.errors import LoraplexError, NotFoundError
 
 
@@ -38,7 +38,7 @@ class AdapterVersion:
     staging: concurrent.futures.Future[HostAdapter] | None = None
     rank: int = 0
     size_bytes: int = 0
-    tier: str = "store"  # where the next load's bytes come from: host | cache | store
+    tier: LoadTier = LoadTier.STORE  # where the next load's bytes come from
     retry_at: float = 0.0  # monotonic time before which a transiently refused staging is not retried
     refs: set[str] = field(default_factory=set)  # ids of queued and running requests
 

@@ -17,6 +17,7 @@ import torch
 from adapter_cache.adapter_format import (
     BaseModelShapes,
     HostAdapter,
+    LoadTier,
     build_host_adapter,
     parse_adapter_config,
     parse_adapter_tensors,
@@ -45,7 +46,7 @@ class SidecarSource:
         except BaseException:
             self.client.release(staged.lease_id)
             raise
-        adapter.tier = "cache" if staged.cache_hit else "store"
+        adapter.tier = LoadTier.CACHE if staged.cache_hit else LoadTier.STORE
         adapter.release = lambda: self._release(staged.lease_id, pinned)
         log.info("staged %s via sidecar (lease %s, %s, %d bytes)", uri, staged.lease_id,
                  "hit" if staged.cache_hit else "miss", staged.size_bytes)

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import unquote, urlparse
 
 from adapter_cache.adapter_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     BaseModelShapes,
     HostAdapter,
+    LoadTier,
     load_adapter_dir,
 )
-from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError
+from adapter_cache.errors import InvalidArgumentError
+from adapter_cache.uri_policy import local_path
 
 HostForm = Callable[[HostAdapter], HostAdapter]
 
@@ -31,22 +31,6 @@ class AdapterSource(Protocol):
         `host_form` turns a freshly read adapter into the form it is kept and copied in (the
         slots' layout, `LoRAMemoryPool.host_form`); a source with a host cache keeps that form.
         The returned adapter's `tier` says where the bytes came from (cache | store)."""
-
-
-def local_path(uri: str) -> Path:
-    """file:///abs/dir or a plain path → a normalised absolute path."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise PermissionDeniedError(f"file URI with a remote host is not allowed: {uri}")
-        raw = unquote(parsed.path)
-    elif parsed.scheme == "":
-        raw = uri
-    else:
-        raise InvalidArgumentError(f"unsupported adapter URI scheme {parsed.scheme!r} (no sidecar configured)")
-    if ".." in Path(raw).parts:
-        raise PermissionDeniedError(f"path traversal ('..') in adapter URI: {uri}")
-    return Path(os.path.realpath(raw))
 
 
 class LocalDirectorySource:
@@ -79,13 +63,13 @@ class LocalDirectorySource:
         digest: str | None
         if hit is not None:
             _, adapter, digest = hit
-            tier = "cache"
+            tier = LoadTier.CACHE
         else:
-            adapter, tier = load_adapter_dir(path, self.shapes, self.max_rank), "store"
+            adapter, tier = load_adapter_dir(path, self.shapes, self.max_rank), LoadTier.STORE
             digest = None if sha256 is None else hashlib.sha256(bytes(adapter.keepalive)).hexdigest()  # type: ignore[arg-type]
         if sha256 is not None and digest != sha256.lower():
             raise InvalidArgumentError(f"{WEIGHTS_FILE} sha256 {digest} does not match the expected {sha256}")
-        if tier == "store":
+        if tier is LoadTier.STORE:
             adapter = host_form(adapter) if host_form is not None else adapter
             if stamp is not None:
                 self._remember(path, stamp, adapter, digest)
