@@ -22,10 +22,10 @@ import pytest
 
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.ports import free_port
+from harness.sidecar import Sidecar
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.test_cache_helpers import Sidecar
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ADAPTERS = {"c0": dict(rank=4, seed=700), "c1": dict(rank=8, seed=701), "c2": dict(rank=16, seed=702),

@@ -18,7 +18,7 @@ from werkzeug.serving import make_server
 
 from adapter_cache.errors import UnavailableError
 from harness.ports import free_port
-from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
+from harness.sidecar import Sidecar, make_adapter, put_adapter
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")

@@ -28,7 +28,7 @@ from adapter_cache.errors import (
     UnavailableError,
 )
 from harness.ports import free_port
-from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
+from harness.sidecar import Sidecar, make_adapter, put_adapter
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -34,9 +34,9 @@ from harness.prometheus import (
     prometheus_available,
     running_prometheus,
 )
+from harness.sidecar import Sidecar
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.test_cache_helpers import Sidecar
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,4 +1,4 @@
-"""Shared helpers for the adapter-cache tests: tiny PEFT adapters and a real sidecar subprocess."""
+"""Helpers for the adapter-cache tests and benches: tiny PEFT adapters as bytes and a real sidecar subprocess."""
 
 from __future__ import annotations
 
