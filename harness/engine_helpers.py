@@ -5,8 +5,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
 from inference_service.request import Request, RequestOutput, SamplingParams
+
+
+def make_core(max_loras: int = 2, **config: object) -> EngineCore:
+    """builtin:tiny with a few rank-8 slots and a small KV cache."""
+    return EngineCore(EngineConfig(model="builtin:tiny", max_loras=max_loras, max_lora_rank=8,
+                                   kv_cache_bytes=4 << 20, **config))
 
 
 def load_adapters(core: EngineCore, adapters: dict[str, Path], timeout: float = 60.0, **kwargs: object) -> None:

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from adapter_cache.adapter_format import load_adapter_dir
+from harness.adapters import write_tiny_adapter
 from inference_service import device
 from inference_service.device import ThreadCopyEngine
 from inference_service.kernels.copy import CopyJob
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.models.loader import builtin_tiny_config
-from tests.test_lora_manager import write_tiny_adapter
 
 
 @pytest.fixture
@@ -166,8 +166,7 @@ def test_copy_program_pieces_are_bounded_and_exact():
 def test_the_engine_stages_adapters_in_its_slots_form(tmp_path):
     """Through the manager, what the local source keeps is already in the slots' form on CPU with
     the kernels (a reload is plain copies), and as read where the slots take PEFT's layout."""
-    from harness.engine_helpers import load_adapters
-    from tests.test_lora_manager import make_core
+    from harness.engine_helpers import load_adapters, make_core
 
     path = write_tiny_adapter(tmp_path / "a", seed=1)
     core = make_core()

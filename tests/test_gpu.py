@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from adapter_cache.adapter_format import load_adapter_dir, parse_adapter_config, parse_adapter_tensors
+from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
 from inference_service.device import CudaCopyEngine, register_host_memory, unregister_host_memory
@@ -20,7 +21,6 @@ from inference_service.engine_core import EngineCore
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import Request, SamplingParams
-from tests.test_scheduler import write_tiny_adapter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,7 +7,6 @@ references, zero pending loads, zero KV blocks in use.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -15,49 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from adapter_cache.adapter_format import SUPPORTED_TARGET_MODULES
 from adapter_cache.errors import NotFoundError, ResourceExhaustedError
-from harness.engine_helpers import load_adapters, run_to_completion
+from harness.adapters import write_tiny_adapter
+from harness.engine_helpers import load_adapters, make_core, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
 from inference_service.kernels.copy import CopyJob
 from inference_service.lora.registry import AdapterState
-from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, RequestStatus, SamplingParams
 
 ALL_MODULES = tuple(SUPPORTED_TARGET_MODULES)
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 PROMPT = [5, 17, 99, 42, 7, 120, 33]
-
-
-def write_tiny_adapter(
-    out: Path, seed: int, modules: tuple[str, ...] = ALL_MODULES, rank: int = 4, alpha: float = 8.0
-) -> Path:
-    """A PEFT adapter for builtin:tiny, random A/B large enough to change greedy tokens."""
-    config = builtin_tiny_config()
-    shapes = config.lora_shapes()
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in modules:
-            in_features, out_features = shapes.features[module]
-            prefix = f"base_model.model.model.layers.{layer}.{SUPPORTED_TARGET_MODULES[module]}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.3
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.3
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
-    ))
-    return out
-
-
-def make_core(max_loras: int = 2, **config: object) -> EngineCore:
-    return EngineCore(EngineConfig(model="builtin:tiny", max_loras=max_loras, max_lora_rank=8,
-                                   kv_cache_bytes=4 << 20, **config))
 
 
 def hold_copies(core: EngineCore) -> threading.Event:

@@ -1,4 +1,4 @@
-"""A Hypothesis state machine over EngineCore + LoRAManager: DESIGN.md's slot pool invariants.
+"""A Hypothesis state machine over EngineCore + LoRAManager: the slot pool invariants of docs/architecture.md.
 
 Rules: load / version-swap an adapter (optionally pinned or preloaded), pin (the same version loaded pinned), unload,
 start a request (an adapter or the base model), abort one, run a scheduler step, and complete any
@@ -35,13 +35,13 @@ from hypothesis.stateful import (
 
 from adapter_cache.adapter_format import load_adapter_dir
 from adapter_cache.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from harness.adapters import write_tiny_adapter
 from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
-from tests.test_lora_manager import write_tiny_adapter
 
 # 400 examples x up to 60 rules: about 25 s on 2 CPU cores (1,500 x 80 found nothing more).
 MAX_EXAMPLES = 400

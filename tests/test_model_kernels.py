@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
@@ -19,7 +20,6 @@ from inference_service.models import linear as dense
 from inference_service.models.llama import GatherScratch
 from inference_service.models.loader import BUILTIN_TINY, load_model
 from inference_service.request import Request, SamplingParams
-from tests.test_lora_manager import write_tiny_adapter
 
 CPU = torch.device("cpu")
 

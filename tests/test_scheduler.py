@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import generate, load_adapters, run_to_completion
 from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
@@ -20,28 +20,6 @@ from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
-
-
-def write_tiny_adapter(out: Path, rank: int, seed: int, modules: tuple[str, ...] = ("q_proj", "v_proj", "down_proj")
-                       ) -> Path:
-    """A PEFT adapter for builtin:tiny written straight with safetensors."""
-    shapes = builtin_tiny_config().lora_shapes()
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in modules:
-            parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
-            fan_in, fan_out = shapes.features[module]
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.3
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.3
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(
-        f'{{"peft_type": "LORA", "r": {rank}, "lora_alpha": {2 * rank}, "target_modules": {list(modules)!r}}}'
-        .replace("'", '"')
-    )
-    return out
 
 
 @pytest.fixture(scope="module")
