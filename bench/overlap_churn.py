@@ -7,19 +7,11 @@ interleaved over `--rounds` runs: no churn, churn with overlapped loads, and chu
 blocking loads (`--no-overlap`-style baseline: preparation and copy on the scheduler thread). Also compares
 the slot-load bandwidth with a plain torch copy of the same bytes.
 
-The default churn adapters are sized to matter as a rank-64 adapter of a 7B model does on a GPU,
-where its ~320 MB take about a decode step to cross PCIe: here a rank-256 adapter of the bench
-model is 40 MB, ~3.5 ms of one core, against a ~10 ms decode step (rank 64 is 10 MB, ~1 ms, which
-a blocking load hides in the step's noise). One load every 10 steps lets every churn turn load in
-both modes, cold first loads included; at 5, the overlapped mode skipped about half its turns
-while first loads were read and checked, and so did half the loads of the blocking mode.
-
 Each run starts a fresh engine, so every churn adapter's first load reads and checks its files
 and later ones come from the source's host cache (`--host-cache-bytes 0`: every load reads).
-The p99 ratios are taken within each round, whose three runs follow each other, and the median
-over rounds is reported: on a shared machine a p99 of a few hundred steps moves by tens of
-percent from one minute to the next, which pooling rounds would fold into the ratio. The pooled
-ratios are printed too.
+The p99 ratios are taken within each round and the median over rounds is reported (the pooled
+ratios are printed too). Why these sizes, this cadence and per-round ratios:
+docs/architecture.md, "The overlap_churn benchmark's workload".
 Last line: RESULT overlap_p99_itl_ratio=<median over rounds of p99 with churn / p99 without>.
 """
 
