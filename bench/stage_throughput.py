@@ -5,7 +5,7 @@ parts arrive), for reference. Then a cold Generate's time to first token, broken
 (fetch+stage in the sidecar, slot load, prefill), through a real inference server on
 builtin:tiny with `--cache-address` pointing at the same sidecar.
 
-    .venv/bin/python bench/stage_throughput.py                     # starts Ceph via tests/infra/ceph.py
+    .venv/bin/python bench/stage_throughput.py                     # starts Ceph via harness/ceph.py
     .venv/bin/python bench/stage_throughput.py --endpoint http://127.0.0.1:7480 --access-key K --secret-key S
 
 Last line: `RESULT stage_vs_boto3_bytes_per_s=<ratio>` (target >= 1.0).
