@@ -60,7 +60,10 @@ class UriPolicy:
 def local_path(uri: str) -> Path:
     """The directory a file:// URI names, parsed and checked as `UriPolicy.check` does, or a plain
     path (in-process callers: tests, benches); symlinks resolved. Other schemes need the sidecar."""
-    if urlsplit(uri).scheme:
+    parts = urlsplit(uri)
+    if parts.scheme:
+        if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
+            raise PermissionDeniedError(f"adapter uri {uri!r}: a file:// URI with a remote host is not allowed")
         norm = _normalise(uri, what="adapter uri")
         if not norm.startswith("file://"):
             raise InvalidArgumentError(f"adapter uri {uri!r}: only file:// is read without the adapter-cache sidecar")

@@ -115,7 +115,6 @@ def test_exposition_has_every_required_series_with_values():
     assert s[("loraplex_requests_waiting", (("reason", "adapter"),))] == 2
     assert s[("loraplex_kv_cache_usage_ratio", ())] == 0.25
     assert s[("loraplex_lora_loads_total", (("tier", "store"),))] == 1
-    assert s[("loraplex_lora_loads_total", (("tier", "cache"),))] == 0
     assert not any(labels == (("tier", "host"),) for _, labels in s)  # no tier nothing produces
     assert s[("loraplex_prompt_tokens_total", ())] == 12
     assert s[("loraplex_generation_tokens_total", ())] == 3
