@@ -20,7 +20,7 @@ import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from inference_service.errors import PermissionDeniedError, UnauthenticatedError
+from adapter_cache.errors import PermissionDeniedError, UnauthenticatedError
 
 LOCAL = "local"  # the caller name when no token is configured: whoever the socket mode lets in
 

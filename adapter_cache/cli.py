@@ -15,11 +15,11 @@ import grpc
 from grpc_health.v1 import health
 
 from adapter_cache.auth import CacheAuth
+from adapter_cache.env_flags import add_env_flag
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.server import build_server
 from adapter_cache.stager import CacheConfig, Stager
 from adapter_cache.store import FetchConfig, S3Config
-from inference_service.env_flags import add_env_flag
 
 log = logging.getLogger("adapter_cache")
 ENV_PREFIX = "LORAPLEX_CACHE_"

@@ -1,6 +1,6 @@
 """A small client of the sidecar for the inference service: stage / release / read / list / evict.
 
-gRPC failures come back as the matching `inference_service.errors` class, so callers handle
+gRPC failures come back as the matching `adapter_cache.errors` class, so callers handle
 sidecar and local errors alike (an unreachable sidecar is UnavailableError: retryable).
 """
 
@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from inference_service.api import adapter_cache_pb2 as pb
-from inference_service.api import adapter_cache_pb2_grpc as pb_grpc
-from inference_service.errors import (
+from adapter_cache.adapter_format import TensorEntry
+from adapter_cache.api import adapter_cache_pb2 as pb
+from adapter_cache.api import adapter_cache_pb2_grpc as pb_grpc
+from adapter_cache.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     LoraplexError,
@@ -37,19 +38,10 @@ _ERRORS: dict[grpc.StatusCode, type[LoraplexError]] = {
 
 
 @dataclass(frozen=True)
-class StagedTensor:
-    name: str
-    dtype: str  # safetensors dtype string: "F32", "F16", "BF16"
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the staged file
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class StagedAdapter:
     lease_id: str
     path: str  # the staged safetensors file in the shared-memory directory
-    tensors: tuple[StagedTensor, ...]
+    tensors: tuple[TensorEntry, ...]  # offsets into `path`
     config: dict  # adapter_config.json, parsed
     config_json: str
     size_bytes: int
@@ -99,7 +91,7 @@ class AdapterCacheClient:
         return StagedAdapter(
             lease_id=r.lease_id,
             path=r.path,
-            tensors=tuple(StagedTensor(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in r.tensors),
+            tensors=tuple(TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in r.tensors),
             config=json.loads(r.config_json),
             config_json=r.config_json,
             size_bytes=r.size_bytes,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
-from inference_service.errors import UnavailableError
+from adapter_cache.errors import UnavailableError
 
 
 class FetchDeadlineError(UnavailableError):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_service.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from adapter_cache.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
 
 @dataclass

@@ -10,11 +10,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from adapter_cache.api import adapter_cache_pb2 as pb
+from adapter_cache.api import adapter_cache_pb2_grpc as pb_grpc
 from adapter_cache.auth import CacheAuth
+from adapter_cache.errors import LoraplexError
 from adapter_cache.stager import Staged, Stager
-from inference_service.api import adapter_cache_pb2 as pb
-from inference_service.api import adapter_cache_pb2_grpc as pb_grpc
-from inference_service.errors import LoraplexError
 
 log = logging.getLogger(__name__)
 

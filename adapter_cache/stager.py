@@ -20,7 +20,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adapter_cache.adapter_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoRAAdapterConfig,
+    StreamingFiniteCheck,
+    TensorEntry,
+    parse_adapter_config,
+    parse_adapter_tensors,
+    safetensors_manifest,
+)
 from adapter_cache.deadline import Deadline
+from adapter_cache.errors import (
+    AdapterError,
+    InvalidArgumentError,
+    LoraplexError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from adapter_cache.host_cache import Entry, HostCache, Lease
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.shm import PartChecksum, PendingFile, ShmDir, StoredMeta, entry_key, sha256_of
@@ -33,24 +50,7 @@ from adapter_cache.store import (
     S3Config,
     S3Store,
 )
-from inference_service.errors import (
-    AdapterError,
-    InvalidArgumentError,
-    LoraplexError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
-from inference_service.lora.adapter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    LoRAAdapterConfig,
-    StreamingFiniteCheck,
-    TensorEntry,
-    parse_adapter_config,
-    parse_adapter_tensors,
-    safetensors_manifest,
-)
-from inference_service.uri_policy import UriPolicy
+from adapter_cache.uri_policy import UriPolicy
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ and how big is it", so one fetcher can split large objects into parts for a thre
 land in each fetch thread's reusable buffer straight from the socket or file (no intermediate
 bytes objects: on a small machine the copies cost more than the network). Transient failures
 raise `TransientStoreError` and are retried by tenacity with jittered exponential backoff;
-everything else maps to the gRPC-facing errors of `inference_service.errors`.
+everything else maps to the gRPC-facing errors of `adapter_cache.errors`.
 
 What an origin sends is never trusted to be bounded: every read fills at most the caller's
 buffer, an origin that ignores Range is read as one counted stream (never whole into memory),
@@ -34,15 +34,15 @@ import urllib3
 from tenacity import Retrying, retry_if_exception_type, wait_random_exponential
 
 from adapter_cache.deadline import Deadline, deadline_timeout, watch_response
-from inference_service.errors import (
+from adapter_cache.errors import (
     InvalidArgumentError,
     LoraplexError,
     NotFoundError,
     PermissionDeniedError,
     UnavailableError,
 )
-from inference_service.file_access import open_regular
-from inference_service.uri_policy import UriPolicy
+from adapter_cache.file_access import open_regular
+from adapter_cache.uri_policy import UriPolicy
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class S3Store:
 
 
 class FileStore:
-    """file:///path under the rule of `inference_service.file_access` (the service's local source
+    """file:///path under the rule of `adapter_cache.file_access` (the service's local source
     follows it too): regular files only, confined to the allowed roots at open time (a link can
     change after the URI was checked)."""
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package: checkpoint and adapter makers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 
+from harness.engine_helpers import load_adapters, run_to_completion
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.request import Request, SamplingParams
-from tests.infra.engine_helpers import load_adapters, run_to_completion
-from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=4096, max_position_embeddings=512)

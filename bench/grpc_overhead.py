@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
+from harness.inference_server import start_inference_server  # noqa: E402
 from inference_service.api import inference_pb2 as pb  # noqa: E402
 from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
 from inference_service.client import InferenceClient  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
 from inference_service.models.llama import ModelConfig  # noqa: E402
-from tests.infra.inference_server import start_inference_server  # noqa: E402
 
 
 def workload(total: int, n_adapters: int) -> list[tuple[str | None, str]]:
@@ -115,7 +115,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model:
             from bench.engine_throughput import MODEL
-            from tests.infra.models import make_checkpoint
+            from harness.models import make_checkpoint
 
             args.model = str(make_checkpoint(Path(tmp) / "model", "llama", **MODEL))
         config = None if args.model == "builtin:tiny" else ModelConfig.from_hf(

@@ -7,19 +7,11 @@ interleaved over `--rounds` runs: no churn, churn with overlapped loads, and chu
 blocking loads (`--no-overlap`-style baseline: preparation and copy on the scheduler thread). Also compares
 the slot-load bandwidth with a plain torch copy of the same bytes.
 
-The default churn adapters are sized to matter as a rank-64 adapter of a 7B model does on a GPU,
-where its ~320 MB take about a decode step to cross PCIe: here a rank-256 adapter of the bench
-model is 40 MB, ~3.5 ms of one core, against a ~10 ms decode step (rank 64 is 10 MB, ~1 ms, which
-a blocking load hides in the step's noise). One load every 10 steps lets every churn turn load in
-both modes, cold first loads included; at 5, the overlapped mode skipped about half its turns
-while first loads were read and checked, and so did half the loads of the blocking mode.
-
 Each run starts a fresh engine, so every churn adapter's first load reads and checks its files
 and later ones come from the source's host cache (`--host-cache-bytes 0`: every load reads).
-The p99 ratios are taken within each round, whose three runs follow each other, and the median
-over rounds is reported: on a shared machine a p99 of a few hundred steps moves by tens of
-percent from one minute to the next, which pooling rounds would fold into the ratio. The pooled
-ratios are printed too.
+The p99 ratios are taken within each round and the median over rounds is reported (the pooled
+ratios are printed too). Why these sizes, this cadence and per-round ratios:
+docs/architecture.md, "The overlap_churn benchmark's workload".
 A churn turn skipped (the previous load still running when the next is due) is a load that
 did not happen, which would flatter the ratio: then no RESULT is printed and the exit status is 1
 (raise `--churn-every`, or find out why loads fall behind).
@@ -38,14 +30,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package: checkpoint and adapter makers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 
 from bench.engine_throughput import MODEL  # noqa: E402
+from harness.engine_helpers import load_adapters  # noqa: E402
+from harness.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
 from inference_service.config import EngineConfig  # noqa: E402
-from inference_service.engine import EngineCore  # noqa: E402
+from inference_service.device import make_copy_engine  # noqa: E402
+from inference_service.engine_core import EngineCore  # noqa: E402
+from inference_service.kernels.copy import CopyJob  # noqa: E402
+from inference_service.lora.backend import make_lora_op  # noqa: E402
+from inference_service.lora.mem_pool import LoRAMemoryPool  # noqa: E402
+from inference_service.lora.source import LocalDirectorySource  # noqa: E402
+from inference_service.models.loader import load_model  # noqa: E402
 from inference_service.request import Request, SamplingParams  # noqa: E402
-from tests.infra.engine_helpers import load_adapters  # noqa: E402
-from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
 
 RESIDENT, CHURN, SLOTS = 4, 8, 8
 
@@ -64,8 +62,8 @@ def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path],
         core.add_request(Request(f"r{i}", list(range(3, 40)), params), list(resident)[i % RESIDENT])
     for _ in range(3):  # prefill and warm-up
         core.step()
-    needed = {core.lora.registry.current[n] for n in resident}
-    churn_uids = [core.lora.registry.current[n] for n in churn]
+    needed = {core.lora.uid_of(n) for n in resident}
+    churn_uids = [core.lora.uid_of(n) for n in churn]
     loads_before = core.lora.loads_total
     itl: list[float] = []
     current: str | None = None
@@ -100,28 +98,30 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int, device: str) -> tuple[float, float]:
-    """Slot load (staging excluded) vs one torch copy of the same bytes on the same copy engine, in GB/s."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=2, max_lora_rank=max_rank,
-                                   kv_cache_bytes=8 << 20))
-    load_adapters(core, {"bw": adapter}, preload=True)
-    uid = core.lora.registry.current["bw"]
-    host = core.lora.source.fetch(str(adapter), None, core.lora.pool.host_form)  # as a load gets it
+    """Slot load (staging excluded) vs one torch copy of the same bytes on the same copy engine, in GB/s:
+    the engine's own parts (op, slot pool, source, copy engine) as EngineCore assembles them."""
+    config = EngineConfig(model=str(checkpoint), device=device)
+    device, dtype = config.torch_device(), config.torch_dtype()
+    model, _ = load_model(config.model, device, dtype)
+    shapes, op = model.config.lora_shapes(), make_lora_op(device, dtype)
+    pool = LoRAMemoryPool(2, max_rank, shapes, device, op.slot_dtype(dtype), op.b_rank_major)
+    host = LocalDirectorySource(shapes, max_rank, 0).fetch(str(adapter), None, pool.host_form)  # as a load gets it
     nbytes = host.size_bytes
-    pool, slot = core.lora.pool, core.lora.pool.uid_to_slot[uid]
-    copy = pool.copy_into_slot(slot, host)
+    engine = make_copy_engine(device, overlap=True)
+    copy = pool.copy_into_slot(0, host)
     times = []
     for _ in range(10):
         start = time.perf_counter()
-        core.lora.loader.engine.submit(copy).wait()
+        engine.submit(copy).wait()
         times.append(time.perf_counter() - start)
-    src = core.lora.loader.engine.pin(torch.cat([t.flatten() for a, b, _ in host.modules.values() for t in (a, b)]))
-    dst = torch.empty_like(src, device=torch.device(device))
+    src = engine.pin(torch.cat([t.flatten() for a, b, _ in host.modules.values() for t in (a, b)]))
+    dst = torch.empty_like(src, device=device)
     plain = []
     for _ in range(10):  # on the same copy engine (thread or stream), so only the work differs
         start = time.perf_counter()
-        core.lora.loader.engine.submit(lambda: dst.copy_(src)).wait()
+        engine.submit(CopyJob(lambda: dst.copy_(src))).wait()
         plain.append(time.perf_counter() - start)
-    core.shutdown()
+    engine.close()
     return nbytes / min(times) / 1e9, nbytes / min(plain) / 1e9
 
 

@@ -5,7 +5,7 @@ parts arrive), for reference. Then a cold Generate's time to first token, broken
 (fetch+stage in the sidecar, slot load, prefill), through a real inference server on
 builtin:tiny with `--cache-address` pointing at the same sidecar.
 
-    .venv/bin/python bench/stage_throughput.py                     # starts Ceph via tests/infra/ceph.py
+    .venv/bin/python bench/stage_throughput.py                     # starts Ceph via harness/ceph.py
     .venv/bin/python bench/stage_throughput.py --endpoint http://127.0.0.1:7480 --access-key K --secret-key S
 
 Last line: `RESULT stage_vs_boto3_bytes_per_s=<ratio>` (target >= 1.0).
@@ -36,11 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from adapter_cache.client import AdapterCacheClient  # noqa: E402
+from harness.ceph import start_ceph  # noqa: E402
+from harness.inference_server import start_inference_server  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 from inference_service.client import InferenceClient  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
-from tests.infra.ceph import start_ceph  # noqa: E402
-from tests.infra.inference_server import start_inference_server  # noqa: E402
-from tests.infra.ports import free_port  # noqa: E402
 
 
 def metric_sum(url: str, name: str) -> float:

@@ -9,7 +9,7 @@ import hmac
 import ipaddress
 from collections.abc import Iterable
 
-from inference_service.errors import PermissionDeniedError, UnauthenticatedError
+from adapter_cache.errors import PermissionDeniedError, UnauthenticatedError
 
 
 class AdminAuth:

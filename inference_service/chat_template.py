@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from inference_service.errors import InvalidArgumentError
+from adapter_cache.errors import InvalidArgumentError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 MAX_RENDERED_CHARS = 4 << 20  # a template loop cannot make the server build an unbounded prompt

@@ -17,15 +17,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from adapter_cache.auth import read_tokens
+from adapter_cache.env_flags import add_env_flag, env_name
+from adapter_cache.errors import LoraplexError
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.auth import admin_disabled_reason, read_token_file
 from inference_service.config import EngineConfig
-from inference_service.env_flags import add_env_flag, env_name
-from inference_service.errors import LoraplexError
 from inference_service.http.config import HttpConfig
 from inference_service.limits import RequestLimits
 from inference_service.preload import read_preload_file
 from inference_service.server import ServerConfig
-from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.cli")
 ENV_PREFIX = "LORAPLEX_"
@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
          default=EngineConfig.max_new_tokens_limit)
     _add(g, "--default-max-new-tokens", "max_new_tokens of requests that leave it unset", type=int,
          default=ServerConfig.default_max_new_tokens)
-    _add(g, "--seed", "engine seed", type=int, default=EngineConfig.seed)
+    _add(g, "--seed", "seeds sampling for requests that set no seed of their own", type=int,
+         default=EngineConfig.seed)
     _add(g, "--tokenizer", "auto: the checkpoint's tokenizer.json (required); byte: UTF-8 bytes as token ids",
          default=EngineConfig.tokenizer, choices=("auto", "byte"))
 
@@ -167,7 +168,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue,
         max_new_tokens_limit=args.max_new_tokens_limit,
-        adapter_source_allow=allow,
         cache_address=args.cache_address,
         cache_token_file=args.cache_token_file,
         host_cache_bytes=args.host_cache_bytes,

@@ -48,7 +48,7 @@ class EngineConfig:
     # and gives up its worker, so a hung source cannot hold the pool.
     adapter_load_timeout_s: float = 120.0
     limits: RequestLimits = field(default_factory=RequestLimits)
-    seed: int = 0
+    seed: int = 0  # seeds sampling for requests without a seed of their own
     # auto: the checkpoint's tokenizer.json (refused without one); byte: bytes 0-255 are tokens 0-255
     tokenizer: str = "auto"
 

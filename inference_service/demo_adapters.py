@@ -2,7 +2,8 @@
 
 `python -m inference_service.demo_adapters OUT_DIR [--count N]` writes OUT_DIR/demo-<i>/
 {adapter_config.json, adapter_model.safetensors} and prints a preload file path. Used by
-`make run` (no downloads) and by the tests (`write_peft_adapter`).
+`make run` (no downloads), the `loraplex-demo` console script, and the tests and benches
+(`write_peft_adapter`, the one adapter writer).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from inference_service.kernels.lora import PassGate
+from inference_service.kernels.copy import CopyJob, PassGate
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,8 @@ class CopyHandle(Protocol):
 
 
 class CopyEngine(Protocol):
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
-        """Start a copy; one with `chunks` (a list of callables, e.g. a `SlotCopy`) may be run
-        piece by piece."""
+    def submit(self, job: CopyJob) -> CopyHandle:
+        """Start a copy: whole, piece by piece, or as its C program (see `CopyJob`)."""
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host memory the engine can copy from asynchronously."""
@@ -74,36 +73,26 @@ class _FutureHandle:
 class ThreadCopyEngine:
     """CPU twin of the CUDA side stream: one copy thread, futures as events.
 
-    On CPU the copy and the forward pass share the cores. A copy running during a forward pass
-    takes a core from one of its OpenMP threads, and every parallel region waits for that thread:
-    with 2 cores the churn p99 rose above that of copying inline on the scheduler thread. So the
-    copy runs in pieces (at most `PIECE_ELEMENTS` each), between forward passes as many as fit,
-    while the scheduler thread detokenizes, hands out outputs and schedules the next step; during a
-    pass only one piece every PASS_PIECE_INTERVAL_S, since the gaps alone (~1 ms) can leave a
-    large load unfinished for many steps. Where the C kernels are, a whole load is one call that
-    waits on the pass gate without the GIL (`CopyProgram.run_gated`): with Python waiting on an
-    event, the copy thread needed the GIL to wake, which the scheduler thread held for most of the
-    gap, and it caught a gap in only one step of four.
+    The copy shares the cores with the forward pass, so it runs mostly between passes (the pass
+    gate), in bounded pieces, and during a pass only one piece every PASS_PIECE_INTERVAL_S; with the
+    C kernels a whole load is one GIL-free call. Why each of these: docs/architecture.md, "CPU copy
+    overlap".
     """
 
     def __init__(self) -> None:
-        # Full priority: it runs mostly between forward passes, where a lower one left it ~10% of a
-        # core beside the OpenMP threads' spin-waiting, and loads fell behind.
+        # Full priority: at a lower one loads fell behind (docs/architecture.md).
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="lora-copy", initializer=background_worker_thread, initargs=(0,)
         )
         self._gate = PassGate()
 
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
-        chunks: list[Callable[[], None]] = getattr(copy, "chunks", [copy])
-        make_program = getattr(copy, "program", None)
-
+    def submit(self, job: CopyJob) -> CopyHandle:
         def run() -> None:
-            program = make_program() if make_program is not None else None
+            program = job.program() if job.program is not None else None
             if program is not None:
                 program.run_gated(self._gate, PASS_PIECE_INTERVAL_S)
                 return
-            for chunk in chunks:
+            for chunk in job.pieces():
                 self._gate.wait_open(PASS_PIECE_INTERVAL_S)
                 chunk()
 
@@ -127,10 +116,10 @@ class ThreadCopyEngine:
 class BlockingCopyEngine:
     """Copies inline on the caller's thread: the no-overlap baseline for benchmarks."""
 
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
+    def submit(self, job: CopyJob) -> CopyHandle:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         try:
-            _no_grad(copy)()
+            _no_grad(job)()
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle like the async engines
             future.set_exception(exc)
@@ -166,9 +155,9 @@ class CudaCopyEngine:
     def __init__(self, device: torch.device) -> None:
         self._stream = torch.cuda.Stream(device=device)
 
-    def submit(self, copy: Callable[[], None]) -> CopyHandle:
+    def submit(self, job: CopyJob) -> CopyHandle:
         with torch.cuda.stream(self._stream), torch.no_grad():
-            copy()
+            job()
             event = torch.cuda.Event()
             event.record(self._stream)
         return _EventHandle(event)
@@ -184,15 +173,9 @@ class CudaCopyEngine:
 
 
 def background_worker_thread(niceness: int = BACKGROUND_NICENESS) -> None:
-    """Set-up of loader threads (host preparation, CPU slot copies), which run beside the model.
-
-    One torch thread each (the setting is per thread): a second OpenMP team on the cores the
-    model is using makes both spin-wait, which costs far more than parallel copies gain. A lower
-    CPU priority (per thread on Linux) for work that runs beside the forward pass: it uses the
-    cycles decoding leaves idle instead of stretching inter-token latency. And a shorter GIL switch
-    interval for the process (see LOADER_GIL_SWITCH_INTERVAL_S), since these threads now share the
-    GIL with the scheduler's.
-    """
+    """Set-up of loader threads (host preparation, CPU slot copies), which run beside the model:
+    one torch thread each, a lower CPU priority, a shorter GIL switch interval for the process
+    (why: docs/architecture.md, "CPU copy overlap")."""
     torch.set_num_threads(1)
     if sys.getswitchinterval() > LOADER_GIL_SWITCH_INTERVAL_S:
         sys.setswitchinterval(LOADER_GIL_SWITCH_INTERVAL_S)

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inference_service.errors import InvalidArgumentError
+from adapter_cache.errors import InvalidArgumentError
 
 # Names enter metrics labels, uids (`name@version`), logs and URIs of the sidecar's cache: no '@',
 # no spaces, control, format (bidi, zero-width) or other non-ASCII characters.

@@ -26,14 +26,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from adapter_cache.adapter_format import LoadTier
 from inference_service.metrics_sink import MetricsSink, NullMetrics
+from inference_service.request import WaitReason
 
 __all__ = ["MetricsSink", "NullMetrics", "PrometheusMetrics", "EngineCollector", "build_registry", "serve_metrics"]
 
-LOAD_TIERS = ("host", "cache", "store")
+LOAD_TIERS = tuple(LoadTier)
 # The scheduler's wait reasons: each has a series (0 when nothing waits for it), so the waiting
 # gauge never vanishes from a scrape when the queue is empty.
-WAIT_REASONS = ("queued", "aging", "batch_full", "adapter_loading", "slots_full", "kv_cache")
+WAIT_REASONS = tuple(WaitReason)
 BASE_ADAPTER_LABEL = "base"  # adapter label of requests on the base model
 OTHER_ADAPTER_LABEL = "other"  # adapters outside the top-K by traffic
 

@@ -10,22 +10,20 @@ import logging
 
 import torch
 
+from inference_service.batch import ScheduledBatch
 from inference_service.config import EngineConfig
 from inference_service.device import InlineExecutor, make_copy_engine
 from inference_service.kernels import fused
 from inference_service.kernels import paged_attention as cpu_kernels
-from inference_service.kernels.lora import make_lora_op
 from inference_service.kv_cache import KVCache, kv_bytes_per_block
-from inference_service.lora.adapter import BaseModelShapes
+from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch
-from inference_service.lora.sidecar_source import SidecarSource
-from inference_service.lora.source import AdapterSource, LocalDirectorySource
+from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
 from inference_service.request import Request
 from inference_service.sampling import attach_logprobs, process_logits, sample
-from inference_service.scheduler import ScheduledBatch
 from inference_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -39,7 +37,7 @@ class ModelRunner:
         config: EngineConfig,
         model: LlamaModel,
         tokenizer: Tokenizer,
-        source: AdapterSource | None,
+        source: AdapterSource,
         metrics: MetricsSink,
     ) -> None:
         self.config, self.model, self.tokenizer = config, model, tokenizer
@@ -54,7 +52,7 @@ class ModelRunner:
             shapes=shapes,
             device=self.device,
             dtype=model.lora_op.slot_dtype(self.dtype),
-            source=source or self._default_source(shapes),
+            source=source,
             copy_engine=make_copy_engine(self.device, config.overlap_loads),
             host_workers=config.host_load_workers,
             metrics=metrics,
@@ -64,8 +62,8 @@ class ModelRunner:
             max_registered=config.max_registered_adapters,
             load_timeout_s=config.adapter_load_timeout_s,
         )
-        model.attach_lora_buffers(self.lora.pool.group_buffers)
-        lora_bytes = self.lora.pool.nbytes
+        model.attach_lora_buffers(self.lora.slot_buffers)
+        lora_bytes = self.lora.slots_nbytes
         kv_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget - lora_bytes
         per_block = kv_bytes_per_block(model.config, config.block_size, self.dtype)
         num_blocks = kv_bytes // per_block
@@ -80,19 +78,12 @@ class ModelRunner:
             log.info("decode attention: C kernel over the paged KV cache")
         if fused.available(self.device, self.dtype):
             log.info("norms, RoPE with the KV write, SiLU-and-multiply: fused C kernels")
-        log.info("LoRA op: %s, slots in %s", type(model.lora_op).__name__, self.lora.pool.dtype)
+        log.info("LoRA op: %s, slots in %s", type(model.lora_op).__name__, self.lora.slot_dtype)
         log.info(
             "memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",
             lora_bytes / 2**20, config.max_loras, config.max_lora_rank, self.kv.nbytes / 2**20, num_blocks,
             config.block_size,
         )
-
-    def _default_source(self, shapes: BaseModelShapes) -> AdapterSource:
-        if self.config.cache_address:
-            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank,
-                                 token_file=self.config.cache_token_file)
-        return LocalDirectorySource(shapes, self.config.max_lora_rank, self.config.host_cache_bytes,
-                                    allow=self.config.adapter_source_allow)
 
     def _memory_budget(self) -> int:
         if self.config.memory_budget_bytes is not None:
@@ -163,17 +154,16 @@ class ModelRunner:
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             attention=attention,
-            lora=build_lora_batch(token_slots, self.lora.pool.num_slots, self.device, self._slot_ranks(slotted)),
+            lora=build_lora_batch(token_slots, self.lora.num_slots, self.device, self._slot_ranks(slotted)),
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled
 
     def _slot_ranks(self, slotted: list[tuple[int, Request, int]]) -> dict[int, int]:
-        """The rank of the adapter in each slot the batch uses, where the registry knows it."""
-        versions = self.lora.registry.versions
+        """The rank of the adapter in each slot the batch uses, where the manager knows it."""
         ranks = {}
         for slot, request, _ in slotted:
-            rank = getattr(versions.get(request.adapter_uid), "rank", 0) if slot >= 0 else 0
+            rank = self.lora.rank_of(request.adapter_uid) if slot >= 0 and request.adapter_uid else 0
             if rank > 0:
                 ranks[slot] = rank
         return ranks

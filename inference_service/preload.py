@@ -20,8 +20,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from inference_service.errors import LoraplexError
-from inference_service.uri_policy import UriPolicy
+from adapter_cache.errors import LoraplexError
+from adapter_cache.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.preload")
 STATES = ("LOADING", "LOADED", "FAILED")

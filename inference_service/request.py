@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.errors import InvalidArgumentError, LoraplexError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
@@ -23,6 +23,17 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"
+
+
+class WaitReason(enum.StrEnum):
+    """Why the scheduler last passed over a waiting request (metrics label, aging)."""
+
+    QUEUED = "queued"  # behind a request blocked on KV memory (FCFS)
+    AGING = "aging"  # an older request must get a slot first
+    BATCH_FULL = "batch_full"
+    ADAPTER_LOADING = "adapter_loading"
+    SLOTS_FULL = "slots_full"
+    KV_CACHE = "kv_cache"
 
 
 class RequestStatus(enum.Enum):
@@ -196,11 +207,10 @@ class Request:
         self.skipped_steps = 0  # aging: steps this request was passed over while waiting
         self.finish_reason: FinishReason | None = None
         self.error: LoraplexError | None = None
-        self.wait_reason: str | None = None  # why it was last passed over (metrics, aging)
+        self.wait_reason: WaitReason | None = None  # why it was last passed over (metrics, aging)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
-        self.emitted_text_len = 0
         self.step_logprobs: TokenLogprobs | None = None  # set by the runner when params.logprobs asks
         self.stop_reason: str | int | None = None
 

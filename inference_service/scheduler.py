@@ -13,23 +13,24 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
+import torch
+
+from adapter_cache.errors import LoraplexError
+from inference_service.batch import ScheduledBatch
 from inference_service.config import EngineConfig
-from inference_service.errors import LoraplexError
 from inference_service.kv_cache import KVCache
+from inference_service.limits import shown
 from inference_service.lora.manager import LoRAManager
-from inference_service.request import FinishReason, Request, RequestStatus
+from inference_service.output_processor import sample_error
+from inference_service.request import FinishReason, Request, RequestStatus, WaitReason
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledBatch:
-    items: list[tuple[Request, int]] = field(default_factory=list)  # request, tokens this step
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+# Called for each new token: its output is made and whether it ends the request is decided there.
+OnToken = Callable[[Request, torch.Tensor | None, float], FinishReason | None]
 
 
 class Scheduler:
@@ -73,6 +74,43 @@ class Scheduler:
             self.lora.release(request.adapter_uid, request.request_id)
         del self.requests[request.request_id]
         self.finished_this_step.append(request)
+
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: dict[str, tuple[int, torch.Tensor | None]], on_token: OnToken
+    ) -> None:
+        """The one place a request advances after a step: its computed tokens, its new token, and
+        its finish when `on_token` (output processing) says the token ends it. Failures are
+        contained to one request: a row that sampled no token (non-finite logits, a sampling bug)
+        or whose output processing raises ends that request alone, and the batch goes on."""
+        now = time.monotonic()
+        for request, num_tokens in batch.items:
+            if request.finished:
+                continue  # its forward pass failed alone (EngineCore._run)
+            request.num_computed_tokens += num_tokens
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = now
+            if request.request_id not in sampled:
+                continue  # a prefill chunk short of the prompt's end
+            token, logits = sampled[request.request_id]
+            error = sample_error(request, token)
+            if error is not None:
+                self.finish(request, FinishReason.ERROR, error)
+                continue
+            request.output_token_ids.append(token)
+            try:
+                reason = on_token(request, logits, now)
+            except Exception:  # noqa: BLE001 - a bug in stop matching or detokenizing: this request only
+                log.exception("request %s failed after token %d", shown(request.request_id), token)
+                self.finish(request, FinishReason.ERROR,
+                            LoraplexError(f"internal error in request {request.request_id}"))
+                continue
+            if reason is not None:
+                self.finish(request, reason)
+
+    def take_finished(self) -> list[Request]:
+        """The requests that ended since the last call (each exactly once)."""
+        finished, self.finished_this_step = self.finished_this_step, []
+        return finished
 
     def schedule(self) -> ScheduledBatch:
         self._fail_waiters(self.lora.drain().failed)
@@ -131,14 +169,14 @@ class Scheduler:
         for request in self.waiting:
             reason = None
             if blocked:
-                reason = "queued"
+                reason = WaitReason.QUEUED
             elif barrier is not None and request.arrival_seq > barrier and request.adapter_uid is not None:
-                reason = "aging"  # an older request must get a slot first
+                reason = WaitReason.AGING  # an older request must get a slot first
             elif len(self.running) + len(admitted) >= self.config.max_num_seqs or budget == 0:
-                reason = "batch_full"
+                reason = WaitReason.BATCH_FULL
             elif request.adapter_uid is not None and self.lora.slot_of(request.adapter_uid) is None:
                 got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
-                reason = "adapter_loading" if got_slot else "slots_full"
+                reason = WaitReason.ADAPTER_LOADING if got_slot else WaitReason.SLOTS_FULL
             else:
                 if request.timings.adapter_ready is None:
                     request.timings.adapter_ready = time.monotonic()
@@ -150,7 +188,7 @@ class Scheduler:
                     batch.items.append((request, num_tokens))
                     budget -= num_tokens
                     continue
-                reason = "kv_cache"
+                reason = WaitReason.KV_CACHE
                 blocked = True  # FCFS for memory: no overtaking on KV, or long prompts would starve
             request.skipped_steps += 1
             request.wait_reason = reason
@@ -164,6 +202,6 @@ class Scheduler:
         for request in self.waiting:
             if request.skipped_steps < self.config.aging_steps or request.adapter_uid is None:
                 continue
-            if request.wait_reason == "slots_full":
+            if request.wait_reason is WaitReason.SLOTS_FULL:
                 return request.arrival_seq
         return None

@@ -27,15 +27,15 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.auth import AdminAuth, admin_disabled_reason
-from inference_service.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
 from inference_service.health import HealthReporter, install_test_fault, watch_engine
 from inference_service.limits import ADAPTER_NAME_PATTERN, check_adapter_name, check_request_id, check_stop, shown
 from inference_service.preload import PreloadEntry, Preloader
 from inference_service.request import FinishReason, RequestOutput, SamplingParams
-from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.server")
 

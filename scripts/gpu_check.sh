@@ -31,7 +31,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export LORAPLEX_TEST_DEVICE=cuda  # servers started by tests run on the GPU (tests/infra/devices.py)
+export LORAPLEX_TEST_DEVICE=cuda  # servers started by tests run on the GPU (harness/devices.py)
 "$PY" -c 'import torch, grpc; from inference_service.api import inference_pb2_grpc; import adapter_cache.server
 print("torch", torch.__version__, "on", torch.cuda.get_device_name(0), "| grpc", grpc.__version__)'
 

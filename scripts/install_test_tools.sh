@@ -4,14 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Ceph RADOS Gateway: the real S3 server for the adapter-cache integration tests (tests/infra/ceph.py).
+# Ceph RADOS Gateway: the real S3 server for the adapter-cache integration tests (harness/ceph.py).
 if ! command -v radosgw >/dev/null 2>&1; then
   apt-get update
   apt-get install -y --no-install-recommends ceph-mon ceph-osd radosgw ceph-common
 fi
 
 # Prometheus + promtool (Debian package): alert-rule tests, dashboard PromQL checks, the real-Prometheus
-# fixture (tests/infra/prometheus.py). The package's own service must not start: tests run their own.
+# fixture (harness/prometheus.py). The package's own service must not start: tests run their own.
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   made_policy=0
   if [ ! -e /usr/sbin/policy-rc.d ]; then

@@ -16,16 +16,13 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import (
+from adapter_cache.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from adapter_cache.errors import (
     AdapterError,
     AdapterIncompatibleError,
     InvalidArgumentError,
@@ -33,238 +30,51 @@ from inference_service.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from inference_service.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from adapter_cache.uri_policy import UriPolicy
+from harness.bad_adapters import (
+    A0,
+    B1,
+    DELETE,
+    MAX_RANK,
+    RANK,
+    SHAPES,
+    Edit,
+    add_layer,
+    alias_offsets,
+    append_bytes,
+    config_bytes,
+    down_out,
+    drop,
+    duplicate_tensor,
+    edit_config,
+    edit_header,
+    edit_tensors,
+    first_tensor,
+    good_config,
+    good_config_text,
+    good_tensors,
+    huge_sparse_weights,
+    key,
+    offsets_negative,
+    offsets_not_matching_shape,
+    offsets_past_end,
+    overlap_offsets,
+    q_in,
+    remove,
+    rename_tensor,
+    replace,
+    set_value,
+    truncate_weights,
+    weights_a_directory,
+    write_adapter,
+    write_bytes,
+)
+from harness.engine_helpers import load_adapters, run_to_completion
+from harness.sidecar import Sidecar
+from inference_service.config import EngineConfig
+from inference_service.engine_core import EngineCore
 from inference_service.lora.source import LocalDirectorySource
-from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
-from inference_service.uri_policy import UriPolicy
-from tests.infra.engine_helpers import load_adapters, run_to_completion
-from tests.test_cache_helpers import Sidecar
-
-MAX_RANK = 8
-RANK = 4
-SHAPES = builtin_tiny_config().lora_shapes()
-MODULES = ("q_proj", "v_proj", "down_proj")
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def key(layer: int, module: str, which: str) -> str:
-    return f"base_model.model.model.layers.{layer}.{PARENT[module]}.{module}.lora_{which}.weight"
-
-
-def good_config(**overrides: object) -> dict:
-    """What PEFT writes for a plain LoRA adapter (the fields that matter, plus usual noise)."""
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "builtin:tiny",
-        "r": RANK, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": list(MODULES), "bias": "none",
-        "use_rslora": False, "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False,
-        "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
-    }
-    config.update(overrides)
-    return config
-
-
-def good_tensors(rank: int = RANK, layers: int = SHAPES.num_layers, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(layers):
-        for module in MODULES:
-            in_features, out_features = SHAPES.features[module]
-            tensors[key(layer, module, "A")] = torch.randn(rank, in_features, generator=gen) * 0.1
-            tensors[key(layer, module, "B")] = torch.randn(out_features, rank, generator=gen) * 0.1
-    return tensors
-
-
-def write_adapter(root: Path, config: dict | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / CONFIG_FILE).write_text(json.dumps(good_config() if config is None else config))
-    save_file(good_tensors() if tensors is None else tensors, str(root / WEIGHTS_FILE))
-    return root
-
-
-def header_of(path: Path) -> tuple[dict, bytes]:
-    """A safetensors file → (its JSON header, the tensor bytes after it)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8 : 8 + n]), data[8 + n :]
-
-
-def with_header(path: Path, header: dict, body: bytes) -> None:
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
-
-
-# ---- the broken adapters: each edits a copy of the good one -------------------------------------
-
-Edit = Callable[[Path], None]
-
-
-def edit_config(**changes: object) -> Edit:
-    def edit(root: Path) -> None:
-        config = json.loads((root / CONFIG_FILE).read_text())
-        for name, value in changes.items():
-            if value is _DELETE:
-                config.pop(name, None)
-            else:
-                config[name] = value
-        (root / CONFIG_FILE).write_text(json.dumps(config))  # NaN is written as the JSON token NaN
-    return edit
-
-
-_DELETE = object()
-
-
-def edit_tensors(change: Callable[[dict[str, torch.Tensor]], None]) -> Edit:
-    def edit(root: Path) -> None:
-        from safetensors.torch import load_file
-
-        tensors = {k: v.clone() for k, v in load_file(str(root / WEIGHTS_FILE)).items()}
-        change(tensors)
-        save_file(tensors, str(root / WEIGHTS_FILE))
-    return edit
-
-
-def set_value(name: str, value: float) -> Callable[[dict[str, torch.Tensor]], None]:
-    def change(tensors: dict[str, torch.Tensor]) -> None:
-        tensors[name][0, 3] = value
-    return change
-
-
-def replace(name: str, tensor: torch.Tensor) -> Callable[[dict[str, torch.Tensor]], None]:
-    def change(tensors: dict[str, torch.Tensor]) -> None:
-        tensors[name] = tensor
-    return change
-
-
-def add_layer(layer: int) -> Callable[[dict[str, torch.Tensor]], None]:
-    """As if made for a deeper base model: the same modules on one more layer."""
-    def change(tensors: dict[str, torch.Tensor]) -> None:
-        for module in MODULES:
-            in_features, out_features = SHAPES.features[module]
-            tensors[key(layer, module, "A")] = torch.zeros(RANK, in_features)
-            tensors[key(layer, module, "B")] = torch.zeros(out_features, RANK)
-    return change
-
-
-def drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
-    def change(tensors: dict[str, torch.Tensor]) -> None:
-        del tensors[name]
-    return change
-
-
-def write_bytes(file: str, data: bytes) -> Edit:
-    def edit(root: Path) -> None:
-        (root / file).write_bytes(data)
-    return edit
-
-
-def truncate_weights(keep: Callable[[int], int]) -> Edit:
-    def edit(root: Path) -> None:
-        data = (root / WEIGHTS_FILE).read_bytes()
-        (root / WEIGHTS_FILE).write_bytes(data[: keep(len(data))])
-    return edit
-
-
-def edit_header(change: Callable[[dict], None]) -> Edit:
-    def edit(root: Path) -> None:
-        header, body = header_of(root / WEIGHTS_FILE)
-        change(header)
-        with_header(root / WEIGHTS_FILE, header, body)
-    return edit
-
-
-def first_tensor(header: dict) -> dict:
-    return header[sorted(k for k in header if k != "__metadata__")[0]]
-
-
-def offsets_past_end(header: dict) -> None:
-    entry = first_tensor(header)
-    start, end = entry["data_offsets"]
-    entry["data_offsets"] = [start + 10**6, end + 10**6]
-
-
-def offsets_not_matching_shape(header: dict) -> None:
-    entry = first_tensor(header)
-    start, end = entry["data_offsets"]
-    entry["data_offsets"] = [start, end - 4]
-
-
-def offsets_negative(header: dict) -> None:
-    entry = first_tensor(header)
-    start, end = entry["data_offsets"]
-    entry["data_offsets"] = [-4, end - start - 4]
-
-
-def config_bytes(data: bytes) -> Edit:
-    """adapter_config.json replaced by `data` as is (what json.dumps cannot write)."""
-    return write_bytes(CONFIG_FILE, data)
-
-
-def good_config_text(**fields: str) -> bytes:
-    """The good config as JSON text with `fields` set to raw JSON snippets."""
-    text = json.dumps(good_config())[:-1]
-    return (text + "".join(f', "{name}": {raw}' for name, raw in fields.items()) + "}").encode()
-
-
-def second_tensor(header: dict) -> dict:
-    return header[sorted(k for k in header if k != "__metadata__")[1]]
-
-
-def alias_offsets(header: dict) -> None:
-    """Two tensors of one shape reading the same bytes."""
-    second_tensor(header)["data_offsets"] = list(first_tensor(header)["data_offsets"])
-
-
-def overlap_offsets(header: dict) -> None:
-    entry = second_tensor(header)
-    entry["data_offsets"] = [o - 4 for o in entry["data_offsets"]]
-
-
-def append_bytes(data: bytes) -> Edit:
-    def edit(root: Path) -> None:
-        with open(root / WEIGHTS_FILE, "ab") as fh:
-            fh.write(data)
-    return edit
-
-
-def rename_tensor(old: str, new: str) -> Edit:
-    def edit(root: Path) -> None:
-        header, body = header_of(root / WEIGHTS_FILE)
-        header[new] = header.pop(old)
-        with_header(root / WEIGHTS_FILE, header, body)
-    return edit
-
-
-def duplicate_tensor(name: str, alias: str) -> Edit:
-    """`alias` names another copy of `name` (its bytes appended): one module given twice."""
-    def edit(root: Path) -> None:
-        header, body = header_of(root / WEIGHTS_FILE)
-        start, end = header[name]["data_offsets"]
-        header[alias] = {**header[name], "data_offsets": [len(body), len(body) + end - start]}
-        with_header(root / WEIGHTS_FILE, header, body + body[start:end])
-    return edit
-
-
-def huge_sparse_weights(root: Path) -> None:
-    """A 64 GiB weights file (sparse): refused by its size, before any byte is read."""
-    os.truncate(root / WEIGHTS_FILE, 64 << 30)
-
-
-def weights_a_directory(root: Path) -> None:
-    (root / WEIGHTS_FILE).unlink()
-    (root / WEIGHTS_FILE).mkdir()
-
-
-def remove(file: str) -> Edit:
-    def edit(root: Path) -> None:
-        (root / file).unlink()
-    return edit
-
-
-A0, B1 = key(0, "q_proj", "A"), key(1, "down_proj", "B")
-q_in, q_out = SHAPES.features["q_proj"]
-down_in, down_out = SHAPES.features["down_proj"]
 
 # (id, edit, exact error class); the code follows from the class and is checked too.
 CASES: list[tuple[str, Edit, type[LoraplexError]]] = [
@@ -325,7 +135,7 @@ CASES: list[tuple[str, Edit, type[LoraplexError]]] = [
     ("config-not-json", write_bytes(CONFIG_FILE, b"{r: 4, lora_alpha: 8"), AdapterError),
     ("config-not-utf8", write_bytes(CONFIG_FILE, b"\xff\xfe{}"), AdapterError),
     ("config-a-list", write_bytes(CONFIG_FILE, b"[1, 2]"), AdapterError),
-    ("r-missing", edit_config(r=_DELETE), AdapterError),
+    ("r-missing", edit_config(r=DELETE), AdapterError),
     ("r-zero", edit_config(r=0), AdapterError),
     ("r-negative", edit_config(r=-4), AdapterError),
     ("r-string", edit_config(r="4"), AdapterError),
@@ -420,13 +230,13 @@ def good(tmp_path_factory) -> Path:
 def snapshot(core: EngineCore) -> dict:
     lora = core.lora
     return {
-        "versions": dict(lora.registry.versions),
-        "current": dict(lora.registry.current),
-        "slots": list(lora.pool.slot_to_uid),
-        "uid_to_slot": dict(lora.pool.uid_to_slot),
-        "pending": dict(lora.loader.pending),
+        "versions": dict(lora._registry.versions),
+        "current": dict(lora._registry.current),
+        "slots": list(lora._pool.slot_to_uid),
+        "uid_to_slot": dict(lora._pool.uid_to_slot),
+        "pending": dict(lora._loader.pending),
         "pinned": core.stats().slots_pinned,
-        "refs": lora.registry.total_refs(),
+        "refs": lora.stats().references,
     }
 
 
@@ -442,7 +252,7 @@ def expect_rejected(core: EngineCore, name: str, uri: str, error: type[LoraplexE
     core.lora.drain()
     assert snapshot(core) == before
     assert not core.lora.has_pending_work()
-    assert name not in core.lora.registry.current or before["current"].get(name) == core.lora.registry.current[name]
+    assert name not in core.lora._registry.current or before["current"].get(name) == core.lora.uid_of(name)
     return info.value
 
 
@@ -468,7 +278,7 @@ def expect_healthy(core: EngineCore, name: str, good: Path) -> None:
     unload(core, name)
     stats = core.stats()
     assert stats.adapter_references == 0 and stats.kv_blocks_used == 0 and stats.pending_load_events == 0
-    assert core.lora.registry.versions == {} and core.lora.registry.current == {}
+    assert core.lora._registry.versions == {} and core.lora._registry.current == {}
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -481,7 +291,7 @@ def test_good_adapter_loads_and_serves(core, good):
     base = serve_one(core, None, "base-req", n=8)
     assert with_adapter != base  # the adapter changes the output
     unload(core, "good")
-    assert core.lora.registry.versions == {}
+    assert core.lora._registry.versions == {}
 
 
 @pytest.mark.parametrize("case_id, edit, error", CASES, ids=[c[0] for c in CASES])
@@ -541,7 +351,7 @@ def test_failed_new_version_keeps_current_one_serving(core, good, tmp_path):
     shutil.copytree(good, bad)
     edit_config(use_dora=True)(bad)
     expect_rejected(core, "live", str(bad), AdapterError)
-    assert core.lora.registry.current == {"live": "live@1"}
+    assert core.lora._registry.current == {"live": "live@1"}
     assert serve_one(core, "live", "live-after") == before
     unload(core, "live")
     expect_healthy(core, "live", good)

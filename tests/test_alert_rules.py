@@ -2,7 +2,7 @@
 
 The unit tests (helm/loraplex/rules/tests/) show each alert firing on a synthetic faulty series and
 silent on a healthy one; this module also checks that every alert has both kinds of case. The last
-test is the self-test of tests/infra/prometheus.py: a real server scraping an in-process exporter.
+test is the self-test of harness/prometheus.py: a real server scraping an in-process exporter.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from tests.infra.prometheus import (
+from harness.prometheus import (
     ALERT_RULES_FILE,
     alert_rules,
     dashboard_queries,

@@ -1,5 +1,5 @@
 """Sidecar hardening, unit level: what a hostile origin, file or caller can do to one fetch, lease
-or call. Origins are real HTTP servers on loopback (tests/test_cache_helpers.RangeIgnoringOrigin);
+or call. Origins are real HTTP servers on loopback (harness/sidecar.RangeIgnoringOrigin);
 files are real FIFOs, device nodes and directories. The end-to-end cases, with a victim stream
 beside each attack, are in tests/test_isolation_sidecar.py.
 """
@@ -17,11 +17,7 @@ import pytest
 from adapter_cache.auth import LOCAL, CacheAuth, Caller
 from adapter_cache.cli import build_parser, listen_securely, main
 from adapter_cache.deadline import FetchDeadlineError
-from adapter_cache.host_cache import HostCache
-from adapter_cache.shm import ShmDir, StoredMeta
-from adapter_cache.stager import CacheConfig, Stager
-from adapter_cache.store import FetchConfig, Fetcher, FileStore, HttpStore, Part
-from inference_service.errors import (
+from adapter_cache.errors import (
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -29,8 +25,12 @@ from inference_service.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from inference_service.uri_policy import UriPolicy
-from tests.test_cache_helpers import RangeIgnoringOrigin, make_adapter
+from adapter_cache.host_cache import HostCache
+from adapter_cache.shm import ShmDir, StoredMeta
+from adapter_cache.stager import CacheConfig, Stager
+from adapter_cache.store import FetchConfig, Fetcher, FileStore, HttpStore, Part
+from adapter_cache.uri_policy import UriPolicy
+from harness.sidecar import RangeIgnoringOrigin, make_adapter
 
 PART = 64 << 10
 BOUND = 16 << 20  # what a bounded reader may let an origin push: one part plus loopback socket buffers

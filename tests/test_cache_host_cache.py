@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from adapter_cache.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from adapter_cache.host_cache import Entry, HostCache
-from inference_service.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
 CAPACITY = 100
 URIS = [f"s3://b/a{i}" for i in range(6)]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from inference_service.errors import PermissionDeniedError
-from tests.test_cache_helpers import Sidecar, make_adapter
+from adapter_cache.errors import PermissionDeniedError
+from harness.sidecar import Sidecar, make_adapter
 
 FILES: dict[str, bytes] = {}
 RANGES: list[str] = []  # Range headers of the GETs served, in order

@@ -1,6 +1,6 @@
 """Acceptance: the inference server staging adapters through the adapter-cache sidecar.
 
-Real Ceph radosgw (tests/infra/ceph.py), a real `loraplex-cache` subprocess on a unix socket, a
+Real Ceph radosgw (harness/ceph.py), a real `loraplex-cache` subprocess on a unix socket, a
 real `loraplex-inference` subprocess with `--cache-address` and `--max-loras 2` (three adapters,
 so adapters go cold and are staged again), real gRPC clients. Outputs are compared with the
 in-process Engine reading the same adapters from file://.
@@ -20,13 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from harness.devices import SERVER_DEVICE
+from harness.inference_server import InferenceServer, start_inference_server
+from harness.ports import free_port
+from harness.sidecar import Sidecar
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.devices import SERVER_DEVICE
-from tests.infra.inference_server import InferenceServer, start_inference_server
-from tests.infra.ports import free_port
-from tests.test_cache_helpers import Sidecar
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ADAPTERS = {"c0": dict(rank=4, seed=700), "c1": dict(rank=8, seed=701), "c2": dict(rank=16, seed=702),

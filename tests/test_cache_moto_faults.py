@@ -18,9 +18,9 @@ from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
 
-from inference_service.errors import UnavailableError
-from tests.infra.ports import free_port
-from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
+from adapter_cache.errors import UnavailableError
+from harness.ports import free_port
+from harness.sidecar import Sidecar, make_adapter, put_adapter
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")

@@ -1,5 +1,5 @@
 """The adapter-cache sidecar end to end: a real `loraplex-cache` subprocess, a real gRPC client,
-and a real S3 server (Ceph radosgw, tests/infra/ceph.py)."""
+and a real S3 server (Ceph radosgw, harness/ceph.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from safetensors.torch import load
 
 from adapter_cache.client import AdapterCacheClient
-from inference_service.errors import (
+from adapter_cache.errors import (
     InvalidArgumentError,
     LoraplexError,
     NotFoundError,
@@ -27,8 +27,8 @@ from inference_service.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from tests.infra.ports import free_port
-from tests.test_cache_helpers import Sidecar, make_adapter, put_adapter
+from harness.ports import free_port
+from harness.sidecar import Sidecar, make_adapter, put_adapter
 
 pytestmark = pytest.mark.timeout(300)
 

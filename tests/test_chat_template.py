@@ -12,8 +12,8 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
+from adapter_cache.errors import InvalidArgumentError
 from inference_service.chat_template import ChatTemplate, load_chat_template
-from inference_service.errors import InvalidArgumentError
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from adapter_cache.errors import PermissionDeniedError
 from inference_service import cli, client_cli
 from inference_service.auth import AdminAuth, admin_disabled_reason
-from inference_service.errors import PermissionDeniedError
 from inference_service.preload import PreloadEntry, read_preload_file
 
 FLAGS = [
@@ -70,7 +70,7 @@ def test_configs_from_args(tmp_path, monkeypatch):
     engine_cfg, server_cfg = cli.configs_from_args(args)
     assert (engine_cfg.max_loras, engine_cfg.max_lora_rank, engine_cfg.kv_cache_bytes) == (4, 32, 1000000)
     assert (engine_cfg.max_queue, engine_cfg.max_new_tokens_limit) == (9, 100)
-    assert engine_cfg.adapter_source_allow == ("file:///x",) and engine_cfg.host_cache_bytes == 0
+    assert server_cfg.adapter_source_allow == ("file:///x",) and engine_cfg.host_cache_bytes == 0
     assert server_cfg.admin_token == "s3cret"
     assert [e.name for e in server_cfg.preload] == ["a", "b"] and server_cfg.preload[0].pinned
     assert not server_cfg.preload[1].pinned and server_cfg.preload_file == str(preload)

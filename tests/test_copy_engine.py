@@ -3,17 +3,19 @@ pass only one piece per PASS_PIECE_INTERVAL_S."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 import torch
 
+from adapter_cache.adapter_format import load_adapter_dir
+from harness.adapters import write_tiny_adapter
 from inference_service import device
 from inference_service.device import ThreadCopyEngine
-from inference_service.lora.adapter import load_adapter_dir
-from inference_service.lora.mem_pool import LoRAMemoryPool, SlotCopy
+from inference_service.kernels.copy import CopyJob
+from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.models.loader import builtin_tiny_config
-from tests.test_lora_manager import write_tiny_adapter
 
 
 @pytest.fixture
@@ -31,7 +33,7 @@ def test_copies_wait_while_a_forward_pass_runs(long_interval):
         ran.append(1)
         first_done.set()
 
-    copy = SlotCopy(lambda: None, [first, lambda: ran.append(2)])
+    copy = CopyJob(lambda: None, (first, lambda: ran.append(2)))
     with engine.computing():
         handle = engine.submit(copy)
         assert not first_done.wait(0.3), "no piece starts during a forward pass"
@@ -51,7 +53,7 @@ def test_a_forward_pass_holds_back_the_rest_of_a_copy(long_interval):
         release_first.wait(5)
         ran.append(1)
 
-    handle = engine.submit(SlotCopy(lambda: None, [first, lambda: ran.append(2)]))
+    handle = engine.submit(CopyJob(lambda: None, (first, lambda: ran.append(2))))
     assert in_first.wait(5)
     with engine.computing():  # begins while the first piece is running
         release_first.set()
@@ -98,7 +100,7 @@ def test_a_long_forward_pass_does_not_stall_a_copy(tmp_path, monkeypatch, in_c):
     pool = LoRAMemoryPool(1, 8, shapes, torch.device("cpu"), torch.float32, b_rank_major=True)
     copy = pool.copy_into_slot(0, adapter)
     if not in_c:
-        copy.program = None
+        copy = dataclasses.replace(copy, program=None)
     engine = ThreadCopyEngine()
     with engine.computing():  # one long pass, no gap at all
         handle = engine.submit(copy)
@@ -140,7 +142,8 @@ def test_copy_program_pieces_are_bounded_and_exact():
     """A copy program cuts copies and zero fills into pieces of at most PIECE_ELEMENTS (what runs
     during a pass), and the pieces together write exactly the whole. The transposing copy that
     brings B into the slots' form (`transpose_into`, when staged) is exact too."""
-    from inference_service.kernels import lora as kernels
+    from inference_service.kernels import copy as kernels
+    from inference_service.lora.backend import transpose_into
 
     if not kernels.CopyProgram(torch.float32).ok:
         pytest.skip("the C kernels do not build here (no compiler)")
@@ -156,19 +159,18 @@ def test_copy_program_pieces_are_bounded_and_exact():
     assert ops == 4 + 2
     program.run_all()
     assert torch.equal(copied, src) and not zeroed.any()
-    kernels.transpose_into(transposed[:, : b.shape[0]], b, 0.5)
+    transpose_into(transposed[:, : b.shape[0]], b, 0.5)
     assert torch.equal(transposed[:, : b.shape[0]], 0.5 * b.t())
 
 
 def test_the_engine_stages_adapters_in_its_slots_form(tmp_path):
     """Through the manager, what the local source keeps is already in the slots' form on CPU with
     the kernels (a reload is plain copies), and as read where the slots take PEFT's layout."""
-    from tests.infra.engine_helpers import load_adapters
-    from tests.test_lora_manager import make_core
+    from harness.engine_helpers import load_adapters, make_core
 
     path = write_tiny_adapter(tmp_path / "a", seed=1)
     core = make_core()
     load_adapters(core, {"a": path}, preload=True)
-    kept = core.lora.source.fetch(str(path), None, core.lora.pool.host_form)
-    assert kept.tier == "cache" and kept.slot_form == core.lora.pool.b_rank_major
+    kept = core.lora._source.fetch(str(path), None, core.lora._pool.host_form)
+    assert kept.tier == "cache" and kept.slot_form == core.lora._pool.b_rank_major
     core.shutdown()

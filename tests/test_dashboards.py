@@ -1,7 +1,7 @@
 """Grafana dashboards: generated, lossless through grafana-foundation-sdk, valid PromQL, known metrics.
 
 No Grafana server installs here. Each panel query has its Grafana variables substituted
-(tests/infra/prometheus.py) and goes through `promtool check rules` as a recording rule, which parses
+(harness/prometheus.py) and goes through `promtool check rules` as a recording rule, which parses
 it with Prometheus' own PromQL parser. tests/test_alert_rules.py runs queries against a real server.
 """
 
@@ -19,7 +19,7 @@ from grafana_foundation_sdk.cog import plugins
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from tests.infra.prometheus import alert_rules, dashboard_files, dashboard_queries, substitute_grafana_vars
+from harness.prometheus import alert_rules, dashboard_files, dashboard_queries, substitute_grafana_vars
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATOR = REPO / "helm" / "tools" / "gen_dashboards.py"

@@ -4,7 +4,7 @@
 CPU copy engine's gating, comparisons against CPU references) to the GPU, where it hangs or
 compares tensors across devices. So an `EngineConfig(...)` call must pass `device=` by name, and a
 `LoRAMemoryPool(...)` its device (4th positional argument or `device=`). Servers started through
-tests/infra/inference_server.py get theirs from tests/infra/devices.py.
+harness/inference_server.py get theirs from harness/devices.py.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.devices import C_KERNELS_OFF, requires_cuda
+from harness.engine_helpers import load_adapters, run_to_completion
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.kernels import lora as lora_kernel
+from inference_service.engine_core import EngineCore
+from inference_service.lora import backend as lora_backend
 from inference_service.request import Request, SamplingParams
-from tests.infra.devices import C_KERNELS_OFF, requires_cuda
-from tests.infra.engine_helpers import load_adapters, run_to_completion
-from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 
 ADAPTERS = [
     AdapterSpec("r4-attn", 4, 8, ("q_proj", "v_proj"), seed=1),
@@ -65,7 +65,7 @@ def op_path(request, monkeypatch) -> tuple[str, str]:
     if op == "CpuLoRAOp" and C_KERNELS_OFF:
         pytest.skip("the C kernels are turned off in this run (LORAPLEX_CPU_KERNELS)")
     if device == "cpu" and op == "TorchLoRAOp":
-        monkeypatch.setattr(lora_kernel, "available", lambda dtype: False)  # the op selector's question
+        monkeypatch.setattr(lora_backend, "available", lambda dtype: False)  # the op selector's question
     return device, op
 
 
@@ -81,7 +81,7 @@ def _engine_logits(checkpoint: Path, adapters: dict[str, Path], prompts, device:
     for rid, tokens, adapter in prompts:
         core.add_request(Request(rid, tokens, params), adapter)
     outputs = run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
     core.shutdown()
     return {rid: (torch.stack([x.cpu() for o in outs for x in (o.logits or [])]),
                   [t for o in outs for t in o.new_token_ids]) for rid, outs in outputs.items()}
@@ -226,7 +226,7 @@ def test_tied_embeddings_checkpoint_matches_peft(tmp_path):
 def test_mistral_sliding_window_bounds_the_context_and_matches_peft(tmp_path):
     """Mistral's sliding window: the engine serves within it (full attention is exact there), so its
     context is the window, a request beyond it is refused, and within it logits match PEFT's."""
-    from inference_service.errors import ResourceExhaustedError
+    from adapter_cache.errors import ResourceExhaustedError
 
     window = 24
     checkpoint = make_checkpoint(tmp_path / "mistral", "mistral", seed=6, sliding_window=window)

@@ -15,13 +15,13 @@ import time
 import pytest
 import torch
 
+from adapter_cache.errors import UnavailableError
+from harness.engine_helpers import run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import UnavailableError
+from inference_service.engine_core import EngineCore
 from inference_service.lora.staging_pool import StagingPool
 from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.sampling import NON_FINITE, sample
-from tests.infra.engine_helpers import run_to_completion
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 PROMPTS = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
@@ -66,14 +66,14 @@ def test_a_forward_pass_failing_for_one_request_ends_only_that_one(core, referen
 
 
 def test_a_detokenizer_error_ends_only_that_request(core, reference, monkeypatch):
-    real_append = core._append_token
+    real_on_token = core.outputs.on_token
 
-    def append(request, token, logits, now):  # patch: a detokenizer bug hit by request "a" only
-        if request.request_id == "a" and len(request.output_token_ids) == 5:
+    def on_token(request, logits, now):  # patch: a detokenizer bug hit by request "a" only (its 6th token)
+        if request.request_id == "a" and len(request.output_token_ids) == 6:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated")
-        return real_append(request, token, logits, now)
+        return real_on_token(request, logits, now)
 
-    monkeypatch.setattr(core, "_append_token", append)
+    monkeypatch.setattr(core.outputs, "on_token", on_token)
     results = _run(core)
     assert results["a"][1] is FinishReason.ERROR and results["a"][2].code == "INTERNAL"
     for rid in ("b", "c"):

@@ -24,14 +24,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from inference_service.errors import LoraplexError
-from inference_service.lora.adapter import (
+from adapter_cache.adapter_format import (
     SUPPORTED_TARGET_MODULES,
     build_host_adapter,
     parse_adapter_config,
     parse_adapter_tensors,
     safetensors_manifest,
 )
+from adapter_cache.errors import LoraplexError
 from inference_service.models.loader import builtin_tiny_config
 
 EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "300"))

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
+from adapter_cache.adapter_format import load_adapter_dir, parse_adapter_config, parse_adapter_tensors
+from harness.adapters import write_tiny_adapter
+from harness.devices import requires_cuda
+from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
 from inference_service.device import CudaCopyEngine, register_host_memory, unregister_host_memory
-from inference_service.engine import EngineCore
-from inference_service.lora.adapter import load_adapter_dir, parse_adapter_config, parse_adapter_tensors
+from inference_service.engine_core import EngineCore
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import Request, SamplingParams
-from tests.infra.devices import requires_cuda
-from tests.infra.engine_helpers import load_adapters, run_to_completion
-from tests.test_scheduler import write_tiny_adapter
 
 pytestmark = requires_cuda
 
@@ -76,7 +76,7 @@ def test_engine_on_cuda_matches_cpu(tmp_path: Path):
         outputs = run_to_completion(core)
         logits[device] = {rid: torch.stack([x.cpu() for o in outs for x in (o.logits or [])])
                           for rid, outs in outputs.items()}
-        assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+        assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
         core.shutdown()
     for rid, cpu_logits in logits["cpu"].items():
         torch.testing.assert_close(logits["cuda"][rid], cpu_logits, atol=1e-3, rtol=1e-3)

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.infra.prometheus import ALERT_RULES_FILE, CHART_DIR, DASHBOARDS_DIR
+from harness.prometheus import ALERT_RULES_FILE, CHART_DIR, DASHBOARDS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 HELM = REPO / ".tools" / "bin" / "helm"

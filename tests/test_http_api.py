@@ -20,15 +20,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.devices import SERVER_DEVICE
+from harness.engine_helpers import generate, load_adapters
+from harness.inference_server import start_inference_server
 from inference_service.client import InferenceClient
 from inference_service.config import EngineConfig
 from inference_service.demo_adapters import write_peft_adapter
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
 from inference_service.request import SamplingParams
 from inference_service.tokenizer import ByteTokenizer
-from tests.infra.devices import SERVER_DEVICE
-from tests.infra.engine_helpers import generate, load_adapters
-from tests.infra.inference_server import start_inference_server
 
 pytestmark = pytest.mark.slow
 TOKEN = "http-admin-token"

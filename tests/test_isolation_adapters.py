@@ -1,6 +1,6 @@
 """Tenant isolation, adapter files and sources: hostile adapters and URIs against a real server
 (builtin:tiny, the local no-sidecar source, one server for the module), each beside a victim stream
-that must finish unharmed (tests/infra/isolation.py), with the exact status code of the attack and a
+that must finish unharmed (harness/isolation.py), with the exact status code of the attack and a
 clean server afterwards (no leak, SERVING, no traceback in its log).
 
 What each attack did before: a backtracking regex froze the process; "inf" in alpha_pattern reached
@@ -20,11 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_service.client import InferenceClient
-from inference_service.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from tests.infra.inference_server import InferenceServer, start_inference_server
-from tests.infra.isolation import VictimResult, solo_run, status_of, victim_beside
-from tests.test_adapter_validation import (
+from adapter_cache.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from harness.bad_adapters import (
     alias_offsets,
     config_bytes,
     edit_config,
@@ -35,6 +32,9 @@ from tests.test_adapter_validation import (
     q_in,
     write_adapter,
 )
+from harness.inference_server import InferenceServer, start_inference_server
+from harness.isolation import VictimResult, solo_run, status_of, victim_beside
+from inference_service.client import InferenceClient
 
 VICTIM_TOKENS = 384  # ~0.4 s alone on an idle 2-core box: longer than any attack here, long enough to even out jitter
 INVALID, DENIED, OK = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK

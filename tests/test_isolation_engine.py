@@ -1,6 +1,6 @@
 """Tenant isolation of the serving path (issue 13, items 1, 2, 5, 6), on real server subprocesses.
 
-Each case runs one hostile call beside a victim stream (tests/infra/isolation.py): the victim ends OK
+Each case runs one hostile call beside a victim stream (harness/isolation.py): the victim ends OK
 with its exact tokens within 1.5x its solo time, the hostile call gets its documented status code,
 and afterwards the server is clean (no leak in /metrics, SERVING, no traceback in its log). One
 server is shared by the cases in sequence (module fixture) to keep the file's runtime down; the
@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from harness.inference_server import InferenceServer, start_inference_server
+from harness.isolation import VictimResult, assert_clean, solo_run, status_of, victim_beside
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.inference_server import InferenceServer, start_inference_server
-from tests.infra.isolation import VictimResult, assert_clean, solo_run, status_of, victim_beside
 
 TOKEN = "iso-engine-admin-token"
 ADMIN = (("authorization", f"Bearer {TOKEN}"),)
@@ -298,7 +298,7 @@ class _HungOrigin:
 
 
 def test_hung_staging_does_not_block_other_loads(inference_server_factory, adapters, tmp_path):
-    from tests.test_cache_helpers import Sidecar
+    from harness.sidecar import Sidecar
 
     origin = _HungOrigin()
     hung_prefix = f"http://127.0.0.1:{origin.port}/adapters/"

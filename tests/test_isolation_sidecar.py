@@ -3,8 +3,8 @@
 A real `loraplex-cache` subprocess (token-authenticated, 1 MiB adapter cap, 4 s fetch deadline,
 4 leases per caller) and a real `loraplex-inference` subprocess staging through it with
 `--cache-token-file`; hostile origins are real HTTP servers on loopback that ignore Range
-(tests/test_cache_helpers.RangeIgnoringOrigin); hostile files are real FIFOs and device nodes.
-Each attack runs beside a victim stream (tests/infra/isolation.py): the victim must finish with
+(harness/sidecar.RangeIgnoringOrigin); hostile files are real FIFOs and device nodes.
+Each attack runs beside a victim stream (harness/isolation.py): the victim must finish with
 its solo tokens within 1.5x its solo time (measured just before), and the server must be clean
 afterwards. The sidecar's
 memory is measured as the growth of its peak RSS (VmHWM).
@@ -24,13 +24,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_service.api import adapter_cache_pb2 as cpb
-from inference_service.api import adapter_cache_pb2_grpc as cpb_grpc
+from adapter_cache.api import adapter_cache_pb2 as cpb
+from adapter_cache.api import adapter_cache_pb2_grpc as cpb_grpc
+from harness.inference_server import InferenceServer, start_inference_server
+from harness.isolation import VictimResult, solo_run, status_of, victim_beside
+from harness.sidecar import RangeIgnoringOrigin, Sidecar, write_token
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.inference_server import InferenceServer, start_inference_server
-from tests.infra.isolation import VictimResult, solo_run, status_of, victim_beside
-from tests.test_cache_helpers import RangeIgnoringOrigin, Sidecar, write_token
 
 pytestmark = [pytest.mark.timeout(240)]
 DEADLINE_S = 4.0

@@ -1,4 +1,4 @@
-"""The pod the Helm chart renders, started as a kubelet would start it (tests/infra/pod.py).
+"""The pod the Helm chart renders, started as a kubelet would start it (harness/pod.py).
 
 No image is built and no API server runs here: the chart is rendered by the real helm binary and
 each container's process is its rendered command/args/env mapped onto this Python environment's
@@ -37,12 +37,12 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from harness.inference_server import start_inference_server
+from harness.pod import HELM, NO_PROXY_GRPC, Pod, netns_supported, render_chart, render_notes, running_pod
+from harness.prometheus import dashboard_queries, prometheus_available, running_prometheus
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.inference_server import start_inference_server
-from tests.infra.pod import HELM, NO_PROXY_GRPC, Pod, netns_supported, render_chart, render_notes, running_pod
-from tests.infra.prometheus import dashboard_queries, prometheus_available, running_prometheus
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_VALUES = REPO / "tests" / "data" / "helm-values-all.yaml"

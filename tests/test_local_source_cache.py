@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from inference_service.errors import InvalidArgumentError
+from adapter_cache.errors import InvalidArgumentError
+from harness.adapters import write_tiny_adapter
 from inference_service.lora.source import LocalDirectorySource
 from inference_service.models.loader import builtin_tiny_config
-from tests.test_lora_manager import write_tiny_adapter
 
 SHAPES = builtin_tiny_config().lora_shapes()
 

@@ -7,7 +7,6 @@ references, zero pending loads, zero KV blocks in use.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -15,54 +14,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from adapter_cache.adapter_format import SUPPORTED_TARGET_MODULES
+from adapter_cache.errors import NotFoundError, ResourceExhaustedError
+from harness.adapters import write_tiny_adapter
+from harness.engine_helpers import load_adapters, make_core, run_to_completion
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import NotFoundError, ResourceExhaustedError
-from inference_service.lora.adapter import SUPPORTED_TARGET_MODULES
+from inference_service.engine_core import EngineCore
+from inference_service.kernels.copy import CopyJob
 from inference_service.lora.registry import AdapterState
-from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, RequestStatus, SamplingParams
-from tests.infra.engine_helpers import load_adapters, run_to_completion
-from tests.infra.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 
 ALL_MODULES = tuple(SUPPORTED_TARGET_MODULES)
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 PROMPT = [5, 17, 99, 42, 7, 120, 33]
 
 
-def write_tiny_adapter(
-    out: Path, seed: int, modules: tuple[str, ...] = ALL_MODULES, rank: int = 4, alpha: float = 8.0
-) -> Path:
-    """A PEFT adapter for builtin:tiny, random A/B large enough to change greedy tokens."""
-    config = builtin_tiny_config()
-    shapes = config.lora_shapes()
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in modules:
-            in_features, out_features = shapes.features[module]
-            prefix = f"base_model.model.model.layers.{layer}.{SUPPORTED_TARGET_MODULES[module]}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.3
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.3
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
-    ))
-    return out
-
-
-def make_core(max_loras: int = 2, **config: object) -> EngineCore:
-    return EngineCore(EngineConfig(model="builtin:tiny", device="cpu", max_loras=max_loras, max_lora_rank=8,
-                                   kv_cache_bytes=4 << 20, **config))
-
-
 def hold_copies(core: EngineCore) -> threading.Event:
     """Occupy the real copy thread: slot copies submitted from now on wait until the gate is set."""
     gate = threading.Event()
-    core.lora.loader.engine.submit(gate.wait)
+    core.lora._loader.engine.submit(CopyJob(gate.wait))
     return gate
 
 
@@ -77,7 +49,7 @@ def step_until(core: EngineCore, done: Callable[[], bool], timeout: float = 30.0
 
 
 def uid_of(core: EngineCore, name: str) -> str:
-    return core.lora.registry.current[name]
+    return core.lora.uid_of(name)
 
 
 def tokens_by_request(outputs) -> dict[str, list[int]]:
@@ -88,10 +60,10 @@ def tokens_by_request(outputs) -> dict[str, list[int]]:
 
 
 def assert_leak_free(core: EngineCore) -> None:
-    step_until(core, lambda: not core.has_work() and not core.lora.loader.pending)
+    step_until(core, lambda: not core.has_work() and not core.lora._loader.pending)
     core.lora.drain()
-    assert core.lora.registry.total_refs() == 0
-    assert not core.lora.loader.pending
+    assert core.lora.stats().references == 0
+    assert not core.lora._loader.pending
     assert core.runner.kv.num_used == 0
     assert core.stats().pending_load_events == 0 and core.stats().adapter_references == 0
 
@@ -136,20 +108,20 @@ def test_cancelled_during_load_slot_is_reclaimed(adapters):
     step_until(core, lambda: core.lora.state(uid_a) is AdapterState.LOADING)
     for rid in ("a1", "a2"):
         core.abort(rid)
-    assert core.lora.registry.total_refs() == 0
+    assert core.lora.stats().references == 0
     finished = {o.request_id: o.finish_reason for o in core.step() if o.finished}
     assert finished == {"a1": FinishReason.CANCELLED, "a2": FinishReason.CANCELLED}
     assert core.lora.state(uid_a) is AdapterState.LOADING  # the copy is still in flight
     gate.set()
     # Drained although no request wants it any more: LOADED, unreferenced, so evictable.
-    step_until(core, lambda: not core.lora.loader.pending)
+    step_until(core, lambda: not core.lora._loader.pending)
     assert core.lora.state(uid_a) is AdapterState.LOADED and core.lora.slot_of(uid_a) == 0
     assert core.lora.loads_total == 1
     core.add_request(Request("b1", PROMPT, GREEDY), "b")
     outputs = run_to_completion(core)
     assert outputs["b1"][-1].finish_reason is FinishReason.LENGTH
     uid_b = uid_of(core, "b")
-    assert core.lora.pool.slot_to_uid == [uid_b] and core.lora.evictions_total == 1
+    assert core.lora._pool.slot_to_uid == [uid_b] and core.lora.evictions_total == 1
     assert core.lora.state(uid_a) is AdapterState.REGISTERED
     assert tokens_by_request(o for outs in outputs.values() for o in outs)["b1"] == solo_run(adapters["b"])
     assert_leak_free(core)
@@ -165,7 +137,7 @@ def test_pending_load_is_not_loaded(adapters):
     step_until(core, lambda: core.lora.state(uid) is AdapterState.LOADING)
     for _ in range(5):  # the slot is assigned, but the copy has not landed: never admitted
         assert core.step() == []
-        assert uid in core.lora.pool.uid_to_slot
+        assert uid in core.lora._pool.uid_to_slot
         assert core.lora.state(uid) is AdapterState.LOADING and core.lora.slot_of(uid) is None
         request = core.scheduler.requests["r"]
         assert request.status is RequestStatus.WAITING and request.wait_reason == "adapter_loading"
@@ -216,12 +188,10 @@ def test_pinning_never_takes_every_slot(adapters, num_slots):
     for name in names:
         if len(pinned) + 1 >= num_slots:
             with pytest.raises(ResourceExhaustedError):
-                core.lora.set_pinned(name, True)
-            with pytest.raises(ResourceExhaustedError):
                 core.lora.load_adapter(name, str(adapters[name]), pinned=True)
-            assert not core.lora.registry.resolve(name).pinned
+            assert not core.lora._registry.resolve(name).pinned
             continue
-        future = core.lora.set_pinned(name, True)
+        future = core.lora.load_adapter(name, str(adapters[name]), pinned=True)  # the same version, now pinned
         step_until(core, future.done)
         assert core.lora.state(future.result().uid) is AdapterState.LOADED
         pinned.append(name)
@@ -235,10 +205,10 @@ def test_pinning_never_takes_every_slot(adapters, num_slots):
         f"r-{n}" for n in unpinned
     }
     assert all(core.lora.state(uid_of(core, n)) is AdapterState.LOADED for n in pinned)
-    if pinned:  # unpinning gives the slot back to the pool
-        core.lora.set_pinned(pinned[0], False)
-        step_until(core, core.lora.set_pinned(unpinned[0], True).done)
-        assert core.lora.registry.resolve(unpinned[0]).pinned
+    if pinned:  # unloading a pinned adapter gives its slot back to the pool
+        step_until(core, core.lora.unload_adapter(pinned[0]).done)
+        step_until(core, core.lora.load_adapter(unpinned[0], str(adapters[unpinned[0]]), pinned=True).done)
+        assert core.lora._registry.resolve(unpinned[0]).pinned
     assert_leak_free(core)
     core.shutdown()
 
@@ -256,16 +226,16 @@ def test_unload_during_in_flight_load(adapters):
     for _ in range(5):
         core.step()
         assert not unloaded.done()
-        assert core.lora.state(uid) is AdapterState.DRAINING and core.lora.loader.is_loading(uid)
-        assert core.lora.pool.slot_to_uid == [uid]  # the copy in flight keeps its slot
+        assert core.lora.state(uid) is AdapterState.DRAINING and core.lora._loader.is_loading(uid)
+        assert core.lora._pool.slot_to_uid == [uid]  # the copy in flight keeps its slot
     gate.set()
     outputs = step_until(core, unloaded.done)
     assert unloaded.result() is None
     # The queued request had its reference: it finished on the unloaded adapter first.
     assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
     assert tokens_by_request(outputs)["queued"] == solo_run(adapters["a"])
-    assert core.lora.pool.slot_to_uid == [None] and core.lora.pool.uid_to_slot == {}
-    assert uid not in core.lora.registry.versions and "a" not in core.lora.registry.current
+    assert core.lora._pool.slot_to_uid == [None] and core.lora._pool.uid_to_slot == {}
+    assert uid not in core.lora._registry.versions and "a" not in core.lora._registry.current
     with pytest.raises(NotFoundError):
         core.add_request(Request("later", PROMPT, GREEDY), "a")
     assert_leak_free(core)
@@ -277,14 +247,14 @@ def test_unload_during_in_flight_load_without_requests(adapters):
     core = make_core(max_loras=1)
     gate = hold_copies(core)
     loaded = core.lora.load_adapter("a", str(adapters["a"]), preload=True)
-    step_until(core, lambda: bool(core.lora.loader.pending))
+    step_until(core, lambda: bool(core.lora._loader.pending))
     unloaded = core.lora.unload_adapter("a")
     time.sleep(0.05)
     core.step()
-    assert not unloaded.done() and core.lora.pool.slot_to_uid == ["a@1"]
+    assert not unloaded.done() and core.lora._pool.slot_to_uid == ["a@1"]
     gate.set()
     step_until(core, unloaded.done)
-    assert loaded.done() and core.lora.pool.slot_to_uid == [None] and not core.lora.registry.versions
+    assert loaded.done() and core.lora._pool.slot_to_uid == [None] and not core.lora._registry.versions
     assert_leak_free(core)
     core.shutdown()
 
@@ -298,7 +268,7 @@ def test_unload_while_staging_resolves_the_load(adapters):
     step_until(core, newer.done)
     with pytest.raises(NotFoundError):
         newer.result()
-    assert not core.lora.registry.versions and not core.lora.registry.current
+    assert not core.lora._registry.versions and not core.lora._registry.current
     assert_leak_free(core)
     core.shutdown()
 
@@ -308,14 +278,14 @@ def test_version_swap_order_last_load_wins(adapters):
     core = make_core(max_loras=2)
     load_adapters(core, {"a": adapters["a"]})
     release = threading.Event()
-    real_fetch = core.lora.source.fetch
+    real_fetch = core.lora._source.fetch
 
     def fetch(uri: str, sha256: str | None, host_form=None):
         if uri == str(adapters["b"]):
             release.wait(10)  # this version's staging finishes last
         return real_fetch(uri, sha256, host_form)
 
-    core.lora.source.fetch = fetch  # type: ignore[method-assign]
+    core.lora._source.fetch = fetch  # type: ignore[method-assign]
     slow = core.lora.load_adapter("a", str(adapters["b"]))
     fast = core.lora.load_adapter("a", str(adapters["c"]))
     step_until(core, fast.done)
@@ -323,7 +293,7 @@ def test_version_swap_order_last_load_wins(adapters):
     release.set()
     step_until(core, slow.done)
     assert slow.exception() is not None
-    assert uid_of(core, "a") == "a@3" and set(core.lora.registry.versions) == {"a@3"}
+    assert uid_of(core, "a") == "a@3" and set(core.lora._registry.versions) == {"a@3"}
     assert_leak_free(core)
     core.shutdown()
 
@@ -344,7 +314,7 @@ def test_version_swap_with_request_in_flight(adapters, num_slots):
     assert core.scheduler.requests["new"].adapter_uid == v2
     seen_draining = False
     while core.has_work():
-        seen_draining |= v1 in core.lora.registry.versions and core.lora.state(v1) is AdapterState.DRAINING
+        seen_draining |= v1 in core.lora._registry.versions and core.lora.state(v1) is AdapterState.DRAINING
         outputs += core.step()
     assert seen_draining
     tokens = tokens_by_request(outputs)
@@ -352,8 +322,8 @@ def test_version_swap_with_request_in_flight(adapters, num_slots):
     assert tokens["new"] == solo_run(adapters["a2"], params=params)
     assert tokens["old"] != tokens["new"]
     core.lora.drain()
-    assert v1 not in core.lora.registry.versions and v1 not in core.lora.pool.uid_to_slot
-    assert core.lora.pool.uid_to_slot.get(v2) is not None
+    assert v1 not in core.lora._registry.versions and v1 not in core.lora._pool.uid_to_slot
+    assert core.lora._pool.uid_to_slot.get(v2) is not None
     assert_leak_free(core)
     core.shutdown()
 
@@ -385,9 +355,9 @@ def test_reused_slot_leaks_nothing(hf_setup):
     core = EngineCore(EngineConfig(device="cpu", **config))
     load_adapters(core, {"x": x, "y": y})
     _logits(core, "on-x", "x")
-    assert core.lora.pool.slot_to_uid == [uid_of(core, "x")]
+    assert core.lora._pool.slot_to_uid == [uid_of(core, "x")]
     reused = _logits(core, "on-y", "y")  # evicts x, overwrites the same slot
-    assert core.lora.pool.slot_to_uid == [uid_of(core, "y")] and core.lora.evictions_total == 1
+    assert core.lora._pool.slot_to_uid == [uid_of(core, "y")] and core.lora.evictions_total == 1
     assert_leak_free(core)
     core.shutdown()
 
@@ -416,7 +386,8 @@ def test_swapping_a_pinned_adapter_is_not_refused(adapters):
     swap = core.lora.load_adapter("a", str(adapters["a2"]), pinned=True)
     step_until(core, swap.done)
     v2 = swap.result()
-    assert v2.pinned and core.lora.state(v2.uid) is AdapterState.LOADED and set(core.lora.registry.versions) == {v2.uid}
+    assert v2.pinned and core.lora.state(v2.uid) is AdapterState.LOADED
+    assert set(core.lora._registry.versions) == {v2.uid}
     with pytest.raises(ResourceExhaustedError):  # still one unpinned slot only
         core.lora.load_adapter("b", str(adapters["b"]), pinned=True)
     assert_leak_free(core)

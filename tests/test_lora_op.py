@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_service.kernels import lora as lora_kernel
+from harness.devices import C_KERNELS_OFF
+from inference_service.lora import backend as lora_kernel
 from inference_service.lora.ops import LoRAOp, SlicedB, TorchLoRAOp, build_lora_batch
-from tests.infra.devices import C_KERNELS_OFF
 
 NUM_SLOTS, MAX_RANK = 5, 8
 # (input size, output sizes of a fused projection of three modules, like q, k, v with GQA). The

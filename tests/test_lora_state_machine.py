@@ -1,6 +1,6 @@
-"""A Hypothesis state machine over EngineCore + LoRAManager: DESIGN.md's slot pool invariants.
+"""A Hypothesis state machine over EngineCore + LoRAManager: the slot pool invariants of docs/architecture.md.
 
-Rules: load / version-swap an adapter (optionally pinned or preloaded), pin, unpin, unload,
+Rules: load / version-swap an adapter (optionally pinned or preloaded), pin (the same version loaded pinned), unload,
 start a request (an adapter or the base model), abort one, run a scheduler step, and complete any
 host staging or slot copy in any order. After every rule every invariant of "Slot pool
 invariants" is checked, the slot buffers against the adapters' own tensors; every forward pass
@@ -33,15 +33,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from adapter_cache.adapter_format import load_adapter_dir
+from adapter_cache.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from harness.adapters import write_tiny_adapter
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
-from inference_service.lora.adapter import load_adapter_dir
+from inference_service.engine_core import EngineCore
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
-from tests.test_lora_manager import write_tiny_adapter
 
 # 400 examples x up to 60 rules: about 25 s on 2 CPU cores (1,500 x 80 found nothing more).
 MAX_EXAMPLES = 400
@@ -208,26 +208,22 @@ class SlotPoolMachine(RuleBasedStateMachine):
         self._load(lambda: self.lora.load_adapter(name, self.uris[uri], pinned=pinned, preload=preload), name, pinned,
                    self.uris[uri])
 
-    @precondition(lambda self: self.core is not None and bool(self.lora.registry.current))
+    @precondition(lambda self: self.core is not None and bool(self.lora._registry.current))
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(self.lora.registry.current)))
-        self._load(lambda: self.lora.set_pinned(name, True), name, True, self.lora.registry.resolve(name).uri)
-
-    @precondition(lambda self: self.core is not None and bool(self.lora.registry.current))
-    @rule(data=st.data())
-    def unpin(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(self.lora.registry.current)))
-        assert not self.lora.set_pinned(name, False).result().pinned
+        name = data.draw(st.sampled_from(sorted(self.lora._registry.current)))
+        current = self.lora._registry.resolve(name)
+        self._load(lambda: self.lora.load_adapter(name, current.uri, current.sha256, pinned=True), name, True,
+                   current.uri)
 
     @rule(name=st.sampled_from(NAMES))
     def unload(self, name: str) -> None:
-        if name not in self.lora.registry.current:
+        if name not in self.lora._registry.current:
             with pytest.raises(NotFoundError):
                 self.lora.unload_adapter(name)
             return
         self.unload_futures.append(self.lora.unload_adapter(name))
-        assert name not in self.lora.registry.current
+        assert name not in self.lora._registry.current
 
     @rule(name=st.sampled_from((None, *NAMES)), prompt_len=st.integers(1, 40), new_tokens=st.integers(1, 4))
     def start_request(self, name: str | None, prompt_len: int, new_tokens: int) -> None:
@@ -236,13 +232,13 @@ class SlotPoolMachine(RuleBasedStateMachine):
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         prompt = [(7 * i + self.ids) % 250 + 3 for i in range(prompt_len)]
         self.core.validate(prompt, params)
-        if name is not None and name not in self.lora.registry.current:
+        if name is not None and name not in self.lora._registry.current:
             with pytest.raises(NotFoundError):
                 self.core.add_request(Request(rid, prompt, params), name)
             return
         self.core.add_request(Request(rid, prompt, params), name)
         uid = self.core.scheduler.requests[rid].adapter_uid
-        assert uid == (self.lora.registry.current[name] if name else None)  # new requests get the current version
+        assert uid == (self.lora.uid_of(name) if name else None)  # new requests get the current version
         self.live[rid] = uid
 
     @precondition(lambda self: bool(self.live))
@@ -299,7 +295,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
     def slot_pool_invariants(self) -> None:
         if self.core is None:
             return
-        lora, pool, registry = self.lora, self.lora.pool, self.lora.registry
+        lora, pool, registry = self.lora, self.lora._pool, self.lora._registry
         n = pool.num_slots
         # uid_to_slot / slot_to_uid are one bijection over known versions.
         assert len(pool.slot_to_uid) == n
@@ -307,11 +303,11 @@ class SlotPoolMachine(RuleBasedStateMachine):
         assert set(pool.uid_to_slot) <= set(registry.versions)
         # LOADING ⇔ a pending load; LOADED ⇔ no pending load and in uid_to_slot. A pending load
         # holds its slot, so pending loads count against capacity.
-        for uid, pending in lora.loader.pending.items():
+        for uid, pending in lora._loader.pending.items():
             assert pool.uid_to_slot.get(uid) == pending.slot
         for uid, entry in registry.versions.items():
             state = lora.state(uid)
-            loading = lora.loader.is_loading(uid)
+            loading = lora._loader.is_loading(uid)
             if not entry.draining and entry.failure is None:
                 assert (state is AdapterState.LOADING) == loading, (uid, state)
                 assert (state is AdapterState.LOADED) == (not loading and uid in pool.uid_to_slot), (uid, state)
@@ -327,7 +323,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
                 assert pool.slot_to_uid[slot] == uid, f"slot {slot}: {uid} was evicted or overwritten"
         # Every loaded slot holds exactly its adapter: reused slots fully overwritten.
         for slot, uid in enumerate(pool.slot_to_uid):
-            if uid is not None and not lora.loader.is_loading(uid):
+            if uid is not None and not lora._loader.is_loading(uid):
                 self._check_slot(slot, uid)
         # References equal the live requests; KV blocks are exactly theirs.
         assert set(self.core.scheduler.requests) == set(self.live)
@@ -347,7 +343,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
         self.prev_protected = (
             {u for u in self.live.values() if u is not None}
             | pinned_now
-            | {uid for uid, p in lora.loader.pending.items() if not p.handle.done()}
+            | {uid for uid, p in lora._loader.pending.items() if not p.handle.done()}
         )
 
     def teardown(self) -> None:
@@ -366,15 +362,15 @@ class SlotPoolMachine(RuleBasedStateMachine):
         return self.core.lora
 
     def _pinned(self) -> set[str]:
-        return {v.uid for v in self.lora.registry.versions.values() if v.pinned and not v.draining}
+        return {v.uid for v in self.lora._registry.versions.values() if v.pinned and not v.draining}
 
     def _load(self, call: Callable[[], concurrent.futures.Future], name: str, pinned: bool, uri: str) -> None:
-        registry = self.lora.registry
+        registry = self.lora._registry
         current = registry.versions[registry.current[name]] if name in registry.current else None
         already_pinned = current is not None and current.pinned and current.uri == uri
         # The manager counts pinned versions of the other names (a swap replaces this name's).
         others = [v for v in registry.versions.values() if v.pinned and not v.draining and v.name != name]
-        refused = pinned and not already_pinned and len(others) + 1 >= self.lora.pool.num_slots
+        refused = pinned and not already_pinned and len(others) + 1 >= self.lora._pool.num_slots
         try:
             self.load_futures.append(call())
         except ResourceExhaustedError:
@@ -383,8 +379,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
         assert not refused
 
     def _check_slot(self, slot: int, uid: str) -> None:
-        expected = self.expected[self.lora.registry.versions[uid].uri]
-        for key, (a_buf, b_buf) in self.lora.pool.buffers.items():
+        expected = self.expected[self.lora._registry.versions[uid].uri]
+        for key, (a_buf, b_buf) in self.lora._pool.buffers.items():
             a_exp, b_exp = expected[key]
             assert torch.equal(a_buf[slot], a_exp), f"slot {slot} ({uid}) A of {key} is not its adapter's"
             assert torch.equal(b_buf[slot], b_exp), f"slot {slot} ({uid}) B of {key} is not its adapter's"
@@ -393,7 +389,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
         """At every forward: each adapter is LOADED with exactly its weights; no more adapters than slots."""
         self.batches += 1
         uids = {r.adapter_uid for r, _ in batch.items if r.adapter_uid is not None}
-        assert len(uids) <= self.lora.pool.num_slots
+        assert len(uids) <= self.lora._pool.num_slots
         for uid in uids:
             slot = self.lora.slot_of(uid)
             assert slot is not None, f"{uid} in a batch but not LOADED"
@@ -413,8 +409,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
                     or self.copies.queued or not all(f.done() for f in self.load_futures + self.unload_futures)):
                 break
         self.lora.drain()
-        assert self.lora.registry.total_refs() == 0
-        assert not self.lora.loader.pending and self.core.stats().pending_load_events == 0
+        assert self.lora.stats().references == 0
+        assert not self.lora._loader.pending and self.core.stats().pending_load_events == 0
         assert self.core.runner.kv.num_used == 0
         assert not self.core.scheduler.requests and not self.aborted
         assert all(f.done() for f in self.unload_futures), "an UnloadAdapter never resolved"
@@ -422,7 +418,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
             assert future.done(), "a LoadAdapter never resolved"
             error = future.exception()
             assert error is None or isinstance(error, (NotFoundError, FailedPreconditionError)), error
-        for uid, entry in self.lora.registry.versions.items():
+        for uid, entry in self.lora._registry.versions.items():
             assert not entry.draining, f"{uid} still draining with no requests"
             if entry.pinned:
                 assert self.lora.state(uid) is AdapterState.LOADED, f"pinned {uid} not in a slot"

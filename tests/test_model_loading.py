@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from adapter_cache.errors import FailedPreconditionError
+from harness.engine_helpers import run_to_completion
+from harness.models import make_checkpoint
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import FailedPreconditionError
+from inference_service.engine_core import EngineCore
 from inference_service.models.loader import BUILTIN_TINY, load_model
 from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer
-from tests.infra.engine_helpers import run_to_completion
-from tests.infra.models import make_checkpoint
 
 VOCAB = 160  # make_checkpoint's vocab_size; bos 1, eos 2
 CPU = torch.device("cpu")

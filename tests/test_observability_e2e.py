@@ -26,16 +26,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_service.client import InferenceClient
-from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.inference_server import start_inference_server
-from tests.infra.prometheus import (
+from harness.inference_server import start_inference_server
+from harness.prometheus import (
     ALERT_RULES_FILE,
     alert_expressions,
     dashboard_queries,
     running_prometheus,
 )
-from tests.test_cache_helpers import Sidecar
+from harness.sidecar import Sidecar
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
 
 pytestmark = [
     pytest.mark.slow,

@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOS = ROOT / "protos"
-API = ROOT / "inference_service" / "api"
+# Where each proto's generated code lives: the sidecar's own API in its own package (the lower layer).
+API = {"inference": ROOT / "inference_service" / "api", "adapter_cache": ROOT / "adapter_cache" / "api"}
 BASELINE = PROTOS / "baseline" / "loraplex-v1.binpb"
 BUF = ROOT / ".tools" / "bin" / "buf"
 
@@ -28,20 +29,22 @@ def _proto_stems() -> list[str]:
 def test_every_proto_has_committed_generated_code():
     stems = _proto_stems()
     assert "inference" in stems and "adapter_cache" in stems
+    assert stems == sorted(API), "every proto needs a package for its generated code (API above)"
     for stem in stems:
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
-            assert (API / f"{stem}{suffix}").is_file(), f"missing generated {stem}{suffix}: run `make proto`"
+            assert (API[stem] / f"{stem}{suffix}").is_file(), f"missing generated {stem}{suffix}: run `make proto`"
 
 
 def test_generated_code_is_fresh(tmp_path):
     subprocess.run(["bash", str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)], check=True, cwd=ROOT)
-    fresh_dir = tmp_path / "inference_service" / "api"
-    fresh = sorted(p.name for p in fresh_dir.iterdir() if "_pb2" in p.name)
-    assert fresh, "gen_proto.sh generated nothing"
-    committed = sorted(p.name for p in API.iterdir() if "_pb2" in p.name)
-    assert fresh == committed, "generated file set differs from the committed one: run `make proto`"
-    for name in fresh:
-        assert (fresh_dir / name).read_bytes() == (API / name).read_bytes(), f"{name} is stale: run `make proto`"
+    for api in API.values():
+        fresh_dir = tmp_path / api.relative_to(ROOT)
+        fresh = sorted(p.name for p in fresh_dir.iterdir() if "_pb2" in p.name)
+        assert fresh, f"gen_proto.sh generated nothing into {fresh_dir}"
+        committed = sorted(p.name for p in api.iterdir() if "_pb2" in p.name)
+        assert fresh == committed, "generated file set differs from the committed one: run `make proto`"
+        for name in fresh:
+            assert (fresh_dir / name).read_bytes() == (api / name).read_bytes(), f"{name} is stale: run `make proto`"
 
 
 def test_generated_modules_import():

@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
+from harness.engine_helpers import run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import InvalidArgumentError, ResourceExhaustedError
+from inference_service.engine_core import EngineCore
 from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.sampling import sample
-from tests.infra.engine_helpers import run_to_completion
 
 PROMPTS = {
     "hello": [256, *b"Hello world"],

@@ -16,12 +16,12 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
 )
 
+from adapter_cache.errors import InvalidArgumentError
+from harness.engine_helpers import run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
-from inference_service.errors import InvalidArgumentError
+from inference_service.engine_core import EngineCore
 from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.sampling import min_p_filter, process_logits, token_logprobs
-from tests.infra.engine_helpers import run_to_completion
 
 V = 258
 EOS = 257

@@ -9,39 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from harness.adapters import write_tiny_adapter
+from harness.devices import DEVICES
+from harness.engine_helpers import generate, load_adapters, run_to_completion
 from inference_service.config import EngineConfig
-from inference_service.engine import EngineCore
+from inference_service.engine_core import EngineCore
+from inference_service.kernels.copy import CopyJob
 from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
-from tests.infra.devices import DEVICES
-from tests.infra.engine_helpers import generate, load_adapters, run_to_completion
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
-
-
-def write_tiny_adapter(out: Path, rank: int, seed: int, modules: tuple[str, ...] = ("q_proj", "v_proj", "down_proj")
-                       ) -> Path:
-    """A PEFT adapter for builtin:tiny written straight with safetensors."""
-    shapes = builtin_tiny_config().lora_shapes()
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in modules:
-            parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
-            fan_in, fan_out = shapes.features[module]
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.3
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.3
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(
-        f'{{"peft_type": "LORA", "r": {rank}, "lora_alpha": {2 * rank}, "target_modules": {list(modules)!r}}}'
-        .replace("'", '"')
-    )
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +56,7 @@ def test_preemption_gives_identical_outputs(tiny_adapters, device):
     constrained = generate(tight, prompts, GREEDY)
     assert tight.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
     assert constrained == reference
-    assert tight.runner.kv.num_used == 0 and tight.lora.registry.total_refs() == 0
+    assert tight.runner.kv.num_used == 0 and tight.lora.stats().references == 0
 
 
 def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
@@ -85,7 +64,7 @@ def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
     core = _core(max_loras=2)
     load_adapters(core, {"a0": tiny_adapters["a0"], "a1": tiny_adapters["a1"]})  # registered, not in slots
     gate = threading.Event()
-    core.lora.loader.engine.submit(gate.wait)  # hold the real copy thread: a0's slot copy stays in flight
+    core.lora._loader.engine.submit(CopyJob(gate.wait))  # hold the real copy thread: a0's slot copy stays in flight
     core.add_request(Request("cold", [256, 65, 66], GREEDY), "a0")
     core.add_request(Request("base", [256, 67, 68], SamplingParams(max_new_tokens=3, ignore_eos=True)), None)
     finished = set()
@@ -96,7 +75,7 @@ def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
     assert "base" in finished and "cold" not in finished
     gate.set()
     run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,7 +111,7 @@ def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed, device):
         time.sleep(0.005)
     stats = core.stats()
     assert core.runner.kv.num_used == 0
-    assert core.lora.registry.total_refs() == 0
+    assert core.lora.stats().references == 0
     assert stats.pending_load_events == 0 and stats.slots_referenced == 0
     assert not core.scheduler.requests and not core.scheduler.running and not core.scheduler.waiting
 
@@ -165,7 +144,7 @@ def test_aging_serves_an_adapter_that_busier_ones_would_starve(tiny_adapters):
     core = _starvation_setup(tiny_adapters, aging_steps=5)
     assert any(_busy_step(core, step) for step in range(300)), "the a2 request starved behind a0/a1 traffic"
     run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
 
 
 def test_without_aging_the_same_traffic_starves_it(tiny_adapters):

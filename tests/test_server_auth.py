@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.auth import AdminAuth, is_loopback_listen
-from inference_service.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
-from inference_service.uri_policy import UriPolicy
 
 
 def test_no_token_configured_allows_everyone():

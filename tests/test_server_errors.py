@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.inference_server import start_inference_server
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.inference_server import start_inference_server
 
 pytestmark = pytest.mark.slow
 TOKEN = "errors-admin-token"

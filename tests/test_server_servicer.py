@@ -15,15 +15,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
+from adapter_cache.errors import NotFoundError, ResourceExhaustedError, UnavailableError
+from harness.tools import require_tool
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
-from inference_service.errors import NotFoundError, ResourceExhaustedError, UnavailableError
 from inference_service.limits import RequestLimits
 from inference_service.metrics import build_registry
 from inference_service.request import FinishReason, RequestOutput, Timings
 from inference_service.server import ServerConfig, build_server
 from inference_service.tokenizer import ByteTokenizer
-from tests.infra.tools import require_tool
 
 GRPCURL = Path(sys.executable).with_name("grpcurl")  # the venv running the tests ships it (pip wrapper)
 

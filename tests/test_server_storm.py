@@ -21,11 +21,11 @@ import time
 import grpc
 import pytest
 
+from harness.inference_server import start_inference_server
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
-from tests.infra.inference_server import start_inference_server
 
 pytestmark = pytest.mark.slow
 N_ADAPTERS = 9

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from inference_service.errors import AdapterError
-from inference_service.lora.adapter import StreamingFiniteCheck, _all_finite, safetensors_manifest, tensors_from_buffer
+from adapter_cache.adapter_format import StreamingFiniteCheck, _all_finite, safetensors_manifest, tensors_from_buffer
+from adapter_cache.errors import AdapterError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -110,7 +110,7 @@ def serving() -> gdash.Dashboard:
              "Pending load events", "Host-to-slot copies in flight; should drain within seconds.", "none",
              (f"sum by (pod) (loraplex_lora_pending_load_events{{{SEL}}})", "{{pod}}")))
          .with_panel(timeseries(
-             "Loads and evictions / s", "Adapter loads by source tier (host, cache, store=cold) and evictions.",
+             "Loads and evictions / s", "Adapter loads by source tier (cache: host memory, store: cold) and evictions.",
              "ops",
              (f"sum by (tier) (rate(loraplex_lora_loads_total{{{SEL}}}[{RATE}]))", "load {{tier}}"),
              (f"sum(rate(loraplex_lora_evictions_total{{{SEL}}}[{RATE}]))", "evictions")))

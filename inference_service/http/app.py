@@ -19,9 +19,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.auth import AdminAuth, admin_disabled_reason
 from inference_service.chat_template import ChatTemplate
-from inference_service.errors import InvalidArgumentError, LoraplexError, NotFoundError
 from inference_service.http.errors import error_response, loraplex_error_response, status_of
 from inference_service.http.generation import Generation, OpenAIGeneration
 from inference_service.http.protocol import (
@@ -34,7 +35,6 @@ from inference_service.http.protocol import (
 )
 from inference_service.limits import check_adapter_name
 from inference_service.server import ServerConfig
-from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.http")
 

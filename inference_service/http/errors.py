@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from inference_service.errors import LoraplexError
+from adapter_cache.errors import LoraplexError
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,

@@ -19,8 +19,8 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from inference_service.chat_template import ChatTemplate
-from inference_service.errors import InvalidArgumentError, LoraplexError
 from inference_service.http.errors import error_body, status_of
 from inference_service.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs

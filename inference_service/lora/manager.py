@@ -1,4 +1,4 @@
-"""LoRAManager: the only entry point for adapters (registry, slot pool, overlap loader).
+"""LoRAManager: the only face of the LoRA subsystem (its registry, slot pool and loader are private).
 
 Runs on the scheduler thread only, so its state needs no locks. Host preparation (fetching,
 validating) runs on a thread pool and slot copies on the copy engine; both are collected by
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import heapq
 import logging
 import time
 import urllib.parse
@@ -16,16 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.device import CopyEngine
-from inference_service.errors import (
+from adapter_cache.adapter_format import BaseModelShapes, HostAdapter, LoadTier
+from adapter_cache.errors import (
     FailedPreconditionError,
     LoraplexError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
+from inference_service.device import CopyEngine
 from inference_service.limits import shown
-from inference_service.lora.adapter import BaseModelShapes, HostAdapter
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.lora.overlap_loader import OverlapLoader
 from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion
@@ -46,6 +47,33 @@ class AdminOp:
     future: concurrent.futures.Future[AdapterVersion]
     preload: bool
     started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One adapter version as callers see it (ListAdapters, LoadAdapter's answer)."""
+
+    name: str
+    version: int
+    uri: str
+    state: str
+    slot: int
+    pinned: bool
+    rank: int
+    size_bytes: int
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class LoRAStats:
+    slots_total: int
+    slots_occupied: int
+    slots_referenced: int  # slots whose adapter a queued or running request holds
+    slots_pinned: int
+    pending_loads: int  # slot copies in flight
+    references: int  # request references over all versions
+    loads_total: int
+    evictions_total: int
 
 
 @dataclass
@@ -78,10 +106,10 @@ class LoRAManager:
         if num_slots < 1:
             raise ValueError("max_loras must be at least 1")
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
-        self.registry = AdapterRegistry()
-        self.pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major)
-        self.loader = OverlapLoader(copy_engine)
-        self.source = source
+        self._registry = AdapterRegistry()
+        self._pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major)
+        self._loader = OverlapLoader(copy_engine)
+        self._source = source
         self.metrics = metrics or NullMetrics()
         self.max_registered = max_registered
         self._staging_pool = StagingPool(host_workers, load_timeout_s) if host_executor is None else None
@@ -91,7 +119,7 @@ class LoRAManager:
         self._waiting_unloads: dict[str, list[concurrent.futures.Future[None]]] = {}
         self.loads_total = 0
         self.evictions_total = 0
-        log.info("LoRA slots: %d x rank %d = %.1f MiB", num_slots, max_rank, self.pool.nbytes / 2**20)
+        log.info("LoRA slots: %d x rank %d = %.1f MiB", num_slots, max_rank, self._pool.nbytes / 2**20)
 
     # ---- admin API (public: logs, wraps the private implementation) ----
 
@@ -112,78 +140,147 @@ class LoRAManager:
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         """Stop new requests at once; in-flight ones finish, then the slot is freed."""
         log.info("unload adapter %s; %s", name, self._memory())
-        entry = self.registry.resolve(name)
-        del self.registry.current[name]
-        for version in list(self.registry.versions.values()):
+        entry = self._registry.resolve(name)
+        del self._registry.current[name]
+        for version in list(self._registry.versions.values()):
             if version.name == name:
-                self.registry.mark_draining(version)  # versions still staging too, or one would become current later
+                self._registry.mark_draining(version)  # versions still staging too, or one would become current later
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._waiting_unloads.setdefault(entry.uid, []).append(future)
         self._reap_drained()
-        return future
-
-    def set_pinned(self, name: str, pinned: bool) -> concurrent.futures.Future[AdapterVersion]:
-        """Pin the current version (resolves once in a slot) or unpin it (evictable again)."""
-        log.info("%s adapter %s; %s", "pin" if pinned else "unpin", name, self._memory())
-        entry = self.registry.resolve(name)
-        if pinned:
-            return self._load_adapter(name, entry.uri, entry.sha256, True, True)
-        entry.pinned = False
-        future: concurrent.futures.Future[AdapterVersion] = concurrent.futures.Future()
-        future.set_result(entry)
         return future
 
     def _load_adapter(
         self, name: str, uri: str, sha256: str | None, pinned: bool, preload: bool
     ) -> concurrent.futures.Future[AdapterVersion]:
         future: concurrent.futures.Future[AdapterVersion] = concurrent.futures.Future()
-        existing = self.registry.current.get(name)
+        existing = self._registry.current.get(name)
         if existing is not None:
-            current = self.registry.versions[existing]
+            current = self._registry.versions[existing]
             if current.uri == uri and current.sha256 == sha256 and current.failure is None:
                 if pinned and not current.pinned:
                     self._check_pin_capacity(name)
                 current.pinned = current.pinned or pinned
                 self._admin_ops.append(AdminOp(current, future, preload or current.pinned))
                 return future
-        if name not in self.registry.names and len(self.registry.names) >= self.max_registered:
+        if name not in self._registry.names and len(self._registry.names) >= self.max_registered:
             raise ResourceExhaustedError(
-                f"{len(self.registry.names)} adapters are registered, the most this server holds "
+                f"{len(self._registry.names)} adapters are registered, the most this server holds "
                 "(--max-registered-adapters); unload one first"
             )
         if pinned:
             self._check_pin_capacity(name)
-        entry = self.registry.add_version(name, uri, sha256, pinned)
+        entry = self._registry.add_version(name, uri, sha256, pinned)
         self._start_staging(entry)
         self._admin_ops.append(AdminOp(entry, future, preload or pinned))
         return future
 
     def _check_pin_capacity(self, name: str) -> None:
         # Another version of the same name is replaced by this one, so it does not count.
-        pinned = sum(1 for v in self.registry.versions.values() if v.pinned and not v.draining and v.name != name)
-        if pinned + 1 >= self.pool.num_slots:
+        pinned = sum(1 for v in self._registry.versions.values() if v.pinned and not v.draining and v.name != name)
+        if pinned + 1 >= self._pool.num_slots:
             raise ResourceExhaustedError(
-                f"pinning another adapter would leave no unpinned slot ({pinned} of {self.pool.num_slots} pinned)"
+                f"pinning another adapter would leave no unpinned slot ({pinned} of {self._pool.num_slots} pinned)"
             )
 
     # ---- request references ----
 
     def acquire(self, name: str, request_id: str) -> str:
-        entry = self.registry.resolve(name)
+        entry = self._registry.resolve(name)
         if entry.failure is not None:
             raise entry.failure
-        self.registry.add_ref(entry, request_id)
+        self._registry.add_ref(entry, request_id)
         return entry.uid
 
     def release(self, uid: str, request_id: str) -> None:
         """Drop one request's reference (idempotent, so every end path may call it)."""
-        self.registry.drop_ref(uid, request_id)
+        self._registry.drop_ref(uid, request_id)
+
+    # ---- snapshots (scheduler thread; the bridge publishes them) ----
+
+    def stats(self) -> LoRAStats:
+        versions, pool = self._registry.versions, self._pool
+        occupied = [uid for uid in pool.slot_to_uid if uid is not None]
+        return LoRAStats(
+            slots_total=pool.num_slots,
+            slots_occupied=len(occupied),
+            slots_referenced=sum(1 for uid in occupied if versions[uid].refs),
+            slots_pinned=sum(1 for uid in occupied if versions[uid].pinned),
+            pending_loads=len(self._loader.pending),
+            references=self._registry.total_refs(),
+            loads_total=self.loads_total,
+            evictions_total=self.evictions_total,
+        )
+
+    def adapters(self, limit: int | None = None, after: tuple[str, int] | None = None) -> list[AdapterInfo]:
+        """Adapters ordered by (name, version): the first `limit` after `after` (a page).
+        O(registered) per call, never per step: it runs only for a ListAdapters."""
+        versions = self._registry.versions.values()
+        if after is not None:
+            versions = [v for v in versions if (v.name, v.version) > after]  # type: ignore[assignment]
+        key = lambda v: (v.name, v.version)  # noqa: E731
+        chosen = sorted(versions, key=key) if limit is None else heapq.nsmallest(limit, versions, key=key)
+        return [self.adapter_info(v.uid) for v in chosen]
+
+    def adapter_info(self, uid: str) -> AdapterInfo:
+        """One registered version (KeyError if it is gone)."""
+        v = self._registry.versions[uid]
+        return AdapterInfo(
+            name=v.name,
+            version=v.version,
+            uri=v.uri,
+            state=self.state(v.uid).value,
+            slot=self._pool.uid_to_slot.get(v.uid, -1),
+            pinned=v.pinned,
+            rank=v.rank,
+            size_bytes=v.size_bytes,
+            active_requests=len(v.refs),
+        )
+
+    def has_version(self, uid: str) -> bool:
+        return uid in self._registry.versions
+
+    def is_current(self, name: str) -> bool:
+        """Whether new requests may use `name` now (a dict lookup: safe from any thread)."""
+        return name in self._registry.current
+
+    def adapter_names(self) -> frozenset[str]:
+        """The names new requests may use now."""
+        return frozenset(self._registry.current)
+
+    def uid_of(self, name: str) -> str:
+        """The uid of the version of `name` new requests get (NotFoundError if none)."""
+        return self._registry.resolve(name).uid
+
+    # ---- what the model runner needs ----
+
+    @property
+    def num_slots(self) -> int:
+        return self._pool.num_slots
+
+    @property
+    def slot_dtype(self) -> torch.dtype:
+        return self._pool.dtype
+
+    @property
+    def slots_nbytes(self) -> int:
+        return self._pool.nbytes
+
+    @property
+    def slot_buffers(self) -> dict:
+        """The slot buffers grouped as the model's fused projections read them."""
+        return self._pool.group_buffers
+
+    def rank_of(self, uid: str) -> int:
+        """The adapter's own rank where known (0 before it was staged or once it is gone)."""
+        entry = self._registry.versions.get(uid)
+        return entry.rank if entry is not None else 0
 
     # ---- scheduler hooks ----
 
     def computing(self) -> contextlib.AbstractContextManager[None]:
         """Wraps each forward pass and sampling (the CPU copy engine copies only between them)."""
-        return self.loader.engine.computing()
+        return self._loader.engine.computing()
 
     def drain(self) -> DrainResult:
         """Collect completed slot copies and host preparations; free drained versions. O(adapters
@@ -191,10 +288,10 @@ class LoRAManager:
         result = DrainResult()
         if self._staging_pool is not None:
             self._staging_pool.expire()
-        for done in self.loader.drain():
+        for done in self._loader.drain():
             self._finish_load(done.load.uid, done.seconds, done.load.tier, done.error, result)
         for uid in list(self._staging):
-            entry = self.registry.versions.get(uid)
+            entry = self._registry.versions.get(uid)
             if entry is None or entry.staging is None:
                 self._staging.discard(uid)
             elif entry.staging.done():
@@ -204,14 +301,14 @@ class LoRAManager:
         return result
 
     def state(self, uid: str) -> AdapterState:
-        entry = self.registry.versions[uid]
+        entry = self._registry.versions[uid]
         if entry.failure is not None:
             return AdapterState.FAILED
         if entry.draining:
             return AdapterState.DRAINING
-        if self.loader.is_loading(uid):
+        if self._loader.is_loading(uid):
             return AdapterState.LOADING
-        if uid in self.pool.uid_to_slot:
+        if uid in self._pool.uid_to_slot:
             return AdapterState.LOADED
         if entry.staging is not None:
             return AdapterState.STAGING
@@ -221,9 +318,9 @@ class LoRAManager:
 
     def slot_of(self, uid: str) -> int | None:
         """The slot of a LOADED adapter; None while its copy is in flight or it has no slot."""
-        if self.loader.is_loading(uid):
+        if self._loader.is_loading(uid):
             return None
-        return self.pool.uid_to_slot.get(uid)
+        return self._pool.uid_to_slot.get(uid)
 
     def ensure_loading(self, uid: str, needed: set[str]) -> bool:
         """Move an adapter towards LOADED without blocking: stage it, or copy it into a slot.
@@ -231,8 +328,8 @@ class LoRAManager:
         `needed` holds the adapters that queued or running requests need: their slots are never
         taken. Returns False when no slot can be had now (the request waits, never errors).
         """
-        entry = self.registry.versions[uid]
-        if entry.failure is not None or uid in self.pool.uid_to_slot:
+        entry = self._registry.versions[uid]
+        if entry.failure is not None or uid in self._pool.uid_to_slot:
             return True
         if entry.host is None:
             if entry.staging is None and time.monotonic() >= entry.retry_at:
@@ -242,21 +339,21 @@ class LoRAManager:
 
     def touch(self, uids: set[str]) -> None:
         for uid in uids:
-            self.pool.touch(uid)
+            self._pool.touch(uid)
 
     def unevictable(self, needed: set[str]) -> set[str]:
-        versions = self.registry.versions
-        pinned = {uid for uid in self.pool.slot_to_uid if uid is not None and versions[uid].pinned}
-        return needed | pinned | set(self.loader.pending)
+        versions = self._registry.versions
+        pinned = {uid for uid in self._pool.slot_to_uid if uid is not None and versions[uid].pinned}
+        return needed | pinned | set(self._loader.pending)
 
     def has_pending_work(self) -> bool:
-        return bool(self.loader.pending) or bool(self._staging)
+        return bool(self._loader.pending) or bool(self._staging)
 
     def shutdown(self) -> None:
-        for uid in list(self.loader.pending):
-            self.loader.wait(uid)
+        for uid in list(self._loader.pending):
+            self._loader.wait(uid)
         self._host_pool.shutdown(wait=False, cancel_futures=True)
-        self.loader.engine.close()
+        self._loader.engine.close()
 
     # ---- internals ----
 
@@ -271,8 +368,8 @@ class LoRAManager:
     def _prepare(self, uri: str, sha256: str | None) -> HostAdapter:
         """On a host thread: fetch and validate, then make the tensors copyable asynchronously
         (page-locked on CUDA; a no-op for buffers the source already registered, and on CPU)."""
-        host = self.source.fetch(uri, sha256, self.pool.host_form)
-        pin = self.loader.engine.pin
+        host = self._source.fetch(uri, sha256, self._pool.host_form)
+        pin = self._loader.engine.pin
         host.modules = {key: (pin(a), pin(b), scaling) for key, (a, b, scaling) in host.modules.items()}
         return host
 
@@ -283,7 +380,7 @@ class LoRAManager:
         try:
             host: HostAdapter = future.result()
         except ResourceExhaustedError as exc:
-            if entry.refs and self.registry.current.get(entry.name) == entry.uid:
+            if entry.refs and self._registry.current.get(entry.name) == entry.uid:
                 # The sidecar's cache is full of leased entries: transient. The waiting requests
                 # keep waiting and staging is retried shortly, instead of failing the adapter.
                 entry.retry_at = time.monotonic() + STAGING_RETRY_SECONDS
@@ -314,39 +411,39 @@ class LoRAManager:
             entry.failure = error
 
     def _start_slot_load(self, entry: AdapterVersion, needed: set[str]) -> bool:
-        slot = self.pool.find_slot(self.unevictable(needed | {entry.uid}))
+        slot = self._pool.find_slot(self.unevictable(needed | {entry.uid}))
         if slot is None:
             return False
-        victim = self.pool.slot_to_uid[slot]
+        victim = self._pool.slot_to_uid[slot]
         if victim is not None:
             self._evict(victim)
         host = entry.host
         assert host is not None
-        self.pool.assign(slot, entry.uid)
+        self._pool.assign(slot, entry.uid)
         tier = entry.tier
-        self.loader.start(entry.uid, slot, self.pool.copy_into_slot(slot, host), tier, time.monotonic())
+        self._loader.start(entry.uid, slot, self._pool.copy_into_slot(slot, host), tier, time.monotonic())
         return True
 
     def _evict(self, uid: str) -> None:
-        slot = self.pool.free(uid)
+        slot = self._pool.free(uid)
         self.evictions_total += 1
         self.metrics.adapter_evicted()
         log.info("evicted adapter %s from slot %d", uid, slot)
 
     def _finish_load(
-        self, uid: str, seconds: float, tier: str, error: BaseException | None, result: DrainResult
+        self, uid: str, seconds: float, tier: LoadTier, error: BaseException | None, result: DrainResult
     ) -> None:
-        entry = self.registry.versions[uid]
+        entry = self._registry.versions[uid]
         if error is not None:
-            self.pool.free(uid)
+            self._pool.free(uid)
             self._drop_host(entry)
             self._fail(entry, UnavailableError(f"copying adapter {entry.name} into its slot failed: {error}"), result)
             return
         self._drop_host(entry)  # the slot holds it now; re-staging is cheap (sidecar cache)
-        entry.tier = "cache"
+        entry.tier = LoadTier.CACHE
         self.loads_total += 1
         self.metrics.adapter_loaded(tier, seconds)
-        log.info("adapter %s loaded into slot %d in %.1f ms (%s)", uid, self.pool.uid_to_slot[uid], seconds * 1e3,
+        log.info("adapter %s loaded into slot %d in %.1f ms (%s)", uid, self._pool.uid_to_slot[uid], seconds * 1e3,
                  tier)
 
     def _advance_admin_ops(self, result: DrainResult) -> None:
@@ -355,7 +452,7 @@ class LoRAManager:
             entry = op.entry
             if op.future.done():
                 continue
-            if entry.draining or entry.uid not in self.registry.versions:
+            if entry.draining or entry.uid not in self._registry.versions:
                 op.future.set_exception(NotFoundError(f"adapter {entry.name} was unloaded or replaced while loading"))
                 continue
             error = result.failed.get(entry.uid) or entry.failure
@@ -364,24 +461,24 @@ class LoRAManager:
                 op.future.set_exception(error)
                 log.info("load adapter %s failed after %.1f ms", entry.name, (time.monotonic() - op.started) * 1e3)
                 continue
-            if entry.staging is not None or (entry.host is None and entry.uid not in self.pool.uid_to_slot):
+            if entry.staging is not None or (entry.host is None and entry.uid not in self._pool.uid_to_slot):
                 if entry.staging is None:
                     self._start_staging(entry)  # evicted meanwhile: stage again for the preload
                 still.append(op)
                 continue
-            current = self.registry.versions.get(self.registry.current.get(entry.name, ""))
+            current = self._registry.versions.get(self._registry.current.get(entry.name, ""))
             if current is not None and current.version > entry.version:
-                self.registry.mark_draining(entry)  # a later LoadAdapter of this name got ready first and wins
+                self._registry.mark_draining(entry)  # a later LoadAdapter of this name got ready first and wins
                 op.future.set_exception(FailedPreconditionError(
                     f"adapter {entry.name} version {entry.version} was superseded by version {current.version}"))
                 continue
             if current is not entry:
-                old = self.registry.make_current(entry)
+                old = self._registry.make_current(entry)
                 if old is not None:
-                    self.registry.mark_draining(old)
+                    self._registry.mark_draining(old)
                     log.info("version swap %s: %s → %s (old drains)", entry.name, old.uid, entry.uid)
             if op.preload and self.slot_of(entry.uid) is None:
-                if entry.uid not in self.pool.uid_to_slot:  # not yet copying: try for a slot
+                if entry.uid not in self._pool.uid_to_slot:  # not yet copying: try for a slot
                     self._start_slot_load(entry, self._referenced())
                 still.append(op)
                 continue
@@ -394,22 +491,22 @@ class LoRAManager:
 
     def _discard_failed(self, entry: AdapterVersion) -> None:
         """A version that never became current is forgotten; a current one stays FAILED."""
-        if self.registry.current.get(entry.name) != entry.uid and not entry.refs:
-            self.registry.remove(entry.uid)
+        if self._registry.current.get(entry.name) != entry.uid and not entry.refs:
+            self._registry.remove(entry.uid)
 
     def _reap_drained(self) -> None:
-        for uid in list(self.registry.draining):
-            entry = self.registry.versions[uid]
-            if entry.refs or self.loader.is_loading(entry.uid):
+        for uid in list(self._registry.draining):
+            entry = self._registry.versions[uid]
+            if entry.refs or self._loader.is_loading(entry.uid):
                 continue
-            if entry.uid in self.pool.uid_to_slot:
-                slot = self.pool.free(entry.uid)
+            if entry.uid in self._pool.uid_to_slot:
+                slot = self._pool.free(entry.uid)
                 log.info("drained adapter %s freed slot %d", entry.uid, slot)
             if entry.staging is not None:
                 entry.staging.cancel()
                 self._staging.discard(entry.uid)
             self._drop_host(entry)
-            self.registry.remove(entry.uid)
+            self._registry.remove(entry.uid)
             for future in self._waiting_unloads.pop(entry.uid, []):
                 future.set_result(None)
 
@@ -419,11 +516,11 @@ class LoRAManager:
             self._host_pool.submit(host.release)  # a sidecar call: never on the scheduler thread
 
     def _referenced(self) -> set[str]:
-        return set(self.registry.referenced)
+        return set(self._registry.referenced)
 
     def _memory(self) -> str:
-        free_slots = sum(1 for uid in self.pool.slot_to_uid if uid is None)
-        text = f"{free_slots}/{self.pool.num_slots} slots free"
+        free_slots = sum(1 for uid in self._pool.slot_to_uid if uid is None)
+        text = f"{free_slots}/{self._pool.num_slots} slots free"
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             text += f", {free / 2**30:.2f} GiB device memory free"

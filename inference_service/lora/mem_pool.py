@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
 
 import torch
 
-from inference_service.kernels.lora import CopyProgram, transpose_into
-from inference_service.lora.adapter import BaseModelShapes, HostAdapter
+from adapter_cache.adapter_format import BaseModelShapes, HostAdapter
+from inference_service.kernels.copy import CopyJob, CopyProgram
+from inference_service.lora.backend import transpose_into
 from inference_service.lora.ops import SlicedB
 
 SlotBuffers = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -105,17 +105,17 @@ class LoRAMemoryPool:
         # The tensors are new, so the source's buffer is not kept alive with them.
         return dataclasses.replace(adapter, modules=modules, size_bytes=size, keepalive=None, slot_form=True)
 
-    def copy_into_slot(self, slot: int, adapter: HostAdapter) -> SlotCopy:
+    def copy_into_slot(self, slot: int, adapter: HostAdapter) -> CopyJob:
         """The work of overwriting one slot, for the overlap loader to run on its copy engine,
-        whole or in pieces of one module each (see ThreadCopyEngine and `SlotCopy`).
+        whole or in pieces of one module each (see ThreadCopyEngine and `CopyJob`).
 
         Every module is written: ranks past the adapter's and modules it lacks become zeros, so
         nothing of the slot's previous adapter can leak into the new one."""
         adapter = self.host_form(adapter)
         whole = functools.partial(self._copy_modules, slot, adapter, list(self.buffers))
-        chunks = [functools.partial(self._copy_modules, slot, adapter, [key]) for key in self.buffers]
+        chunks = tuple(functools.partial(self._copy_modules, slot, adapter, [key]) for key in self.buffers)
         program = functools.partial(self._copy_program, slot, adapter) if self.b_rank_major else None
-        return SlotCopy(whole, chunks, program)
+        return CopyJob(whole, chunks, program)
 
     def _copy_program(self, slot: int, adapter: HostAdapter) -> CopyProgram | None:
         """The whole slot copy for the C copy engine (CPU, rank-major B, the adapter in the slots'
@@ -169,24 +169,3 @@ class LoRAMemoryPool:
         if zeroed:
             torch._foreach_zero_(zeroed)
 
-
-class SlotCopy:
-    """A slot copy three ways: calling it does it all at once (a CUDA side stream, a blocking
-    load); `chunks`, the same in pieces to run in order; `program`, where the CPU kernels are, the
-    same as a C copy program (pieces of at most PIECE_ELEMENTS) that runs in one call (see
-    ThreadCopyEngine)."""
-
-    def __init__(
-        self,
-        whole: Callable[[], None],
-        chunks: list[Callable[[], None]],
-        program: Callable[[], CopyProgram | None] | None = None,
-    ) -> None:
-        self.whole, self.chunks, self.program = whole, chunks, program
-
-    def __call__(self) -> None:
-        program = self.program() if self.program is not None else None
-        if program is not None:
-            program.run_all()
-        else:
-            self.whole()

@@ -11,7 +11,7 @@ gather-per-token for decode and segments for prefill fall out of the same groupi
 adapters all have ranks below the slots' maximum, only that many rank rows are gathered and
 multiplied (slots are zero-padded past each adapter's rank, so the result is the same). Scaling is
 folded into the slot's B buffer at load time, so the op needs no per-slot scale. Faster kernels
-(the C kernel on CPU, `kernels/lora.py`; Triton on CUDA) plug in behind `LoRAOp` with the same
+(the C kernel on CPU, `lora/backend.py`; Triton on CUDA) plug in behind `LoRAOp` with the same
 `LoRABatch`.
 """
 

@@ -7,10 +7,11 @@ request still wants that adapter, and must run before any status or capacity dec
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from adapter_cache.adapter_format import LoadTier
 from inference_service.device import CopyEngine, CopyHandle
+from inference_service.kernels.copy import CopyJob
 
 
 @dataclass
@@ -19,7 +20,7 @@ class PendingLoad:
     slot: int
     handle: CopyHandle
     started: float
-    tier: str
+    tier: LoadTier
 
 
 @dataclass
@@ -34,7 +35,7 @@ class OverlapLoader:
         self.engine = engine
         self.pending: dict[str, PendingLoad] = {}
 
-    def start(self, uid: str, slot: int, copy: Callable[[], None], tier: str, started: float) -> None:
+    def start(self, uid: str, slot: int, copy: CopyJob, tier: LoadTier, started: float) -> None:
         assert uid not in self.pending, f"{uid} already loading"
         self.pending[uid] = PendingLoad(uid, slot, self.engine.submit(copy), started, tier)
 

@@ -13,8 +13,8 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
-from inference_service.errors import LoraplexError, NotFoundError
-from inference_service.lora.adapter import HostAdapter
+from adapter_cache.adapter_format import HostAdapter, LoadTier
+from adapter_cache.errors import LoraplexError, NotFoundError
 
 
 class AdapterState(enum.Enum):
@@ -40,13 +40,18 @@ class AdapterVersion:
     staging: concurrent.futures.Future[HostAdapter] | None = None
     rank: int = 0
     size_bytes: int = 0
-    tier: str = "store"  # where the next load's bytes come from: host | cache | store
+    tier: LoadTier = LoadTier.STORE  # where the next load's bytes come from
     retry_at: float = 0.0  # monotonic time before which a transiently refused staging is not retried
     refs: set[str] = field(default_factory=set)  # ids of queued and running requests
 
     @property
     def uid(self) -> str:
         return f"{self.name}@{self.version}"
+
+
+def adapter_name(uid: str) -> str:
+    """The name in a version's uid (`name@version`, made by `AdapterVersion.uid`)."""
+    return uid.rpartition("@")[0]
 
 
 class AdapterRegistry:

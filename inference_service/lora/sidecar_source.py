@@ -14,17 +14,17 @@ import os
 
 import torch
 
-from adapter_cache.auth import read_tokens
-from adapter_cache.client import AdapterCacheClient
-from inference_service.device import register_host_memory, unregister_host_memory
-from inference_service.lora.adapter import (
+from adapter_cache.adapter_format import (
     BaseModelShapes,
     HostAdapter,
-    TensorEntry,
+    LoadTier,
     build_host_adapter,
     parse_adapter_config,
     parse_adapter_tensors,
 )
+from adapter_cache.auth import read_tokens
+from adapter_cache.client import AdapterCacheClient
+from inference_service.device import register_host_memory, unregister_host_memory
 from inference_service.lora.source import HostForm
 
 log = logging.getLogger(__name__)
@@ -42,16 +42,15 @@ class SidecarSource:
         staged = self.client.stage(uri, sha256 or "", self.lease_seconds)
         try:
             config = parse_adapter_config(staged.config_json, self.max_rank)
-            manifest = [TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in staged.tensors]
             buffer, pinned = self._map(staged.path, staged.lease_id)
-            tensors = parse_adapter_tensors(buffer, config, self.max_rank, manifest)
+            tensors = parse_adapter_tensors(buffer, config, self.max_rank, list(staged.tensors))
             adapter = build_host_adapter(config, tensors, self.shapes, keepalive=buffer)
             if host_form is not None:
                 adapter = host_form(adapter)
         except BaseException:
             self.client.release(staged.lease_id)
             raise
-        adapter.tier = "cache" if staged.cache_hit else "store"
+        adapter.tier = LoadTier.CACHE if staged.cache_hit else LoadTier.STORE
         adapter.release = lambda: self._release(staged.lease_id, pinned)
         log.info("staged %s via sidecar (lease %s, %s, %d bytes)", uri, staged.lease_id,
                  "hit" if staged.cache_hit else "miss", staged.size_bytes)

@@ -10,20 +10,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import unquote, urlparse
 
-from inference_service import file_access
-from inference_service.errors import InvalidArgumentError, PermissionDeniedError
-from inference_service.lora.adapter import (
+from adapter_cache import file_access
+from adapter_cache.adapter_format import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
     WEIGHTS_FILE,
     BaseModelShapes,
     HostAdapter,
+    LoadTier,
     load_adapter_bytes,
     max_weights_bytes,
 )
-from inference_service.uri_policy import UriPolicy
+from adapter_cache.errors import InvalidArgumentError
+from adapter_cache.uri_policy import UriPolicy, local_path
 
 HostForm = Callable[[HostAdapter], HostAdapter]
 
@@ -35,23 +35,6 @@ class AdapterSource(Protocol):
         `host_form` turns a freshly read adapter into the form it is kept and copied in (the
         slots' layout, `LoRAMemoryPool.host_form`); a source with a host cache keeps that form.
         The returned adapter's `tier` says where the bytes came from (cache | store)."""
-
-
-def local_path(uri: str) -> Path:
-    """file:///abs/dir or a plain path → a normalised absolute path (links not resolved: that is
-    the open-time check's job)."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise PermissionDeniedError("file URI with a remote host or credentials is not allowed")
-        raw = unquote(parsed.path)
-    elif parsed.scheme == "":
-        raw = uri
-    else:
-        raise InvalidArgumentError(f"unsupported adapter URI scheme {parsed.scheme!r} (no sidecar configured)")
-    if ".." in Path(raw).parts:
-        raise PermissionDeniedError(f"path traversal ('..') in adapter URI: {uri}")
-    return Path(os.path.abspath(raw))
 
 
 class LocalDirectorySource:
@@ -106,15 +89,15 @@ class LocalDirectorySource:
         digest: str | None
         if hit is not None:
             _, adapter, digest = hit
-            tier = "cache"
+            tier = LoadTier.CACHE
         else:
             raw_config = file_access.read_fd(config[0], config[1].st_size, path / CONFIG_FILE)
             data = file_access.read_fd(weights[0], weights[1].st_size, path / WEIGHTS_FILE)
-            adapter, tier = load_adapter_bytes(bytes(raw_config), data, self.shapes, self.max_rank), "store"
+            adapter, tier = load_adapter_bytes(bytes(raw_config), data, self.shapes, self.max_rank), LoadTier.STORE
             digest = None if sha256 is None else hashlib.sha256(data).hexdigest()
         if sha256 is not None and digest != sha256.lower():
             raise InvalidArgumentError(f"{WEIGHTS_FILE} sha256 {digest} does not match the expected {sha256}")
-        if tier == "store":
+        if tier is LoadTier.STORE:
             adapter = host_form(adapter) if host_form is not None else adapter
             self._remember(path, stamp, adapter, digest)
         # Each caller gets its own record (the manager sets fields on it); the tensors are shared

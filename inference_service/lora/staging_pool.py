@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from adapter_cache.errors import UnavailableError
 from inference_service.device import background_worker_thread
-from inference_service.errors import UnavailableError
 
 log = logging.getLogger(__name__)
 

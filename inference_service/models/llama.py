@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_service.errors import FailedPreconditionError
+from adapter_cache.adapter_format import BaseModelShapes
+from adapter_cache.errors import FailedPreconditionError
 from inference_service.kernels import fused
 from inference_service.kernels import paged_attention as cpu_kernels
-from inference_service.lora.adapter import BaseModelShapes
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 from inference_service.models import linear as dense
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from inference_service.errors import FailedPreconditionError
+from adapter_cache.errors import FailedPreconditionError
 from inference_service.models.llama import LlamaModel, ModelConfig
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 

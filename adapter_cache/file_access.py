@@ -19,7 +19,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from inference_service.errors import (
+from adapter_cache.errors import (
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,

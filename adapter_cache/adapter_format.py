@@ -8,6 +8,7 @@ adapter-cache sidecar (validation before staging).
 from __future__ import annotations
 
 import bisect
+import enum
 import itertools
 import math
 import re
@@ -20,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-from inference_service import file_access
-from inference_service.errors import AdapterError, AdapterIncompatibleError
-from inference_service.lora import strict_json
-from inference_service.lora.module_patterns import MAX_PATTERNS, compile_pattern, suffix_matcher
-from inference_service.lora.strict_json import shorten
+from adapter_cache import file_access, strict_json
+from adapter_cache.errors import AdapterError, AdapterIncompatibleError
+from adapter_cache.module_patterns import MAX_PATTERNS, compile_pattern, suffix_matcher
+from adapter_cache.strict_json import shorten
 
 # LLaMA-family projections we can apply LoRA to, and the submodule holding each.
 SUPPORTED_TARGET_MODULES: dict[str, str] = {
@@ -90,6 +90,13 @@ class LoRAAdapterConfig:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 
+class LoadTier(enum.StrEnum):
+    """Where an adapter's bytes came from for a slot load (the `tier` label of load metrics)."""
+
+    CACHE = "cache"  # host memory: the sidecar's cache or the local source's host cache
+    STORE = "store"  # read and checked from the object store or the local disk (a cold load)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of a safetensors file: absolute byte offset into the file and its size."""
@@ -117,7 +124,7 @@ class HostAdapter:
     config: LoRAAdapterConfig
     # Keeps a backing buffer (an mmap of a staged file) alive while tensors view into it.
     keepalive: object | None = None
-    tier: str = "store"  # where the bytes came from: cache (sidecar hit) | store
+    tier: LoadTier = LoadTier.STORE  # where the bytes came from
     release: Callable[[], None] | None = None  # hands the backing bytes back (a sidecar lease)
     slot_form: bool = False
 

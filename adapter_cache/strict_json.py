@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 
-from inference_service.errors import AdapterError
+from adapter_cache.errors import AdapterError
 
 MAX_DEPTH = 32
 MAX_INT_DIGITS = 20

@@ -7,7 +7,7 @@ Pytest fixture (registered in tests/conftest.py):
 - `inference_server_factory` (function): `start(*args, env=None)` → `InferenceServer`; every
   server started through it is stopped at the end of the test.
 
-Standalone: `python -m tests.infra.inference_server [server args]` starts one and prints its address.
+Standalone: `python -m harness.inference_server [server args]` starts one and prints its address.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.infra.devices import SERVER_DEVICE
-from tests.infra.ports import free_port
+from harness.devices import SERVER_DEVICE
+from harness.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Shared helpers for the adapter-cache tests: tiny PEFT adapters and a real sidecar subprocess."""
+"""Helpers for the adapter-cache tests and benches: tiny PEFT adapters as bytes and a real sidecar subprocess."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save
 
 from adapter_cache.client import AdapterCacheClient
-from tests.infra.ports import free_port
+from harness.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],

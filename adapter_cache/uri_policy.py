@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from inference_service.errors import InvalidArgumentError, PermissionDeniedError
+from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError
 
 SCHEMES = ("file", "s3", "http", "https")
 
@@ -60,6 +60,26 @@ class UriPolicy:
         change after the URI was checked."""
         real = Path(os.path.realpath(path))
         return real if any(real == root or root in real.parents for root in self.file_roots) else None
+
+
+def local_path(uri: str) -> Path:
+    """The directory a file:// URI names, parsed and checked as `UriPolicy.check` does, or a plain
+    path (in-process callers: tests, benches); normalised, links not resolved (that is the
+    open-time check's job, `file_access.open_regular`). Other schemes need the sidecar."""
+    parts = urlsplit(uri)
+    if parts.scheme:
+        if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
+            raise PermissionDeniedError("file URI with a remote host or credentials is not allowed")
+        norm = _normalise(uri, what="adapter uri")
+        if not norm.startswith("file://"):
+            raise InvalidArgumentError(
+                f"adapter uri {shown(uri)!r}: only file:// is read without the adapter-cache sidecar")
+        raw = norm[len("file://"):]
+    else:
+        if ".." in Path(uri).parts:
+            raise PermissionDeniedError(f"adapter path {shown(uri)!r} contains a '..' path segment")
+        raw = uri
+    return Path(os.path.abspath(raw))
 
 
 def _real(file_uri: str) -> Path:

@@ -7,7 +7,7 @@
     # and assert_clean(server) held (no leak, SERVING, no traceback in the server log)
 
 The victim is greedy with `ignore_eos`, so its tokens are fixed by the prompt and adapter alone: any
-difference means the attack reached it. It runs in a process of its own (tests/infra/isolation_victim.py),
+difference means the attack reached it. It runs in a process of its own (harness/isolation_victim.py),
 as another tenant would, so the attacker's client work in the test process does not slow it.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.infra.inference_server import ROOT, InferenceServer
+from harness.inference_server import ROOT, InferenceServer
 
 SLOWDOWN_LIMIT = 1.5  # the victim may take at most this many times its solo time
 SLACK_S = 0.05  # absolute slack on top: a short solo run is within scheduler jitter of it
@@ -49,7 +49,7 @@ def _spawn_victim(server: InferenceServer, prompt: str | Sequence[int], adapter:
     spec = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "adapter": adapter,
             "max_new_tokens": max_new_tokens, "runs": runs}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "tests.infra.isolation_victim", server.address, json.dumps(spec)],
+    return subprocess.Popen([sys.executable, "-m", "harness.isolation_victim", server.address, json.dumps(spec)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
 
 

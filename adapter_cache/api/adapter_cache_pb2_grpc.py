@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from inference_service.api import adapter_cache_pb2 as inference__service_dot_api_dot_adapter__cache__pb2
+from adapter_cache.api import adapter_cache_pb2 as adapter__cache_dot_api_dot_adapter__cache__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in inference_service/api/adapter_cache_pb2_grpc.py depends on'
+        + ' but the generated code in adapter_cache/api/adapter_cache_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -39,28 +39,28 @@ class AdapterCacheServiceStub:
         """
         self.Stage = channel.unary_unary(
                 '/loraplex.v1.AdapterCacheService/Stage',
-                request_serializer=inference__service_dot_api_dot_adapter__cache__pb2.StageRequest.SerializeToString,
-                response_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.StageResponse.FromString,
+                request_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.StageRequest.SerializeToString,
+                response_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.StageResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/loraplex.v1.AdapterCacheService/Release',
-                request_serializer=inference__service_dot_api_dot_adapter__cache__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.ReleaseResponse.FromString,
+                request_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Read = channel.unary_stream(
                 '/loraplex.v1.AdapterCacheService/Read',
-                request_serializer=inference__service_dot_api_dot_adapter__cache__pb2.ReadRequest.SerializeToString,
-                response_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.ReadResponse.FromString,
+                request_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReadRequest.SerializeToString,
+                response_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReadResponse.FromString,
                 _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/loraplex.v1.AdapterCacheService/Evict',
-                request_serializer=inference__service_dot_api_dot_adapter__cache__pb2.EvictRequest.SerializeToString,
-                response_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.EvictResponse.FromString,
+                request_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.EvictRequest.SerializeToString,
+                response_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.EvictResponse.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/loraplex.v1.AdapterCacheService/List',
-                request_serializer=inference__service_dot_api_dot_adapter__cache__pb2.ListRequest.SerializeToString,
-                response_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.ListResponse.FromString,
+                request_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ListRequest.SerializeToString,
+                response_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ListResponse.FromString,
                 _registered_method=True)
 
 
@@ -110,28 +110,28 @@ def add_AdapterCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Stage': grpc.unary_unary_rpc_method_handler(
                     servicer.Stage,
-                    request_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.StageRequest.FromString,
-                    response_serializer=inference__service_dot_api_dot_adapter__cache__pb2.StageResponse.SerializeToString,
+                    request_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.StageRequest.FromString,
+                    response_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.StageResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.ReleaseRequest.FromString,
-                    response_serializer=inference__service_dot_api_dot_adapter__cache__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReleaseRequest.FromString,
+                    response_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReleaseResponse.SerializeToString,
             ),
             'Read': grpc.unary_stream_rpc_method_handler(
                     servicer.Read,
-                    request_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.ReadRequest.FromString,
-                    response_serializer=inference__service_dot_api_dot_adapter__cache__pb2.ReadResponse.SerializeToString,
+                    request_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReadRequest.FromString,
+                    response_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ReadResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
-                    request_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.EvictRequest.FromString,
-                    response_serializer=inference__service_dot_api_dot_adapter__cache__pb2.EvictResponse.SerializeToString,
+                    request_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.EvictRequest.FromString,
+                    response_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.EvictResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=inference__service_dot_api_dot_adapter__cache__pb2.ListRequest.FromString,
-                    response_serializer=inference__service_dot_api_dot_adapter__cache__pb2.ListResponse.SerializeToString,
+                    request_deserializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ListRequest.FromString,
+                    response_serializer=adapter__cache_dot_api_dot_adapter__cache__pb2.ListResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -162,8 +162,8 @@ class AdapterCacheService:
             request,
             target,
             '/loraplex.v1.AdapterCacheService/Stage',
-            inference__service_dot_api_dot_adapter__cache__pb2.StageRequest.SerializeToString,
-            inference__service_dot_api_dot_adapter__cache__pb2.StageResponse.FromString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.StageRequest.SerializeToString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.StageResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -189,8 +189,8 @@ class AdapterCacheService:
             request,
             target,
             '/loraplex.v1.AdapterCacheService/Release',
-            inference__service_dot_api_dot_adapter__cache__pb2.ReleaseRequest.SerializeToString,
-            inference__service_dot_api_dot_adapter__cache__pb2.ReleaseResponse.FromString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.ReleaseRequest.SerializeToString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class AdapterCacheService:
             request,
             target,
             '/loraplex.v1.AdapterCacheService/Read',
-            inference__service_dot_api_dot_adapter__cache__pb2.ReadRequest.SerializeToString,
-            inference__service_dot_api_dot_adapter__cache__pb2.ReadResponse.FromString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.ReadRequest.SerializeToString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.ReadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -243,8 +243,8 @@ class AdapterCacheService:
             request,
             target,
             '/loraplex.v1.AdapterCacheService/Evict',
-            inference__service_dot_api_dot_adapter__cache__pb2.EvictRequest.SerializeToString,
-            inference__service_dot_api_dot_adapter__cache__pb2.EvictResponse.FromString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.EvictRequest.SerializeToString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.EvictResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -270,8 +270,8 @@ class AdapterCacheService:
             request,
             target,
             '/loraplex.v1.AdapterCacheService/List',
-            inference__service_dot_api_dot_adapter__cache__pb2.ListRequest.SerializeToString,
-            inference__service_dot_api_dot_adapter__cache__pb2.ListResponse.FromString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.ListRequest.SerializeToString,
+            adapter__cache_dot_api_dot_adapter__cache__pb2.ListResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 Tests of CPU-only behaviour (the CPU copy engine's gating, the C kernels) pin "cpu". Device-generic
 tests take `DEVICES` as a parameter: CPU always, CUDA where a GPU is present (skipped with the reason
 otherwise), so the same tests run on the GPU (`scripts/gpu_check.sh`) with no hang and no mixed
-devices. Server subprocesses get `SERVER_DEVICE` through LORAPLEX_DEVICE (tests/infra/inference_server.py).
+devices. Server subprocesses get `SERVER_DEVICE` through LORAPLEX_DEVICE (harness/inference_server.py).
 """
 
 from __future__ import annotations

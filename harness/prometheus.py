@@ -38,10 +38,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.infra.ports import free_port
-from tests.infra.tools import require_tool
+from harness.ports import free_port
+from harness.tools import require_tool
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CHART_DIR = REPO / "helm" / "loraplex"
 DASHBOARDS_DIR = CHART_DIR / "dashboards"
 ALERT_RULES_FILE = CHART_DIR / "rules" / "loraplex-alerts.yaml"

@@ -1,7 +1,7 @@
-"""The victim client of tests/infra/isolation.py, in a process of its own (a tenant is another client:
+"""The victim client of harness/isolation.py, in a process of its own (a tenant is another client:
 it must not share the attacker's interpreter and GIL).
 
-`python -m tests.infra.isolation_victim ADDRESS SPEC_JSON` runs `runs` greedy Generate calls in a row and
+`python -m harness.isolation_victim ADDRESS SPEC_JSON` runs `runs` greedy Generate calls in a row and
 prints one JSON line per event: {"first": true} when the first run's first message arrives, then
 {"tokens": [...], "seconds": s, "finish": name} per run, or {"error": code, "details": text}.
 """

@@ -5,8 +5,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from inference_service.engine import EngineCore
+from inference_service.config import EngineConfig
+from inference_service.engine_core import EngineCore
 from inference_service.request import Request, RequestOutput, SamplingParams
+
+
+def make_core(max_loras: int = 2, **config: object) -> EngineCore:
+    """builtin:tiny on the CPU (unless `device` says otherwise) with a few rank-8 slots and a small KV cache."""
+    config.setdefault("device", "cpu")
+    return EngineCore(EngineConfig(model="builtin:tiny", max_loras=max_loras, max_lora_rank=8,  # type: ignore[arg-type]
+                                   kv_cache_bytes=4 << 20, **config))
 
 
 def load_adapters(core: EngineCore, adapters: dict[str, Path], timeout: float = 60.0, **kwargs: object) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re2
 
-from inference_service.errors import AdapterError
-from inference_service.lora.strict_json import shorten
+from adapter_cache.errors import AdapterError
+from adapter_cache.strict_json import shorten
 
 MAX_PATTERN_CHARS = 1024
 MAX_PATTERNS = 256

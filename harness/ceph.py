@@ -9,7 +9,7 @@ Pytest fixtures (registered in tests/conftest.py):
   `client()` and `create_bucket(prefix)`.
 - `s3_bucket` (function): a fresh, empty bucket name on that server.
 
-Standalone (e.g. for a bench): `python -m tests.infra.ceph` starts one and prints its endpoint.
+Standalone (e.g. for a bench): `python -m harness.ceph` starts one and prints its endpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.infra.ports import free_port
+from harness.ports import free_port
 
 ACCESS_KEY = "loraplextestaccess"
 SECRET_KEY = "loraplextestsecretkey0123456789"

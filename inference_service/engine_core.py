@@ -1,0 +1,239 @@
+"""The synchronous engine: one object that takes requests in, steps them, and reports.
+
+`EngineCore` owns the scheduler, the model runner, the LoRA manager and output processing; call
+it from one thread only. `engine.Engine` runs it on the scheduler thread and is the only bridge
+to other threads: everything it needs is a method here, so a process bridge could replace it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from adapter_cache.adapter_format import BaseModelShapes
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from inference_service.batch import ScheduledBatch
+from inference_service.config import EngineConfig
+from inference_service.limits import RequestLimits, check_stop, shown
+from inference_service.lora.manager import AdapterInfo
+from inference_service.lora.registry import AdapterVersion, adapter_name
+from inference_service.lora.sidecar_source import SidecarSource
+from inference_service.lora.source import AdapterSource, LocalDirectorySource
+from inference_service.metrics_sink import MetricsSink, NullMetrics
+from inference_service.model_runner import ModelRunner
+from inference_service.models.loader import load_model
+from inference_service.output_processor import OutputProcessor
+from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams, WaitReason
+from inference_service.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_context: int
+    vocab_size: int
+    max_loras: int
+    max_lora_rank: int
+    max_new_tokens_limit: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_registered_adapters: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    slots_total: int = 0
+    slots_occupied: int = 0
+    slots_referenced: int = 0
+    slots_pinned: int = 0
+    pending_load_events: int = 0
+    requests_running: int = 0
+    requests_waiting: dict[str, int] = field(default_factory=dict)
+    kv_cache_usage: float = 0.0
+    kv_blocks_used: int = 0
+    adapter_references: int = 0
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    loads_total: int = 0
+    evictions_total: int = 0
+
+
+def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSource:
+    """Where adapters come from: the sidecar when one is configured, else local directories."""
+    if config.cache_address:
+        return SidecarSource(config.cache_address, shapes, config.max_lora_rank,
+                             token_file=config.cache_token_file)
+    return LocalDirectorySource(shapes, config.max_lora_rank, config.host_cache_bytes,
+                                allow=config.adapter_source_allow)
+
+
+class EngineCore:
+    """Synchronous engine: call from one thread only."""
+
+    def __init__(
+        self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or NullMetrics()
+        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
+                                           config.tokenizer)
+        source = source or default_source(config, model.config.lora_shapes())
+        self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
+        self.lora = self.runner.lora
+        self.scheduler = Scheduler(config, self.runner.kv, self.lora)
+        mc = model.config
+        max_context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.model_info = ModelInfo(
+            name=mc.name or config.model,
+            max_context=max_context,
+            vocab_size=mc.vocab_size,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_new_tokens_limit=config.max_new_tokens_limit,
+            limits=config.limits,
+            max_registered_adapters=config.max_registered_adapters,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.metrics)
+        # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
+        # same arrivals samples the same tokens; a request's own seed always wins.
+        self._seeds = random.Random(config.seed)
+
+    # ---- intake ----
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Checks that need no scheduler state (safe from any thread)."""
+        info = self.model_info
+        if not prompt_token_ids:
+            raise InvalidArgumentError("the prompt is empty")
+        if len(prompt_token_ids) >= info.max_context:
+            raise ResourceExhaustedError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {info.max_context} tokens")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
+        check_stop(params.stop, len(params.stop_token_ids), info.limits)
+        if any(t >= info.vocab_size for t, _ in params.logit_bias):
+            raise InvalidArgumentError(f"logit_bias token ids must be in [0, {info.vocab_size})")
+        params.validate(info.max_new_tokens_limit)
+        if any(t >= info.vocab_size for t in params.stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be in [0, {info.vocab_size})")
+        total = len(prompt_token_ids) + params.max_new_tokens
+        if len(prompt_token_ids) >= info.max_context or total > info.max_context:
+            raise ResourceExhaustedError(
+                f"prompt of {len(prompt_token_ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                f"does not fit the context of {info.max_context} tokens"
+            )
+        if self.runner.kv.blocks_needed(total) > self.runner.kv.num_blocks:
+            raise ResourceExhaustedError(f"{total} tokens do not fit the KV cache ({self.runner.kv.num_blocks} blocks)")
+
+    def add_request(self, request: Request, adapter: str | None) -> None:
+        """Take a validated request in; resolves the adapter name and takes its reference."""
+        if adapter:
+            request.adapter_uid = self.lora.acquire(adapter, request.request_id)
+        if request.generator is None and not request.params.greedy:
+            request.generator = torch.Generator().manual_seed(self._seeds.getrandbits(63))
+        self.outputs.add(request)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        self.scheduler.abort(request_id, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch:
+            self.scheduler.postprocess(batch, self._run(batch), self.outputs.on_token)
+        return self.outputs.take(self.scheduler.take_finished())
+
+    def _run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor | None]]:
+        """The batch's forward pass; if it raises, its requests run again one at a time, so only a
+        request that fails alone is ended (with INTERNAL: that is a bug) and the others go on."""
+        try:
+            return self.runner.run(batch)
+        except Exception:  # noqa: BLE001 - contained below
+            if len(batch.items) == 1:
+                request = batch.items[0][0]
+                log.exception("the forward pass of request %s failed", shown(request.request_id))
+                self.scheduler.finish(request, FinishReason.ERROR,
+                                      LoraplexError(f"internal error in request {request.request_id}"))
+                return {}
+            log.exception("a forward pass of %d requests failed; running them one at a time", len(batch.items))
+        results: dict[str, tuple[int, torch.Tensor | None]] = {}
+        for item in batch.items:
+            results.update(self._run(ScheduledBatch([item])))
+        return results
+
+    def fail_running(self, error: LoraplexError) -> list[RequestOutput]:
+        """After a failed step: end every running request with `error` (waiting ones stay)."""
+        for request in list(self.scheduler.running):
+            self.scheduler.finish(request, FinishReason.ERROR, error)
+        return self.outputs.take(self.scheduler.take_finished())
+
+    # ---- adapters (the admin calls of the bridge) ----
+
+    def load_adapter(
+        self, name: str, uri: str, sha256: str | None = None, pinned: bool = False, preload: bool = False
+    ) -> concurrent.futures.Future[AdapterVersion]:
+        return self.lora.load_adapter(name, uri, sha256, pinned, preload)
+
+    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
+        return self.lora.unload_adapter(name)
+
+    def adapter_names(self) -> frozenset[str]:
+        """The names new requests may use now."""
+        return self.lora.adapter_names()
+
+    def has_pending_work(self) -> bool:
+        """Adapter loads in flight (the scheduler thread must keep polling them)."""
+        return self.lora.has_pending_work()
+
+    # ---- snapshots ----
+
+    def stats(self) -> EngineStats:
+        lora = self.lora.stats()
+        waiting = {r.adapter_uid for r in self.scheduler.waiting if r.adapter_uid}
+        running = {r.adapter_uid for r in self.scheduler.running if r.adapter_uid}
+        return EngineStats(
+            slots_total=lora.slots_total,
+            slots_occupied=lora.slots_occupied,
+            slots_referenced=lora.slots_referenced,
+            slots_pinned=lora.slots_pinned,
+            pending_load_events=lora.pending_loads,
+            requests_running=len(self.scheduler.running),
+            requests_waiting=dict(Counter(r.wait_reason or WaitReason.QUEUED for r in self.scheduler.waiting)),
+            kv_cache_usage=self.runner.kv.usage,
+            kv_blocks_used=self.runner.kv.num_used,
+            adapter_references=lora.references,
+            max_lora=lora.slots_total,
+            running_lora_adapters=tuple(sorted(adapter_name(u) for u in running)),
+            waiting_lora_adapters=tuple(sorted(adapter_name(u) for u in waiting - running)),
+            loads_total=lora.loads_total,
+            evictions_total=lora.evictions_total,
+        )
+
+    def list_adapters(self, limit: int | None = None, after: tuple[str, int] | None = None) -> list[AdapterInfo]:
+        """Adapters ordered by (name, version): the first `limit` after `after` (a page).
+        O(registered) per call, never per step: it runs only for a ListAdapters."""
+        return self.lora.adapters(limit, after)
+
+    def adapter_info(self, uid: str) -> AdapterInfo | None:
+        """One registered version; None once it is gone."""
+        return self.lora.adapter_info(uid) if self.lora.has_version(uid) else None
+
+    def adapter_is_current(self, name: str) -> bool:
+        """Whether new requests may use `name` now: one dict lookup, atomic from any thread (the
+        scheduler thread checks again at intake)."""
+        return self.lora.is_current(name)
+
+    def shutdown(self) -> None:
+        self.lora.shutdown()

@@ -1,0 +1,103 @@
+"""The LoRA op implementations and the selector (`make_lora_op`): the batched op on CPU in C
+(`kernels/lora.c`), torch's batched matmuls (`ops.TorchLoRAOp`) everywhere else.
+
+The C kernel keeps B rank-major in the slots (Bt [R, out]), so the pool is created with
+`b_rank_major=True` when this op is used. Adapters are brought into that form once, when staged
+(`transpose_into`); loads into such slots are then plain copies, run as a `kernels.copy.CopyProgram`
+on the CPU copy engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from inference_service.kernels.build import load_library
+from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
+
+_APPLY = {torch.float32: "lora_apply_f32", torch.bfloat16: "lora_apply_bf16"}
+_TRANSPOSE = {torch.float32: "transpose_scale_f32", torch.bfloat16: "transpose_scale_bf16"}
+
+
+def available(dtype: torch.dtype) -> bool:
+    """True if the kernel runs for this model dtype here (builds it now if needed)."""
+    return dtype in _APPLY and _function(_APPLY[dtype]) is not None
+
+
+class CpuLoRAOp:
+    """`LoRAOp` for CPU: one kernel call per fused projection. Slots hold the model's dtype."""
+
+    b_rank_major = True
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._fn = _function(_APPLY[dtype])
+        assert self._fn is not None, "check available() first"
+        # Per projection (keyed by its A buffer): the B pointers and column offsets the kernel takes.
+        self._layouts: dict[int, tuple[ctypes.Array, torch.Tensor]] = {}
+
+    def slot_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype  # widened to fp32 inside the kernel
+
+    def apply(
+        self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], batch: LoRABatch
+    ) -> None:
+        x = x.contiguous()
+        assert batch.runs is not None
+        assert x.dtype == out.dtype == a.dtype and out.stride(1) == 1 and a.is_contiguous()
+        pointers, cols = self._layout(a, bs)
+        num_modules = len(bs)
+        slot_rank = a.shape[1] // num_modules
+        scratch = torch.empty(x.shape[0], num_modules * slot_rank, dtype=torch.float32)
+        status = self._fn(
+            x.data_ptr(), out.data_ptr(), out.stride(0), a.data_ptr(), pointers, cols.data_ptr(), num_modules,
+            slot_rank, x.shape[1], batch.runs.data_ptr(), batch.runs.shape[0], scratch.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("LoRA kernel: out of memory for its scratch buffers")
+
+    def _layout(self, a: torch.Tensor, bs: list[SlicedB]) -> tuple[ctypes.Array, torch.Tensor]:
+        layout = self._layouts.get(a.data_ptr())
+        if layout is None:
+            assert all(s.b.is_contiguous() for s in bs)
+            pointers = (ctypes.c_void_p * len(bs))(*(s.b.data_ptr() for s in bs))
+            cols = torch.tensor([s.start for s in bs] + [bs[-1].end], dtype=torch.int64)
+            layout = self._layouts[a.data_ptr()] = (pointers, cols)
+        return layout
+
+
+def transpose_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
+    """dst [c, r] = scale * src [r, c] (a B into a rank-major slot, its scaling folded in)."""
+    if src.dtype != dst.dtype:
+        src = src.to(dst.dtype)
+    fn = _function(_TRANSPOSE.get(dst.dtype, ""))
+    if fn is None or src.stride(1) != 1 or dst.stride(1) != 1 or dst.device.type != "cpu":
+        dst.copy_(src.t())
+        dst.mul_(scale)
+        return
+    fn(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), src.shape[0], src.shape[1], scale)
+
+
+@functools.cache
+def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    library = load_library("lora") if symbol else None
+    if library is None:
+        return None
+    fn = getattr(library, symbol)
+    if symbol in _TRANSPOSE.values():
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_float]
+    else:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+def make_lora_op(device: torch.device, model_dtype: torch.dtype) -> LoRAOp:
+    """The C kernel on CPU where it builds and supports the dtype; torch's batched matmuls elsewhere."""
+    if device.type == "cpu" and available(model_dtype):
+        return CpuLoRAOp(model_dtype)
+    return TorchLoRAOp(device)

@@ -1,0 +1,85 @@
+"""Imports run one way (docs/architecture.md): the sidecar is the lower layer, kernels are the
+ground floor, and benches share the harness with the tests but import no test module.
+
+Walks every module's imports with ast (function-level and TYPE_CHECKING imports count too).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, absolute (relative imports resolved against its package)."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)  # `from pkg import mod`
+    return found
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations(directory: str, forbidden: str, allowed: tuple[str, ...] = ()) -> list[str]:
+    files = sorted((ROOT / directory).rglob("*.py"))
+    assert files, f"no modules under {directory}"
+    return [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in files
+        for module in sorted(imports_of(path))
+        if _under(module, forbidden) and not any(_under(module, a) for a in allowed)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("directory", "forbidden", "allowed"),
+    [
+        ("adapter_cache", "inference_service", ()),
+        ("inference_service/kernels", "inference_service", ("inference_service.kernels",)),
+        ("bench", "tests", ()),
+        ("harness", "tests", ()),
+    ],
+    ids=["sidecar-below-inference", "kernels-ground-floor", "bench-no-tests", "harness-no-tests"],
+)
+def test_imports_run_one_way(directory, forbidden, allowed):
+    assert _violations(directory, forbidden, allowed) == []
+
+
+def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
+    """The checker itself: plain, from, relative and function-level imports are all found."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    package = tmp_path / "adapter_cache"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("import inference_service.engine\n")
+    (package / "b.py").write_text("def f():\n    from inference_service import engine\n")
+    (package / "c.py").write_text("from . import store\nfrom ..inference_service import x\n")
+    found = _violations("adapter_cache", "inference_service")
+    assert found == [
+        "adapter_cache/a.py imports inference_service.engine",
+        "adapter_cache/b.py imports inference_service",
+        "adapter_cache/b.py imports inference_service.engine",
+        "adapter_cache/c.py imports inference_service",
+        "adapter_cache/c.py imports inference_service.x",
+    ]
