@@ -46,7 +46,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 HELM = REPO / ".tools" / "bin" / "helm"
 CHART_DIR = REPO / "helm" / "loraplex"
 VENV_BIN = Path(sys.executable).parent

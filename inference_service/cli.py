@@ -168,6 +168,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        adapter_source_allow=allow,
         cache_address=args.cache_address,
         cache_token_file=args.cache_token_file,
         host_cache_bytes=args.host_cache_bytes,
