@@ -127,7 +127,7 @@ def test_dripping_origin_is_cut_at_the_fetch_deadline(origin):
 # --- files ------------------------------------------------------------------------------------
 
 def _file_store(root: Path) -> FileStore:
-    return FileStore(UriPolicy([root.as_uri()], empty_allows_all=False))
+    return FileStore(UriPolicy([root.as_uri()]))
 
 
 def _read_in_thread(store: FileStore, uri: str) -> Exception | Part:
