@@ -9,9 +9,10 @@
 #   TORCH_VERSION    torch version, e.g. 2.13.0.
 #   PYTHON_VERSION   base Python (3.11+).
 #   CPU_KERNELS      1 (default): the runtime image gets a C compiler, with which the inference
-#                    service builds its CPU decode-attention kernel at first start (cached in
-#                    $HOME/.cache). 0: no compiler (e.g. for CUDA images); CPU decode attention
-#                    then falls back to torch (gather + SDPA, about 2x slower).
+#                    service builds its CPU kernels at first start, into $LORAPLEX_KERNEL_CACHE
+#                    (the chart points it at an emptyDir only the inference container mounts, since
+#                    the process dlopen()s what is there; unset: $HOME/.cache/loraplex/kernels).
+#                    0: no compiler (e.g. for CUDA images); the CPU ops then fall back to torch.
 # Examples:
 #   docker build -t loraplex:cpu .
 #   docker build -t loraplex:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .

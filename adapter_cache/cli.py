@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import grp
 import logging
+import os
 import re
 import signal
 import threading
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health
+
+from adapter_cache.auth import CacheAuth
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.server import build_server
 from adapter_cache.stager import CacheConfig, Stager
@@ -48,10 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("max-adapter-bytes", "2GiB", "largest adapter_model.safetensors accepted", type=parse_bytes)
     add("max-rank", "256", "largest LoRA rank accepted", type=int)
     add("default-lease-seconds", "600", "lease length when a Stage call asks for none", type=float)
-    add("max-lease-seconds", "3600", "longest lease granted", type=float)
+    add("max-lease-seconds", "900", "longest lease granted (longer requests are cut to this)", type=float)
+    add("max-leases-per-client", "256", "live leases one caller may hold (more: RESOURCE_EXHAUSTED)", type=int)
+    add("token-file", None, "file of bearer tokens (one per line) Stage/Read/Release must present; unset: any "
+        "caller the socket's mode lets connect (required for a TCP --listen)")
+    add("admin-token-file", None, "file of bearer tokens (one per line) List/Evict must present; unset: "
+        "List/Evict are refused")
+    add("group", None, "group (name or gid) that may also use the socket (0660) and read staged files (0640); "
+        "unset: the sidecar's user only (0600)")
     add("part-bytes", "8MiB", "size of one ranged GET", type=parse_bytes)
     add("fetch-concurrency", "8", "ranged GETs in flight at once", type=int)
     add("fetch-attempts", "4", "attempts per GET on retryable errors (jittered exponential backoff)", type=int)
+    add("fetch-deadline-seconds", "240", "overall time one adapter's fetch may take, retries included "
+        "(past it: UNAVAILABLE)", type=float)
     add("backoff-initial-seconds", "0.1", "first retry backoff", type=float)
     add("backoff-max-seconds", "2.0", "largest retry backoff", type=float)
     add("connect-timeout-seconds", "5", "per-request connect timeout", type=float)
@@ -66,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_group(value: str | None) -> int | None:
+    if not value:
+        return None
+    return int(value) if value.isdigit() else grp.getgrnam(value).gr_gid
+
+
 def config_from_args(args: argparse.Namespace) -> CacheConfig:
     return CacheConfig(
         shm_dir=args.shm_dir,
@@ -75,6 +96,8 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         max_rank=args.max_rank,
         default_lease_s=args.default_lease_seconds,
         max_lease_s=args.max_lease_seconds,
+        max_leases_per_client=args.max_leases_per_client,
+        group=parse_group(args.group),
         lock_memory=not args.no_mlock,
         enable_http=not args.no_http,
         fetch=FetchConfig(
@@ -83,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
             attempts=args.fetch_attempts,
             backoff_initial_s=args.backoff_initial_seconds,
             backoff_max_s=args.backoff_max_seconds,
+            deadline_s=args.fetch_deadline_seconds,
         ),
         s3=S3Config(
             endpoint_url=args.s3_endpoint_url or None,
@@ -94,18 +118,47 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
     )
 
 
+def listen_securely(stager: Stager, listen: str, auth: CacheAuth,
+                    group: int | None) -> tuple[grpc.Server, health.HealthServicer]:
+    """Bind `listen`; a unix socket is created 0600 (0660 for `group`), never wider even for an
+    instant, in a directory this creates 0700 (0750)."""
+    if not listen.startswith("unix://"):
+        return build_server(stager, listen, auth)
+    sock = Path(listen[len("unix://"):])
+    if not sock.parent.is_dir():
+        sock.parent.mkdir(parents=True, mode=0o700 if group is None else 0o750)
+        if group is not None:
+            os.chown(sock.parent, -1, group)
+    sock.unlink(missing_ok=True)  # a stale socket from a killed predecessor
+    mode = 0o600 if group is None else 0o660
+    old_umask = os.umask(0o777 & ~mode)  # at start-up, before any other thread creates files
+    try:
+        built = build_server(stager, listen, auth)
+    finally:
+        os.umask(old_umask)
+    if group is not None:
+        os.chown(sock, -1, group)
+    os.chmod(sock, mode)
+    return built
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.allow_prefix:
         log.warning("no --allow-prefix given: every Stage call will be PERMISSION_DENIED")
-    if args.listen.startswith("unix://"):
-        sock = Path(args.listen[len("unix://"):])
-        sock.parent.mkdir(parents=True, exist_ok=True)
-        sock.unlink(missing_ok=True)  # a stale socket from a killed predecessor
+    try:
+        auth = CacheAuth.from_files(args.token_file, args.admin_token_file)
+        group = parse_group(args.group)
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(str(exc))
+    if not args.listen.startswith("unix://") and not auth.tokens_required:
+        parser.error(f"--listen {args.listen} is not a unix socket, whose file mode limits who connects: "
+                     "give --token-file so callers must authenticate")
     metrics = CacheMetrics()
     stager = Stager(config_from_args(args), metrics)
-    server, health_servicer = build_server(stager, args.listen)
+    server, health_servicer = listen_securely(stager, args.listen, auth, group)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     server.start()

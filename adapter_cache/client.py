@@ -77,20 +77,23 @@ def _error(exc: grpc.RpcError) -> LoraplexError:
 class AdapterCacheClient:
     """Blocking client; call it from a worker thread (or `asyncio.to_thread`), never the scheduler thread.
 
-    `target` is what the sidecar listens on: `unix:///path` or `host:port`.
+    `target` is what the sidecar listens on: `unix:///path` or `host:port`; `token` is sent as
+    `authorization: Bearer <token>` when the sidecar requires one (its --token-file, or an
+    admin token for List/Evict).
     """
 
-    def __init__(self, target: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, target: str, timeout_s: float = 300.0, token: str | None = None) -> None:
         self._channel = grpc.insecure_channel(
             target, options=[("grpc.max_receive_message_length", 8 << 20)]
         )
         self._stub = pb_grpc.AdapterCacheServiceStub(self._channel)
         self._timeout = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def stage(self, uri: str, sha256: str = "", lease_seconds: int = 0) -> StagedAdapter:
         try:
             r = self._stub.Stage(pb.StageRequest(uri=uri, sha256=sha256, lease_seconds=lease_seconds),
-                                 timeout=self._timeout)
+                                 timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return StagedAdapter(
@@ -107,7 +110,7 @@ class AdapterCacheClient:
 
     def release(self, lease_id: str) -> None:
         try:
-            self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._timeout)
+            self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -116,7 +119,7 @@ class AdapterCacheClient:
         out = bytearray()
         try:
             for chunk in self._stub.Read(pb.ReadRequest(lease_id=lease_id, chunk_bytes=chunk_bytes),
-                                         timeout=self._timeout):
+                                         timeout=self._timeout, metadata=self._metadata):
                 if chunk.offset != len(out):
                     raise UnavailableError(f"adapter cache: Read out of order at {chunk.offset}")
                 out += chunk.data
@@ -126,7 +129,7 @@ class AdapterCacheClient:
 
     def list(self) -> list[CachedAdapter]:
         try:
-            r = self._stub.List(pb.ListRequest(), timeout=self._timeout)
+            r = self._stub.List(pb.ListRequest(), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return [CachedAdapter(e.uri, e.size_bytes, e.leases, e.last_used_at, e.hits, e.sha256, e.path)
@@ -135,7 +138,8 @@ class AdapterCacheClient:
     def evict(self, uri: str = "") -> list[str]:
         """Evict one unleased entry, or every unleased one when `uri` is empty."""
         try:
-            return list(self._stub.Evict(pb.EvictRequest(uri=uri), timeout=self._timeout).evicted_uris)
+            r = self._stub.Evict(pb.EvictRequest(uri=uri), timeout=self._timeout, metadata=self._metadata)
+            return list(r.evicted_uris)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 

@@ -9,6 +9,7 @@ push the total over the budget.
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ class Lease:
     lease_id: str
     uri: str
     expires_at: float
+    owner: str = ""  # the authenticated caller that took it (see adapter_cache.auth)
 
 
 class HostCache:
@@ -44,7 +46,8 @@ class HostCache:
         self._clock = clock
         self._entries: dict[str, Entry] = {}
         self._reserved: dict[str, int] = {}  # uri -> bytes of a fetch in flight
-        self._lease_uri: dict[str, str] = {}
+        self._leases: dict[str, Lease] = {}
+        self._owned: Counter[str] = Counter()  # owner -> live leases
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -54,7 +57,11 @@ class HostCache:
 
     @property
     def lease_count(self) -> int:
-        return len(self._lease_uri)
+        return len(self._leases)
+
+    def leases_of(self, owner: str) -> int:
+        """Live leases `owner` holds (expired ones count until the next `expire`)."""
+        return self._owned[owner]
 
     def entries(self) -> list[Entry]:
         return sorted(self._entries.values(), key=lambda e: e.last_used)
@@ -62,15 +69,19 @@ class HostCache:
     def get(self, uri: str) -> Entry | None:
         return self._entries.get(uri)
 
-    def entry_for_lease(self, lease_id: str) -> Entry:
-        uri = self._lease_uri.get(lease_id)
-        if uri is None:
+    def entry_for_lease(self, lease_id: str, owner: str | None = None) -> Entry:
+        """The entry a lease holds; with `owner`, only that caller's leases are found."""
+        return self._entries[self._lease(lease_id, owner).uri]
+
+    def _lease(self, lease_id: str, owner: str | None) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or (owner is not None and lease.owner != owner):
             raise NotFoundError(f"unknown or expired lease {lease_id!r}")
-        return self._entries[uri]
+        return lease
 
     # --- leases --------------------------------------------------------------------------
-    def acquire(self, uri: str, lease_seconds: float, hit: bool) -> Lease:
-        """Lease a committed entry and mark it most recently used."""
+    def acquire(self, uri: str, lease_seconds: float, hit: bool, owner: str = "") -> Lease:
+        """Lease a committed entry for `owner` and mark it most recently used."""
         entry = self._entries.get(uri)
         if entry is None:
             raise NotFoundError(f"{uri} is not staged")
@@ -78,18 +89,24 @@ class HostCache:
         entry.last_used = now
         if hit:
             entry.hits += 1
-        lease = Lease(uuid.uuid4().hex, uri, now + lease_seconds)
+        lease = Lease(uuid.uuid4().hex, uri, now + lease_seconds, owner)
         entry.leases[lease.lease_id] = lease.expires_at
-        self._lease_uri[lease.lease_id] = uri
+        self._leases[lease.lease_id] = lease
+        self._owned[owner] += 1
         return lease
 
-    def release(self, lease_id: str) -> str:
-        """Drop a lease; returns the uri it held."""
-        uri = self._lease_uri.pop(lease_id, None)
-        if uri is None:
-            raise NotFoundError(f"unknown or expired lease {lease_id!r}")
-        self._entries[uri].leases.pop(lease_id, None)
-        return uri
+    def release(self, lease_id: str, owner: str | None = None) -> str:
+        """Drop a lease (with `owner`: only one of that caller's); returns the uri it held."""
+        lease = self._lease(lease_id, owner)
+        self._drop_lease(lease)
+        self._entries[lease.uri].leases.pop(lease_id, None)
+        return lease.uri
+
+    def _drop_lease(self, lease: Lease) -> None:
+        del self._leases[lease.lease_id]
+        self._owned[lease.owner] -= 1
+        if not self._owned[lease.owner]:
+            del self._owned[lease.owner]
 
     def expire(self) -> list[Lease]:
         """Drop leases whose time is up, so a crashed client cannot pin memory forever."""
@@ -99,8 +116,9 @@ class HostCache:
             for lease_id, expires_at in list(entry.leases.items()):
                 if expires_at <= now:
                     del entry.leases[lease_id]
-                    del self._lease_uri[lease_id]
-                    expired.append(Lease(lease_id, entry.uri, expires_at))
+                    lease = self._leases[lease_id]
+                    self._drop_lease(lease)
+                    expired.append(lease)
         return expired
 
     # --- space ---------------------------------------------------------------------------

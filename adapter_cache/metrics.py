@@ -28,10 +28,13 @@ class CacheMetrics:
             "loraplex_cache_fetch_requests", "Object-store GET requests issued (retries included)", registry=r
         )
         self.inflight = Gauge("loraplex_cache_inflight_fetches", "Adapter fetches in progress", registry=r)
+        self.followers = Gauge("loraplex_cache_stage_followers",
+                               "Stage calls waiting on another call's fetch of the same adapter", registry=r)
         self.evictions = Counter("loraplex_cache_evictions", "Entries evicted", registry=r)
         self.errors = Counter("loraplex_cache_errors", "Failed calls by gRPC code", ["reason"], registry=r)
         # Series that exist from the start, at 0: rate() then sees the first error too.
-        for reason in ("not_found", "invalid_argument", "permission_denied", "unavailable", "resource_exhausted"):
+        for reason in ("not_found", "invalid_argument", "permission_denied", "unavailable", "resource_exhausted",
+                       "unauthenticated"):
             self.errors.labels(reason)
 
     def bind_state(self, used: Callable[[], float], entries: Callable[[], float], leases: Callable[[], float],

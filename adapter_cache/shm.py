@@ -112,7 +112,7 @@ class PendingFile:
         self.key = entry_key(uri)
         self.tmp_path = shm.root / f"{self.key}{DATA_SUFFIX}{TMP_MARK}{uuid.uuid4().hex[:8]}"
         self._shm = shm
-        self.fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fd = shm.open_new(self.tmp_path, os.O_RDWR)
         os.ftruncate(self.fd, size)
 
     def pwrite(self, data: bytes | memoryview, offset: int) -> None:
@@ -144,14 +144,37 @@ class PendingFile:
 
 
 class ShmDir:
-    """The shared-memory directory and the mlocked mappings of its entries."""
+    """The shared-memory directory and the mlocked mappings of its entries.
 
-    def __init__(self, root: str | Path, lock_memory: bool = True) -> None:
+    Staged files are the owner's alone (0600), or also readable by `group` (0640) when the
+    inference service runs as another user of that group; a directory this creates is 0700
+    (0750 with a group).
+    """
+
+    def __init__(self, root: str | Path, lock_memory: bool = True, group: int | None = None) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.group = group
+        self.file_mode = 0o600 if group is None else 0o640
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, mode=0o700 if group is None else 0o750)
+            if group is not None:
+                os.chown(self.root, -1, group)
         self.lock_memory = lock_memory
         self._locked: dict[str, mmap.mmap] = {}
         self._mlock_warned = False
+
+    def open_new(self, path: Path, flags: int) -> int:
+        """Create `path` exclusively with the staged-file mode and group (whatever the umask)."""
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, self.file_mode)
+        try:
+            if self.group is not None:
+                os.fchown(fd, -1, self.group)
+            os.fchmod(fd, self.file_mode)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return fd
 
     def data_path(self, key: str) -> Path:
         return self.root / f"{key}{DATA_SUFFIX}"
@@ -164,7 +187,7 @@ class ShmDir:
 
     def write_meta(self, key: str, meta: StoredMeta) -> None:
         tmp = self.root / f"{key}{META_SUFFIX}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = self.open_new(tmp, os.O_WRONLY)
         try:
             os.write(fd, meta.to_json())
             os.fsync(fd)
@@ -248,6 +271,10 @@ class ShmDir:
                     mm.close()
                 if not ok:
                     raise ValueError("size or checksum does not match the metadata")
+                for path in (self.data_path(key), self.meta_path(key)):  # staged by an older release
+                    os.chmod(path, self.file_mode)
+                    if self.group is not None:
+                        os.chown(path, -1, self.group)
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 log.warning("dropping staged entry %s at restart: %s", key, exc)
                 self.meta_path(key).unlink(missing_ok=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adapter_cache.deadline import Deadline
 from adapter_cache.host_cache import Entry, HostCache, Lease
 from adapter_cache.metrics import CacheMetrics
 from adapter_cache.shm import PartChecksum, PendingFile, ShmDir, StoredMeta, entry_key, sha256_of
@@ -32,7 +33,13 @@ from adapter_cache.store import (
     S3Config,
     S3Store,
 )
-from inference_service.errors import AdapterError, InvalidArgumentError, LoraplexError
+from inference_service.errors import (
+    AdapterError,
+    InvalidArgumentError,
+    LoraplexError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from inference_service.lora.adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -57,8 +64,11 @@ class CacheConfig:
     max_config_bytes: int = 1 << 20
     max_rank: int = 256
     default_lease_s: float = 600.0
-    max_lease_s: float = 3600.0
+    max_lease_s: float = 900.0
+    max_leases_per_client: int = 256
+    follower_grace_s: float = 30.0  # a follower waits the fetch deadline plus this (validate, commit)
     lock_memory: bool = True
+    group: int | None = None  # staged files readable by this group too (else the owner only)
     enable_http: bool = True
     fetch: FetchConfig = field(default_factory=FetchConfig)
     s3: S3Config = field(default_factory=S3Config)
@@ -118,7 +128,8 @@ class _InOrderHasher:
 
 
 class _Flight:
-    """One fetch in progress; callers of the same uri wait on it instead of fetching again."""
+    """One fetch in progress; callers of the same uri wait on it instead of fetching again
+    (for a bounded time: see `Stager.follower_wait_s`)."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
@@ -135,13 +146,13 @@ class Stager:
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics or CacheMetrics()
-        self.policy = UriPolicy(cfg.allow_prefixes, empty_allows_all=False)
+        self.policy = UriPolicy(cfg.allow_prefixes, flag="--allow-prefix")
         if stores is None:
             stores = {"s3": S3Store(cfg.s3), "file": FileStore(self.policy)}
             if cfg.enable_http:
                 stores["http"] = stores["https"] = HttpStore(cfg.s3.read_timeout_s)
         self.fetcher = Fetcher(stores, cfg.fetch, self.metrics.on_request, self.metrics.on_bytes)
-        self.shm = ShmDir(cfg.shm_dir, lock_memory=cfg.lock_memory)
+        self.shm = ShmDir(cfg.shm_dir, lock_memory=cfg.lock_memory, group=cfg.group)
         self.cache = HostCache(cfg.capacity_bytes, clock)
         self._clock = clock
         self._lock = threading.Lock()
@@ -181,16 +192,29 @@ class Stager:
                  len(self.cache.entries()), self.cache.used_bytes, self.cfg.shm_dir)
 
     # --- public API ------------------------------------------------------------------------
-    def stage(self, uri: str, sha256: str = "", lease_seconds: float = 0) -> Staged:
-        """Stage `uri` (fetching it at most once however many callers ask) and lease it."""
+    @property
+    def follower_wait_s(self) -> float:
+        """How long a caller waits on another caller's fetch of the same uri: the fetch deadline
+        plus time to validate and commit. A leader stuck past that is not waited on forever."""
+        return self.cfg.fetch.deadline_s + self.cfg.follower_grace_s
+
+    def stage(self, uri: str, sha256: str = "", lease_seconds: float = 0, owner: str = "",
+              wait_s: float | None = None) -> Staged:
+        """Stage `uri` (fetching it at most once however many callers ask) and lease it to `owner`.
+
+        A caller that finds the uri already being fetched waits at most `wait_s` (its own RPC
+        deadline, say), and never longer than `follower_wait_s`.
+        """
         uri = self.policy.check(uri)
         sha256 = sha256.lower()
         lease_s = min(lease_seconds or self.cfg.default_lease_s, self.cfg.max_lease_s)
+        wait_s = self.follower_wait_s if wait_s is None else min(wait_s, self.follower_wait_s)
         while True:
             with self._lock:
+                self._check_lease_cap(owner)
                 entry = self.cache.get(uri)
                 if entry is not None:
-                    lease = self.cache.acquire(uri, lease_s, hit=True)
+                    lease = self.cache.acquire(uri, lease_s, hit=True, owner=owner)
                 else:
                     flight = self._flights.get(uri)
                     leader = flight is None
@@ -203,21 +227,29 @@ class Stager:
                 log.info("stage %s: hit, lease %s", uri, lease.lease_id)
                 return self._staged(entry, lease, hit=True)
             if leader:
-                return self._lead(uri, sha256, lease_s, flight)
-            flight.done.wait()
+                return self._lead(uri, sha256, lease_s, owner, flight)
+            self.metrics.followers.inc()
+            try:
+                finished = flight.done.wait(wait_s)
+            finally:
+                self.metrics.followers.dec()
+            if not finished:
+                raise UnavailableError(f"{uri} is being fetched by another call that has not finished "
+                                       f"within {wait_s:.3g}s; retry later")
             if flight.error is not None:
                 raise flight.error
 
-    def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str, owner: str | None = None) -> None:
+        """Give a lease back; with `owner`, only a lease that caller holds is found."""
         with self._lock:
-            uri = self.cache.release(lease_id)
+            uri = self.cache.release(lease_id, owner)
         log.info("released lease %s on %s", lease_id, uri)
 
-    def read(self, lease_id: str, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    def read(self, lease_id: str, chunk_bytes: int, owner: str | None = None) -> Iterator[tuple[int, bytes]]:
         """The staged bytes of a leased entry, for clients that do not share the directory."""
         with self._lock:
             self._expire()
-            path = self.cache.entry_for_lease(lease_id).meta.path
+            path = self.cache.entry_for_lease(lease_id, owner).meta.path
         with open(path, "rb") as fh:
             offset = 0
             while chunk := fh.read(chunk_bytes):
@@ -257,6 +289,16 @@ class Stager:
             self.release(lease.lease_id)
             raise InvalidArgumentError(f"{entry.uri}: staged copy has sha256 {entry.sha256}, request expects {sha256}")
 
+    def _check_lease_cap(self, owner: str) -> None:
+        """Under the lock: one caller cannot pin the cache with leases (the rest still stage)."""
+        if self.cache.leases_of(owner) >= self.cfg.max_leases_per_client:
+            self._expire()
+            if self.cache.leases_of(owner) >= self.cfg.max_leases_per_client:
+                raise ResourceExhaustedError(
+                    f"caller {owner or 'local'} holds {self.cache.leases_of(owner)} leases, the most one caller "
+                    f"may hold (--max-leases-per-client); release some first"
+                )
+
     def _expire(self) -> None:
         for lease in self.cache.expire():
             log.info("lease %s on %s expired", lease.lease_id, lease.uri)
@@ -266,14 +308,14 @@ class Stager:
         self.metrics.evictions.inc()
         log.info("evicted %s (%d bytes): %s", entry.uri, entry.size, why)
 
-    def _lead(self, uri: str, sha256: str, lease_s: float, flight: _Flight) -> Staged:
+    def _lead(self, uri: str, sha256: str, lease_s: float, owner: str, flight: _Flight) -> Staged:
         self.metrics.misses.inc()
         self.metrics.inflight.inc()
         try:
             entry = self._fetch(uri, sha256)
             with self._lock:
                 self.cache.commit(entry)
-                lease = self.cache.acquire(uri, lease_s, hit=False)
+                lease = self.cache.acquire(uri, lease_s, hit=False, owner=owner)
             self.shm.lock(entry_key(uri))
             log.info("stage %s: fetched %d bytes, lease %s", uri, entry.size, lease.lease_id)
             return self._staged(entry, lease, hit=False)
@@ -291,8 +333,16 @@ class Stager:
             flight.done.set()
 
     def _fetch(self, uri: str, sha256: str) -> Entry:
-        """Fetch config then weights into a temp file; digest-check and validate; commit the file."""
-        config_raw = self.fetcher.get_small(f"{uri}/{CONFIG_FILE}", self.cfg.max_config_bytes)
+        """Fetch config then weights into a temp file; digest-check and validate; commit the file.
+        Both GETs run under one deadline (--fetch-deadline-seconds)."""
+        deadline = self.fetcher.deadline(uri)
+        try:
+            return self._fetch_within(uri, sha256, deadline)
+        finally:
+            deadline.cancel()
+
+    def _fetch_within(self, uri: str, sha256: str, deadline: Deadline) -> Entry:
+        config_raw = self.fetcher.get_small(f"{uri}/{CONFIG_FILE}", self.cfg.max_config_bytes, deadline)
         config = parse_adapter_config(config_raw, self.cfg.max_rank)
         pending: list[PendingFile] = []
         checksum = PartChecksum(self.cfg.fetch.part_bytes)
@@ -319,7 +369,7 @@ class Stager:
             return pending[0]
 
         try:
-            self.fetcher.fetch(f"{uri}/{WEIGHTS_FILE}", self.cfg.max_adapter_bytes, open_sink, write)
+            self.fetcher.fetch(f"{uri}/{WEIGHTS_FILE}", self.cfg.max_adapter_bytes, open_sink, write, deadline)
             file = pending[0]
             digest = hasher.hexdigest(file.size) if hasher is not None else ""
             if digest != sha256:

@@ -1,5 +1,5 @@
 """Object stores (s3://, file://, http(s)://) behind one small interface, the URI allow-list,
-and the parallel ranged fetcher.
+and the parallel ranged fetcher with its overall deadline.
 
 Every store answers one question, "bytes [start, start+len(buf)) of this object, read into buf,
 and how big is it", so one fetcher can split large objects into parts for a thread pool. Parts
@@ -7,6 +7,10 @@ land in each fetch thread's reusable buffer straight from the socket or file (no
 bytes objects: on a small machine the copies cost more than the network). Transient failures
 raise `TransientStoreError` and are retried by tenacity with jittered exponential backoff;
 everything else maps to the gRPC-facing errors of `inference_service.errors`.
+
+What an origin sends is never trusted to be bounded: every read fills at most the caller's
+buffer, an origin that ignores Range is read as one counted stream (never whole into memory),
+and a fetch has an overall deadline that cuts its connections (adapter_cache.deadline).
 """
 
 from __future__ import annotations
@@ -16,17 +20,20 @@ import logging
 import os
 import re
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import urllib3
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from tenacity import Retrying, retry_if_exception_type, wait_random_exponential
 
+from adapter_cache.deadline import Deadline, deadline_timeout, watch_response
 from inference_service.errors import (
     InvalidArgumentError,
     LoraplexError,
@@ -34,6 +41,7 @@ from inference_service.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from inference_service.file_access import open_regular
 from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger(__name__)
@@ -43,27 +51,37 @@ class TransientStoreError(UnavailableError):
     """A failure worth retrying (connection refused/reset, timeout, 5xx, throttling)."""
 
 
+UNKNOWN_SIZE = -1  # Part.total_size of an unranged body longer than the buffer, sent without a length
+
+
 @dataclass(frozen=True)
 class Part:
     nbytes: int  # bytes read into the buffer
-    total_size: int
+    total_size: int  # UNKNOWN_SIZE: the origin ignored Range and gave no Content-Length
     etag: str | None = None
+    ranged: bool = True  # False: the origin ignored Range and sent the object from byte 0
 
 
 class ObjectStore(Protocol):
-    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
+    def read_range(
+        self, uri: str, start: int, buf: memoryview, etag: str | None = None, deadline: Deadline | None = None
+    ) -> Part:
         """Read bytes [start, start+len(buf)) (fewer at the end) into `buf`; also the object's size.
 
-        With `etag`, fail if the object is no longer that version (it changed mid-fetch).
+        With `etag`, fail if the object is no longer that version (it changed mid-fetch). Never
+        reads more than `len(buf)` bytes of the body, whatever the origin sends.
         """
         ...
 
 
-def _read_fully(read_into: Callable[[memoryview, int], int | None], buf: memoryview, expected: int) -> int:
+def _read_fully(read_into: Callable[[memoryview, int], int | None], buf: memoryview, expected: int,
+                deadline: Deadline | None = None) -> int:
     """Fill buf[:expected] with `read_into(view, filled)` calls (`filled`: bytes already read);
-    fewer bytes only if the source ends early."""
+    fewer bytes only if the source ends early (or the deadline cut the connection)."""
     got = 0
     while got < expected:
+        if deadline is not None:
+            deadline.check()
         n = read_into(buf[got:expected], got)
         if not n:
             break
@@ -113,7 +131,9 @@ class S3Store:
             ),
         )
 
-    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
+    def read_range(
+        self, uri: str, start: int, buf: memoryview, etag: str | None = None, deadline: Deadline | None = None
+    ) -> Part:
         from botocore.exceptions import BotoCoreError, ClientError
 
         parsed = urllib.parse.urlparse(uri)
@@ -130,7 +150,8 @@ class S3Store:
             # urllib3's own readinto (the fallback) goes through an intermediate bytes object.
             raw = body._raw_stream
             reader = getattr(raw, "_fp", None) or raw
-            nbytes = _read_fully(lambda view, _: reader.readinto(view), buf, expected)
+            with watch_response(deadline, raw):
+                nbytes = _read_fully(lambda view, _: reader.readinto(view), buf, expected, deadline)
             if length is not None and nbytes != expected:
                 body.close()
                 raise TransientStoreError(f"{uri}: connection closed after {nbytes} of {expected} bytes")
@@ -157,31 +178,30 @@ class S3Store:
 
 
 class FileStore:
-    """file:///path confined to the allowed roots: symlinks out of a root are refused, here at
-    open time too (a link can change after the URI was checked)."""
+    """file:///path under the rule of `inference_service.file_access` (the service's local source
+    follows it too): regular files only, confined to the allowed roots at open time (a link can
+    change after the URI was checked)."""
 
     def __init__(self, policy: UriPolicy) -> None:
         self._policy = policy
 
-    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
-        real = self._policy.resolve_file(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
-        if real is None:
-            raise PermissionDeniedError(f"{uri} resolves outside every allowed file root")
+    def read_range(
+        self, uri: str, start: int, buf: memoryview, etag: str | None = None, deadline: Deadline | None = None
+    ) -> Part:
+        path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
+        fd, st = open_regular(path, self._policy.file_roots, None)
         try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise NotFoundError(f"{uri}: file not found") from None
-        except PermissionError:
-            raise PermissionDeniedError(f"{uri}: not readable") from None
-        try:
-            st = os.fstat(fd)
             if etag and etag != f"{st.st_mtime_ns}-{st.st_size}":
                 raise TransientStoreError(f"{uri} changed while it was being fetched")
             expected = max(0, min(len(buf), st.st_size - start))
-            nbytes = _read_fully(lambda view, filled: os.preadv(fd, [view], start + filled), buf, expected)
+            nbytes = _read_fully(lambda view, filled: os.preadv(fd, [view], start + filled), buf, expected, deadline)
             return Part(nbytes, st.st_size, f"{st.st_mtime_ns}-{st.st_size}")
         finally:
             os.close(fd)
+
+
+class _EmptyObject(Exception):
+    """416 on a GET from byte 0: the object is empty."""
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -190,30 +210,77 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 class HttpStore:
-    """http(s):// with Range requests; redirects are refused so the allow-list cannot be escaped."""
+    """http(s):// with Range requests; redirects are refused so the allow-list cannot be escaped.
+
+    An origin that ignores Range answers 200 with the whole object: only the buffer's worth of
+    it is read (the connection is then dropped), and the part says so (`ranged=False`), so the
+    fetcher reads the rest as one sequential, counted stream (`stream`).
+    """
 
     def __init__(self, timeout_s: float = 30.0) -> None:
         self._opener = urllib.request.build_opener(_NoRedirect)
         self._timeout = timeout_s
 
-    def read_range(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
+    def _open(self, uri: str, headers: dict[str, str], deadline: Deadline | None) -> http.client.HTTPResponse:
+        return self._opener.open(urllib.request.Request(uri, headers=headers),
+                                 timeout=deadline_timeout(self._timeout, deadline))
+
+    def read_range(
+        self, uri: str, start: int, buf: memoryview, etag: str | None = None, deadline: Deadline | None = None
+    ) -> Part:
         headers = {"Range": f"bytes={start}-{start + len(buf) - 1}"}
         if etag:
             headers["If-Match"] = etag
         try:
-            with self._opener.open(urllib.request.Request(uri, headers=headers), timeout=self._timeout) as resp:
-                if resp.status == 200:  # server ignored Range: slice the whole body
-                    body = resp.read()
-                    data = body[start : start + len(buf)]
-                    buf[: len(data)] = data
-                    return Part(len(data), len(body), resp.headers.get("ETag"))
+            with self._errors(uri, start), self._open(uri, headers, deadline) as resp, watch_response(deadline, resp):
+                if resp.status == 200:
+                    return self._unranged(uri, resp, start, buf, deadline)
                 length = resp.length if resp.length is not None else len(buf)
-                nbytes = _read_fully(lambda view, _: resp.readinto(view), buf, min(len(buf), length))
+                nbytes = _read_fully(lambda view, _: resp.readinto(view), buf, min(len(buf), length), deadline)
                 total = _total_from_content_range(resp.headers.get("Content-Range"), start + nbytes)
                 return Part(nbytes, total, resp.headers.get("ETag"))
+        except _EmptyObject:
+            return Part(0, 0, None)
+
+    def stream(
+        self, uri: str, buf: memoryview, total: int, on_part: Callable[[int, memoryview], None],
+        etag: str | None = None, deadline: Deadline | None = None,
+    ) -> None:
+        """GET the whole object and hand it over in `len(buf)`-sized parts, in order, reading
+        exactly `total` bytes (the size the first response announced) and nothing more."""
+        headers = {"If-Match": etag} if etag else {}
+        with self._errors(uri, 0), self._open(uri, headers, deadline) as resp, watch_response(deadline, resp):
+            if resp.status != 200 or resp.length != total:
+                raise TransientStoreError(f"{uri}: whole-object GET answered {resp.status} with "
+                                          f"{resp.length} bytes, expected {total} (object changed?)")
+            for offset in range(0, total, len(buf)):
+                view = buf[: min(len(buf), total - offset)]
+                if _read_fully(lambda v, _: resp.readinto(v), view, len(view), deadline) != len(view):
+                    raise TransientStoreError(f"{uri}: connection closed at byte {offset}")
+                on_part(offset, view)
+
+    @staticmethod
+    def _unranged(uri: str, resp: http.client.HTTPResponse, start: int, buf: memoryview,
+                  deadline: Deadline | None) -> Part:
+        if start != 0:  # it honoured Range for the first part: another backend, or it changed
+            raise TransientStoreError(f"{uri}: a ranged GET at byte {start} got the whole object")
+        total = resp.length  # Content-Length; None for a chunked or close-delimited body
+        want = len(buf) if total is None else min(len(buf), total)
+        nbytes = _read_fully(lambda view, _: resp.readinto(view), buf, want, deadline)
+        if total is None:
+            total = nbytes if nbytes < len(buf) or not resp.read(1) else UNKNOWN_SIZE
+        elif nbytes != want:
+            raise TransientStoreError(f"{uri}: connection closed after {nbytes} of {want} bytes")
+        return Part(nbytes, total, resp.headers.get("ETag"), ranged=False)
+
+    @staticmethod
+    @contextmanager
+    def _errors(uri: str, start: int) -> Iterator[None]:
+        try:
+            yield
         except urllib.error.HTTPError as exc:
             if exc.code == 416 and start == 0:
-                return Part(0, 0, None)
+                raise _EmptyObject() from None
             if exc.code == 404:
                 raise NotFoundError(f"{uri}: not found") from None
             if exc.code in (401, 403):
@@ -223,7 +290,7 @@ class HttpStore:
             if exc.code >= 500 or exc.code == 429:
                 raise TransientStoreError(f"{uri}: HTTP {exc.code}") from None
             raise UnavailableError(f"{uri}: HTTP {exc.code}") from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise TransientStoreError(f"{uri}: unreachable: {exc}") from None
 
 
@@ -236,6 +303,7 @@ class FetchConfig:
     attempts: int = 4
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 2.0
+    deadline_s: float = 240.0  # one adapter's config and weights, retries included
 
 
 class Fetcher:
@@ -259,38 +327,56 @@ class Fetcher:
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="fetch")
         self._local = threading.local()
 
+    def deadline(self, what: str) -> Deadline:
+        """A deadline for everything one adapter's fetch does; `cancel()` it when done."""
+        return Deadline(self._cfg.deadline_s, what)
+
     def _part_buffer(self) -> memoryview:
         buf = getattr(self._local, "buf", None)
         if buf is None:
             buf = self._local.buf = memoryview(bytearray(self._cfg.part_bytes))
         return buf
 
-    def _get(self, uri: str, start: int, buf: memoryview, etag: str | None = None) -> Part:
+    def _store(self, uri: str) -> ObjectStore:
         store = self._stores.get(urllib.parse.urlparse(uri).scheme)
         if store is None:
             raise InvalidArgumentError(f"no object store configured for {uri!r}")
+        return store
+
+    def _retried(self, what: str, deadline: Deadline, call: Callable[[], Part | None]) -> Part | None:
+        """`call` with jittered retries on transient errors, none of them past the deadline."""
         retrying = Retrying(
-            stop=stop_after_attempt(self._cfg.attempts),
+            stop=lambda rs: rs.attempt_number >= self._cfg.attempts or deadline.remaining() <= 0,
             wait=wait_random_exponential(multiplier=self._cfg.backoff_initial_s, max=self._cfg.backoff_max_s),
+            sleep=lambda seconds: time.sleep(max(0.0, min(seconds, deadline.remaining()))),
             retry=retry_if_exception_type(TransientStoreError),
-            before_sleep=lambda rs: log.info(
-                "retrying GET %s bytes=%d+%d after: %s", uri, start, len(buf), rs.outcome.exception()
-            ),
+            before_sleep=lambda rs: log.info("retrying %s after: %s", what, rs.outcome.exception()),
             reraise=True,
         )
         for attempt in retrying:
             with attempt:
+                deadline.check()
                 self._on_request()
-                part = store.read_range(uri, start, buf, etag)
+                try:
+                    return call()
+                except TransientStoreError:
+                    deadline.check()  # a read the deadline cut reports the deadline, not a retryable error
+                    raise
+        raise AssertionError("unreachable: Retrying reraises")
+
+    def _get(self, uri: str, start: int, buf: memoryview, deadline: Deadline, etag: str | None = None) -> Part:
+        store = self._store(uri)
+        part = self._retried(f"GET {uri} bytes={start}+{len(buf)}", deadline,
+                             lambda: store.read_range(uri, start, buf, etag, deadline))
         self._on_bytes(part.nbytes)
         return part
 
-    def get_small(self, uri: str, max_bytes: int) -> bytes:
+    def get_small(self, uri: str, max_bytes: int, deadline: Deadline) -> bytes:
         """A whole small object (adapter_config.json) in one GET."""
         buf = memoryview(bytearray(max_bytes + 1))
-        part = self._get(uri, 0, buf)
-        if part.total_size > max_bytes:
-            raise InvalidArgumentError(f"{uri} is {part.total_size} bytes, over the limit of {max_bytes}")
+        part = self._get(uri, 0, buf, deadline)
+        if part.total_size == UNKNOWN_SIZE or part.total_size > max_bytes:
+            raise InvalidArgumentError(f"{uri} is over the limit of {max_bytes} bytes")
         return bytes(buf[: part.nbytes])
 
     def fetch(
@@ -299,23 +385,35 @@ class Fetcher:
         max_bytes: int,
         open_sink: Callable[[int], object],
         write: Callable[[object, memoryview, int], None],
+        deadline: Deadline,
     ) -> object:
         """GET the first part (which tells the size), check the limit, then the rest in parallel.
 
         `open_sink(total_size)` is called once the size is known (it reserves cache space and
         creates the temp file); `write(sink, data, offset)` stores one whole part, at an offset
-        that is a multiple of the part size. `data` is only valid during the call.
+        that is a multiple of the part size. `data` is only valid during the call. No more than
+        `max_bytes` of the body are ever read, whatever the origin announces or sends.
         """
         part_bytes = self._cfg.part_bytes
         buf = self._part_buffer()
-        first = self._get(uri, 0, buf)
+        first = self._get(uri, 0, buf, deadline)
         total = first.total_size
-        if first.nbytes != min(part_bytes, total):
-            raise UnavailableError(f"{uri}: short read of the first part (object changed?)")
+        if total == UNKNOWN_SIZE:
+            raise InvalidArgumentError(
+                f"{uri}: the origin ignores Range requests and sends no Content-Length, and the body is "
+                f"longer than one part ({part_bytes} bytes): its size cannot be bounded by "
+                f"--max-adapter-bytes={max_bytes} before it is read"
+            )
         if total > max_bytes:
             raise InvalidArgumentError(f"{uri} is {total} bytes, over --max-adapter-bytes={max_bytes}")
+        if first.nbytes != min(part_bytes, total):
+            raise UnavailableError(f"{uri}: short read of the first part (object changed?)")
         sink = open_sink(total)
         write(sink, buf[: first.nbytes], 0)
+        if not first.ranged:
+            if total > first.nbytes:
+                self._stream_rest(uri, sink, write, first, deadline)
+            return sink
         starts = range(first.nbytes, total, part_bytes)
         cancelled = threading.Event()
 
@@ -323,7 +421,7 @@ class Fetcher:
             if cancelled.is_set():
                 return
             view = self._part_buffer()[: min(part_bytes, total - start)]
-            part = self._get(uri, start, view, first.etag)
+            part = self._get(uri, start, view, deadline, first.etag)
             if part.nbytes != len(view) or part.total_size != total:
                 raise TransientStoreError(f"{uri}: short read at byte {start} (object changed?)")
             write(sink, view, start)
@@ -339,6 +437,27 @@ class Fetcher:
             err = errors[0]
             raise err if isinstance(err, LoraplexError) else UnavailableError(f"{uri}: fetch failed: {err}")
         return sink
+
+    def _stream_rest(self, uri: str, sink: object, write: Callable[[object, memoryview, int], None],
+                     first: Part, deadline: Deadline) -> None:
+        """An origin that ignores Range: read the object once more as one stream, in order, and
+        write the parts after the first (a retry skips what an earlier attempt wrote)."""
+        stream = getattr(self._store(uri), "stream", None)
+        if stream is None:
+            raise UnavailableError(f"{uri}: the store answered a ranged GET with the whole object")
+        log.info("%s: the origin ignores Range requests; reading it as one stream", uri)
+        written = first.nbytes
+
+        def on_part(offset: int, view: memoryview) -> None:
+            nonlocal written
+            self._on_bytes(len(view))
+            if offset >= written:
+                write(sink, view, offset)
+                written = offset + len(view)
+
+        buf = self._part_buffer()
+        self._retried(f"GET {uri} (whole object)", deadline,
+                      lambda: stream(uri, buf, first.total_size, on_part, first.etag, deadline))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -44,7 +44,7 @@ def run_inprocess(args, adapters: dict[str, str], work) -> tuple[int, float]:
     from inference_service.engine import Engine
     from inference_service.request import SamplingParams
 
-    engine = Engine(EngineConfig(model=args.model, max_loras=args.max_loras))
+    engine = Engine(EngineConfig(model=args.model, device=args.device, max_loras=args.max_loras))
     engine.start()
     try:
         for name, uri in adapters.items():
@@ -69,7 +69,8 @@ def run_inprocess(args, adapters: dict[str, str], work) -> tuple[int, float]:
 
 
 def run_grpc(args, adapters: dict[str, str], work, log_dir: str) -> tuple[int, float]:
-    server = start_inference_server(["--model", args.model, "--max-loras", str(args.max_loras),
+    server = start_inference_server(["--model", args.model, "--device", args.device, "--max-loras", str(args.max_loras),
+                                     "--adapter-source-allow", Path(log_dir).as_uri(),
                                      "--log-level", "WARNING"], log_dir=log_dir)
     try:
         with InferenceClient(server.address) as c:
@@ -102,6 +103,7 @@ def main() -> int:
     p.add_argument("--model", default="",
                    help="checkpoint dir or builtin:tiny; default: a generated 4-layer hidden-512 LLaMA (the "
                         "engine_throughput model), big enough that per-token work is model compute")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (the server's too)")
     p.add_argument("--total", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -20,6 +20,9 @@ The p99 ratios are taken within each round, whose three runs follow each other, 
 over rounds is reported: on a shared machine a p99 of a few hundred steps moves by tens of
 percent from one minute to the next, which pooling rounds would fold into the ratio. The pooled
 ratios are printed too.
+A churn turn skipped (the previous load still running when the next is due) is a load that
+did not happen, which would flatter the ratio: then no RESULT is printed and the exit status is 1
+(raise `--churn-every`, or find out why loads fall behind).
 Last line: RESULT overlap_p99_itl_ratio=<median over rounds of p99 with churn / p99 without>.
 """
 
@@ -48,12 +51,12 @@ RESIDENT, CHURN, SLOTS = 4, 8, 8
 
 
 def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path], steps: int, churn_every: int,
-            overlap: bool, max_rank: int, host_cache_bytes: int = EngineConfig.host_cache_bytes,
-            ) -> tuple[list[float], int, int]:
+            overlap: bool, max_rank: int, host_cache_bytes: int, device: str) -> tuple[list[float], int, int]:
     """Inter-token latencies of the resident requests, churn loads completed, and churn turns skipped
     because the previous load had not finished (`churn_every=0`: no churn)."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=SLOTS, max_lora_rank=max_rank, max_num_seqs=64,
-                                   kv_cache_bytes=128 << 20, overlap_loads=overlap, host_cache_bytes=host_cache_bytes))
+    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=SLOTS, max_lora_rank=max_rank,
+                                   max_num_seqs=64, kv_cache_bytes=128 << 20, overlap_loads=overlap,
+                                   host_cache_bytes=host_cache_bytes))
     load_adapters(core, resident, pinned=False, preload=True)
     load_adapters(core, churn)  # registered only: every use below is a cold load
     params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True)
@@ -96,9 +99,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int) -> tuple[float, float]:
+def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int, device: str) -> tuple[float, float]:
     """Slot load (staging excluded) vs one torch copy of the same bytes on the same copy engine, in GB/s."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), max_loras=2, max_lora_rank=max_rank, kv_cache_bytes=8 << 20))
+    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=2, max_lora_rank=max_rank,
+                                   kv_cache_bytes=8 << 20))
     load_adapters(core, {"bw": adapter}, preload=True)
     uid = core.lora.registry.current["bw"]
     host = core.lora.source.fetch(str(adapter), None, core.lora.pool.host_form)  # as a load gets it
@@ -110,8 +114,8 @@ def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int) -> tuple[floa
         start = time.perf_counter()
         core.lora.loader.engine.submit(copy).wait()
         times.append(time.perf_counter() - start)
-    src = torch.cat([t.flatten() for a, b, _ in host.modules.values() for t in (a, b)])
-    dst = torch.empty_like(src)
+    src = core.lora.loader.engine.pin(torch.cat([t.flatten() for a, b, _ in host.modules.values() for t in (a, b)]))
+    dst = torch.empty_like(src, device=torch.device(device))
     plain = []
     for _ in range(10):  # on the same copy engine (thread or stream), so only the work differs
         start = time.perf_counter()
@@ -129,6 +133,7 @@ def main() -> None:
     parser.add_argument("--churn-every", type=int, default=10, help="start one churn load every N steps")
     parser.add_argument("--host-cache-bytes", type=int, default=EngineConfig.host_cache_bytes,
                         help="the local source's host cache (0: every load reads and checks its files)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +156,7 @@ def main() -> None:
             p99s = {}
             for label, churn_every, overlap in modes:
                 itl, done, missed = measure(checkpoint, resident, churn, args.steps, churn_every, overlap, rank,
-                                            args.host_cache_bytes)
+                                            args.host_cache_bytes, args.device)
                 results[label] += itl
                 loads[label] += done
                 skipped[label] += missed
@@ -165,13 +170,18 @@ def main() -> None:
             print(f"{label:18s}: p50 {statistics.median(itl) * 1e3:7.2f} ms  p99 {percentile(itl, 0.99) * 1e3:7.2f} ms"
                   f"  ({loads[label]} adapter loads, {skipped[label]} churn turns skipped, {len(itl)} steps)",
                   flush=True)
-        load_gbps, plain_gbps = copy_bandwidth(checkpoint, churn["churn0"], rank)
+        load_gbps, plain_gbps = copy_bandwidth(checkpoint, churn["churn0"], rank, args.device)
         print(f"slot load bandwidth {load_gbps:.2f} GB/s vs plain torch copy {plain_gbps:.2f} GB/s "
               f"({load_gbps / plain_gbps:.2f}x)")
     base_p99 = percentile(results["no churn"], 0.99)
     for label in round_ratios:
         print(f"{label:18s}: p99 ratio pooled over rounds {percentile(results[label], 0.99) / base_p99:.3f}, "
               f"median of rounds {statistics.median(round_ratios[label]):.3f}")
+    missed = {label: n for label, n in skipped.items() if n}
+    expected = args.rounds * len(range(0, args.steps, args.churn_every))
+    short = {label: loads[label] for label in round_ratios if loads[label] < expected}
+    if missed or short:
+        sys.exit(f"no RESULT: churn turns skipped {missed}, or fewer loads than the {expected} turns {short}")
     print(f"RESULT overlap_p99_itl_ratio={statistics.median(round_ratios['churn, overlapped']):.3f}")
 
 

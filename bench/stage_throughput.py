@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,7 @@ def metric_sum(url: str, name: str) -> float:
                if line.split("{")[0].split(" ")[0] == name)
 
 
-def cold_generate_breakdown(s3, bucket: str, sock: Path, sidecar_metrics: str, tmp: Path) -> None:
+def cold_generate_breakdown(s3, bucket: str, sock: Path, sidecar_metrics: str, tmp: Path, admin_token: str) -> None:
     """TTFT of a Generate whose adapter is in neither a slot nor the sidecar's cache, split into
     fetch+stage (the sidecar's Stage of a miss), slot load (host->slot copy, from the server's
     histogram), prefill (TTFT of the same request on the loaded adapter) and the rest."""
@@ -60,7 +61,8 @@ def cold_generate_breakdown(s3, bucket: str, sock: Path, sidecar_metrics: str, t
         ["--model", "builtin:tiny", "--max-loras", "2", "--cache-address", f"unix://{sock}",
          "--adapter-source-allow", f"s3://{bucket}/", "--log-level", "WARNING"], log_dir=tmp)
     try:
-        with InferenceClient(server.address) as c, AdapterCacheClient(f"unix://{sock}") as cache:
+        with InferenceClient(server.address) as c, AdapterCacheClient(f"unix://{sock}",
+                                                                         token=admin_token) as cache:
             uri = f"s3://{bucket}/a/tiny"
             c.load_adapter("tiny", uri)  # registered; not in a slot
             deadline = time.monotonic() + 30
@@ -144,14 +146,17 @@ def main() -> None:
 
         sock = tmp / "cache.sock"
         metrics_port = free_port()
+        admin_token = secrets.token_hex(16)  # List and Evict are admin calls
+        (tmp / "admin-token").write_text(admin_token)
         sidecar = subprocess.Popen(
             [sys.executable, "-m", "adapter_cache.cli", "--listen", f"unix://{sock}", "--shm-dir", str(tmp / "shm"),
              "--capacity-bytes", str(2 * size), "--max-adapter-bytes", str(2 * size), "--allow-prefix",
              f"s3://{bucket}/a/", "--part-bytes", args.part_bytes, "--fetch-concurrency", str(args.concurrency),
-             "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", "--log-level", "WARNING"],
+             "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", "--log-level", "WARNING",
+             "--admin-token-file", str(tmp / "admin-token")],
             cwd=ROOT, env=env,
         )
-        client = AdapterCacheClient(f"unix://{sock}", timeout_s=600)
+        client = AdapterCacheClient(f"unix://{sock}", timeout_s=600, token=admin_token)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -203,7 +208,7 @@ def main() -> None:
         print(f"sidecar Stage with a pinned sha256: {size / dt / 1e6:8.1f} MB/s ({dt:.2f} s)", flush=True)
         client.release(staged.lease_id)
         client.evict()
-        cold_generate_breakdown(s3, bucket, sock, f"http://127.0.0.1:{metrics_port}/metrics", tmp)
+        cold_generate_breakdown(s3, bucket, sock, f"http://127.0.0.1:{metrics_port}/metrics", tmp, admin_token)
         print(f"boto3_bytes_per_s={boto_best:.0f} stage_bytes_per_s={stage_best:.0f} "
               f"boto3_file_download_bytes_per_s={file_best:.0f}")
         print(f"stage vs boto3 single-stream download to a tmpfs file: {stage_best / file_best:.3f}")

@@ -13,16 +13,20 @@ from inference_service.errors import PermissionDeniedError, UnauthenticatedError
 
 
 class AdminAuth:
-    """Checks `authorization: Bearer <token>` metadata; no token configured means open."""
+    """Checks `authorization: Bearer <token>` metadata; no token configured means open, unless
+    `disabled_reason` is set: then every admin RPC is PERMISSION_DENIED with that message."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, disabled_reason: str | None = None) -> None:
         self._token = token.encode() if token else None
+        self.disabled_reason = None if token else disabled_reason
 
     @property
     def enabled(self) -> bool:
         return self._token is not None
 
     def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> None:
+        if self.disabled_reason is not None:
+            raise PermissionDeniedError(self.disabled_reason)
         if self._token is None:
             return
         values = [v for k, v in (metadata or ()) if k.lower() == "authorization"]
@@ -56,3 +60,13 @@ def is_loopback_listen(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def admin_disabled_reason(listen: str, token: str | None, insecure_admin: bool) -> str | None:
+    """Why admin RPCs are off: a non-loopback listener with no token (and no --insecure-admin).
+    The server still serves Generate there; only LoadAdapter/UnloadAdapter are refused."""
+    if token is not None or insecure_admin or is_loopback_listen(listen):
+        return None
+    return (f"admin RPCs are disabled: the server listens on {listen} without an admin token. "
+            "Enable them with --admin-token-file or LORAPLEX_ADMIN_TOKEN (Helm: "
+            "inference.adminToken.existingSecret), then send 'authorization: Bearer <token>'")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -17,10 +16,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from inference_service.auth import is_loopback_listen, read_token_file
+from adapter_cache.auth import read_tokens
+from inference_service.auth import admin_disabled_reason, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.env_flags import add_env_flag, env_name
 from inference_service.errors import LoraplexError
+from inference_service.http.config import HttpConfig
+from inference_service.limits import RequestLimits
+from inference_service.preload import read_preload_file
 from inference_service.server import ServerConfig
 from inference_service.uri_policy import UriPolicy
 
@@ -45,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model and engine")
     _add(g, "--model", "HF checkpoint directory, or builtin:tiny (a small random LLaMA)", default="builtin:tiny")
     _add(g, "--device", "auto | cpu | cuda | cuda:N", default="auto")
-    _add(g, "--dtype", "float32 | float16 | bfloat16", default="float32",
-         choices=("float32", "float16", "bfloat16"))
+    _add(g, "--dtype", "auto | float32 | float16 | bfloat16; auto: the checkpoint's torch_dtype on an "
+         "accelerator, on CPU bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
+         default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    _add(g, "--max-model-len", "longest prompt + output in tokens (default: the model's context)", type=int)
     _add(g, "--max-loras", "LoRA slots on the device", type=int, default=EngineConfig.max_loras)
     _add(g, "--max-lora-rank", "largest adapter rank accepted", type=int, default=EngineConfig.max_lora_rank)
     _add(g, "--kv-cache-bytes", "KV cache size in bytes (default: what the memory budget leaves)", type=int)
@@ -61,17 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--default-max-new-tokens", "max_new_tokens of requests that leave it unset", type=int,
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "engine seed", type=int, default=EngineConfig.seed)
+    _add(g, "--tokenizer", "auto: the checkpoint's tokenizer.json (required); byte: UTF-8 bytes as token ids",
+         default=EngineConfig.tokenizer, choices=("auto", "byte"))
+
+    g = p.add_argument_group("request limits (INVALID_ARGUMENT past them; reported by GetModelInfo)")
+    _add(g, "--max-stop-strings", "stop strings per request", type=int, default=RequestLimits.max_stop_strings)
+    _add(g, "--max-stop-string-length", "characters per stop string", type=int,
+         default=RequestLimits.max_stop_string_length)
+    _add(g, "--max-stop-token-ids", "stop token ids per request", type=int, default=RequestLimits.max_stop_token_ids)
+    _add(g, "--max-prompt-chars", "characters of a text prompt, checked before tokenization", type=int,
+         default=RequestLimits.max_prompt_chars)
+    _add(g, "--max-request-id-length", "characters of a request id (printable ASCII)", type=int,
+         default=RequestLimits.max_request_id_length)
 
     g = p.add_argument_group("adapters")
     _add(g, "--cache-address",
          "adapter-cache sidecar address (unix:///path or host:port); unset: read file:// URIs directly")
-    _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned} adapters loaded before serving")
+    _add(g, "--cache-token-file", "file holding the bearer token the sidecar requires (its --token-file)")
+    _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned, required, sha256} adapters to keep "
+         "loaded: failures retry in the background; required ones gate readiness")
+    _add(g, "--preload-reload-s", "re-read --preload-file this often, applying changes (0: read once)",
+         type=float, default=ServerConfig.preload_reload_s)
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
          default=EngineConfig.host_cache_bytes)
+    _add(g, "--max-registered-adapters", "adapter names held at most (LoadAdapter past it: RESOURCE_EXHAUSTED)",
+         type=int, default=EngineConfig.max_registered_adapters)
+    _add(g, "--host-load-workers", "adapter preparations (fetch + validation) running at once", type=int,
+         default=EngineConfig.host_load_workers)
+    _add(g, "--adapter-load-timeout-s", "deadline of one adapter's preparation; past it the load fails "
+         "(UNAVAILABLE) and its worker is freed for others", type=float, default=EngineConfig.adapter_load_timeout_s)
     _add(g, "--adapter-source-allow",
          "allowed adapter URI prefix, e.g. s3://bucket/adapters/ or file:///srv/adapters (repeatable; "
-         "none: any URI)", action="append", default=[])
+         "none: every adapter URI is PERMISSION_DENIED)", action="append", default=[])
 
     g = p.add_argument_group("serving")
     _add(g, "--listen", "HOST:PORT or unix:///path", default=ServerConfig.listen)
@@ -84,31 +111,34 @@ def build_parser() -> argparse.ArgumentParser:
          default=ServerConfig.max_message_bytes)
     _add(g, "--log-level", "DEBUG | INFO | WARNING | ERROR", default="INFO")
 
+    g = p.add_argument_group("health and shutdown")
+    _add(g, "--watchdog-stall-s", "a scheduler step unfinished this long (or a dead scheduler thread) turns "
+         "health NOT_SERVING, the 'liveness' service included (0: off)", type=float,
+         default=ServerConfig.watchdog_stall_s)
+    _add(g, "--shutdown-grace-s", "on SIGTERM, in-flight requests get this long to finish; the rest are "
+         "cancelled", type=float, default=ServerConfig.shutdown_grace_s)
+    _add(g, "--drain-delay-s", "on SIGTERM, health turns NOT_SERVING at once and new RPCs are still served "
+         "this long (part of --shutdown-grace-s) before they are refused", type=float,
+         default=ServerConfig.drain_delay_s)
+
+    g = p.add_argument_group("OpenAI-compatible HTTP API (docs/http.md)")
+    _add(g, "--http-port", "HTTP port of /v1/completions, /v1/chat/completions, /v1/models, /metrics... (0: off)",
+         type=int, default=HttpConfig.port)
+    _add(g, "--http-addr", "address the HTTP API binds", default=HttpConfig.addr)
+    _add(g, "--served-model-name", "name(s) clients give as `model` for the base model (repeatable; default: "
+         "the checkpoint directory's name)", action="append", default=[])
+    _add(g, "--chat-template", "Jinja chat template file (default: the checkpoint's)")
+
     g = p.add_argument_group("security")
     _add(g, "--admin-token-file",
-         "file holding the bearer token LoadAdapter/UnloadAdapter require (or set LORAPLEX_ADMIN_TOKEN)")
+         "file holding the bearer token LoadAdapter/UnloadAdapter require (or set LORAPLEX_ADMIN_TOKEN); "
+         "without one, admin RPCs are PERMISSION_DENIED on a non-loopback --listen (open on loopback)")
     _add(g, "--insecure-admin",
-         "allow listening on a non-loopback address with unauthenticated admin RPCs", action="store_true")
+         "admin RPCs without a token on a non-loopback address too", action="store_true")
     _add(g, "--tls-cert", "server certificate (PEM); enables TLS")
     _add(g, "--tls-key", "server private key (PEM)")
     _add(g, "--tls-client-ca", "CA (PEM) client certificates must chain to; enables mTLS")
     return p
-
-
-def load_preload_file(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
-    if isinstance(data, dict) and "adapters" in data:
-        data = data["adapters"]
-    if not isinstance(data, list) or not all(isinstance(e, dict) and "name" in e and "uri" in e for e in data):
-        raise ValueError(f"{path}: expected a list of {{name, uri, pinned}} entries")
-    return data
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -116,17 +146,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     token = os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
     if args.admin_token_file:
         token = read_token_file(args.admin_token_file)
+    if args.cache_token_file:
+        read_tokens(args.cache_token_file)  # unreadable or empty: a usage error now, not at the first load
     allow = tuple(args.adapter_source_allow)
     UriPolicy(allow)  # reject malformed prefixes at startup
-    if not is_loopback_listen(args.listen) and token is None and not args.insecure_admin:
-        raise ValueError(
-            f"refusing to listen on non-loopback {args.listen} without an admin token: set "
-            "--admin-token-file or LORAPLEX_ADMIN_TOKEN, or pass --insecure-admin"
-        )
+    if args.shutdown_grace_s < 0 or args.drain_delay_s < 0 or args.watchdog_stall_s < 0:
+        raise ValueError("--shutdown-grace-s, --drain-delay-s and --watchdog-stall-s must be >= 0")
+    reason = admin_disabled_reason(args.listen, token, args.insecure_admin)
+    if reason:
+        log.warning("%s", reason)
     engine_cfg = EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        max_model_len=args.max_model_len,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         kv_cache_bytes=args.kv_cache_bytes,
@@ -136,8 +169,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_new_tokens_limit=args.max_new_tokens_limit,
         adapter_source_allow=allow,
         cache_address=args.cache_address,
+        cache_token_file=args.cache_token_file,
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
+        max_registered_adapters=args.max_registered_adapters,
+        host_load_workers=args.host_load_workers,
+        adapter_load_timeout_s=args.adapter_load_timeout_s,
+        limits=RequestLimits(
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_prompt_chars=args.max_prompt_chars,
+            max_request_id_length=args.max_request_id_length,
+        ),
+        tokenizer=args.tokenizer,
     )
     server_cfg = ServerConfig(
         listen=args.listen,
@@ -152,19 +197,59 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_message_bytes=args.max_message_bytes,
         default_max_new_tokens=args.default_max_new_tokens,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
-        preload=load_preload_file(args.preload_file) if args.preload_file else [],
+        preload=read_preload_file(args.preload_file) if args.preload_file else [],
+        preload_file=args.preload_file,
+        preload_reload_s=args.preload_reload_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        drain_delay_s=args.drain_delay_s,
+        watchdog_stall_s=args.watchdog_stall_s,
     )
     return engine_cfg, server_cfg
 
 
-async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any) -> None:
+def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
+    """The HTTP front end's settings; its admin routes follow the gRPC rules (admin_disabled_reason)."""
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError("--max-model-len must be >= 2")
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template {args.chat_template}: no such file")
+    return HttpConfig(port=args.http_port, addr=args.http_addr,
+                      served_model_names=tuple(args.served_model_name), chat_template=args.chat_template)
+
+
+async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
+                              registry: Any) -> None:
     from inference_service.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve(engine, server_cfg, sink, stop=stop)
+    http_stopped = None
+    if http_cfg.port:
+        from inference_service.chat_template import load_chat_template
+        from inference_service.http.app import build_app
+        from inference_service.http.serving import start_http
+
+        names = http_cfg.served_model_names or (engine.model_info.name,)
+        template = load_chat_template(engine.config.model, http_cfg.chat_template)
+        app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}")
+        http = await start_http(app, http_cfg, server_cfg.shutdown_grace_s)
+        print(f"HTTP http://{http_cfg.addr}:{http_cfg.port}", flush=True)
+
+        async def stop_http() -> None:  # drains beside gRPC (same signal, same grace), not after it
+            try:
+                await stop.wait()
+            finally:
+                await http.stop()
+
+        http_stopped = asyncio.create_task(stop_http())
+    try:
+        await serve(engine, server_cfg, sink, stop=stop, collectors=registry)
+    finally:
+        stop.set()
+        if http_stopped is not None:
+            await http_stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         engine_cfg, server_cfg = configs_from_args(args)
+        http_cfg = http_config_from_args(args)
     except (ValueError, OSError, LoraplexError) as e:
         parser.error(str(e))
 
@@ -191,8 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server_cfg.metrics_port:
             metrics_server = serve_metrics(registry, server_cfg.metrics_port, server_cfg.metrics_addr)
             print(f"METRICS http://{server_cfg.metrics_addr}:{server_cfg.metrics_port}/metrics", flush=True)
-        asyncio.run(_serve_until_signal(engine, server_cfg, sink))
-    except (RuntimeError, LoraplexError) as e:
+        asyncio.run(_serve_until_signal(engine, server_cfg, sink, http_cfg, registry))
+    except (RuntimeError, ValueError, LoraplexError) as e:
         log.error("%s", e)
         return 1
     finally:

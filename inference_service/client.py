@@ -102,7 +102,16 @@ class InferenceClient:
         self.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), metadata=self._admin_md, timeout=timeout)
 
     def list_adapters(self, timeout: float | None = None) -> list[pb.Adapter]:
-        return list(self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=timeout).adapters)
+        """Every registered adapter (all pages); URIs only with an admin token."""
+        adapters: list[pb.Adapter] = []
+        token = ""
+        while True:
+            page = self.stub.ListAdapters(pb.ListAdaptersRequest(page_token=token), metadata=self._admin_md,
+                                          timeout=timeout)
+            adapters.extend(page.adapters)
+            token = page.next_page_token
+            if not token:
+                return adapters
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)

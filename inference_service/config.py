@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from inference_service.limits import RequestLimits
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class EngineConfig:
     model: str = "builtin:tiny"  # HF checkpoint dir or builtin:tiny
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "float32"  # float32 | float16 | bfloat16
+    dtype: str = "float32"  # auto | float32 | float16 | bfloat16 (the CLI defaults to auto)
     max_loras: int = 4  # LoRA slots on the device
     max_lora_rank: int = 16
     block_size: int = 16  # tokens per KV block
@@ -25,14 +33,24 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     aging_steps: int = 64  # a request skipped this many steps stops later ones overtaking it
-    adapter_source_allow: tuple[str, ...] = ()  # allowed URI prefixes; empty: file:// anywhere
+    # allowed URI prefixes; the local source opens files only under the file:// ones. Empty: the engine
+    # confines nothing (the server refuses every URI without --adapter-source-allow)
+    adapter_source_allow: tuple[str, ...] = ()
     cache_address: str | None = None  # adapter-cache sidecar; None: read file:// URIs directly
+    cache_token_file: str | None = None  # bearer token for the sidecar (its --token-file)
     host_load_workers: int = 2  # threads preparing adapters on the host (never the scheduler)
     # Validated adapters read from local directories, kept in host memory (LRU) so that one evicted
     # from its slot is copied back without reading and checking it again; 0 turns this off.
     host_cache_bytes: int = 512 << 20
     overlap_loads: bool = True  # False: blocking slot copies (benchmark baseline only)
+    max_registered_adapters: int = 1024  # adapter names (LoadAdapter past it: RESOURCE_EXHAUSTED)
+    # A host preparation (fetch + validation) running longer fails its load (UNAVAILABLE, retryable)
+    # and gives up its worker, so a hung source cannot hold the pool.
+    adapter_load_timeout_s: float = 120.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
     seed: int = 0
+    # auto: the checkpoint's tokenizer.json (refused without one); byte: bytes 0-255 are tokens 0-255
+    tokenizer: str = "auto"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -40,4 +58,27 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        dtype = auto_dtype(self.model, self.torch_device())
+        log.info("--dtype auto: %s on %s", str(dtype).removeprefix("torch."), self.torch_device())
+        return dtype
+
+
+def auto_dtype(model: str, device: torch.device) -> torch.dtype:
+    """On an accelerator the checkpoint's own `torch_dtype` (what it was trained and shipped in);
+    on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX), else fp32 (emulated bf16
+    is slower than fp32 there)."""
+    if device.type != "cpu":
+        return _checkpoint_dtype(model) or torch.float32
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() \
+        else torch.float32
+
+
+def _checkpoint_dtype(model: str) -> torch.dtype | None:
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None  # builtin:tiny, or a missing dir (loading reports that)
+    fields = json.loads(config.read_text())
+    name = fields.get("torch_dtype") or fields.get("dtype")  # transformers 5 writes "dtype"
+    return DTYPES.get(str(name).removeprefix("torch.")) if name else None

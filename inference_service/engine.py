@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
 import itertools
 import logging
 import queue
@@ -21,13 +22,21 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from inference_service.config import EngineConfig
-from inference_service.errors import InvalidArgumentError, LoraplexError, NotFoundError, ResourceExhaustedError
+from inference_service.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LoraplexError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from inference_service.limits import RequestLimits, check_adapter_name, check_request_id, check_stop, shown
 from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.model_runner import ModelRunner
 from inference_service.models.loader import load_model
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
-from inference_service.scheduler import Scheduler
+from inference_service.sampling import NON_FINITE, SAMPLING_FAILED
+from inference_service.scheduler import ScheduledBatch, Scheduler
 from inference_service.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +50,8 @@ class ModelInfo:
     max_loras: int
     max_lora_rank: int
     max_new_tokens_limit: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_registered_adapters: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,8 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.metrics = metrics or NullMetrics()
-        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype())
+        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
+                                           config.tokenizer)
         self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
         self.lora = self.runner.lora
         self.scheduler = Scheduler(config, self.runner.kv, self.lora)
@@ -96,6 +108,8 @@ class EngineCore:
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
             max_new_tokens_limit=config.max_new_tokens_limit,
+            limits=config.limits,
+            max_registered_adapters=config.max_registered_adapters,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -106,9 +120,17 @@ class EngineCore:
         info = self.model_info
         if not prompt_token_ids:
             raise InvalidArgumentError("the prompt is empty")
+        if len(prompt_token_ids) >= info.max_context:
+            raise ResourceExhaustedError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {info.max_context} tokens")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
+        check_stop(params.stop, len(params.stop_token_ids), info.limits)
+        if any(t >= info.vocab_size for t, _ in params.logit_bias):
+            raise InvalidArgumentError(f"logit_bias token ids must be in [0, {info.vocab_size})")
         params.validate(info.max_new_tokens_limit)
+        if any(t >= info.vocab_size for t in params.stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be in [0, {info.vocab_size})")
         total = len(prompt_token_ids) + params.max_new_tokens
         if len(prompt_token_ids) >= info.max_context or total > info.max_context:
             raise ResourceExhaustedError(
@@ -122,7 +144,8 @@ class EngineCore:
         """Take a validated request in; resolves the adapter name and takes its reference."""
         if adapter:
             request.adapter_uid = self.lora.acquire(adapter, request.request_id)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.scheduler.add(request)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
@@ -137,19 +160,61 @@ class EngineCore:
         batch = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         if batch:
-            results = self.runner.run(batch)
+            results = self._run(batch)
             now = time.monotonic()
             for request, num_tokens in batch.items:
+                if request.finished:
+                    continue  # its forward pass failed alone (see _run)
                 request.num_computed_tokens += num_tokens
                 if request.timings.first_scheduled is None:
                     request.timings.first_scheduled = now
                 if request.request_id in results:
                     token, logits = results[request.request_id]
-                    outputs[request.request_id] = self._append_token(request, token, logits, now)
+                    if token == NON_FINITE:
+                        self.scheduler.finish(request, FinishReason.ERROR, self._non_finite(request))
+                        continue
+                    if token == SAMPLING_FAILED:
+                        self.scheduler.finish(request, FinishReason.ERROR,
+                                              LoraplexError(f"internal error sampling request {request.request_id}"))
+                        continue
+                    try:
+                        outputs[request.request_id] = self._append_token(request, token, logits, now)
+                    except Exception:  # noqa: BLE001 - a bug in stop matching or detokenizing: this request only
+                        log.exception("request %s failed after token %d", shown(request.request_id), token)
+                        self.scheduler.finish(request, FinishReason.ERROR,
+                                              LoraplexError(f"internal error in request {request.request_id}"))
         for request in self.scheduler.finished_this_step:
             outputs[request.request_id] = self._final_output(request, outputs.get(request.request_id))
         self.scheduler.finished_this_step.clear()
         return list(outputs.values())
+
+    def _run(self, batch: ScheduledBatch) -> dict[str, tuple[int, object]]:
+        """The batch's forward pass; if it raises, its requests run again one at a time, so only a
+        request that fails alone is ended (with INTERNAL: that is a bug) and the others go on."""
+        try:
+            return self.runner.run(batch)
+        except Exception:  # noqa: BLE001 - contained below
+            if len(batch.items) == 1:
+                request = batch.items[0][0]
+                log.exception("the forward pass of request %s failed", shown(request.request_id))
+                self.scheduler.finish(request, FinishReason.ERROR,
+                                      LoraplexError(f"internal error in request {request.request_id}"))
+                return {}
+            log.exception("a forward pass of %d requests failed; running them one at a time", len(batch.items))
+        results: dict[str, tuple[int, object]] = {}
+        for item in batch.items:
+            results.update(self._run(ScheduledBatch([item])))
+        return results
+
+    def _non_finite(self, request: Request) -> LoraplexError:
+        log.warning("request %s: non-finite logits (adapter %s); ended alone", shown(request.request_id),
+                    request.adapter_uid or "-")
+        if request.adapter_uid is None:
+            return LoraplexError("the base model produced non-finite logits for this request")
+        return FailedPreconditionError(
+            f"adapter {request.adapter_uid.split('@')[0]} made the model produce non-finite logits "
+            "(its weights or scaling overflow this model's dtype)"
+        )
 
     def _append_token(self, request: Request, token: int, logits: object, now: float) -> RequestOutput:
         timings = request.timings
@@ -164,7 +229,7 @@ class EngineCore:
         detok = self._detokenizers[request.request_id]
         reason = None
         if token in p.stop_token_ids:
-            reason = FinishReason.STOP
+            reason, request.stop_reason = FinishReason.STOP, token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             reason = FinishReason.EOS
         elif len(request.output_token_ids) >= p.max_new_tokens:
@@ -175,9 +240,11 @@ class EngineCore:
         if p.stop and reason in (None, FinishReason.LENGTH):
             longest = max(len(s) for s in p.stop)
             window_start = max(0, len(previous) - longest)
-            hits = [i for s in p.stop if (i := text.find(s, window_start)) >= 0]
+            matching = len(request.output_token_ids) >= p.min_tokens  # no stop string before min_tokens
+            hits = [(i, s) for s in p.stop if matching and (i := text.find(s, window_start)) >= 0]
             if hits:
-                text, reason = text[: min(hits)], FinishReason.STOP
+                first, request.stop_reason = min(hits)
+                text, reason = text[:first], FinishReason.STOP
             elif reason is None:
                 # Hold back a tail that may yet become a stop string: never stream part of one.
                 text = text[: max(0, len(text) - longest + 1)]
@@ -191,6 +258,8 @@ class EngineCore:
             generated_tokens=len(request.output_token_ids),
             timings=timings,
             logits=[logits] if p.return_logits else None,  # type: ignore[list-item]
+            logprobs=[request.step_logprobs] if p.logprobs is not None else None,  # type: ignore[list-item]
+            stop_reason=request.stop_reason,
         )
         if reason is not None:
             self.scheduler.finish(request, reason)
@@ -244,22 +313,29 @@ class EngineCore:
             evictions_total=lora.evictions_total,
         )
 
-    def list_adapters(self) -> list[AdapterInfo]:
-        lora = self.lora
-        return [
-            AdapterInfo(
-                name=v.name,
-                version=v.version,
-                uri=v.uri,
-                state=lora.state(v.uid).value,
-                slot=lora.pool.uid_to_slot.get(v.uid, -1),
-                pinned=v.pinned,
-                rank=v.rank,
-                size_bytes=v.size_bytes,
-                active_requests=len(v.refs),
-            )
-            for v in sorted(lora.registry.versions.values(), key=lambda v: (v.name, v.version))
-        ]
+    def list_adapters(self, limit: int | None = None, after: tuple[str, int] | None = None) -> list[AdapterInfo]:
+        """Adapters ordered by (name, version): the first `limit` after `after` (a page).
+        O(registered) per call, never per step: it runs only for a ListAdapters."""
+        versions = self.lora.registry.versions.values()
+        if after is not None:
+            versions = [v for v in versions if (v.name, v.version) > after]  # type: ignore[assignment]
+        key = lambda v: (v.name, v.version)  # noqa: E731
+        chosen = sorted(versions, key=key) if limit is None else heapq.nsmallest(limit, versions, key=key)
+        return [self.adapter_info(v.uid) for v in chosen]
+
+    def adapter_info(self, uid: str) -> AdapterInfo:
+        lora, v = self.lora, self.lora.registry.versions[uid]
+        return AdapterInfo(
+            name=v.name,
+            version=v.version,
+            uri=v.uri,
+            state=lora.state(v.uid).value,
+            slot=lora.pool.uid_to_slot.get(v.uid, -1),
+            pinned=v.pinned,
+            rank=v.rank,
+            size_bytes=v.size_bytes,
+            active_requests=len(v.refs),
+        )
 
     def shutdown(self) -> None:
         self.lora.shutdown()
@@ -322,8 +398,6 @@ class Engine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._stats = self.core.stats()
-        self._adapters: list[AdapterInfo] = []
-        self._adapter_names: frozenset[str] = frozenset()
 
     def start(self) -> None:
         self._thread.start()
@@ -344,8 +418,13 @@ class Engine:
         adapter: str | None = None,
         request_id: str | None = None,
     ) -> RequestStream:
+        if request_id is not None:
+            check_request_id(request_id, self.model_info.limits.max_request_id_length)
+        if adapter:
+            check_adapter_name(adapter)
         self.core.validate(prompt_token_ids, params)
-        if adapter and adapter not in self._adapter_names:
+        # A dict lookup from this thread is atomic; the scheduler thread checks again at intake.
+        if adapter and adapter not in self.core.lora.registry.current:
             raise NotFoundError(f"unknown adapter {adapter!r}")
         with self._streams_lock:
             if len(self._streams) >= self.config.max_queue + self.config.max_num_seqs:
@@ -369,6 +448,7 @@ class Engine:
     def load_adapter(
         self, name: str, uri: str, sha256: str | None = None, pinned: bool = False, preload: bool = False
     ) -> concurrent.futures.Future[AdapterInfo]:
+        check_adapter_name(name)
         result: concurrent.futures.Future[AdapterInfo] = concurrent.futures.Future()
 
         def run(core: EngineCore) -> None:
@@ -379,6 +459,7 @@ class Engine:
         return result
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
+        check_adapter_name(name)
         result: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def run(core: EngineCore) -> None:
@@ -388,8 +469,33 @@ class Engine:
         self._commands.put(lambda core: self._guarded(core, run, result))
         return result
 
-    def list_adapters(self) -> list[AdapterInfo]:
-        return list(self._adapters)
+    def list_adapters(
+        self, limit: int | None = None, after: tuple[str, int] | None = None
+    ) -> concurrent.futures.Future[list[AdapterInfo]]:
+        """A page of `EngineCore.list_adapters`, computed on the scheduler thread (which owns the
+        registry) when asked, never as part of a step."""
+        result: concurrent.futures.Future[list[AdapterInfo]] = concurrent.futures.Future()
+
+        def run(core: EngineCore) -> None:
+            result.set_result(core.list_adapters(limit, after))
+
+        self._commands.put(lambda core: self._guarded(core, run, result))
+        return result
+
+    def call(self, fn: Command) -> concurrent.futures.Future[None]:
+        """Runs `fn` on the scheduler thread between steps; the health watchdog's heartbeat."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run(core: EngineCore) -> None:
+            fn(core)
+            done.set_result(None)
+
+        self._commands.put(run)
+        return done
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -444,9 +550,7 @@ class Engine:
         return outputs
 
     def _publish(self, core: EngineCore) -> None:
-        self._stats = core.stats()
-        self._adapters = core.list_adapters()
-        self._adapter_names = frozenset(core.lora.registry.current)
+        self._stats = core.stats()  # O(active): no per-step work for idle registered adapters
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
@@ -483,8 +587,10 @@ class Engine:
             return
         entry = inner.result()
         self._publish(self.core)
-        info = next((a for a in self._adapters if a.name == name and a.version == entry.version), None)
-        result.set_result(info)
+        if entry.uid not in self.core.lora.registry.versions:
+            result.set_exception(NotFoundError(f"adapter {name} was unloaded while loading"))
+            return
+        result.set_result(self.core.adapter_info(entry.uid))
 
     @staticmethod
     def _copy_future(inner: concurrent.futures.Future, result: concurrent.futures.Future) -> None:

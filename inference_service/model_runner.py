@@ -24,7 +24,7 @@ from inference_service.lora.source import AdapterSource, LocalDirectorySource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
 from inference_service.request import Request
-from inference_service.sampling import sample
+from inference_service.sampling import attach_logprobs, process_logits, sample
 from inference_service.scheduler import ScheduledBatch
 from inference_service.tokenizer import Tokenizer
 
@@ -61,6 +61,8 @@ class ModelRunner:
             # Blocking mode (benchmark baseline): preparation and copy both stall the scheduler.
             host_executor=None if config.overlap_loads else InlineExecutor(),
             b_rank_major=model.lora_op.b_rank_major,
+            max_registered=config.max_registered_adapters,
+            load_timeout_s=config.adapter_load_timeout_s,
         )
         model.attach_lora_buffers(self.lora.pool.group_buffers)
         lora_bytes = self.lora.pool.nbytes
@@ -87,8 +89,10 @@ class ModelRunner:
 
     def _default_source(self, shapes: BaseModelShapes) -> AdapterSource:
         if self.config.cache_address:
-            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank)
-        return LocalDirectorySource(shapes, self.config.max_lora_rank, self.config.host_cache_bytes)
+            return SidecarSource(self.config.cache_address, shapes, self.config.max_lora_rank,
+                                 token_file=self.config.cache_token_file)
+        return LocalDirectorySource(shapes, self.config.max_lora_rank, self.config.host_cache_bytes,
+                                    allow=self.config.adapter_source_allow)
 
     def _memory_budget(self) -> int:
         if self.config.memory_budget_bytes is not None:
@@ -101,14 +105,17 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor | None]]:
         """Forward one step; returns (next token, logits if the request asked for them) for requests
-        whose chunk reached the end."""
+        whose chunk reached the end. The token is negative where that row could not be sampled
+        (`sampling.NON_FINITE`, `SAMPLING_FAILED`): the engine ends that request alone."""
         forward, sampled = self._prepare(batch)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():
             logits = self.model(forward, self.kv.layers)
             if not sampled:
                 return {}
-            tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+            processed = process_logits(logits, sampled, self.tokenizer.eos_token_ids)  # return_logits: raw
+            tokens = sample(processed, [r.params for r in sampled], [r.generator for r in sampled])
+            attach_logprobs(processed, sampled, tokens)
         return {
             r.request_id: (t, logits[i] if r.params.return_logits else None)
             for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))

@@ -11,6 +11,10 @@ import torch
 
 from inference_service.errors import InvalidArgumentError, LoraplexError
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+MAX_REPETITION_PENALTY = 10.0
+
 
 class FinishReason(enum.Enum):
     LENGTH = "length"
@@ -27,9 +31,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (to
+# inf, then NaN probabilities), and the distribution is already all but one-hot at 1e-5.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+    """Per-request sampling. temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy;
+    top_k 0 and top_p 1 mean off."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -41,6 +51,15 @@ class SamplingParams:
     ignore_eos: bool = False
     # Internal (tests, tooling): hand back each sampled position's logits.
     return_logits: bool = False
+    # OpenAI/vLLM parity (applied by sampling.process_logits; all off by default).
+    repetition_penalty: float = 1.0  # HF: over prompt + output tokens, >1 discourages repeats
+    frequency_penalty: float = 0.0  # OpenAI: minus count x this, over output tokens
+    presence_penalty: float = 0.0  # OpenAI: minus this once a token occurred in the output
+    min_p: float = 0.0  # drop tokens below min_p x the top probability (after temperature)
+    min_tokens: int = 0  # no EOS / stop token before this many generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k (k <= 20)
+    skip_special_tokens: bool = True  # in the streamed text
 
     def validate(self, max_new_tokens_limit: int) -> None:
         """Reject values that would make sampling undefined, with a message naming the field."""
@@ -62,10 +81,37 @@ class SamplingParams:
             raise InvalidArgumentError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgumentError("stop_token_ids must be >= 0")
+        self._validate_parity()
+
+    def _validate_parity(self) -> None:
+        """Bounds of the OpenAI-parity fields (the ones vLLM and OpenAI document)."""
+        for name, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
+                                ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and low <= value <= high):
+                raise InvalidArgumentError(f"sampling.{name} must be in [{low}, {high}], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidArgumentError(
+                f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidArgumentError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgumentError(f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise InvalidArgumentError(f"logit_bias needs ids >= 0, biases in [-100, 100]: {token}: {bias}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when process_logits has work for this request (the common case skips it)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass
@@ -78,6 +124,15 @@ class Timings:
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the k most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -94,6 +149,9 @@ class RequestOutput:
     error: LoraplexError | None = None
     timings: Timings | None = None
     logits: list[torch.Tensor] | None = None
+    # With params.logprobs: per new token, its logprob and the top-k (token id, logprob) pairs.
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended the request
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One delta covering this one and the next (a consumer that fell behind sends fewer messages)."""
@@ -109,6 +167,9 @@ class RequestOutput:
             error=later.error,
             timings=later.timings,
             logits=logits,
+            logprobs=None if self.logprobs is None and later.logprobs is None
+            else (self.logprobs or []) + (later.logprobs or []),
+            stop_reason=later.stop_reason,
         )
 
 
@@ -140,6 +201,8 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.emitted_text_len = 0
+        self.step_logprobs: TokenLogprobs | None = None  # set by the runner when params.logprobs asks
+        self.stop_reason: str | int | None = None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without joining the two (a decode step wants one)."""

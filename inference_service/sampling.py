@@ -1,20 +1,39 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+
+Rows fail alone: a row whose logits are not finite gets NON_FINITE, one whose sampling raises
+(a bug) SAMPLING_FAILED, instead of a token; the engine ends that request only, and the other
+rows of the batch (seeded ones too) are unaffected.
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from inference_service.request import SamplingParams
+from inference_service.request import Request, SamplingParams, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+NON_FINITE = -1
+SAMPLING_FAILED = -2
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits [S, V]. Each seeded row draws from its own generator, so a
-    request's tokens do not depend on what else is in the batch."""
-    # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here.
-    tokens = logits.max(dim=-1).indices.tolist()
+    """One token per row of logits [S, V] (or a negative code, above). Each seeded row draws from
+    its own generator, so a request's tokens do not depend on what else is in the batch."""
+    # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here. The max
+    # is NaN or +inf exactly when the row cannot be sampled (max propagates NaN; -inf entries are
+    # harmless while the max is finite): one transfer from the device for the tokens and that mark.
+    best = logits.max(dim=-1)
+    tokens: list[int] = torch.where(torch.isfinite(best.values), best.indices, NON_FINITE).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, gen)
+        if tokens[row] != NON_FINITE and not p.greedy:
+            try:
+                tokens[row] = _sample_row(logits[row], p, gen)
+            except Exception:  # noqa: BLE001 - a bug: this row's request ends, the batch goes on
+                log.exception("sampling row %d failed (%s)", row, p)
+                tokens[row] = SAMPLING_FAILED
     return tokens
 
 
@@ -26,8 +45,65 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p. The first token always stays, also
+        # for a top_p below float32's resolution (compared as 0 there).
         drop = probs.cumsum(-1) - probs >= p.top_p
+        drop[0] = False
         logits = logits.scatter(0, order[drop], float("-inf"))
+    if p.min_p > 0:
+        logits = min_p_filter(logits, p.min_p)
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+# ---- OpenAI/vLLM parity: logits processing, min_p, logprobs ----------------------------------
+# Kept apart from `sample`: a batch where no request asks for these never runs them.
+
+
+def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """Penalties, logit bias and min_tokens applied to the rows [S, V] whose request asks; the
+    input is left as it was (a copy is made only when some row changes)."""
+    rows = [row for row, r in enumerate(requests) if r.params.processes_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        request = requests[row]
+        p = request.params
+        out = logits[row]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({*request.prompt_token_ids, *request.output_token_ids}), device=out.device)
+            scores = out[seen]
+            out[seen] = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and request.output_token_ids:
+            counts = torch.bincount(torch.tensor(request.output_token_ids, device=out.device),
+                                    minlength=out.numel())[: out.numel()].to(out.dtype)
+            out -= counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=out.device)
+            out.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=out.device, dtype=out.dtype))
+        if len(request.output_token_ids) < p.min_tokens:
+            banned = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)) if t < out.numel()]
+            out[banned] = float("-inf")
+    return logits
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Tokens whose probability is below min_p x the most likely one's get -inf (the top one stays)."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The sampled token's log-probability and the top k, from one row of (processed) logits."""
+    logprobs = logits.float().log_softmax(-1)
+    top = torch.topk(logprobs, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    return TokenLogprobs(token, float(logprobs[token]), pairs)
+
+
+def attach_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> None:
+    """Sets request.step_logprobs for the requests that ask for logprobs."""
+    for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
+        if request.params.logprobs is not None:
+            request.step_logprobs = token_logprobs(logits[row], token, request.params.logprobs)

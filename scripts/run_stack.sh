@@ -14,13 +14,18 @@ listen="${LORAPLEX_LISTEN:-127.0.0.1:50051}"
 metrics_port="${LORAPLEX_METRICS_PORT:-9400}"
 cache_metrics_port="${LORAPLEX_CACHE_METRICS_PORT:-9401}"
 cache_socket="$RUN_DIR/adapter-cache.sock"
+# The one adapter source both processes accept: without an allow-list every adapter URI is refused.
 adapters_uri="file://$RUN_DIR/adapters"
+# The sidecar's socket is its user's alone (0600); the token is a second check (docs/sidecar.md).
+cache_token="$RUN_DIR/cache-token"
+[ -s "$cache_token" ] || (umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"$cache_token")
 
 "$PY" -m adapter_cache.cli \
   --listen "unix://$cache_socket" \
   --shm-dir "$RUN_DIR/shm" \
   --capacity-bytes "${LORAPLEX_CACHE_CAPACITY_BYTES:-1GiB}" \
   --allow-prefix "$adapters_uri" \
+  --token-file "$cache_token" \
   --metrics-port "$cache_metrics_port" \
   --metrics-addr 127.0.0.1 &
 sidecar=$!
@@ -51,6 +56,7 @@ trap 'kill "$server" 2>/dev/null || true' INT TERM
   --preload-file "$preload" \
   --adapter-source-allow "$adapters_uri" \
   --cache-address "unix://$cache_socket" \
+  --cache-token-file "$cache_token" \
   "$@" &
 server=$!
 status=0

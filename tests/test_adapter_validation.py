@@ -1,4 +1,5 @@
-"""Malformed and unsupported adapters through `EngineCore.lora.load_adapter`.
+"""Malformed and unsupported adapters through `EngineCore.lora.load_adapter`, and the same ones
+staged by a real adapter-cache sidecar (same codes); the local source's file-access rule.
 
 Each case is a good PEFT adapter for builtin:tiny with one thing broken (its JSON config or its
 safetensors bytes edited). Every rejection must carry the documented error class and gRPC code
@@ -11,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,9 +34,12 @@ from inference_service.errors import (
     PermissionDeniedError,
 )
 from inference_service.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from inference_service.lora.source import LocalDirectorySource
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
+from inference_service.uri_policy import UriPolicy
 from tests.infra.engine_helpers import load_adapters, run_to_completion
+from tests.test_cache_helpers import Sidecar
 
 MAX_RANK = 8
 RANK = 4
@@ -190,6 +196,66 @@ def offsets_negative(header: dict) -> None:
     entry["data_offsets"] = [-4, end - start - 4]
 
 
+def config_bytes(data: bytes) -> Edit:
+    """adapter_config.json replaced by `data` as is (what json.dumps cannot write)."""
+    return write_bytes(CONFIG_FILE, data)
+
+
+def good_config_text(**fields: str) -> bytes:
+    """The good config as JSON text with `fields` set to raw JSON snippets."""
+    text = json.dumps(good_config())[:-1]
+    return (text + "".join(f', "{name}": {raw}' for name, raw in fields.items()) + "}").encode()
+
+
+def second_tensor(header: dict) -> dict:
+    return header[sorted(k for k in header if k != "__metadata__")[1]]
+
+
+def alias_offsets(header: dict) -> None:
+    """Two tensors of one shape reading the same bytes."""
+    second_tensor(header)["data_offsets"] = list(first_tensor(header)["data_offsets"])
+
+
+def overlap_offsets(header: dict) -> None:
+    entry = second_tensor(header)
+    entry["data_offsets"] = [o - 4 for o in entry["data_offsets"]]
+
+
+def append_bytes(data: bytes) -> Edit:
+    def edit(root: Path) -> None:
+        with open(root / WEIGHTS_FILE, "ab") as fh:
+            fh.write(data)
+    return edit
+
+
+def rename_tensor(old: str, new: str) -> Edit:
+    def edit(root: Path) -> None:
+        header, body = header_of(root / WEIGHTS_FILE)
+        header[new] = header.pop(old)
+        with_header(root / WEIGHTS_FILE, header, body)
+    return edit
+
+
+def duplicate_tensor(name: str, alias: str) -> Edit:
+    """`alias` names another copy of `name` (its bytes appended): one module given twice."""
+    def edit(root: Path) -> None:
+        header, body = header_of(root / WEIGHTS_FILE)
+        start, end = header[name]["data_offsets"]
+        header[alias] = {**header[name], "data_offsets": [len(body), len(body) + end - start]}
+        with_header(root / WEIGHTS_FILE, header, body + body[start:end])
+    return edit
+
+
+def huge_sparse_weights(root: Path) -> None:
+    """A 64 GiB weights file (sparse): refused by its size, before any byte is read."""
+    os.truncate(root / WEIGHTS_FILE, 64 << 30)
+
+
+def weights_a_directory(root: Path) -> None:
+    (root / WEIGHTS_FILE).unlink()
+    (root / WEIGHTS_FILE).mkdir()
+
+
 def remove(file: str) -> Edit:
     def edit(root: Path) -> None:
         (root / file).unlink()
@@ -268,6 +334,71 @@ CASES: list[tuple[str, Edit, type[LoraplexError]]] = [
     ("lora_alpha-nan", edit_config(lora_alpha=math.nan), AdapterError),
     ("lora_alpha-inf", edit_config(lora_alpha=math.inf), AdapterError),
     ("lora_alpha-string", edit_config(lora_alpha="8"), AdapterError),
+    ("lora_alpha-zero", edit_config(lora_alpha=0), AdapterError),
+    ("lora_alpha-negative", edit_config(lora_alpha=-8), AdapterError),
+    # the PEFT regexes: run by RE2 in linear time, refused where RE2 cannot match them
+    ("target-regex-catastrophic", edit_config(target_modules="(.+.+)+Z"), AdapterError),  # matches nothing
+    ("target-regex-invalid", edit_config(target_modules="(q_proj"), AdapterError),
+    ("target-regex-lookbehind", edit_config(target_modules="(?<=self_attn\\.)q_proj"), AdapterError),
+    ("target-regex-backreference", edit_config(target_modules="(q)_proj\\1"), AdapterError),
+    ("target-modules-not-strings", edit_config(target_modules=[["q_proj"]]), AdapterError),
+    ("target-modules-number", edit_config(target_modules=7), AdapterError),
+    ("alpha-pattern-key-invalid-regex", edit_config(alpha_pattern={"q_proj(": 4}), AdapterError),
+    ("alpha-pattern-inf-string", edit_config(alpha_pattern={"q_proj": "inf"}), AdapterError),
+    ("alpha-pattern-inf", edit_config(alpha_pattern={"q_proj": math.inf}), AdapterError),
+    ("alpha-pattern-zero", edit_config(alpha_pattern={"q_proj": 0}), AdapterError),
+    ("alpha-pattern-a-list", edit_config(alpha_pattern=[["q_proj", 4]]), AdapterError),
+    ("rank-pattern-float", edit_config(rank_pattern={"q_proj": 4.5}), AdapterError),
+    ("rank-pattern-string", edit_config(rank_pattern={"q_proj": "4"}), AdapterError),
+    ("rank-pattern-bool", edit_config(rank_pattern={"q_proj": True}), AdapterError),
+    ("rank-pattern-key-invalid-regex", edit_config(rank_pattern={"[q": 4}), AdapterError),
+    # flags: JSON booleans only ("false" is a true value in Python)
+    ("use_rslora-string-false", edit_config(use_rslora="false"), AdapterError),
+    ("use_rslora-number", edit_config(use_rslora=0), AdapterError),
+    ("peft-type-not-a-string", edit_config(peft_type=["LORA"]), AdapterError),
+    # layers_to_transform: typed, and checked against the model and the tensors
+    ("layers_to_transform-string", edit_config(layers_to_transform="0"), AdapterError),
+    ("layers_to_transform-negative", edit_config(layers_to_transform=[-1]), AdapterError),
+    ("layers_to_transform-beyond-model", edit_config(layers_to_transform=list(range(SHAPES.num_layers + 1))),
+     AdapterIncompatibleError),
+    ("tensors-outside-layers_to_transform", edit_config(layers_to_transform=[0]), AdapterError),
+    # JSON the parser must refuse fast, not with a traceback
+    ("config-deeply-nested", config_bytes(good_config_text(extra="[" * 100_000 + "]" * 100_000)), AdapterError),
+    ("config-nested-past-limit", config_bytes(good_config_text(extra="[" * 40 + "]" * 40)), AdapterError),
+    ("config-5000-digit-int", config_bytes(good_config_text(lora_alpha="9" * 5000)), AdapterError),
+    ("config-float-overflow", config_bytes(good_config_text(lora_alpha="1e999")), AdapterError),
+    ("config-duplicate-key", config_bytes(good_config_text(r="2")), AdapterError),
+    ("config-utf16", config_bytes(json.dumps(good_config()).encode("utf-16")), AdapterError),
+    ("config-over-1MiB", config_bytes(good_config_text(padding='"' + "x" * (1 << 20) + '"')), InvalidArgumentError),
+    # safetensors header: validated before any data pass
+    ("dtype-a-list", edit_header(lambda h: first_tensor(h).update(dtype=["F32"])), AdapterError),
+    ("dtype-a-number", edit_header(lambda h: first_tensor(h).update(dtype=32)), AdapterError),
+    ("shape-negative-dims", edit_header(lambda h: first_tensor(h).update(shape=[-RANK, -q_in])), AdapterError),
+    ("shape-zero-dim", edit_header(lambda h: first_tensor(h).update(shape=[0, q_in], data_offsets=[0, 0])),
+     AdapterError),
+    ("shape-float-dim", edit_header(lambda h: first_tensor(h).update(shape=[float(RANK), q_in])), AdapterError),
+    ("shape-bool-dim", edit_header(lambda h: first_tensor(h).update(shape=[True, q_in])), AdapterError),
+    ("shape-5000-digit-dim", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 5100) + (
+        b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}').ljust(5100)),
+     AdapterError),
+    ("offsets-aliased", edit_header(alias_offsets), AdapterError),
+    ("offsets-overlapping", edit_header(overlap_offsets), AdapterError),
+    ("offsets-floats", edit_header(lambda h: first_tensor(h).update(
+        data_offsets=[float(o) for o in first_tensor(h)["data_offsets"]])), AdapterError),
+    ("bytes-after-last-tensor", append_bytes(b"\0" * 64), AdapterError),
+    ("header-over-limit", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 9 << 20) + b"{}"), AdapterError),
+    ("header-length-2**63", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 1 << 63) + b"{}"), AdapterError),
+    ("header-deeply-nested", write_bytes(WEIGHTS_FILE, struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000),
+     AdapterError),
+    ("header-entry-extra-field", edit_header(lambda h: first_tensor(h).update(extra=1)), AdapterError),
+    ("header-metadata-not-strings", edit_header(lambda h: h.update(__metadata__={"format": 1})), AdapterError),
+    ("tensor-named-twice-leading-zero", duplicate_tensor(A0, A0.replace("layers.0.", "layers.00.")), AdapterError),
+    ("tensor-named-twice-without-prefix", duplicate_tensor(A0, A0.removeprefix("base_model.model.")),
+     AdapterError),
+    ("tensor-layer-arabic-digit", rename_tensor(A0, A0.replace("layers.0.", "layers.\u0660.")), AdapterError),
+    # the file itself
+    ("weights-64GiB-sparse", huge_sparse_weights, InvalidArgumentError),
+    ("weights-a-directory", weights_a_directory, InvalidArgumentError),
 ]
 
 
@@ -414,3 +545,113 @@ def test_failed_new_version_keeps_current_one_serving(core, good, tmp_path):
     assert serve_one(core, "live", "live-after") == before
     unload(core, "live")
     expect_healthy(core, "live", good)
+
+
+# ---- the local source's file-access rule (shared with the sidecar's FileStore) -----------------
+
+
+@pytest.fixture
+def confined(tmp_path, good) -> tuple[LocalDirectorySource, Path, Path]:
+    """A source confined to `root`, and a `secret` directory beside the root holding an adapter."""
+    root, secret = tmp_path / "root", tmp_path / "secret"
+    root.mkdir()
+    shutil.copytree(good, secret)
+    shutil.copytree(good, root / "good")
+    return LocalDirectorySource(SHAPES, MAX_RANK, cache_bytes=64 << 20, allow=[root.as_uri()]), root, secret
+
+
+def test_symlinks_out_of_the_root_are_refused_without_echoing_content(confined):
+    source, root, secret = confined
+    (root / "dir-link").symlink_to(secret)
+    (root / "file-links").mkdir()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        (root / "file-links" / name).symlink_to(secret / name)
+    for uri in (root / "dir-link", root / "file-links"):
+        with pytest.raises(PermissionDeniedError, match="outside every allowed file root") as info:
+            source.fetch(uri.as_uri(), None)
+        assert "peft_type" not in str(info.value) and str(secret) not in str(info.value)
+    (root / "inside-link").symlink_to(root / "good")  # a link that stays inside the root is fine
+    assert source.fetch((root / "inside-link").as_uri(), None).rank == RANK
+
+
+def test_a_directory_swapped_for_a_symlink_is_refused_at_the_next_fetch(confined):
+    source, root, secret = confined
+    uri = (root / "good").as_uri()
+    assert source.fetch(uri, None).tier == "store" and source.fetch(uri, None).tier == "cache"
+    shutil.rmtree(root / "good")
+    (root / "good").symlink_to(secret)  # same files, now outside: the cached copy must not be served
+    with pytest.raises(PermissionDeniedError):
+        source.fetch(uri, None)
+
+
+def test_a_fifo_is_refused_at_once_and_other_adapters_still_load(confined):
+    source, root, _ = confined
+    shutil.copytree(root / "good", root / "fifo")
+    (root / "fifo" / WEIGHTS_FILE).unlink()
+    os.mkfifo(root / "fifo" / WEIGHTS_FILE)  # no writer: a blocking open or read would never return
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        source.fetch((root / "fifo").as_uri(), None)
+    assert time.monotonic() - started < 5
+    assert source.fetch((root / "good").as_uri(), None).rank == RANK
+
+
+def test_an_allow_list_without_file_roots_confines_to_nothing(good):
+    source = LocalDirectorySource(SHAPES, MAX_RANK, allow=["s3://bucket/adapters/"])
+    with pytest.raises(PermissionDeniedError):
+        source.fetch(good.as_uri(), None)
+
+
+@pytest.mark.parametrize("uri", [
+    "s3://AKIAEXAMPLE:hunter2secret@bucket/adapters/a",
+    "https://user:hunter2secret@models.example.com/adapters/a",
+    "file://user:hunter2secret@localhost/srv/adapters/a",
+    "user:hunter2secret@bucket/adapters/a",  # no scheme: still masked in the message
+])
+def test_credentials_in_a_uri_are_refused_and_never_echoed(uri):
+    policy = UriPolicy(["s3://bucket/adapters/", "https://models.example.com/adapters/", "file:///srv/adapters"])
+    with pytest.raises(InvalidArgumentError) as info:
+        policy.check(uri)
+    assert "hunter2secret" not in str(info.value)
+    assert "credentials" in str(info.value) or "scheme" in str(info.value)
+
+
+# ---- the same adapters through the adapter-cache sidecar -----------------------------------------
+
+# Without the base model the sidecar cannot judge shapes or layer counts: it stages those, and the
+# service refuses them at load. Every other case gets the service's code from the sidecar too.
+MODEL_DEPENDENT = {"lora_A-in-features", "lora_B-out-features", "more-layers-than-base",
+                   "layers_to_transform-beyond-model"}
+SIDECAR_CASES = [case for case in CASES if case[0] not in MODEL_DEPENDENT]
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory) -> Sidecar:
+    tmp = tmp_path_factory.mktemp("sidecar")
+    (tmp / "adapters").mkdir()
+    sc = Sidecar(tmp, allow=[(tmp / "adapters").as_uri()], extra=["--max-rank", str(MAX_RANK), "--no-mlock"])
+    yield sc
+    sc.stop()
+
+
+@pytest.mark.parametrize("case_id, edit, error", SIDECAR_CASES, ids=[c[0] for c in SIDECAR_CASES])
+def test_rejected_by_the_sidecar(sidecar, good, case_id, edit, error):
+    bad = sidecar.tmp / "adapters" / case_id
+    shutil.copytree(good, bad)
+    edit(bad)
+    with pytest.raises(LoraplexError) as info:
+        sidecar.client.stage(bad.as_uri(), "", 60)
+    assert info.value.code == error.code, f"{info.value.code}: {info.value}"
+
+
+def test_the_sidecar_refuses_a_fifo_at_once_and_logged_no_traceback(sidecar, good):
+    fifo = sidecar.tmp / "adapters" / "fifo"
+    shutil.copytree(good, fifo)
+    (fifo / WEIGHTS_FILE).unlink()
+    os.mkfifo(fifo / WEIGHTS_FILE)
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        sidecar.client.stage(fifo.as_uri(), "", 60)
+    shutil.copytree(good, sidecar.tmp / "adapters" / "good")
+    staged = sidecar.client.stage((sidecar.tmp / "adapters" / "good").as_uri(), "", 60)
+    sidecar.client.release(staged.lease_id)
+    assert "Traceback" not in sidecar.log.read_text()

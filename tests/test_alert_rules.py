@@ -7,7 +7,6 @@ test is the self-test of tests/infra/prometheus.py: a real server scraping an in
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -20,12 +19,11 @@ from tests.infra.prometheus import (
     ALERT_RULES_FILE,
     alert_rules,
     dashboard_queries,
-    prometheus_available,
     running_prometheus,
 )
 
 RULE_TESTS = sorted((ALERT_RULES_FILE.parent / "tests").glob("*.yaml"))
-needs_promtool = pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed")
+needs_promtool = pytest.mark.needs_tool("promtool")
 
 
 def promtool(*args: str | Path) -> subprocess.CompletedProcess:
@@ -65,7 +63,7 @@ def test_alerts_carry_severity_and_summary() -> None:
             assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
 
 
-@pytest.mark.skipif(not prometheus_available(), reason="prometheus not installed")
+@pytest.mark.needs_tool("prometheus")
 def test_real_prometheus_scrapes_and_evaluates() -> None:
     """Fixture self-test: scrape a tiny exporter, query it, run a dashboard query, evaluate the rules."""
     reg = CollectorRegistry()

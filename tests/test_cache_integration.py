@@ -23,6 +23,7 @@ import pytest
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
+from tests.infra.devices import SERVER_DEVICE
 from tests.infra.inference_server import InferenceServer, start_inference_server
 from tests.infra.ports import free_port
 from tests.test_cache_helpers import Sidecar
@@ -109,7 +110,7 @@ def expected(local_adapters) -> dict[tuple[str | None, str], list[int]]:
     from inference_service.engine import Engine
     from inference_service.request import SamplingParams
 
-    engine = Engine(EngineConfig(model="builtin:tiny", max_loras=4))
+    engine = Engine(EngineConfig(model="builtin:tiny", device=SERVER_DEVICE, max_loras=4))  # as the server
     engine.start()
     try:
         for name in ADAPTERS:

@@ -3,12 +3,14 @@
 Ceph answers every well-formed GET; to check the retry path (jittered backoff on 503
 SlowDown, then success) and its exhaustion (UNAVAILABLE, nothing cached) we need a server
 that throttles on command, so a WSGI middleware in front of moto's ThreadedMotoServer
-answers the first N ranged GETs of the weights with 503 SlowDown.
+answers the first N ranged GETs of the weights with 503 SlowDown. The same middleware drips
+the body of any `.../drip/adapter_model.safetensors` one byte at a time, for the fetch deadline.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import boto3
 import pytest
@@ -37,6 +39,11 @@ class ThrottlingMotoServer(ThreadedMotoServer):
         moto_app = DomainDispatcherApplication(create_backend_app)
 
         def app(environ, start_response):
+            if environ["REQUEST_METHOD"] == "GET" and environ["PATH_INFO"].endswith("/drip/adapter_model.safetensors"):
+                size = 1 << 20
+                start_response("206 Partial Content", [("Content-Length", str(size)),
+                                                       ("Content-Range", f"bytes 0-{size - 1}/{size}")])
+                return self._drip(size)
             if environ["REQUEST_METHOD"] == "GET" and environ["PATH_INFO"].endswith(".safetensors"):
                 with self._lock:
                     throttle = self.fail_next > 0
@@ -49,8 +56,15 @@ class ThrottlingMotoServer(ThreadedMotoServer):
             return moto_app(environ, start_response)
 
         self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+        self._server.daemon_threads = True
         self._server_ready_event.set()
         self._server.serve_forever()
+
+
+    def _drip(self, size: int):
+        for _ in range(size):
+            time.sleep(0.05)
+            yield b"\0"
 
 
 @pytest.fixture(scope="module")
@@ -96,4 +110,21 @@ def test_persistent_503s_become_unavailable_and_cache_nothing(moto_s3, tmp_path)
         assert sc.metric("loraplex_cache_errors_total", 'reason="unavailable"') == 1
     finally:
         server.fail_next = 0
+        sc.stop()
+
+
+def test_dripping_s3_body_is_cut_at_the_fetch_deadline(moto_s3, tmp_path):
+    """A byte every 50 ms never trips the 5 s read timeout; the deadline shuts the connection
+    down under boto3 and the Stage is UNAVAILABLE, with nothing cached."""
+    _, s3, env = moto_s3
+    config, _ = make_adapter(rank=8, hidden=64)
+    s3.put_object(Bucket="throttled", Key="a/drip/adapter_config.json", Body=config)
+    sc = Sidecar(tmp_path, allow=["s3://throttled/a"], env=env, extra=["--fetch-deadline-seconds", "2"])
+    try:
+        start = time.monotonic()
+        with pytest.raises(UnavailableError, match="fetch-deadline-seconds"):
+            sc.client.stage("s3://throttled/a/drip")
+        assert time.monotonic() - start < 4.5
+        assert sc.client.list() == [] and not list(sc.shm_dir.iterdir())
+    finally:
         sc.stop()

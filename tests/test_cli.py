@@ -9,21 +9,40 @@ import sys
 import pytest
 
 from inference_service import cli, client_cli
+from inference_service.auth import AdminAuth, admin_disabled_reason
+from inference_service.errors import PermissionDeniedError
+from inference_service.preload import PreloadEntry, read_preload_file
 
 FLAGS = [
     "--model", "--listen", "--metrics-port", "--max-loras", "--max-lora-rank", "--kv-cache-bytes",
     "--cache-address", "--preload-file", "--max-queue", "--max-new-tokens-limit", "--admin-token-file",
     "--insecure-admin", "--adapter-source-allow", "--tls-cert", "--tls-key", "--tls-client-ca",
-    "--max-message-bytes", "--adapter-metrics-top-k",
+    "--max-message-bytes", "--adapter-metrics-top-k", "--max-stop-strings", "--max-stop-string-length",
+    "--max-stop-token-ids", "--max-prompt-chars", "--max-request-id-length", "--max-registered-adapters",
+    "--host-load-workers", "--adapter-load-timeout-s",
+    "--dtype", "--max-model-len", "--preload-reload-s", "--watchdog-stall-s", "--shutdown-grace-s", "--drain-delay-s",
 ]
 
 
-def test_help_documents_every_flag_and_its_env_var():
-    out = subprocess.run([sys.executable, "-m", "inference_service.cli", "--help"], capture_output=True,
-                         text=True, check=True).stdout
-    for flag in FLAGS:
-        assert flag in out, flag
-        assert cli._env_name(flag) in out, cli._env_name(flag)
+@pytest.mark.parametrize("module", ["inference_service.cli", "adapter_cache.cli"])
+def test_help_documents_every_flag_and_its_env_var(module):
+    """Every flag the parser takes (not a hand-kept list) is in --help with a description and its
+    environment mirror; the flags the docs name are among them."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    out = " ".join(out.split())  # argparse wraps long help lines
+    actions = [a for a in mod.build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(actions) > 15
+    for action in actions:
+        flag = action.option_strings[-1]
+        env = mod.ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        assert flag in out and f"[env {env}]" in out, (flag, env)
+        assert action.help.split("[env")[0].split(" (default:")[0].strip(), f"{flag} has no description"
+    if module == "inference_service.cli":
+        assert set(FLAGS) <= {a.option_strings[-1] for a in actions}
 
 
 def test_env_vars_mirror_flags(monkeypatch):
@@ -53,28 +72,33 @@ def test_configs_from_args(tmp_path, monkeypatch):
     assert (engine_cfg.max_queue, engine_cfg.max_new_tokens_limit) == (9, 100)
     assert engine_cfg.adapter_source_allow == ("file:///x",) and engine_cfg.host_cache_bytes == 0
     assert server_cfg.admin_token == "s3cret"
-    assert [e["name"] for e in server_cfg.preload] == ["a", "b"] and server_cfg.preload[0]["pinned"]
+    assert [e.name for e in server_cfg.preload] == ["a", "b"] and server_cfg.preload[0].pinned
+    assert not server_cfg.preload[1].pinned and server_cfg.preload_file == str(preload)
+    assert engine_cfg.dtype == "auto" and server_cfg.shutdown_grace_s == 30.0
 
 
-def test_json_preload_file(tmp_path):
+def test_preload_file_entries_are_checked(tmp_path):
     f = tmp_path / "p.json"
-    f.write_text(json.dumps([{"name": "a", "uri": "file:///a"}]))
-    assert cli.load_preload_file(str(f)) == [{"name": "a", "uri": "file:///a"}]
-    f.write_text(json.dumps({"nope": 1}))
-    with pytest.raises(ValueError):
-        cli.load_preload_file(str(f))
+    f.write_text(json.dumps([{"name": "a", "uri": "file:///a", "required": True}]))
+    assert read_preload_file(str(f)) == [PreloadEntry("a", "file:///a", required=True)]
+    for bad in ({"nope": 1}, [{"name": "a"}], [{"name": "a", "uri": "u", "pinned": "yes"}],
+                [{"name": "a", "uri": "u", "colour": 1}], [{"name": "a", "uri": "u"}, {"name": "a", "uri": "v"}]):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            read_preload_file(str(f))
 
 
-def test_refuses_non_loopback_without_admin_token(monkeypatch):
+def test_non_loopback_without_admin_token_starts_with_admin_disabled(monkeypatch):
+    """The chart's default (no token, 0.0.0.0) starts; admin RPCs are refused with how to enable them."""
     monkeypatch.delenv("LORAPLEX_ADMIN_TOKEN", raising=False)
-    r = subprocess.run([sys.executable, "-m", "inference_service.cli", "--listen", "0.0.0.0:0"],
-                       capture_output=True, text=True, timeout=60,
-                       env={k: v for k, v in __import__("os").environ.items() if k != "LORAPLEX_ADMIN_TOKEN"})
-    assert r.returncode == 2 and "refusing to listen on non-loopback" in r.stderr, r.stderr
-    args = cli.build_parser().parse_args(["--listen", "0.0.0.0:0", "--insecure-admin"])
-    cli.configs_from_args(args)  # explicitly allowed
-    monkeypatch.setenv("LORAPLEX_ADMIN_TOKEN", "t")
-    cli.configs_from_args(cli.build_parser().parse_args(["--listen", "0.0.0.0:0"]))
+    _, cfg = cli.configs_from_args(cli.build_parser().parse_args(["--listen", "0.0.0.0:0"]))
+    reason = admin_disabled_reason(cfg.listen, cfg.admin_token, cfg.insecure_admin)
+    assert reason and "--admin-token-file" in reason and "inference.adminToken.existingSecret" in reason
+    with pytest.raises(PermissionDeniedError, match="admin RPCs are disabled"):
+        AdminAuth(cfg.admin_token, reason).check([("authorization", "Bearer guess")])
+    assert admin_disabled_reason("0.0.0.0:0", None, True) is None  # explicitly allowed
+    assert admin_disabled_reason("0.0.0.0:0", "t", False) is None
+    assert admin_disabled_reason("127.0.0.1:0", None, False) is None  # loopback: open for local use
 
 
 def test_client_cli_parses_subcommands(monkeypatch):
@@ -86,3 +110,20 @@ def test_client_cli_parses_subcommands(monkeypatch):
     assert (a.token, a.name, a.uri, a.pinned, a.preload) == ("t", "n", "file:///u", True, True)
     assert p.parse_args(["unload", "n"]).name == "n"
     assert p.parse_args(["list"]).command == "list"
+
+
+def test_dtype_auto(tmp_path):
+    """--dtype auto (the CLI default): the checkpoint's torch_dtype on an accelerator (fp32 when it
+    names none), on CPU bf16 only where the CPU computes it natively."""
+    import torch
+
+    from inference_service.config import auto_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.bfloat16
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16"}))  # transformers 5 spelling
+    assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.float16
+    assert auto_dtype("builtin:tiny", torch.device("cuda")) == torch.float32
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert cli.build_parser().parse_args([]).dtype == "auto"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -34,7 +33,8 @@ INFERENCE_METRICS = {
     "loraplex_prompt_tokens_total", "loraplex_generation_tokens_total", "loraplex_kv_cache_usage_ratio",
     "loraplex_requests_finished_total", "loraplex_grpc_requests_total", "loraplex_adapter_requests_total",
     "vllm:lora_requests_info", "vllm:num_requests_running", "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
+    "vllm:kv_cache_usage_perc", "loraplex_health_serving", "loraplex_drain_cancelled_requests_total",
+    "loraplex_preload_adapters", "loraplex_preload_failures_total", "loraplex_preload_reloads_total",
 }
 CACHE_METRICS = {
     "loraplex_cache_bytes", "loraplex_cache_capacity_bytes", "loraplex_cache_entries", "loraplex_cache_leases",
@@ -116,7 +116,7 @@ def test_variable_substitution() -> None:
         'rate(x{pod=~"p-1", ns=~".*", a=".*"}[2m]) offset 1h'
 
 
-@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed")
+@pytest.mark.needs_tool("promtool")
 def test_every_query_is_valid_promql(tmp_path: Path) -> None:
     queries = dashboard_queries()
     assert len(queries) > 30

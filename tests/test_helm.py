@@ -1,10 +1,11 @@
 """The Helm chart: lint, render with default and all-features values, validate the manifests offline.
 
 Core kinds are validated with kubernetes-validate --strict (unknown fields rejected) against the chart's
-minimum Kubernetes version and the newest schema bundled. The Prometheus Operator kinds (ServiceMonitor,
-PodMonitor, PrometheusRule) are CRDs that kubernetes-validate has no schema for: they get structural
-checks here instead, and the PrometheusRule's groups go through `promtool check rules`.
-No API server runs here, so nothing is applied.
+minimum Kubernetes version (Chart.yaml kubeVersion: native sidecars) and the newest schema bundled.
+The Prometheus Operator kinds (ServiceMonitor, PodMonitor, PrometheusRule) are CRDs that
+kubernetes-validate has no schema for: they get structural checks here instead, and the
+PrometheusRule's groups go through `promtool check rules`. No API server runs here, so nothing is
+applied; what the rendered pod does when started is tests/test_kubelet_pod.py's job.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ HELM = REPO / ".tools" / "bin" / "helm"
 DATA = REPO / "tests" / "data"
 ALL_VALUES = DATA / "helm-values-all.yaml"
 BAD_VALUES = DATA / "helm-values-bad-type.yaml"
-K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
-pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm not installed (scripts/install_test_tools.sh)")
+pytestmark = pytest.mark.needs_tool("helm", HELM)
 
 
 def helm(*args: str) -> subprocess.CompletedProcess:
@@ -63,8 +64,14 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
 
 
 def containers(docs: list[dict]) -> dict[str, dict]:
+    """Every container of the pod by name, the native sidecar (an init container) included."""
     (deploy,) = by_kind(docs, "Deployment")
-    return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+    spec = deploy["spec"]["template"]["spec"]
+    return {c["name"]: c for c in [*spec.get("initContainers", []), *spec["containers"]]}
+
+
+def test_chart_minimum_version_matches_the_validated_one() -> None:
+    assert yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["kubeVersion"] == f">={K8S_VERSIONS[0]}-0"
 
 
 @pytest.mark.parametrize("values", [None, ALL_VALUES], ids=["defaults", "all-features"])
@@ -131,6 +138,7 @@ def test_prometheus_rule_matches_rule_file_with_overrides(all_docs: list[dict], 
 def test_pod_shape_defaults(default_docs: list[dict]) -> None:
     (deploy,) = by_kind(default_docs, "Deployment")
     pod = deploy["spec"]["template"]
+    spec = pod["spec"]
     assert pod["metadata"]["labels"]["inference.networking.k8s.io/engine-type"] == "vllm"
     spec = pod["spec"]
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -154,9 +162,32 @@ def test_pod_shape_defaults(default_docs: list[dict]) -> None:
     assert "--listen=unix:///var/run/loraplex/cache.sock" in cache["args"]
     assert f"--capacity-bytes={capacity}" in cache["args"]
     assert inf["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Startup and liveness ask the watchdog-backed "liveness" service; readiness the overall one.
+    assert inf["startupProbe"]["grpc"] == inf["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
+    assert inf["readinessProbe"]["grpc"] == {"port": 50051}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert inf[probe]["grpc"] == {"port": 50051}
         assert "grpc_health" in " ".join(cache[probe]["exec"]["command"])
+    # The sidecar starts first and outlives the inference container (native sidecar).
+    assert [c["name"] for c in spec["initContainers"]] == ["loraplex-cache"] and cache["restartPolicy"] == "Always"
+    assert [c["name"] for c in spec["containers"]] == ["loraplex-inference"]
+    # Metrics on the pod address for both; dtype auto; drain budget derived from the pod's grace.
+    assert "--metrics-addr=0.0.0.0" in inf["args"] and "--metrics-addr=0.0.0.0" in cache["args"]
+    assert "--dtype=auto" in inf["args"] and "--listen=0.0.0.0:50051" in inf["args"]
+    assert "--shutdown-grace-s=50" in inf["args"] and "--drain-delay-s=2" in inf["args"]
+    assert spec["terminationGracePeriodSeconds"] == 60
+    assert inf["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert not any(a.startswith("--admin-token-file") or a == "--insecure-admin" for a in inf["args"])
+    # Trust between the containers: staged adapters read-only for inference, no shared writable
+    # scratch, the kernel cache (.so files the inference process dlopen()s) mounted by it alone.
+    mounts = {name: {m["name"]: m for m in c["volumeMounts"]} for name, c in cs.items()}
+    assert mounts["loraplex-inference"]["staged-adapters"]["readOnly"] is True
+    assert "kernel-cache" not in mounts["loraplex-cache"]
+    kernel_dir = mounts["loraplex-inference"]["kernel-cache"]["mountPath"]
+    assert {"name": "LORAPLEX_KERNEL_CACHE", "value": kernel_dir} in inf["env"]
+    writable = {n: {m["name"] for m in ms.values() if not m.get("readOnly")} for n, ms in mounts.items()}
+    assert writable["loraplex-inference"] & writable["loraplex-cache"] == {"cache-socket"}
+    # Preload changes reach running pods through the mounted ConfigMap: nothing rolls them.
+    assert "checksum/preload" not in (pod["metadata"].get("annotations") or {})
     # tmpfs pages count against the sidecar: its memory covers the shm size plus the process.
     assert int(cache["resources"]["limits"]["memory"]) == int(staged["sizeLimit"]) + 536870912
     (svc,) = by_kind(default_docs, "Service")
@@ -170,8 +201,18 @@ def test_pod_shape_all_features(all_docs: list[dict]) -> None:
     assert "add" not in inf["securityContext"]["capabilities"]
     for flag in ("--admin-token-file=/etc/loraplex/admin/token", "--tls-client-ca=/etc/loraplex/tls/ca.crt",
                  "--preload-file=/etc/loraplex/preload/preload.yaml", "--kv-cache-bytes=21474836480",
-                 "--adapter-source-allow=https://models.example.com/adapters/"):
-        assert flag in inf["args"]
+                 "--adapter-source-allow=https://models.example.com/adapters/", "--dtype=bfloat16",
+                 "--max-model-len=4096", "--watchdog-stall-s=30", "--shutdown-grace-s=23", "--drain-delay-s=1",
+                 "--preload-reload-s=2"):
+        assert flag in inf["args"], flag
+    assert inf["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "3"]
+    assert {"name": "LORAPLEX_MAX_QUEUE", "value": "512"} in inf["env"]
+    assert inf["envFrom"] == [{"configMapRef": {"name": "loraplex-extra-env"}}]
+    assert cache["envFrom"] == [{"secretRef": {"name": "loraplex-cache-extra"}}]
+    assert {"name": "LORAPLEX_CACHE_LOG_LEVEL", "value": "DEBUG"} in cache["env"]
+    for c in (inf, cache):
+        assert {"name": "scratch", "mountPath": "/scratch"} in c["volumeMounts"]
+    assert cache["startupProbe"]["periodSeconds"] == 1 and cache["startupProbe"]["failureThreshold"] == 60
     assert "--allow-prefix=file:///adapters/" in cache["args"]
     assert inf["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert inf["startupProbe"]["tcpSocket"] == {"port": "grpc"}  # kubelet gRPC probes are plaintext only
@@ -180,12 +221,20 @@ def test_pod_shape_all_features(all_docs: list[dict]) -> None:
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://rgw.storage.svc:8080"
     (cm,) = [d for d in by_kind(all_docs, "ConfigMap") if d["metadata"]["name"].endswith("-preload")]
     preload = yaml.safe_load(cm["data"]["preload.yaml"])
-    assert preload[0] == {"name": "acme/support@v3", "uri": "s3://adapters/acme/support/v3/", "pinned": True}
-    assert preload[1]["pinned"] is False
+    assert preload[0] == {"name": "acme/support@v3", "uri": "s3://adapters/acme/support/v3/", "pinned": True,
+                          "required": True, "sha256": "0d3c6f04e83f5bd0b6bd3bd1b6c1c2f9b8c5a3a1"
+                                                      "bd7d7f8e9a0b1c2d3e4f5a6b"}
+    assert preload[1]["pinned"] is False and preload[1]["required"] is False
     (sa,) = by_kind(all_docs, "ServiceAccount")
     assert "eks.amazonaws.com/role-arn" in sa["metadata"]["annotations"]
     (deploy,) = by_kind(all_docs, "Deployment")
     assert "replicas" not in deploy["spec"]  # the HPA owns it
+    assert deploy["spec"]["strategy"] == {"type": "RollingUpdate",
+                                          "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    spec = deploy["spec"]["template"]["spec"]
+    assert {"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}} in spec["volumes"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu" and "podAntiAffinity" in spec["affinity"]
 
 
 def test_dashboard_configmaps(default_docs: list[dict]) -> None:
@@ -206,6 +255,13 @@ def test_values_validate_against_schema() -> None:
     bad = yaml.safe_load(BAD_VALUES.read_text())
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
+
+
+@pytest.mark.parametrize("bad", ["model.dtype=fp8", "inference.drain.preStopSeconds=-1", "preload.reloadSeconds=x",
+                                 "strategy.type=Sometimes", "tolerations[0].operator=Maybe"])
+def test_helm_rejects_bad_new_values(bad: str) -> None:
+    out = helm("template", "rel", str(CHART_DIR), "--set", bad)
+    assert out.returncode != 0 and "schema" in out.stderr.lower(), out.stderr
 
 
 @pytest.mark.parametrize("how", ["file", "set"])

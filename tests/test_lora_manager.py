@@ -55,7 +55,7 @@ def write_tiny_adapter(
 
 
 def make_core(max_loras: int = 2, **config: object) -> EngineCore:
-    return EngineCore(EngineConfig(model="builtin:tiny", max_loras=max_loras, max_lora_rank=8,
+    return EngineCore(EngineConfig(model="builtin:tiny", device="cpu", max_loras=max_loras, max_lora_rank=8,
                                    kv_cache_bytes=4 << 20, **config))
 
 
@@ -382,7 +382,7 @@ def _logits(core: EngineCore, rid: str, adapter: str) -> torch.Tensor:
 def test_reused_slot_leaks_nothing(hf_setup):
     checkpoint, x, y = hf_setup
     config = dict(model=str(checkpoint), max_loras=1, max_lora_rank=8, kv_cache_bytes=4 << 20)
-    core = EngineCore(EngineConfig(**config))
+    core = EngineCore(EngineConfig(device="cpu", **config))
     load_adapters(core, {"x": x, "y": y})
     _logits(core, "on-x", "x")
     assert core.lora.pool.slot_to_uid == [uid_of(core, "x")]
@@ -391,7 +391,7 @@ def test_reused_slot_leaks_nothing(hf_setup):
     assert_leak_free(core)
     core.shutdown()
 
-    fresh_core = EngineCore(EngineConfig(**config))
+    fresh_core = EngineCore(EngineConfig(device="cpu", **config))
     load_adapters(fresh_core, {"y": y})
     fresh = _logits(fresh_core, "fresh", "y")
     fresh_core.shutdown()

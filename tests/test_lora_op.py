@@ -1,4 +1,5 @@
-"""The batched LoRA ops (torch, both B layouts, and the CPU kernel in fp32 and bf16) against a
+"""The batched LoRA ops (torch in fp32 with both B layouts and in bf16/fp16 slots as on a GPU, and
+the CPU kernel in fp32 and bf16) against a
 per-token reference: any mix of slots (base-model tokens too), slot orders, group sizes, adapter
 ranks below the slots' maximum, with and without the slots' ranks known."""
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from inference_service.kernels import lora as lora_kernel
 from inference_service.lora.ops import LoRAOp, SlicedB, TorchLoRAOp, build_lora_batch
+from tests.infra.devices import C_KERNELS_OFF
 
 NUM_SLOTS, MAX_RANK = 5, 8
 # (input size, output sizes of a fused projection of three modules, like q, k, v with GQA). The
@@ -48,12 +50,17 @@ def make_op(kind: str) -> tuple[LoRAOp, torch.dtype]:
         return TorchLoRAOp(torch.device("cpu")), torch.float32
     if kind == "torch, B rank-major":
         return TorchLoRAOp(torch.device("cpu"), b_rank_major=True), torch.float32
+    if kind.startswith("torch "):  # half-precision slots: what the torch op holds on CUDA
+        return TorchLoRAOp(torch.device("cpu")), {"torch bf16": torch.bfloat16, "torch fp16": torch.float16}[kind]
+    if C_KERNELS_OFF:
+        pytest.skip("the C kernels are turned off in this run (LORAPLEX_CPU_KERNELS)")
     dtype = torch.float32 if kind == "kernel fp32" else torch.bfloat16
     assert lora_kernel.available(dtype), "the LoRA kernel should build with the compiler on these machines"
     return lora_kernel.CpuLoRAOp(dtype), dtype
 
 
-@pytest.mark.parametrize("kind", ["torch", "torch, B rank-major", "kernel fp32", "kernel bf16"])
+@pytest.mark.parametrize("kind", ["torch", "torch, B rank-major", "torch bf16", "torch fp16", "kernel fp32",
+                                  "kernel bf16"])
 @settings(max_examples=200, deadline=None)
 @given(
     token_slots=st.lists(st.integers(-1, NUM_SLOTS - 1), min_size=1, max_size=24),
@@ -79,11 +86,22 @@ def test_op_matches_per_token_reference(kind, token_slots, shape, ranks, sort, k
     stored = [SlicedB(s.start, s.end, s.b.transpose(1, 2).contiguous()) for s in bs] if op.b_rank_major else bs
     if batch is not None:
         op.apply(x, out, a, stored, batch)
-    expected = reference(x.float(), a.float(), [SlicedB(s.start, s.end, s.b.float()) for s in bs], token_slots)
-    # fp32: the op and the reference sum in different orders, over terms of magnitude ~10 (x·A
-    # adds 32-64 products of unit normals): an output that cancels to ~0 can differ by ~1e-5.
-    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    b32 = [SlicedB(s.start, s.end, s.b.float()) for s in bs]
+    expected = reference(x.float(), a.float(), b32, token_slots)
+    if dtype == torch.float32:
+        # The op and the reference sum in different orders, over terms of magnitude ~10 (x·A adds
+        # 32-64 products of unit normals): an output that cancels to ~0 can differ by ~1e-5 absolute,
+        # while relative to a large output the difference is a few fp32 ulps.
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+        return
+    # Half precision (inputs already in it, so exact in the fp32 reference): at most two roundings
+    # to the dtype, of x·A (when the op keeps it in the dtype) and of the output, each off by half
+    # an eps relative. Bounded by the same sums over absolute values, Σ|B|·|A|·|x|.
+    magnitude = reference(x.float().abs(), a.float().abs(), [SlicedB(s.start, s.end, s.b.abs()) for s in b32],
+                          token_slots)
+    bound = torch.finfo(dtype).eps * magnitude + 1e-6
+    excess = (out.float() - expected).abs() - bound
+    assert excess.max() <= 0, f"{kind}: off by {excess.max().item()} beyond {torch.finfo(dtype).eps} x |terms|"
 
 
 def test_transposing_copy_matches_torch():

@@ -30,7 +30,7 @@ class RefuseFirstStages:
 
 
 def test_cache_full_on_stage_is_retried_not_failed(tmp_path: Path):
-    core = EngineCore(EngineConfig(max_loras=2, max_lora_rank=8, kv_cache_bytes=4 << 20))
+    core = EngineCore(EngineConfig(device="cpu", max_loras=2, max_lora_rank=8, kv_cache_bytes=4 << 20))
     adapter = write_tiny_adapter(tmp_path / "a", rank=4, seed=1)
     load_adapters(core, {"a": adapter})  # registered; no host copy kept
     core.lora.source = RefuseFirstStages(core.lora.source, refusals=2)
@@ -44,7 +44,7 @@ def test_cache_full_on_stage_is_retried_not_failed(tmp_path: Path):
 
 def test_cache_full_on_load_adapter_is_reported(tmp_path: Path):
     """An admin LoadAdapter has nobody waiting: the refusal goes back to the caller."""
-    core = EngineCore(EngineConfig(max_loras=2, max_lora_rank=8, kv_cache_bytes=4 << 20))
+    core = EngineCore(EngineConfig(device="cpu", max_loras=2, max_lora_rank=8, kv_cache_bytes=4 << 20))
     core.lora.source = RefuseFirstStages(core.lora.source, refusals=1)
     future = core.lora.load_adapter("a", str(write_tiny_adapter(tmp_path / "a", rank=4, seed=1)))
     while not future.done():

@@ -183,7 +183,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
             return LoRAManager(**{**kwargs, "host_executor": self.executor})  # type: ignore[arg-type]
 
         config = EngineConfig(
-            model="builtin:tiny", max_loras=slots, max_lora_rank=MAX_RANK, kv_cache_bytes=kv_blocks * KV_BLOCK_BYTES,
+            model="builtin:tiny", device="cpu", max_loras=slots, max_lora_rank=MAX_RANK,
+            kv_cache_bytes=kv_blocks * KV_BLOCK_BYTES,
             max_num_seqs=max_num_seqs, aging_steps=10**9,  # no aging barrier: every queued request's adapter is needed
         )
         with mock.patch("inference_service.model_runner.LoRAManager", manager), \

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import subprocess
 import urllib.request
 from dataclasses import dataclass, field
 
-import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,8 +18,8 @@ from inference_service.metrics import (
     build_registry,
     serve_metrics,
 )
+from tests.infra.tools import require_tool
 
-PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 VLLM_NAMES = {
     "vllm:lora_requests_info",
     "vllm:num_requests_running",
@@ -163,11 +160,10 @@ ACCEPTED_LINT = {name: "should not contain ':'" for name in VLLM_NAMES} | {
 
 
 def test_promtool_check_metrics_clean_except_fixed_names():
-    if not os.path.exists(PROMTOOL):
-        pytest.skip("promtool not installed (scripts/install_test_tools.sh installs it)")
+    promtool = require_tool("promtool")
     registry, sink = _registry(FakeStats())
     _feed(sink)
-    r = subprocess.run([PROMTOOL, "check", "metrics"], input=generate_latest(registry), capture_output=True,
+    r = subprocess.run([promtool, "check", "metrics"], input=generate_latest(registry), capture_output=True,
                        timeout=60)
     findings = [ln for ln in (r.stdout + r.stderr).decode().splitlines() if ln.strip()]
     unexpected = [ln for ln in findings if ACCEPTED_LINT.get(ln.split()[0], "\0") not in ln]

@@ -97,7 +97,7 @@ def generate(adapters: dict[str, Path] | None = None) -> tuple[list[list[int]], 
     """Greedy tokens of 6 requests of different lengths (cycling through base model and the
     adapters), and the name of the LoRA op the engine used."""
     adapters = adapters or {}
-    core = EngineCore(EngineConfig(model=BUILTIN_TINY, max_num_seqs=8, max_loras=2, max_lora_rank=8))
+    core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu", max_num_seqs=8, max_loras=2, max_lora_rank=8))
     load_adapters(core, adapters, preload=True)
     names = [None, *adapters]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -159,7 +159,7 @@ def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):
 
 def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):
     """Built at start-up (model runner), not in the first request's decode step."""
-    core = EngineCore(EngineConfig(model=BUILTIN_TINY))
+    core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu"))
     built = sorted(p.name.rsplit("-", 1)[0] for p in kernel_cache.iterdir() if p.suffix == ".so")
     assert built == ["fused", "lora", "paged_decode_attention"]
     assert isinstance(core.runner.model.lora_op, lora_kernel.CpuLoRAOp)

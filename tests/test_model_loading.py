@@ -38,7 +38,7 @@ def write_tokenizer(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A tiny llama checkpoint (no tokenizer.json)."""
+    """A tiny llama checkpoint (with make_checkpoint's byte-level tokenizer.json)."""
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "model", "llama")
 
 
@@ -81,13 +81,18 @@ def test_checkpoint_with_tokenizer_json_uses_it(copy):
         tokens = [t for o in outs for t in o.new_token_ids]
         assert outs[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 12
         assert all(0 <= t < VOCAB for t in tokens)
-        assert "".join(o.text for o in outs) == tok.decode(tokens)
+        # the text as written after the prompt (its separating space included)
+        assert "".join(o.text for o in outs) == tok.decode(ids + tokens)[len(tok.decode(ids)):]
     finally:
         core.shutdown()
 
 
-def test_checkpoint_without_tokenizer_json_uses_bytes(checkpoint):
-    model, tok = load_model(str(checkpoint), CPU, torch.float32)
+def test_checkpoint_without_tokenizer_json_is_refused_unless_bytes_are_asked_for(copy):
+    root = copy()
+    (root / "tokenizer.json").unlink()
+    with pytest.raises(FailedPreconditionError, match="no tokenizer.json.*--tokenizer byte"):
+        load_model(str(root), CPU, torch.float32)
+    model, tok = load_model(str(root), CPU, torch.float32, tokenizer_mode="byte")
     assert isinstance(tok, ByteTokenizer)
     assert model.config.vocab_size == VOCAB and model.config.eos_token_ids == (2,)
 

@@ -18,9 +18,7 @@ API = ROOT / "inference_service" / "api"
 BASELINE = PROTOS / "baseline" / "loraplex-v1.binpb"
 BUF = ROOT / ".tools" / "bin" / "buf"
 
-needs_buf = pytest.mark.skipif(
-    not BUF.exists(), reason=f"buf not installed at {BUF} (run scripts/install_test_tools.sh)"
-)
+needs_buf = pytest.mark.needs_tool("buf", BUF)
 
 
 def _proto_stems() -> list[str]:

@@ -16,6 +16,7 @@ from inference_service.engine import EngineCore
 from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
+from tests.infra.devices import DEVICES
 from tests.infra.engine_helpers import generate, load_adapters, run_to_completion
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -54,22 +55,24 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[256] + [rng.randrange(32, 127) for _ in range(rng.randrange(4, 30))] for _ in range(n)]
 
 
-def _core(**kwargs) -> EngineCore:
+def _core(device: str = "cpu", **kwargs) -> EngineCore:
+    """CPU unless a test is device-generic (then it takes the DEVICES parameter)."""
     config = dict(max_loras=4, max_lora_rank=8, kv_cache_bytes=4 << 20)
     config.update(kwargs)
-    return EngineCore(EngineConfig(**config))
+    return EngineCore(EngineConfig(device=device, **config))
 
 
-def test_preemption_gives_identical_outputs(tiny_adapters):
+@pytest.mark.parametrize("device", DEVICES)
+def test_preemption_gives_identical_outputs(tiny_adapters, device):
     names = list(tiny_adapters)
     prompts = {f"r{i}": (p, names[i % 4] if i % 5 else None) for i, p in enumerate(_prompts(10))}
-    reference_core = _core()
+    reference_core = _core(device)
     load_adapters(reference_core, {n: tiny_adapters[n] for n in names[:4]})
     reference = generate(reference_core, prompts, GREEDY)
     assert reference_core.scheduler.num_preemptions == 0
 
     block_bytes = kv_bytes_per_block(builtin_tiny_config(), 16, torch.float32)
-    tight = _core(kv_cache_bytes=12 * block_bytes)  # 192 tokens for 10 requests of up to 70
+    tight = _core(device, kv_cache_bytes=12 * block_bytes)  # 192 tokens for 10 requests of up to 70
     load_adapters(tight, {n: tiny_adapters[n] for n in names[:4]})
     constrained = generate(tight, prompts, GREEDY)
     assert tight.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
@@ -96,12 +99,13 @@ def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
     assert core.runner.kv.num_used == 0 and core.lora.registry.total_refs() == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
-def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed):
+def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed, device):
     """Aborts land at every stage: queued, adapter loading, mid chunked prefill, decoding,
     after finishing, twice, and for unknown ids. Nothing leaks."""
     rng = random.Random(seed)
-    core = _core(max_loras=3, max_num_batched_tokens=24, aging_steps=8)
+    core = _core(device, max_loras=3, max_num_batched_tokens=24, aging_steps=8)
     load_adapters(core, tiny_adapters)
     live: list[str] = []
     done: list[str] = []

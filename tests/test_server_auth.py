@@ -61,12 +61,13 @@ def test_malformed_uris_are_invalid(uri):
         UriPolicy().check(uri)
 
 
-def test_the_sidecars_policy_allows_nothing_without_prefixes():
-    """One policy for both processes: the service without an allow-list takes any well-formed
-    URI; the sidecar, which fetches, takes none."""
-    assert UriPolicy().check("s3://bucket/x/") == "s3://bucket/x"
-    with pytest.raises(PermissionDeniedError):
-        UriPolicy((), empty_allows_all=False).check("s3://bucket/x")
+def test_no_allow_list_allows_nothing_and_names_the_flag():
+    """One policy for both processes: without prefixes every well-formed URI is refused, with a
+    message naming the option that sets them."""
+    with pytest.raises(PermissionDeniedError, match="--adapter-source-allow"):
+        UriPolicy().check("s3://bucket/x/")
+    with pytest.raises(PermissionDeniedError, match="--allow-prefix"):
+        UriPolicy((), flag="--allow-prefix").check("file:///srv/adapters/x")
 
 
 def test_a_symlink_out_of_an_allowed_directory_is_refused(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
+from tests.infra.devices import SERVER_DEVICE
 from tests.infra.inference_server import start_inference_server
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,7 @@ def _inprocess_outputs(adapter_dir) -> list[tuple[list[int], str, str]]:
     from inference_service.engine import Engine
     from inference_service.request import SamplingParams
 
-    engine = Engine(EngineConfig(model="builtin:tiny", max_loras=4))
+    engine = Engine(EngineConfig(model="builtin:tiny", device=SERVER_DEVICE, max_loras=4))  # as the server
     engine.start()
     try:
         for name in ADAPTERS:
@@ -103,7 +104,7 @@ def test_streaming_generate_equals_inprocess_engine(server, adapter_dir):
 
 
 def test_usage_timings_and_list(server):
-    with InferenceClient(server.address) as c:
+    with InferenceClient(server.address, token=TOKEN) as c:  # an admin: ListAdapters shows URIs
         msgs = list(c.generate("Hi", adapter="ad1", max_new_tokens=5, ignore_eos=True))
         last = msgs[-1]
         assert last.finish_reason == pb.FINISH_REASON_LENGTH

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,12 +18,14 @@ from prometheus_client import generate_latest
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.errors import NotFoundError, ResourceExhaustedError, UnavailableError
+from inference_service.limits import RequestLimits
 from inference_service.metrics import build_registry
 from inference_service.request import FinishReason, RequestOutput, Timings
 from inference_service.server import ServerConfig, build_server
 from inference_service.tokenizer import ByteTokenizer
+from tests.infra.tools import require_tool
 
-GRPCURL = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "grpcurl"
+GRPCURL = Path(sys.executable).with_name("grpcurl")  # the venv running the tests ships it (pip wrapper)
 
 
 @dataclass
@@ -34,6 +36,8 @@ class FakeModelInfo:
     max_loras: int = 2
     max_lora_rank: int = 8
     max_new_tokens_limit: int = 32
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_registered_adapters: int = 8
 
 
 @dataclass
@@ -109,8 +113,14 @@ class FakeEngine:
             fut.set_result(None)
         return fut
 
-    def list_adapters(self):
-        return list(self.adapters.values())
+    def list_adapters(self, limit=None, after=None):
+        import concurrent.futures
+
+        fut = concurrent.futures.Future()
+        listed = sorted((a for a in self.adapters.values() if after is None or (a.name, a.version) > after),
+                        key=lambda a: (a.name, a.version))
+        fut.set_result(listed[:limit])
+        return fut
 
 
 def run(coro):
@@ -165,6 +175,40 @@ def test_client_cancel_aborts_in_engine_and_counts_cancelled():
     assert engine.aborted == {"c1": FinishReason.CANCELLED}
     assert 'loraplex_grpc_requests_total{code="CANCELLED",method="Generate"} 1.0' in text
     assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text  # never counted as success
+
+
+class _EndlessBigStream(FakeStream):
+    """64 KiB deltas, always ready, until aborted: the handler fills the stream's flow-control window
+    and then waits at its `yield` (grpc's send) for a client that does not read."""
+
+    async def __anext__(self) -> RequestOutput:
+        await asyncio.sleep(0)
+        if self.request_id in self.engine.aborted:
+            raise StopAsyncIteration
+        return RequestOutput(self.request_id, [65], text="x" * 65536)
+
+
+def test_cancel_while_the_handler_waits_to_send_counts_cancelled():
+    """A cancel that finds the handler suspended at `yield` reaches it as GeneratorExit, not
+    CancelledError: still a cancel (aborted in the engine, counted CANCELLED), never an OK."""
+    engine = FakeEngine()
+    engine.add_request = lambda prompt, params, adapter=None, request_id=None: _EndlessBigStream(  # type: ignore
+        engine, request_id, 0, 0.0)
+
+    async def body(stub, *_):
+        call = stub.Generate(_req(request_id="w1", max_new_tokens=30))
+        await call.read()
+        await asyncio.sleep(0.5)  # not reading: the server's sends back up
+        call.cancel()
+        for _ in range(100):
+            if "w1" in engine.aborted:
+                break
+            await asyncio.sleep(0.02)
+
+    text = run(_with_server(engine, body))
+    assert engine.aborted == {"w1": FinishReason.CANCELLED}
+    assert 'loraplex_grpc_requests_total{code="CANCELLED",method="Generate"} 1.0' in text
+    assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text
 
 
 def test_deadline_aborts_with_deadline_reason():
@@ -247,12 +291,14 @@ def test_admin_auth_and_unavailable_mapping():
             await stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a"))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         listed = await stub.ListAdapters(pb.ListAdaptersRequest())  # read-only RPCs are open
-        assert [a.name for a in listed.adapters] == ["a"]
+        assert [(a.name, a.uri) for a in listed.adapters] == [("a", "")]  # URIs for admins only
+        listed = await stub.ListAdapters(pb.ListAdaptersRequest(), metadata=good)
+        assert [(a.name, a.uri) for a in listed.adapters] == [("a", "file:///srv/a")]
         await stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a"), metadata=good)
         info = await stub.GetModelInfo(pb.GetModelInfoRequest())
         assert (info.model_name, info.max_context, info.max_new_tokens_limit) == ("fake", 64, 32)
 
-    text = run(_with_server(engine, body, admin_token="tok"))
+    text = run(_with_server(engine, body, admin_token="tok", adapter_source_allow=("file:///srv",)))
     assert 'loraplex_grpc_requests_total{code="UNAUTHENTICATED",method="LoadAdapter"} 1.0' in text
     assert 'loraplex_grpc_requests_total{code="PERMISSION_DENIED",method="LoadAdapter"} 2.0' in text
 
@@ -263,9 +309,7 @@ def test_health_and_reflection_with_grpcurl():
         for service in ("", "loraplex.v1.Inference"):
             resp = await h.Check(health_pb2.HealthCheckRequest(service=service))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
-        if not GRPCURL.exists() and not shutil.which("grpcurl"):
-            return
-        exe = str(GRPCURL) if GRPCURL.exists() else "grpcurl"
+        exe = require_tool("grpcurl", GRPCURL)
         out = await asyncio.to_thread(subprocess.run, [exe, "-plaintext", f"127.0.0.1:{port}", "list"],
                                       capture_output=True, text=True, timeout=30)
         assert "loraplex.v1.Inference" in out.stdout and "grpc.health.v1.Health" in out.stdout, out
@@ -284,8 +328,7 @@ def _openssl(*args, cwd):
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    if not shutil.which("openssl"):
-        pytest.skip("openssl not installed")
+    require_tool("openssl")
     d = tmp_path_factory.mktemp("pki")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
              "-subj", "/CN=loraplex-test-ca", "-days", "1", cwd=d)

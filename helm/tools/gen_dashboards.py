@@ -150,6 +150,18 @@ def serving() -> gdash.Dashboard:
              "reqps",
              (f"topk(10, sum by (adapter) (rate(loraplex_adapter_requests_total{{{SEL}}}[{RATE}])))",
               "{{adapter}}"), span=12))
+         .with_panel(timeseries(
+             "Health", "Pods whose grpc.health.v1 readiness / liveness reports SERVING (readiness drops "
+             "while required preloads load, while draining and with a dead or stuck scheduler).", "none",
+             (f"sum by (probe) (loraplex_health_serving{{{SEL}}})", "{{probe}}"),
+             (f"sum(increase(loraplex_drain_cancelled_requests_total{{{SEL}}}[{RATE}]))",
+              "cut at the end of a drain")))
+         .with_panel(timeseries(
+             "Preload entries", "Preload-file adapters by state; FAILED ones are retried with backoff. "
+             "Failed attempts and applied preload-file changes per second.", "none",
+             (f"sum by (state) (loraplex_preload_adapters{{{SEL}}})", "{{state}}"),
+             (f"sum(rate(loraplex_preload_failures_total{{{SEL}}}[{RATE}]))", "failed attempts / s"),
+             (f"sum(rate(loraplex_preload_reloads_total{{{SEL}}}[{RATE}]))", "file changes / s")))
          .with_panel(
              gtable.Panel().title("Router view (vllm:lora_requests_info)")
              .description("What an inference gateway sees for LoRA-affinity routing, per pod.")

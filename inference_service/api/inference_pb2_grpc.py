@@ -69,6 +69,16 @@ class InferenceStub:
                 request_serializer=inference__service_dot_api_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=inference__service_dot_api_dot_inference__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/loraplex.v1.Inference/Tokenize',
+                request_serializer=inference__service_dot_api_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=inference__service_dot_api_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/loraplex.v1.Inference/Detokenize',
+                request_serializer=inference__service_dot_api_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=inference__service_dot_api_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -121,6 +131,20 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenize turns text into the base model's token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Detokenize turns token ids into text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +172,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=inference__service_dot_api_dot_inference__pb2.GetModelInfoRequest.FromString,
                     response_serializer=inference__service_dot_api_dot_inference__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=inference__service_dot_api_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=inference__service_dot_api_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=inference__service_dot_api_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=inference__service_dot_api_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -295,6 +329,60 @@ class Inference:
             '/loraplex.v1.Inference/GetModelInfo',
             inference__service_dot_api_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
             inference__service_dot_api_dot_inference__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Inference/Tokenize',
+            inference__service_dot_api_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            inference__service_dot_api_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Inference/Detokenize',
+            inference__service_dot_api_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            inference__service_dot_api_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import math
 import re
 import struct
@@ -21,7 +20,11 @@ from pathlib import Path
 
 import torch
 
-from inference_service.errors import AdapterError, AdapterIncompatibleError, NotFoundError
+from inference_service import file_access
+from inference_service.errors import AdapterError, AdapterIncompatibleError
+from inference_service.lora import strict_json
+from inference_service.lora.module_patterns import MAX_PATTERNS, compile_pattern, suffix_matcher
+from inference_service.lora.strict_json import shorten
 
 # LLaMA-family projections we can apply LoRA to, and the submodule holding each.
 SUPPORTED_TARGET_MODULES: dict[str, str] = {
@@ -49,8 +52,10 @@ _UNSUPPORTED_FEATURES = {
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
 }
 
+# ASCII only and no leading zeros: "layers.01" or a non-ASCII digit must not name layer 1 a second time.
 _KEY_RE = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"(?:base_model\.model\.)?model\.layers\.(0|[1-9][0-9]{0,5})\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight",
+    re.ASCII,
 )
 _DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -70,14 +75,17 @@ class LoRAAdapterConfig:
     target_modules: tuple[str, ...]
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
+    layers_to_transform: tuple[int, ...] | None = None  # None: every layer
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+    # alpha_pattern compiled (RE2, linear time), in the file's order: PEFT takes the first match.
+    alpha_matchers: tuple = field(default=(), compare=False, repr=False)
 
     def scaling(self, module_path: str, rank: int) -> float:
         """PEFT's scaling for one module: alpha/r, or alpha/sqrt(r) for rsLoRA (patterns override)."""
         alpha = self.alpha
-        for pattern, value in self.alpha_pattern.items():
-            if re.match(rf"(.*\.)?({pattern})$", module_path):
-                alpha = float(value)
+        for matcher, value in self.alpha_matchers:
+            if matcher.fullmatch(module_path):
+                alpha = value
                 break
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
@@ -114,44 +122,91 @@ class HostAdapter:
     slot_form: bool = False
 
 
+MAX_CONFIG_BYTES = 1 << 20
+MAX_TARGET_MODULES = 64
+MAX_NAME_CHARS = 256
+
+
 def parse_adapter_config(raw: bytes | str | dict, max_rank: int) -> LoRAAdapterConfig:
-    """Parse and check adapter_config.json; raises AdapterError naming the problem."""
+    """Parse and check adapter_config.json; raises AdapterError naming the problem.
+
+    Every field that decides the math is type-checked as JSON gives it ("false" is not false, "8"
+    is not 8), numbers must be finite and positive, and regexes run in linear time."""
     if isinstance(raw, dict):
         data = raw
     else:
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"{CONFIG_FILE} is {len(raw)} bytes, over the limit of {MAX_CONFIG_BYTES}")
+        data = strict_json.loads(raw, CONFIG_FILE)
     if not isinstance(data, dict):
         raise AdapterError(f"{CONFIG_FILE} must be a JSON object")
     peft_type = data.get("peft_type", "LORA")
-    if str(peft_type).upper() != "LORA":
-        raise AdapterError(f"only LoRA adapters are supported, got peft_type={peft_type!r}")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise AdapterError(f"only LoRA adapters are supported, got peft_type={shorten(peft_type)}")
     for key, message in _UNSUPPORTED_FEATURES.items():
         if data.get(key):
             raise AdapterError(message)
     if data.get("bias", "none") != "none":
-        raise AdapterError(f"bias={data['bias']!r} is not supported (only 'none')")
-    rank = data.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise AdapterError(f"r must be a positive integer, got {rank!r}")
-    rank_pattern = {str(k): int(v) for k, v in (data.get("rank_pattern") or {}).items()}
-    for r in [rank, *rank_pattern.values()]:
-        if r > max_rank:
-            raise AdapterError(f"adapter rank {r} exceeds max_lora_rank {max_rank}")
-    alpha = data.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterError(f"lora_alpha must be a finite number, got {alpha!r}")
+        raise AdapterError(f"bias={shorten(data['bias'])} is not supported (only 'none')")
+    rank = _rank(data.get("r"), "r", max_rank)
+    rank_pattern = {key: _rank(value, f"rank_pattern[{shorten(key)}]", max_rank)
+                    for key, value in _patterns(data, "rank_pattern").items()}
+    alpha = _positive_number(data.get("lora_alpha", rank), "lora_alpha")
+    alpha_pattern = {key: _positive_number(value, f"alpha_pattern[{shorten(key)}]")
+                     for key, value in _patterns(data, "alpha_pattern").items()}
+    use_rslora = data.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterError(f"use_rslora must be true or false (a JSON boolean), got {shorten(use_rslora)}")
+    for key in rank_pattern:  # PEFT matches these too; a pattern we could not match is refused
+        suffix_matcher(key, f"rank_pattern key {shorten(key)}")
     return LoRAAdapterConfig(
         rank=rank,
-        alpha=float(alpha),
-        use_rslora=bool(data.get("use_rslora", False)),
+        alpha=alpha,
+        use_rslora=use_rslora,
         target_modules=_target_modules(data.get("target_modules")),
         rank_pattern=rank_pattern,
-        alpha_pattern={str(k): float(v) for k, v in (data.get("alpha_pattern") or {}).items()},
+        alpha_pattern=alpha_pattern,
+        layers_to_transform=_layers_to_transform(data.get("layers_to_transform")),
         raw=data,
+        alpha_matchers=tuple((suffix_matcher(key, f"alpha_pattern key {shorten(key)}"), value)
+                             for key, value in alpha_pattern.items()),
     )
+
+
+def _rank(value: object, what: str, max_rank: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise AdapterError(f"{what} must be a positive integer, got {shorten(value)}")
+    if value > max_rank:
+        raise AdapterError(f"adapter rank {value} ({what}) exceeds max_lora_rank {max_rank}")
+    return value
+
+
+def _positive_number(value: object, what: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise AdapterError(f"{what} must be a finite positive number, got {shorten(value)}")
+    return float(value)
+
+
+def _patterns(data: dict, name: str) -> dict:
+    value = data.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise AdapterError(f"{name} must be an object of pattern: value, got {type(value).__name__}")
+    if len(value) > MAX_PATTERNS:
+        raise AdapterError(f"{name} has {len(value)} patterns, at most {MAX_PATTERNS}")
+    return value
+
+
+def _layers_to_transform(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    layers = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(layers, list) or not layers or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in layers):
+        raise AdapterError(f"layers_to_transform must be a layer index or a non-empty list of them, "
+                           f"got {shorten(value)}")
+    return tuple(sorted(set(layers)))
 
 
 def _target_modules(value: object) -> tuple[str, ...]:
@@ -159,65 +214,102 @@ def _target_modules(value: object) -> tuple[str, ...]:
         return tuple(SUPPORTED_TARGET_MODULES)
     if isinstance(value, str):
         # A regex over module paths: which supported modules it names is decided by the tensors.
+        pattern = compile_pattern(value, "target_modules")
         matched = tuple(
             m
             for m, parent in SUPPORTED_TARGET_MODULES.items()
-            if re.fullmatch(value, m) or re.fullmatch(value, f"model.layers.0.{parent}.{m}")
+            if pattern.fullmatch(m) or pattern.fullmatch(f"model.layers.0.{parent}.{m}")
         )
         if not matched:
-            raise AdapterError(f"target_modules {value!r} matches no supported module")
+            raise AdapterError(f"target_modules {shorten(value)} matches no supported module")
         return matched
     if not isinstance(value, list) or not value:
         raise AdapterError("target_modules must be a non-empty list of module names")
-    names = tuple(str(v).split(".")[-1] for v in value)
+    if len(value) > MAX_TARGET_MODULES or not all(isinstance(v, str) and len(v) <= MAX_NAME_CHARS for v in value):
+        raise AdapterError(f"target_modules must be at most {MAX_TARGET_MODULES} strings of at most "
+                           f"{MAX_NAME_CHARS} characters")
+    names = tuple(v.split(".")[-1] for v in value)
     unsupported = sorted(set(names) - set(SUPPORTED_TARGET_MODULES))
     if unsupported:
         raise AdapterError(
-            f"unsupported target modules {unsupported}; supported: {sorted(SUPPORTED_TARGET_MODULES)}"
+            f"unsupported target modules {shorten(unsupported, 200)}; supported: {sorted(SUPPORTED_TARGET_MODULES)}"
         )
     return names
 
 
+MAX_HEADER_BYTES = 8 << 20
+MAX_TENSORS = 16384
+MAX_DIMS = 8
+_ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
+
+
 def safetensors_manifest(data: bytes | memoryview, size: int | None = None) -> list[TensorEntry]:
-    """Parse a safetensors header and check every tensor lies inside the file.
+    """Parse and check a safetensors header before any tensor byte is touched.
 
     `data` is the file, or with `size` (the file's size) a prefix of it that holds the header.
-    Truncated or malformed files raise AdapterError before any tensor is touched.
+    As the safetensors library itself requires: a bounded header, each entry exactly
+    {dtype, shape, data_offsets} with positive integer dims and offsets spanning exactly
+    dtype size x shape, and the tensors tiling the data section from its first byte to the end
+    of the file, so no two overlap or alias and nothing hides between them. Anything else raises
+    AdapterError naming the tensor and the problem.
     """
     view = memoryview(data)
     size = len(view) if size is None else size
     if len(view) < 8:
         raise AdapterError(f"{WEIGHTS_FILE} is truncated: {len(view)} bytes")
     (header_len,) = struct.unpack("<Q", view[:8])
-    if header_len > len(view) - 8 or header_len > 100 * 1024 * 1024:
+    if header_len > MAX_HEADER_BYTES:
+        raise AdapterError(f"{WEIGHTS_FILE}: header of {header_len} bytes, over the limit of {MAX_HEADER_BYTES}")
+    if header_len > len(view) - 8:
         raise AdapterError(f"{WEIGHTS_FILE} is truncated or malformed: header length {header_len}")
-    try:
-        header = json.loads(bytes(view[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{WEIGHTS_FILE} header is not valid JSON: {exc}") from None
+    header = strict_json.loads(bytes(view[8 : 8 + header_len]), f"{WEIGHTS_FILE} header")
     if not isinstance(header, dict):
         raise AdapterError(f"{WEIGHTS_FILE} header must be a JSON object")
+    if len(header) > MAX_TENSORS + 1:
+        raise AdapterError(f"{WEIGHTS_FILE} lists {len(header)} tensors, at most {MAX_TENSORS}")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise AdapterError(f"{WEIGHTS_FILE}: __metadata__ must be an object of strings")
     base = 8 + header_len
-    entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, (start, end) = info["dtype"], info["data_offsets"]
-            shape = tuple(int(d) for d in info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise AdapterError(f"{WEIGHTS_FILE}: malformed entry for tensor {name!r}") from None
-        if dtype not in _DTYPES:
-            raise AdapterError(f"tensor {name!r} has unsupported dtype {dtype}")
-        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
-        if not (0 <= start <= end) or end - start != nbytes:
-            raise AdapterError(f"tensor {name!r}: data offsets do not match its shape and dtype")
-        if base + end > size:
-            raise AdapterError(
-                f"{WEIGHTS_FILE} is truncated: tensor {name!r} ends at byte {base + end}, file has {size}"
-            )
-        entries.append(TensorEntry(name, dtype, shape, base + start, nbytes))
+    entries = [_entry(name, info, base) for name, info in header.items()]
+    entries.sort(key=lambda e: e.offset)
+    expected = base
+    for entry in entries:
+        if entry.offset != expected:
+            what = "overlaps the previous tensor" if entry.offset < expected else "leaves a gap before it"
+            raise AdapterError(f"tensor {shorten(entry.name)}: data offsets {what} (starts at byte "
+                               f"{entry.offset - base} of the data, expected {expected - base})")
+        expected += entry.nbytes
+    if expected > size:
+        raise AdapterError(f"{WEIGHTS_FILE} is truncated: its tensors end at byte {expected}, file has {size}")
+    if expected < size:
+        raise AdapterError(f"{WEIGHTS_FILE}: {size - expected} bytes after the last tensor")
     return entries
+
+
+def _entry(name: str, info: object, base: int) -> TensorEntry:
+    where = f"{WEIGHTS_FILE}: tensor {shorten(name)}"
+    if not isinstance(info, dict) or set(info) != _ENTRY_FIELDS:
+        raise AdapterError(f"{where}: an entry must be an object with exactly {sorted(_ENTRY_FIELDS)}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise AdapterError(f"{where}: dtype must be a string, got {type(dtype).__name__}")
+    if dtype not in _DTYPES:
+        raise AdapterError(f"{where} has unsupported dtype {shorten(dtype)} (supported: {sorted(_DTYPES)})")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise AdapterError(f"{where}: shape must be a list of at most {MAX_DIMS} positive integers, "
+                           f"got {shorten(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+            isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+        raise AdapterError(f"{where}: data_offsets must be two non-negative integers, got {shorten(offsets)}")
+    start, end = offsets
+    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+    if end - start != nbytes:
+        raise AdapterError(f"{where}: data offsets [{start}, {end}] do not match its shape {shape} and dtype "
+                           f"{dtype} ({nbytes} bytes)")
+    return TensorEntry(name, dtype, tuple(shape), base + start, nbytes)
 
 
 def tensors_from_buffer(data: bytes | memoryview, manifest: list[TensorEntry]) -> dict[str, torch.Tensor]:
@@ -225,9 +317,6 @@ def tensors_from_buffer(data: bytes | memoryview, manifest: list[TensorEntry]) -
     tensors = {}
     for entry in manifest:
         dtype = _DTYPES[entry.dtype]
-        if entry.nbytes == 0:
-            tensors[entry.name] = torch.empty(entry.shape, dtype=dtype)
-            continue
         tensors[entry.name] = _view(data, dtype, entry.nbytes // dtype.itemsize, entry.offset).view(entry.shape)
     return tensors
 
@@ -248,15 +337,20 @@ def parse_adapter_tensors(
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY_RE.match(key)
+        match = _KEY_RE.fullmatch(key)
         if match is None:
-            raise AdapterError(f"unexpected tensor {key!r}: only LoRA A/B weights of q,k,v,o,gate,up,down")
+            raise AdapterError(f"unexpected tensor {shorten(key)}: only LoRA A/B weights of q,k,v,o,gate,up,down")
         layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
         if SUPPORTED_TARGET_MODULES.get(module) != parent:
-            raise AdapterError(f"unsupported target module {parent}.{module} in tensor {key!r}")
+            raise AdapterError(f"unsupported target module {parent}.{module} in tensor {shorten(key)}")
         if tensor.dim() != 2:
-            raise AdapterError(f"tensor {key!r} must be 2-D, has shape {tuple(tensor.shape)}")
-        pairs.setdefault((layer, module), {})[which] = tensor
+            raise AdapterError(f"tensor {shorten(key)} must be 2-D, has shape {tuple(tensor.shape)}")
+        pair = pairs.setdefault((layer, module), {})
+        if which in pair:  # with and without the base_model.model. prefix
+            raise AdapterError(f"layer {layer} {module}: lora_{which} is given twice")
+        if config.layers_to_transform is not None and layer not in config.layers_to_transform:
+            raise AdapterError(f"tensor {shorten(key)} is for layer {layer}, not in layers_to_transform")
+        pair[which] = tensor
     for (layer, module), pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"layer {layer} {module}: lora_A and lora_B must both be present")
@@ -394,9 +488,14 @@ def build_host_adapter(
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     by_module: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY_RE.match(key)
+        match = _KEY_RE.fullmatch(key)
         assert match is not None  # parse_adapter_tensors checked every key
         by_module.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
+    beyond = [layer for layer in config.layers_to_transform or () if layer >= shapes.num_layers]
+    if beyond:
+        raise AdapterIncompatibleError(
+            f"layers_to_transform names layer {beyond[0]} but the base model has {shapes.num_layers} layers"
+        )
     size = 0
     for (layer, module), pair in sorted(by_module.items()):
         if layer >= shapes.num_layers:
@@ -418,14 +517,25 @@ def build_host_adapter(
     return HostAdapter(modules=modules, rank=rank, size_bytes=size, config=config, keepalive=keepalive)
 
 
-def load_adapter_dir(path: str | Path, shapes: BaseModelShapes, max_rank: int) -> HostAdapter:
-    """Read a local PEFT directory (adapter_config.json + adapter_model.safetensors)."""
-    root = Path(path)
-    try:
-        raw_config = (root / CONFIG_FILE).read_bytes()
-        data = (root / WEIGHTS_FILE).read_bytes()
-    except FileNotFoundError as exc:
-        raise NotFoundError(f"adapter file not found: {exc.filename}") from None
+def max_weights_bytes(shapes: BaseModelShapes, max_rank: int) -> int:
+    """The largest adapter_model.safetensors an adapter for this model can need: every module of
+    every layer at max_rank in F64, plus the largest header. A bigger file is refused unread."""
+    per_layer = sum((in_f + out_f) * max_rank for in_f, out_f in shapes.features.values())
+    return 8 + MAX_HEADER_BYTES + per_layer * shapes.num_layers * _DTYPES["F64"].itemsize
+
+
+def load_adapter_bytes(raw_config: bytes, data: bytes | bytearray, shapes: BaseModelShapes,
+                       max_rank: int) -> HostAdapter:
+    """A PEFT adapter from the bytes of its two files, checked through and through."""
     config = parse_adapter_config(raw_config, max_rank)
     tensors = parse_adapter_tensors(data, config, max_rank)
     return build_host_adapter(config, tensors, shapes, keepalive=data)
+
+
+def load_adapter_dir(path: str | Path, shapes: BaseModelShapes, max_rank: int) -> HostAdapter:
+    """Read a local PEFT directory (adapter_config.json + adapter_model.safetensors), regular
+    files only and within the size bounds (no allowed-root confinement: see LocalDirectorySource)."""
+    root = Path(path)
+    raw_config = file_access.read_regular(root / CONFIG_FILE, None, MAX_CONFIG_BYTES)
+    data = file_access.read_regular(root / WEIGHTS_FILE, None, max_weights_bytes(shapes, max_rank))
+    return load_adapter_bytes(raw_config, data, shapes, max_rank)

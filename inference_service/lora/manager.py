@@ -11,11 +11,12 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.device import CopyEngine, background_worker_thread
+from inference_service.device import CopyEngine
 from inference_service.errors import (
     FailedPreconditionError,
     LoraplexError,
@@ -23,11 +24,13 @@ from inference_service.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from inference_service.limits import shown
 from inference_service.lora.adapter import BaseModelShapes, HostAdapter
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.lora.overlap_loader import OverlapLoader
 from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion
 from inference_service.lora.source import AdapterSource
+from inference_service.lora.staging_pool import StagingPool
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 
 log = logging.getLogger(__name__)
@@ -66,9 +69,12 @@ class LoRAManager:
         metrics: MetricsSink | None = None,
         host_executor: concurrent.futures.Executor | None = None,
         b_rank_major: bool = False,
+        max_registered: int = 1024,
+        load_timeout_s: float = 120.0,
     ) -> None:
-        """`host_executor` replaces the host-preparation thread pool (tests use it to order stagings);
-        `b_rank_major`: the slots' B layout, as the model's LoRA op reads it."""
+        """`host_executor` replaces the host-preparation pool (tests use it to order stagings);
+        `b_rank_major`: the slots' B layout, as the model's LoRA op reads it; `max_registered`: adapter
+        names held at most; `load_timeout_s`: a host preparation's deadline (see StagingPool)."""
         if num_slots < 1:
             raise ValueError("max_loras must be at least 1")
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
@@ -77,9 +83,10 @@ class LoRAManager:
         self.loader = OverlapLoader(copy_engine)
         self.source = source
         self.metrics = metrics or NullMetrics()
-        self._host_pool = host_executor or concurrent.futures.ThreadPoolExecutor(
-            host_workers, thread_name_prefix="lora-host", initializer=background_worker_thread
-        )
+        self.max_registered = max_registered
+        self._staging_pool = StagingPool(host_workers, load_timeout_s) if host_executor is None else None
+        self._host_pool: concurrent.futures.Executor | StagingPool = host_executor or self._staging_pool
+        self._staging: set[str] = set()  # uids whose host preparation is in flight
         self._admin_ops: list[AdminOp] = []
         self._waiting_unloads: dict[str, list[concurrent.futures.Future[None]]] = {}
         self.loads_total = 0
@@ -98,7 +105,8 @@ class LoRAManager:
     ) -> concurrent.futures.Future[AdapterVersion]:
         """Register `name` at `uri` (a new version if the name exists); resolves when registered,
         or once in a slot with preload/pinned. Validation errors surface through the future."""
-        log.info("load adapter %s from %s (pinned=%s preload=%s); %s", name, uri, pinned, preload, self._memory())
+        log.info("load adapter %s from %s (pinned=%s preload=%s); %s", name, shown(uri), pinned, preload,
+                 self._memory())
         return self._load_adapter(name, uri, sha256, pinned, preload)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
@@ -106,9 +114,9 @@ class LoRAManager:
         log.info("unload adapter %s; %s", name, self._memory())
         entry = self.registry.resolve(name)
         del self.registry.current[name]
-        for version in self.registry.versions.values():
+        for version in list(self.registry.versions.values()):
             if version.name == name:
-                version.draining = True  # versions still staging too, or one would become current later
+                self.registry.mark_draining(version)  # versions still staging too, or one would become current later
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._waiting_unloads.setdefault(entry.uid, []).append(future)
         self._reap_drained()
@@ -138,6 +146,11 @@ class LoRAManager:
                 current.pinned = current.pinned or pinned
                 self._admin_ops.append(AdminOp(current, future, preload or current.pinned))
                 return future
+        if name not in self.registry.names and len(self.registry.names) >= self.max_registered:
+            raise ResourceExhaustedError(
+                f"{len(self.registry.names)} adapters are registered, the most this server holds "
+                "(--max-registered-adapters); unload one first"
+            )
         if pinned:
             self._check_pin_capacity(name)
         entry = self.registry.add_version(name, uri, sha256, pinned)
@@ -159,14 +172,12 @@ class LoRAManager:
         entry = self.registry.resolve(name)
         if entry.failure is not None:
             raise entry.failure
-        entry.refs.add(request_id)
+        self.registry.add_ref(entry, request_id)
         return entry.uid
 
     def release(self, uid: str, request_id: str) -> None:
         """Drop one request's reference (idempotent, so every end path may call it)."""
-        entry = self.registry.versions.get(uid)
-        if entry is not None:
-            entry.refs.discard(request_id)
+        self.registry.drop_ref(uid, request_id)
 
     # ---- scheduler hooks ----
 
@@ -175,12 +186,18 @@ class LoRAManager:
         return self.loader.engine.computing()
 
     def drain(self) -> DrainResult:
-        """Collect completed slot copies and host preparations; free drained versions."""
+        """Collect completed slot copies and host preparations; free drained versions. O(adapters
+        in flight, draining or referenced), never O(registered)."""
         result = DrainResult()
+        if self._staging_pool is not None:
+            self._staging_pool.expire()
         for done in self.loader.drain():
             self._finish_load(done.load.uid, done.seconds, done.load.tier, done.error, result)
-        for entry in list(self.registry.versions.values()):
-            if entry.staging is not None and entry.staging.done():
+        for uid in list(self._staging):
+            entry = self.registry.versions.get(uid)
+            if entry is None or entry.staging is None:
+                self._staging.discard(uid)
+            elif entry.staging.done():
                 self._finish_staging(entry, result)
         self._advance_admin_ops(result)
         self._reap_drained()
@@ -228,11 +245,12 @@ class LoRAManager:
             self.pool.touch(uid)
 
     def unevictable(self, needed: set[str]) -> set[str]:
-        pinned = {v.uid for v in self.registry.versions.values() if v.pinned}
+        versions = self.registry.versions
+        pinned = {uid for uid in self.pool.slot_to_uid if uid is not None and versions[uid].pinned}
         return needed | pinned | set(self.loader.pending)
 
     def has_pending_work(self) -> bool:
-        return bool(self.loader.pending) or any(v.staging is not None for v in self.registry.versions.values())
+        return bool(self.loader.pending) or bool(self._staging)
 
     def shutdown(self) -> None:
         for uid in list(self.loader.pending):
@@ -243,7 +261,12 @@ class LoRAManager:
     # ---- internals ----
 
     def _start_staging(self, entry: AdapterVersion) -> None:
-        entry.staging = self._host_pool.submit(self._prepare, entry.uri, entry.sha256)
+        if self._staging_pool is not None:
+            entry.staging = self._staging_pool.submit(self._prepare, entry.uri, entry.sha256,
+                                                      key=_source_key(entry.uri), on_orphan=_release_host)
+        else:
+            entry.staging = self._host_pool.submit(self._prepare, entry.uri, entry.sha256)
+        self._staging.add(entry.uid)
 
     def _prepare(self, uri: str, sha256: str | None) -> HostAdapter:
         """On a host thread: fetch and validate, then make the tensors copyable asynchronously
@@ -255,6 +278,7 @@ class LoRAManager:
 
     def _finish_staging(self, entry: AdapterVersion, result: DrainResult) -> None:
         future, entry.staging = entry.staging, None
+        self._staging.discard(entry.uid)
         assert future is not None
         try:
             host: HostAdapter = future.result()
@@ -282,7 +306,8 @@ class LoRAManager:
                  host.tier)
 
     def _fail(self, entry: AdapterVersion, error: LoraplexError, result: DrainResult) -> None:
-        log.warning("adapter %s from %s failed: %s: %s", entry.uid, entry.uri, error.code, error)
+        log.warning("adapter %s from %s failed: %s: %s", entry.uid, shown(entry.uri), error.code,
+                    shown(str(error), 500))
         result.failed[entry.uid] = error
         # Retryable failures leave the version REGISTERED so the next request tries again.
         if not isinstance(error, UnavailableError):
@@ -346,14 +371,14 @@ class LoRAManager:
                 continue
             current = self.registry.versions.get(self.registry.current.get(entry.name, ""))
             if current is not None and current.version > entry.version:
-                entry.draining = True  # a later LoadAdapter of this name got ready first and wins
+                self.registry.mark_draining(entry)  # a later LoadAdapter of this name got ready first and wins
                 op.future.set_exception(FailedPreconditionError(
                     f"adapter {entry.name} version {entry.version} was superseded by version {current.version}"))
                 continue
             if current is not entry:
                 old = self.registry.make_current(entry)
                 if old is not None:
-                    old.draining = True
+                    self.registry.mark_draining(old)
                     log.info("version swap %s: %s → %s (old drains)", entry.name, old.uid, entry.uid)
             if op.preload and self.slot_of(entry.uid) is None:
                 if entry.uid not in self.pool.uid_to_slot:  # not yet copying: try for a slot
@@ -373,14 +398,16 @@ class LoRAManager:
             self.registry.remove(entry.uid)
 
     def _reap_drained(self) -> None:
-        for entry in list(self.registry.versions.values()):
-            if not entry.draining or entry.refs or self.loader.is_loading(entry.uid):
+        for uid in list(self.registry.draining):
+            entry = self.registry.versions[uid]
+            if entry.refs or self.loader.is_loading(entry.uid):
                 continue
             if entry.uid in self.pool.uid_to_slot:
                 slot = self.pool.free(entry.uid)
                 log.info("drained adapter %s freed slot %d", entry.uid, slot)
             if entry.staging is not None:
                 entry.staging.cancel()
+                self._staging.discard(entry.uid)
             self._drop_host(entry)
             self.registry.remove(entry.uid)
             for future in self._waiting_unloads.pop(entry.uid, []):
@@ -392,7 +419,7 @@ class LoRAManager:
             self._host_pool.submit(host.release)  # a sidecar call: never on the scheduler thread
 
     def _referenced(self) -> set[str]:
-        return {v.uid for v in self.registry.versions.values() if v.refs}
+        return set(self.registry.referenced)
 
     def _memory(self) -> str:
         free_slots = sum(1 for uid in self.pool.slot_to_uid if uid is None)
@@ -401,3 +428,15 @@ class LoRAManager:
             free, _ = torch.cuda.mem_get_info(self.device)
             text += f", {free / 2**30:.2f} GiB device memory free"
         return text
+
+
+def _source_key(uri: str) -> str:
+    """Where an adapter's bytes come from, for the staging pool's per-source share."""
+    parsed = urllib.parse.urlsplit(uri)
+    return f"{parsed.scheme}://{parsed.netloc}"
+
+
+def _release_host(host: HostAdapter) -> None:
+    """An adapter prepared after its staging was abandoned: give back what it holds (a lease)."""
+    if host.release is not None:
+        host.release()

@@ -2,13 +2,15 @@
 
 State is derived (`LoRAManager.state`) from what exists: a pending load, a slot, host tensors,
 an in-flight host preparation. Only what cannot be derived is stored here: the user's intent
-(pinned, draining) and a failure.
+(pinned, draining) and a failure. Beside the versions it keeps small indexes (draining versions,
+referenced versions, names) so that a scheduler step never walks every registered adapter.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 
 from inference_service.errors import LoraplexError, NotFoundError
@@ -51,14 +53,38 @@ class AdapterRegistry:
     def __init__(self) -> None:
         self.current: dict[str, str] = {}  # name → uid of the version new requests get
         self.versions: dict[str, AdapterVersion] = {}
+        self.names: Counter[str] = Counter()  # name → versions held (the registry cap counts names)
+        self.draining: set[str] = set()  # uids marked draining, not yet removed
+        self.referenced: set[str] = set()  # uids with at least one request reference
         self._next_version: dict[str, int] = {}
+        self._refs_total = 0
 
     def add_version(self, name: str, uri: str, sha256: str | None, pinned: bool) -> AdapterVersion:
         version = self._next_version.get(name, 1)
         self._next_version[name] = version + 1
         entry = AdapterVersion(name=name, version=version, uri=uri, sha256=sha256, pinned=pinned)
         self.versions[entry.uid] = entry
+        self.names[name] += 1
         return entry
+
+    def mark_draining(self, entry: AdapterVersion) -> None:
+        entry.draining = True
+        self.draining.add(entry.uid)
+
+    def add_ref(self, entry: AdapterVersion, request_id: str) -> None:
+        if request_id not in entry.refs:
+            entry.refs.add(request_id)
+            self._refs_total += 1
+            self.referenced.add(entry.uid)
+
+    def drop_ref(self, uid: str, request_id: str) -> None:
+        """Idempotent, so every end path of a request may call it."""
+        entry = self.versions.get(uid)
+        if entry is not None and request_id in entry.refs:
+            entry.refs.discard(request_id)
+            self._refs_total -= 1
+            if not entry.refs:
+                self.referenced.discard(uid)
 
     def make_current(self, entry: AdapterVersion) -> AdapterVersion | None:
         """Point the name at this version; returns the version it replaces (to be drained)."""
@@ -74,8 +100,13 @@ class AdapterRegistry:
 
     def remove(self, uid: str) -> None:
         entry = self.versions.pop(uid)
+        assert not entry.refs, f"{uid} removed while requests reference it"
+        self.draining.discard(uid)
+        self.names[entry.name] -= 1
+        if not self.names[entry.name]:
+            del self.names[entry.name]
         if self.current.get(entry.name) == uid:
             del self.current[entry.name]
 
     def total_refs(self) -> int:
-        return sum(len(v.refs) for v in self.versions.values())
+        return self._refs_total

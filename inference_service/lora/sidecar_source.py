@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from adapter_cache.auth import read_tokens
 from adapter_cache.client import AdapterCacheClient
 from inference_service.device import register_host_memory, unregister_host_memory
 from inference_service.lora.adapter import (
@@ -30,8 +31,11 @@ log = logging.getLogger(__name__)
 
 
 class SidecarSource:
-    def __init__(self, address: str, shapes: BaseModelShapes, max_rank: int, lease_seconds: int = 600) -> None:
-        self.client = AdapterCacheClient(address)
+    """`token_file`: holds the bearer token the sidecar requires (--cache-token-file; its first line)."""
+
+    def __init__(self, address: str, shapes: BaseModelShapes, max_rank: int, lease_seconds: int = 600,
+                 token_file: str | None = None) -> None:
+        self.client = AdapterCacheClient(address, token=read_tokens(token_file)[0] if token_file else None)
         self.shapes, self.max_rank, self.lease_seconds = shapes, max_rank, lease_seconds
 
     def fetch(self, uri: str, sha256: str | None, host_form: HostForm | None = None) -> HostAdapter:

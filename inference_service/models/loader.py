@@ -35,7 +35,13 @@ TINY_CONFIG = {
 TINY_SEED = 1234
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[LlamaModel, Tokenizer]:
+def load_model(spec: str, device: torch.device, dtype: torch.dtype,
+               tokenizer_mode: str = "auto") -> tuple[LlamaModel, Tokenizer]:
+    """`tokenizer_mode` auto: the checkpoint's tokenizer.json, refused when it has none (a byte
+    tokenizer on a real model's ids is garbage text, not an error anyone would notice); byte:
+    the byte-level tokenizer, asked for explicitly."""
+    if tokenizer_mode not in ("auto", "byte"):
+        raise FailedPreconditionError(f"tokenizer must be auto or byte, got {tokenizer_mode!r}")
     if spec == BUILTIN_TINY:
         model = _builtin_tiny(device, dtype)
         model.pack_weights()
@@ -45,13 +51,19 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Lla
     if not config_path.is_file():
         raise FailedPreconditionError(f"{spec}: no config.json (expected a Hugging Face checkpoint dir)")
     config = ModelConfig.from_hf(json.loads(config_path.read_text()), name=root.name)
+    tokenizer_path = root / "tokenizer.json"
+    tokenizer: Tokenizer
+    if tokenizer_mode == "byte":
+        tokenizer = ByteTokenizer()
+    elif tokenizer_path.is_file():
+        tokenizer = FileTokenizer(tokenizer_path, config.eos_token_ids)
+    else:
+        raise FailedPreconditionError(
+            f"{spec}: no tokenizer.json; add the model's tokenizer, or pass --tokenizer byte to serve with "
+            "the byte-level tokenizer (text is UTF-8 bytes as token ids 0-255)")
     model = LlamaModel(config, device, dtype)
     model.load_hf_state_dict(_read_safetensors(root))
     model.pack_weights()
-    tokenizer_path = root / "tokenizer.json"
-    tokenizer: Tokenizer = (
-        FileTokenizer(tokenizer_path, config.eos_token_ids) if tokenizer_path.is_file() else ByteTokenizer()
-    )
     log.info("loaded %s: %d layers, hidden %d, vocab %d", spec, config.num_layers, config.hidden_size,
              config.vocab_size)
     return model, tokenizer

@@ -28,6 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.infra.devices import SERVER_DEVICE
 from tests.infra.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,7 @@ class InferenceServer:
     metrics_url: str
     proc: subprocess.Popen
     log_path: Path
+    http_url: str = ""  # http://127.0.0.1:<port> when started with http=True (the OpenAI API)
 
     def channel(self, **kwargs) -> grpc.Channel:
         return grpc.insecure_channel(self.address, **kwargs)
@@ -106,20 +108,30 @@ def start_inference_server(
     listen: str | None = None,
     credentials: grpc.ChannelCredentials | None = None,
     channel_kw: dict | None = None,
+    http: bool = False,
 ) -> InferenceServer:
-    """Starts `python -m inference_service.cli --listen 127.0.0.1:<free> --metrics-port <free> *args`."""
+    """Starts `python -m inference_service.cli --listen 127.0.0.1:<free> --metrics-port <free> *args`
+    (plus `--http-port <free>` with `http`: the HTTP API is up once gRPC reports SERVING)."""
     port, metrics_port = free_port(), free_port()
+    http_port = free_port() if http else 0
     listen = listen or f"127.0.0.1:{port}"
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="loraplex-inference-"))
     log_path = log_dir / f"inference-{port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    # The CLI's --dtype auto picks bf16 on CPUs with native bf16; tests compare against fp32
+    # references unless they pass --dtype themselves (a flag wins over this env mirror).
+    full_env.setdefault("LORAPLEX_DTYPE", "float32")
+    # Tests stop servers with streams possibly open: keep their drain short (the CLI default is 30 s).
+    full_env.setdefault("LORAPLEX_SHUTDOWN_GRACE_S", "5")
+    full_env.setdefault("LORAPLEX_DEVICE", SERVER_DEVICE)  # never "auto": a test states its device
     cmd = [sys.executable, "-m", "inference_service.cli", "--listen", listen,
-           "--metrics-port", str(metrics_port), *args]
+           "--metrics-port", str(metrics_port), *(["--http-port", str(http_port)] if http else []), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    server = InferenceServer(listen, f"http://127.0.0.1:{metrics_port}/metrics", proc, log_path)
+    server = InferenceServer(listen, f"http://127.0.0.1:{metrics_port}/metrics", proc, log_path,
+                             f"http://127.0.0.1:{http_port}" if http else "")
     try:
         wait_serving(listen, proc, timeout, credentials, **(channel_kw or {}))
     except Exception as e:

@@ -42,7 +42,23 @@ def make_checkpoint(out: Path, family: str = "llama", seed: int = 0, max_shard_s
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
+    write_byte_tokenizer(out / "tokenizer.json")
     return out
+
+
+def write_byte_tokenizer(path: Path) -> Path:
+    """A tokenizer.json that maps UTF-8 bytes to ids 0-255 (no BOS): a checkpoint needs a tokenizer
+    to be served (the loader refuses one without), and these random models have no real one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    to_char = {b: chr(b if b in printable else next(extra)) for b in range(256)}  # GPT-2's bytes_to_unicode
+    tok = Tokenizer(models.BPE({to_char[b]: b for b in range(256)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path))
+    return path
 
 
 @dataclass(frozen=True)

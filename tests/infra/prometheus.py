@@ -39,6 +39,7 @@ import pytest
 import yaml
 
 from tests.infra.ports import free_port
+from tests.infra.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "helm" / "loraplex"
@@ -208,8 +209,7 @@ def running_prometheus(targets: Mapping[str, Sequence[str]] | Sequence[str] = ()
 @pytest.fixture
 def prometheus_factory() -> Iterator[Callable[..., Prometheus]]:
     """Returns `start_prometheus`; every server started through it is stopped at teardown."""
-    if not prometheus_available():
-        pytest.skip("prometheus not installed (scripts/install_test_tools.sh)")
+    require_tool("prometheus")
     started: list[Prometheus] = []
 
     def start(*args: Any, **kwargs: Any) -> Prometheus:

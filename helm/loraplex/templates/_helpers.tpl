@@ -53,6 +53,16 @@ app.kubernetes.io/part-of: loraplex
 {{- define "loraplex.preloadPath" -}}/etc/loraplex/preload/preload.yaml{{- end }}
 {{- define "loraplex.adminTokenPath" -}}/etc/loraplex/admin/{{ .Values.inference.adminToken.key }}{{- end }}
 {{- define "loraplex.tlsDir" -}}/etc/loraplex/tls{{- end }}
+{{- define "loraplex.kernelCacheDir" -}}/var/cache/loraplex/kernels{{- end }}
+{{/* Both containers' TCP listeners (gRPC, /metrics) bind every pod address: probes, Services and
+Prometheus reach them on the pod IP, kubectl port-forward on localhost. */}}
+{{- define "loraplex.bindAddress" -}}0.0.0.0{{- end }}
+
+{{/* --shutdown-grace-s: what the pod's grace period leaves after the preStop sleep and a margin. */}}
+{{- define "loraplex.shutdownGraceSeconds" -}}
+{{- $d := .Values.inference.drain }}
+{{- max 1 (sub (sub (int .Values.terminationGracePeriodSeconds) (int $d.preStopSeconds)) (int $d.marginSeconds)) }}
+{{- end }}
 
 {{/* sizeLimit of the staged-adapter emptyDir, in bytes: cache budget plus headroom. */}}
 {{- define "loraplex.shmSizeBytes" -}}
@@ -104,15 +114,21 @@ periods in values.cache.probes.
 {{- end }}
 
 {{/*
-Inference probe handler: native gRPC (grpc.health.v1) on the serving port. The kubelet's gRPC probe
-speaks plaintext only, so with TLS on we fall back to a TCP connect on the same port.
+Inference probe handler; pass (dict "root" $ "service" NAME): native gRPC (grpc.health.v1) on the
+serving port. Service "liveness" is SERVING while the scheduler makes progress (startup, liveness);
+service "" is SERVING while the pod should get traffic (readiness: required preloads in, not
+draining, engine healthy). The kubelet's gRPC probe speaks plaintext only, so with TLS on we fall
+back to a TCP connect on the same port (which cannot see the watchdog).
 */}}
 {{- define "loraplex.inferenceProbeHandler" -}}
-{{- if .Values.inference.tls.enabled }}
+{{- if .root.Values.inference.tls.enabled }}
 tcpSocket:
   port: grpc
 {{- else }}
 grpc:
-  port: {{ .Values.inference.grpcPort }}
+  port: {{ .root.Values.inference.grpcPort }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end }}
 {{- end }}

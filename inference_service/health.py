@@ -1,0 +1,150 @@
+"""What grpc.health.v1 reports, from one place: readiness, liveness and the scheduler watchdog.
+
+Two answers, for the two kubelet probes:
+- readiness (service "" and "loraplex.v1.Inference"): SERVING once required preloads are in, while
+  the engine makes progress and the server is not draining. Takes the pod out of its Service.
+- liveness (service "liveness"): SERVING while the scheduler thread is alive and makes progress.
+  NOT_SERVING makes the kubelet restart the container, so draining leaves it SERVING.
+
+The watchdog proves progress end to end: it hands the scheduler thread a no-op between steps and
+expects it back within `stall_s`; a dead thread or an unanswered heartbeat is a stuck engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from grpc_health.v1 import health, health_pb2
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("loraplex.health")
+
+LIVENESS_SERVICE = "liveness"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Test-only fault hooks (tests/test_kubelet_pod.py), never set in production: with the first set to
+# "die" or "hang[:SECONDS]", SIGUSR1 kills the scheduler thread or wedges it in a "step" that lasts
+# that long (default: forever); the
+# second makes every scheduler step this many seconds slower (a big model's pace on a toy model).
+TEST_FAULT_ENV = "LORAPLEX_TEST_FAULT_SCHEDULER"
+TEST_STEP_DELAY_ENV = "LORAPLEX_TEST_FAULT_STEP_DELAY_S"
+
+
+class HealthReporter:
+    """Derives both health answers from three facts and pushes changes to the health servicer."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, readiness_services: tuple[str, ...]) -> None:
+        self._servicer = servicer
+        self._readiness_services = readiness_services
+        self.preloads_ready = False
+        self.engine_problem: str | None = None
+        self.draining = False
+        self.drain_cancelled = 0  # requests still running when the shutdown grace ran out
+        self._shown: tuple[bool, bool] | None = None
+        self._lock = asyncio.Lock()  # the watchdog, the preloader and the drain all update
+
+    @property
+    def ready(self) -> bool:
+        return self.preloads_ready and self.engine_problem is None and not self.draining
+
+    @property
+    def live(self) -> bool:
+        return self.engine_problem is None
+
+    async def update(self) -> None:
+        async with self._lock:
+            now = (self.ready, self.live)
+            if now == self._shown:
+                return
+            for name in self._readiness_services:
+                await self._servicer.set(name, SERVING if now[0] else NOT_SERVING)
+            await self._servicer.set(LIVENESS_SERVICE, SERVING if now[1] else NOT_SERVING)
+            log.log(logging.INFO if now[1] else logging.ERROR, "health: readiness %s, liveness %s (%s)",
+                    _word(now[0]), _word(now[1]), self._why())
+            self._shown = now
+
+    def _why(self) -> str:
+        if self.engine_problem:
+            return self.engine_problem
+        if self.draining:
+            return "draining"
+        return "ready" if self.preloads_ready else "waiting for required preloads"
+
+    def collector(self) -> Any:
+        reporter = self
+
+        class _Collector:
+            def collect(self):  # noqa: ANN202 - prometheus_client collector protocol
+                g = GaugeMetricFamily("loraplex_health_serving",
+                                      "1 while grpc.health.v1 reports SERVING for this probe", labels=["probe"])
+                g.add_metric(["readiness"], float(reporter.ready))
+                g.add_metric(["liveness"], float(reporter.live))
+                yield g
+                yield CounterMetricFamily("loraplex_drain_cancelled_requests",
+                                          "requests cancelled because the shutdown grace ran out",
+                                          value=reporter.drain_cancelled)
+
+        return _Collector()
+
+
+def _word(serving: bool) -> str:
+    return "SERVING" if serving else "NOT_SERVING"
+
+
+async def watch_engine(engine: Any, reporter: HealthReporter, stall_s: float) -> None:
+    """Runs until cancelled: marks the engine dead or stuck (and healthy again if a slow step ends)."""
+    interval = min(1.0, stall_s / 4)
+    beat: Any = None
+    sent = 0.0
+    while True:
+        if not engine.alive:
+            reporter.engine_problem = "the scheduler thread has died"
+        elif beat is not None and not beat.done():
+            waited = time.monotonic() - sent
+            if waited > stall_s:
+                reporter.engine_problem = f"the scheduler has not finished a step for {waited:.0f}s " \
+                                          f"(limit {stall_s:g}s, --watchdog-stall-s)"
+        else:
+            if beat is not None:
+                reporter.engine_problem = None  # the last heartbeat came back: the loop moves
+            beat, sent = engine.call(lambda core: None), time.monotonic()
+        await reporter.update()
+        await asyncio.sleep(interval)
+
+
+def install_test_fault(engine: Any) -> None:
+    """Arms the test-only faults named by the LORAPLEX_TEST_FAULT_* variables (see above)."""
+    delay = float(os.environ.get(TEST_STEP_DELAY_ENV) or 0)
+    if delay > 0:
+        log.warning("TEST FAULT ARMED: every scheduler step %.3fs slower", delay)
+        threading.Thread(target=_slow_steps, args=(engine, delay), name="test-fault-slow", daemon=True).start()
+    kind = os.environ.get(TEST_FAULT_ENV)
+    if not kind:
+        return
+    kind, _, seconds = kind.partition(":")
+    if kind not in ("die", "hang") or (seconds and (kind == "die" or not seconds.replace(".", "", 1).isdigit())):
+        raise ValueError(f"{TEST_FAULT_ENV}={os.environ[TEST_FAULT_ENV]!r}: expected 'die', 'hang' or 'hang:SECONDS'")
+    log.warning("TEST FAULT ARMED: SIGUSR1 makes the scheduler thread %s", kind)
+
+    def fault(core: Any) -> None:
+        log.error("TEST FAULT: scheduler thread %s now", "exits" if kind == "die" else "hangs")
+        if kind == "die":
+            raise SystemExit  # not an Exception: leaves the scheduler loop, the thread ends
+        threading.Event().wait(float(seconds) if seconds else None)
+
+    signal.signal(signal.SIGUSR1, lambda *_: engine.call(fault))
+
+
+def _slow_steps(engine: Any, delay: float) -> None:
+    """One sleeping command at a time: the scheduler runs it between every two steps."""
+    while engine.alive:
+        try:
+            engine.call(lambda core: time.sleep(delay)).result(timeout=delay + 1)
+        except TimeoutError:
+            continue

@@ -1,0 +1,246 @@
+"""The ASGI app: OpenAI routes, vLLM's adapter routes, tokenize, health and /metrics.
+
+Errors take one shape (OpenAI's `{"error": {...}}`) with the HTTP status mapped from the
+LoraplexError class (http/errors.py), so a bad input means the same on both front ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from inference_service.auth import AdminAuth, admin_disabled_reason
+from inference_service.chat_template import ChatTemplate
+from inference_service.errors import InvalidArgumentError, LoraplexError, NotFoundError
+from inference_service.http.errors import error_response, loraplex_error_response, status_of
+from inference_service.http.generation import Generation, OpenAIGeneration
+from inference_service.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
+from inference_service.limits import check_adapter_name
+from inference_service.server import ServerConfig
+from inference_service.uri_policy import UriPolicy
+
+log = logging.getLogger("loraplex.http")
+
+
+class _GenerationResponse(StreamingResponse):
+    """An SSE response that ends its Generation exactly once, however the response ends."""
+
+    def __init__(self, gen: Generation, content: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+
+
+class BodyLimit:
+    """Refuses request bodies over `limit` bytes with a 413 before the app reads them whole."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _too_large(self.limit)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _too_large(self.limit)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> Response:
+    return error_response(f"request body over {limit} bytes", 413, "RESOURCE_EXHAUSTED")
+
+
+def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, ...],
+              chat_template: ChatTemplate | None, registry: CollectorRegistry | None, listen: str) -> ASGIApp:
+    """The HTTP front end over `engine` on `listen` (host:port); `registry` is the one the gRPC
+    process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason)."""
+    app = FastAPI(title="loraplex", docs_url=None, redoc_url=None, openapi_url=None)
+    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template)
+    auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
+    uri_policy = UriPolicy(config.adapter_source_allow)
+    started = int(time.time())
+    base = served_model_names[0]
+
+    @app.exception_handler(LoraplexError)
+    async def _loraplex_error(http: HttpRequest, exc: LoraplexError) -> JSONResponse:
+        log.info("%s %s refused: %s %s", http.method, http.url.path, exc.code, exc)  # as gRPC logs each outcome
+        return loraplex_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(http: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = str(first.get("msg", "invalid request body"))
+        log.info("%s %s refused: INVALID_ARGUMENT %s %s", http.method, http.url.path, where, message)
+        return error_response(f"{where}: {message}" if where else message, 400, "INVALID_ARGUMENT",
+                              param=where or None)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: HttpRequest, exc: Exception) -> JSONResponse:
+        log.error("HTTP request failed", exc_info=exc)
+        return error_response("internal error", 500, "INTERNAL")
+
+    async def generate(body: CompletionRequest | ChatCompletionRequest, http: HttpRequest, chat: bool) -> Response:
+        adapter = openai.adapter_of(body.model)
+        if chat:
+            assert isinstance(body, ChatCompletionRequest)
+            prompt_ids = openai.chat_prompt(body)
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        else:
+            assert isinstance(body, CompletionRequest)
+            prompt_ids = openai.completion_prompt(body)
+            max_tokens = body.max_tokens
+        params = openai.sampling(body, max_tokens, len(prompt_ids))
+        gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage))
+        try:
+            result = await openai.collect(gen, http)
+        except LoraplexError as e:
+            gen.status = status_of(e)
+            raise
+        finally:
+            gen.close()
+        if result is None:
+            return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
+        text, last = result
+        build = openai.chat_body if chat else openai.completion_body
+        return JSONResponse(build(gen, body.model, text, last))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
+        return await generate(body, http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
+        return await generate(body, http, chat=True)
+
+    async def adapters() -> list[Any]:
+        return await asyncio.wrap_future(engine.list_adapters())
+
+    def is_admin(http: HttpRequest) -> bool:
+        try:
+            auth.check(http.headers.items())
+        except LoraplexError:
+            return False
+        return True
+
+    @app.get("/v1/models")
+    async def models(http: HttpRequest) -> JSONResponse:
+        info = engine.model_info
+        card = {"object": "model", "created": started, "owned_by": "loraplex", "max_model_len": info.max_context}
+        data = [{**card, "id": name, "root": engine.config.model, "parent": None} for name in served_model_names]
+        latest = {a.name: a for a in await adapters()}  # listed by (name, version): the last one wins
+        admin = is_admin(http)  # URIs only for admins, as ListAdapters: they say where tenants' weights live
+        data += [{**card, "id": a.name, "root": a.uri if admin else a.name, "parent": base} for a in latest.values()]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, http: HttpRequest) -> Response:
+        auth.check(http.headers.items())
+        check_adapter_name(body.lora_name)
+        if body.lora_name in served_model_names:
+            raise InvalidArgumentError(f"{body.lora_name!r} is the base model's name")
+        path = body.lora_path
+        uri = uri_policy.check(Path(path).absolute().as_uri() if path.startswith("/") else path)
+        sha256 = (body.sha256 or "").lower() or None
+        if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
+            raise InvalidArgumentError("sha256 must be 64 hex characters")
+        if not body.load_inplace and any(a.name == body.lora_name for a in await adapters()):
+            raise InvalidArgumentError(
+                f"adapter {body.lora_name!r} is already loaded (set load_inplace to replace it)")
+        await asyncio.wrap_future(engine.load_adapter(body.lora_name, uri, sha256=sha256, preload=True))
+        log.info("adapter %s loaded from %s (HTTP)", body.lora_name, uri)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, http: HttpRequest) -> Response:
+        auth.check(http.headers.items())
+        check_adapter_name(body.lora_name)
+        await asyncio.wrap_future(engine.unload_adapter(body.lora_name))
+        log.info("adapter %s unloaded (HTTP)", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        if body.model is not None and body.model not in served_model_names:
+            await _known_adapter(engine, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidArgumentError("give exactly one of prompt and messages")
+        if body.messages is not None:
+            ids = openai.chat_prompt_ids(body.messages, body.add_generation_prompt)
+        else:
+            limit = engine.model_info.limits.max_prompt_chars
+            if len(body.prompt) > limit:
+                raise InvalidArgumentError(f"prompt is longer than {limit} characters (--max-prompt-chars)")
+            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": engine.model_info.max_context, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        if body.model is not None and body.model not in served_model_names:
+            await _known_adapter(engine, body.model)
+        vocab = engine.model_info.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        # The scheduler thread is the engine: when it has died nothing will be served.
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if registry is None:
+            return error_response("metrics are not enabled", 404, "NOT_FOUND")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return BodyLimit(app, config.max_message_bytes)
+
+
+async def _known_adapter(engine: Any, name: str) -> None:
+    if not any(a.name == name for a in await asyncio.wrap_future(engine.list_adapters())):
+        raise NotFoundError(f"model {name!r} does not exist")

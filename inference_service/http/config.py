@@ -1,0 +1,13 @@
+"""HTTP front-end settings (kept apart from serving.py so the CLI parses flags without uvicorn)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class HttpConfig:
+    port: int = 0  # 0: no HTTP front end
+    addr: str = "127.0.0.1"
+    served_model_names: tuple[str, ...] = ()  # empty: the checkpoint's name
+    chat_template: str | None = None  # a Jinja file overriding the checkpoint's chat template

@@ -1,0 +1,307 @@
+"""Completions and chat completions over the Engine: OpenAI request → prompt ids and
+SamplingParams → engine stream → OpenAI response or SSE chunks.
+
+Whatever ends a request (its last token, a client disconnect, an error), `Generation.close`
+runs once and aborts it in the engine unless it already finished: the same exactly-once path
+as the gRPC handler's `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+
+from inference_service.chat_template import ChatTemplate
+from inference_service.errors import InvalidArgumentError, LoraplexError
+from inference_service.http.errors import error_body, status_of
+from inference_service.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+
+log = logging.getLogger("loraplex.http")
+
+OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop"}
+ENGINE_ENDED = (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR)
+
+
+@dataclass
+class Generation:
+    """One submitted request: its engine stream and the bookkeeping that ends it exactly once."""
+
+    engine: Any
+    request_id: str
+    adapter: str | None
+    prompt_tokens: int
+    stream: Any
+    started: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    reason: FinishReason | None = None
+    generated: int = 0
+    status: int = 200
+    closed: bool = False
+
+    def observe(self, out: RequestOutput) -> None:
+        self.generated = out.generated_tokens or self.generated + len(out.new_token_ids)
+        if out.finished:
+            self.finished, self.reason = True, out.finish_reason
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self.engine.abort(self.request_id, reason=FinishReason.CANCELLED)
+            self.reason = FinishReason.CANCELLED
+            self.status = 499
+        log.info("request %s adapter=%s finish=%s status=%d tokens=%d seconds=%.3f", self.request_id,
+                 self.adapter or "-", self.reason.value if self.reason else "-", self.status, self.generated,
+                 time.monotonic() - self.started)
+
+
+def engine_error(out: RequestOutput) -> LoraplexError:
+    """The error of a request the engine ended (not the client)."""
+    if isinstance(out.error, LoraplexError):
+        return out.error
+    reason = out.finish_reason.value if out.finish_reason else "error"
+    error = LoraplexError(f"request {reason}")
+    error.code = {FinishReason.DEADLINE: "DEADLINE_EXCEEDED", FinishReason.CANCELLED: "CANCELLED"}.get(
+        out.finish_reason, "INTERNAL")  # type: ignore[arg-type]
+    return error
+
+
+class OpenAIGeneration:
+    """Builds and runs completions / chat completions for the routes in app.py."""
+
+    def __init__(self, engine: Any, base_names: tuple[str, ...], default_max_new_tokens: int,
+                 chat_template: ChatTemplate | None) -> None:
+        self.engine = engine
+        self.base_names = base_names
+        self.default_max_new_tokens = default_max_new_tokens
+        self.chat_template = chat_template
+
+    # ---- request → engine ----
+
+    def adapter_of(self, model: str) -> str | None:
+        """None for the base model; otherwise the adapter name (the engine answers NOT_FOUND)."""
+        return None if model in self.base_names else model
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InvalidArgumentError("one prompt per request (send a batch as separate requests)")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgumentError("prompt is empty")
+            return list(self.engine.tokenizer.encode(self._bounded(prompt)))
+        if not prompt:
+            raise InvalidArgumentError("prompt is empty")
+        return list(prompt)  # type: ignore[arg-type]
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        return self.chat_prompt_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                    body.chat_template_kwargs or {})
+
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                        continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
+        if self.chat_template is None:
+            raise InvalidArgumentError(
+                f"model {self.base_names[0]!r} has no chat template (none in its checkpoint): start the server "
+                "with --chat-template FILE, or use /v1/completions")
+        text = self.chat_template.render([_message_dict(m) for m in messages], add_generation_prompt,
+                                         continue_final_message, **(kwargs or {}))
+        # The template writes the special tokens (BOS) itself, as transformers' apply_chat_template.
+        return list(self.engine.tokenizer.encode(self._bounded(text), add_special_tokens=False))
+
+    def _bounded(self, text: str) -> str:
+        """Checked before tokenizing: that work grows with what the client sent (as gRPC's prompt check)."""
+        limit = self.engine.model_info.limits.max_prompt_chars
+        if len(text) > limit:
+            raise InvalidArgumentError(f"prompt is longer than {limit} characters (--max-prompt-chars)")
+        return text
+
+    def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+        refuse = [name for name, bad in (("n", body.n != 1), ("echo", getattr(body, "echo", False)),
+                                         ("suffix", getattr(body, "suffix", None) is not None),
+                                         ("best_of", (getattr(body, "best_of", None) or 1) != 1),
+                                         ("tools", bool(getattr(body, "tools", None)))) if bad]
+        if refuse:
+            raise InvalidArgumentError(f"not supported: {', '.join(refuse)}")
+        info = self.engine.model_info
+        if max_tokens is None:
+            room = max(1, info.max_context - prompt_len)
+            max_tokens = min(self.default_max_new_tokens, info.max_new_tokens_limit, room)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k in (None, -1) else body.top_k,
+            seed=body.seed,
+            max_new_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            min_p=body.min_p,
+            min_tokens=body.min_tokens,
+            logit_bias=_logit_bias(body.logit_bias),
+            logprobs=_logprobs(body),
+            skip_special_tokens=body.skip_special_tokens,
+        )
+        params.validate(info.max_new_tokens_limit)
+        return params
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+               prefix: str) -> Generation:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id)
+        return Generation(self.engine, request_id, adapter, len(prompt_ids), stream)
+
+    # ---- engine → response ----
+
+    async def collect(self, gen: Generation, http: HttpRequest) -> tuple[str, RequestOutput] | None:
+        """All of a request's text, or None when the client disconnected first (the caller's
+        `gen.close()` then aborts the request)."""
+
+        async def run() -> tuple[str, RequestOutput]:
+            parts: list[str] = []
+            logprobs: list[TokenLogprobs] = []
+            async for out in gen.stream:
+                gen.observe(out)
+                parts.append(out.text)
+                logprobs += out.logprobs or ()
+                if out.finished:
+                    out.logprobs = logprobs if out.logprobs is not None else None
+                    return "".join(parts), out
+            raise RuntimeError("engine stream ended without a final output")
+
+        task = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+                return None
+            text, last = task.result()
+        finally:
+            gone.cancel()
+        if last.finish_reason in ENGINE_ENDED:
+            raise engine_error(last)
+        return text, last
+
+    async def sse(self, gen: Generation, model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+        """OpenAI server-sent events: one chunk per engine delta, then usage (if asked) and [DONE]."""
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict[str, Any], usage: dict[str, int] | None = None, no_choice: bool = False) -> bytes:
+            body: dict[str, Any] = {"id": gen.request_id, "object": kind, "created": created, "model": model,
+                                    "choices": [] if no_choice else [{"index": 0, **choice}]}
+            if usage is not None:
+                body["usage"] = usage
+            return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+        if chat:
+            yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        last: RequestOutput | None = None
+        async for out in gen.stream:
+            gen.observe(out)
+            last = out
+            if out.finished and out.finish_reason in ENGINE_ENDED:
+                error = engine_error(out)
+                gen.status = status_of(error)
+                yield b"data: " + json.dumps(error_body(str(error), gen.status, error.code)).encode() + b"\n\n"
+                break
+            finish = OPENAI_FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
+            if out.text or finish or out.logprobs:
+                content = {"delta": {"content": out.text}} if chat else {"text": out.text}
+                yield chunk({**content, "logprobs": self.logprobs_body(out.logprobs, chat), "finish_reason": finish,
+                             **({"stop_reason": out.stop_reason} if finish else {})})
+            if out.finished:
+                break
+        if include_usage and last is not None and gen.status == 200:
+            yield chunk({}, usage=usage(gen.prompt_tokens, last.generated_tokens), no_choice=True)
+        yield b"data: [DONE]\n\n"
+
+    def completion_body(self, gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
+        return {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": self.logprobs_body(last.logprobs, chat=False),
+                             "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
+                             "stop_reason": last.stop_reason}],
+                "usage": usage(gen.prompt_tokens, last.generated_tokens)}
+
+    def chat_body(self, gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
+        return {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": self.logprobs_body(last.logprobs, chat=True),
+                             "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
+                             "stop_reason": last.stop_reason}],
+                "usage": usage(gen.prompt_tokens, last.generated_tokens)}
+
+    def logprobs_body(self, logprobs: list[TokenLogprobs] | None, chat: bool) -> dict[str, Any] | None:
+        """OpenAI's logprobs shapes: chat's `content` list, or completions' parallel lists."""
+        if logprobs is None:
+            return None
+        piece = self._piece
+        if chat:
+            return {"content": [
+                {"token": piece(lp.token_id), "logprob": lp.logprob, "bytes": list(piece(lp.token_id).encode()),
+                 "top_logprobs": [{"token": piece(t), "logprob": v, "bytes": list(piece(t).encode())}
+                                  for t, v in lp.top]}
+                for lp in logprobs]}
+        tokens = [piece(lp.token_id) for lp in logprobs]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{piece(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+
+    def _piece(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple(sorted((int(token), float(value)) for token, value in (bias or {}).items()))
+    except ValueError:
+        raise InvalidArgumentError("logit_bias keys must be token ids") from None
+
+
+def _logprobs(body: _Sampling) -> int | None:
+    """Completions: `logprobs` is the top-k count; chat: `logprobs` switches on, `top_logprobs` is k."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidArgumentError("top_logprobs needs logprobs set to true")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as templates expect it: text parts joined into one string content."""
+    data = message.model_dump(exclude_none=True)
+    content = data.get("content")
+    if isinstance(content, list):
+        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+            raise InvalidArgumentError("only text content parts are supported")
+        data["content"] = "\n".join(part["text"] for part in content)
+    elif content is None:
+        data["content"] = ""
+    return data
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,213 @@
+"""Adapters named in --preload-file, kept loaded in the background.
+
+A failing entry never stops the server: it shows as FAILED (LOADING while an attempt runs) in
+ListAdapters and in `loraplex_preload_adapters{state}`, and is retried with capped exponential
+backoff. Entries with `required: true` gate readiness instead. The file is read again every
+`reload_s` (a Kubernetes ConfigMap mount is updated in place), so added, changed and removed entries
+reach a running server without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from inference_service.errors import LoraplexError
+from inference_service.uri_policy import UriPolicy
+
+log = logging.getLogger("loraplex.preload")
+STATES = ("LOADING", "LOADED", "FAILED")
+_KEYS = {"name": str, "uri": str, "pinned": bool, "required": bool, "sha256": str}
+
+
+@dataclass(frozen=True)
+class PreloadEntry:
+    name: str
+    uri: str
+    pinned: bool = False
+    required: bool = False
+    sha256: str | None = None
+
+
+def parse_preload(text: str, path: str) -> list[PreloadEntry]:
+    """A YAML or JSON list (or {adapters: [...]}) of {name, uri, pinned, required, sha256}."""
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if isinstance(data, dict) and "adapters" in data:
+        data = data["adapters"]
+    data = data or []
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of {{name, uri, pinned, required}} entries")
+    entries, names = [], set()
+    for i, e in enumerate(data):
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("uri"), str):
+            raise ValueError(f"{path}: entry {i} needs string 'name' and 'uri'")
+        bad = [k for k, v in e.items() if k not in _KEYS or (v is not None and not isinstance(v, _KEYS[k]))]
+        if bad:
+            raise ValueError(f"{path}: entry {i} ({e['name']}): unknown or mistyped keys {bad}")
+        if e["name"] in names:
+            raise ValueError(f"{path}: adapter {e['name']!r} is listed twice")
+        names.add(e["name"])
+        entries.append(PreloadEntry(e["name"], e["uri"], bool(e.get("pinned")), bool(e.get("required")),
+                                    (e.get("sha256") or "").lower() or None))
+    return entries
+
+
+def read_preload_file(path: str) -> list[PreloadEntry]:
+    return parse_preload(Path(path).read_text(encoding="utf-8"), path)
+
+
+@dataclass
+class _Slot:
+    entry: PreloadEntry
+    task: asyncio.Task
+    state: str = "LOADING"
+    error: str = ""
+    attempts: int = 0
+
+
+class Preloader:
+    """Keeps every entry loaded; `on_change` runs after every state change (health recomputes)."""
+
+    def __init__(self, engine: Any, policy: UriPolicy, check_name: Callable[[str], None],
+                 path: str | None, entries: list[PreloadEntry], reload_s: float = 10.0,
+                 retry_initial_s: float = 1.0, retry_max_s: float = 60.0,
+                 on_change: Callable[[], Any] | None = None) -> None:
+        self._engine, self._policy, self._check_name = engine, policy, check_name
+        self._path, self._initial, self._reload_s = path, entries, reload_s
+        self._retry = (retry_initial_s, retry_max_s)
+        self._on_change = on_change
+        self._slots: dict[str, _Slot] = {}
+        self.failures_total = 0
+        self.reloads_total = 0
+
+    # ---- views ----
+    @property
+    def required_ready(self) -> bool:
+        return all(s.state == "LOADED" for s in self._slots.values() if s.entry.required)
+
+    def states(self) -> dict[str, str]:
+        return {name: s.state for name, s in self._slots.items()}
+
+    def unregistered(self, registered: set[str]) -> list[tuple[PreloadEntry, str]]:
+        """(entry, state) of entries the engine does not list (a load that never registered)."""
+        return [(s.entry, s.state) for name, s in sorted(self._slots.items()) if name not in registered]
+
+    def collector(self) -> Any:
+        preloader = self
+
+        class _Collector:
+            def collect(self):  # noqa: ANN202 - prometheus_client collector protocol
+                g = GaugeMetricFamily("loraplex_preload_adapters", "preload entries by state", labels=["state"])
+                counts = {s: 0 for s in STATES}
+                for state in preloader.states().values():
+                    counts[state] += 1
+                for state, n in counts.items():
+                    g.add_metric([state.lower()], n)
+                yield g
+                yield CounterMetricFamily("loraplex_preload_failures", "failed preload attempts (each retried)",
+                                          value=preloader.failures_total)
+                yield CounterMetricFamily("loraplex_preload_reloads", "preload file changes applied",
+                                          value=preloader.reloads_total)
+
+        return _Collector()
+
+    # ---- running ----
+    async def run(self) -> None:
+        """Starts every entry, then re-reads the file until cancelled."""
+        self._apply(self._initial)
+        await self._changed()
+        if not self._path or self._reload_s <= 0:
+            await asyncio.Event().wait()
+        current = self._initial
+        while True:
+            await asyncio.sleep(self._reload_s)
+            try:
+                entries = await asyncio.to_thread(read_preload_file, self._path)
+            except (OSError, ValueError) as e:
+                log.error("preload file %s unreadable, keeping the previous list: %s", self._path, e)
+                continue
+            if entries != current:
+                log.info("preload file %s changed: %d entries", self._path, len(entries))
+                self.reloads_total += 1
+                current = entries
+                await self._unload_removed(entries)
+                self._apply(entries)
+                await self._changed()
+
+    def stop(self) -> None:
+        for slot in self._slots.values():
+            slot.task.cancel()
+
+    def _apply(self, entries: list[PreloadEntry]) -> None:
+        for entry in entries:
+            slot = self._slots.get(entry.name)
+            if slot is not None and slot.entry == entry:
+                continue
+            if slot is not None:
+                slot.task.cancel()
+            self._slots[entry.name] = _Slot(entry, asyncio.create_task(self._keep_loaded(entry)))
+
+    async def _unload_removed(self, entries: list[PreloadEntry]) -> None:
+        keep = {e.name for e in entries}
+        for name in [n for n in self._slots if n not in keep]:
+            slot = self._slots.pop(name)
+            slot.task.cancel()
+            if slot.state == "LOADED":
+                try:
+                    await asyncio.wrap_future(self._engine.unload_adapter(name))
+                    log.info("preload entry %s removed: adapter unloaded", name)
+                except LoraplexError as e:
+                    log.warning("preload entry %s removed; unloading it failed: %s", name, e)
+
+    async def _keep_loaded(self, entry: PreloadEntry) -> None:
+        """Loads one entry, retrying with capped exponential backoff (jittered) until it is in."""
+        initial, cap = self._retry
+        try:
+            self._check_name(entry.name)
+            uri = self._policy.check(entry.uri)
+        except LoraplexError as e:  # a configuration error: retrying cannot fix it
+            await self._set(entry.name, "FAILED", f"{e} (not retried: fix the preload file)")
+            self.failures_total += 1
+            return
+        while True:
+            slot = self._slots[entry.name]
+            slot.attempts += 1
+            await self._set(entry.name, "LOADING")
+            try:
+                await asyncio.wrap_future(self._engine.load_adapter(
+                    entry.name, uri, sha256=entry.sha256, pinned=entry.pinned, preload=True))
+            except Exception as e:  # noqa: BLE001 - whatever it is, the server goes on and retries
+                self.failures_total += 1
+                delay = min(cap, initial * 2 ** (slot.attempts - 1)) * random.uniform(0.8, 1.0)
+                await self._set(entry.name, "FAILED", f"{e}")
+                log.warning("preload %s from %s failed (attempt %d, %s); retrying in %.1fs", entry.name,
+                            entry.uri, slot.attempts, getattr(e, "code", type(e).__name__), delay)
+                await asyncio.sleep(delay)
+                continue
+            await self._set(entry.name, "LOADED")
+            log.info("preloaded adapter %s from %s (attempt %d)", entry.name, entry.uri, slot.attempts)
+            return
+
+    async def _set(self, name: str, state: str, error: str = "") -> None:
+        slot = self._slots.get(name)
+        if slot is None:
+            return
+        slot.state, slot.error = state, error
+        await self._changed()
+
+    async def _changed(self) -> None:
+        if self._on_change is not None:
+            await self._on_change()
