@@ -92,7 +92,7 @@ def start_server(cmd_prefix: list[str], args: list[str], log_dir: Path) -> Serve
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
     log = log_dir / f"server-{port}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the same torch threads as the in-process side
     with open(log, "wb") as f:
         proc = subprocess.Popen([*cmd_prefix, "--listen", address, "--log-level", "WARNING", *args], cwd=ROOT,
                                 env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -209,7 +209,8 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
     prompts = [[(i * 31 + j) % 200 + 3 for j in range(prompt_tokens)] for i in range(64)]
     for step_ms in args.sim_step_ms:
         for streams in args.streams:
-            server_args = ["--model", "builtin:tiny", "--max-num-seqs", str(streams), "--max-queue", str(streams),
+            server_args = ["--model", "builtin:tiny", "--device", "cpu", "--max-num-seqs", str(streams),
+                           "--max-queue", str(streams),
                            "--max-num-batched-tokens", str(streams * prompt_tokens),
                            "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(args.sim_new_tokens)]
             server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], server_args, tmp)
@@ -244,7 +245,8 @@ def run_inprocess(model: str, adapters: dict[str, str], streams: int, new_tokens
     from inference_service.engine import EngineCore
     from inference_service.request import Request, SamplingParams
 
-    core = EngineCore(EngineConfig(model=model, device="cpu", max_loras=max_loras, max_num_seqs=streams))
+    core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer="byte", max_loras=max_loras,
+                                   max_num_seqs=streams))
     names = list(adapters)
     for name, uri in adapters.items():
         core.lora.load_adapter(name, uri, preload=True)
@@ -282,7 +284,8 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
     for label, used in (("base", {}), ("8 adapters / 4 slots", adapters)):
         inproc = run_inprocess(str(checkpoint), used, args.real_streams, 64, prompts, 4)
         server = start_server([sys.executable, "-m", "inference_service.cli"],
-                              ["--model", str(checkpoint), "--device", "cpu", "--max-loras", "4",
+                              ["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
+                               "--tokenizer", "byte", "--max-loras", "4",
                                "--max-num-seqs", str(args.real_streams),
                                "--adapter-source-allow", tmp.as_uri()], tmp)
         try:
