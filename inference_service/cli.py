@@ -267,10 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference_service.engine import Engine
     from inference_service.metrics import EngineCollector, build_registry, serve_metrics
+    from inference_service.residency import ResidencyCollector
 
     registry, sink = build_registry(server_cfg.adapter_metrics_top_k)
     engine = Engine(engine_cfg, metrics=sink)
     registry.register(EngineCollector(engine.stats))
+    registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     engine.start()
     metrics_server = None
     try:
