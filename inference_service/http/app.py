@@ -238,7 +238,8 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
     async def metrics() -> Response:
         if registry is None:
             return error_response("metrics are not enabled", 404, "NOT_FOUND")
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: the residency collector waits for the scheduler thread (residency.py).
+        return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     return BodyLimit(app, config.max_message_bytes)
 
