@@ -111,8 +111,11 @@ def test_objectives_off_unless_asked() -> None:
 @pytest.mark.parametrize("values", [None, ALL_VALUES], ids=["pool-on", "all-features"])
 def test_builtin_kinds_stay_valid(values: Path | None, pool_docs: list[dict]) -> None:
     docs = pool_docs if values is None else render(values=values)
-    if values is not None:  # the all-features values switch the pool and objectives on too
+    if values is not None:  # the all-features values switch the pool, objectives and resolver on too
         assert of_kind(docs, "InferencePool") and len(of_kind(docs, "InferenceObjective")) == 2
+        (deploy,) = of_kind(docs, "Deployment")
+        inf = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "loraplex-inference")
+        assert "--adapter-resolver=s3://adapters/{name}" in inf["args"] and "--http-port=8080" in inf["args"]
         for doc in docs:
             if doc["kind"] in SCHEMAS:
                 validate_gie(doc)
@@ -160,6 +163,14 @@ def test_pool_without_endpoint_picker_fails_with_a_clear_message() -> None:
     assert out.returncode != 0 and "endpointPicker.name is required" in out.stderr, out.stderr
 
 
-def test_values_schema_rejects_bad_failure_mode() -> None:
-    out = helm_template(*POOL_ON, "inferenceGateway.inferencePool.endpointPicker.failureMode=Maybe")
+@pytest.mark.parametrize("bad", ["inferenceGateway.inferencePool.endpointPicker.failureMode=Maybe",
+                                 "inference.adapterResolver=s3://adapters/fixed"])
+def test_values_schema_rejects_bad_values(bad: str) -> None:
+    out = helm_template(*POOL_ON, bad)
     assert out.returncode != 0 and "schema" in out.stderr.lower(), out.stderr
+
+
+def test_resolver_off_by_default() -> None:
+    (deploy,) = of_kind(render(), "Deployment")
+    args = [a for c in deploy["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
+    assert not any(a.startswith("--adapter-resolver") for a in args)
