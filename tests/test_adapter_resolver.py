@@ -1,6 +1,7 @@
 """--adapter-resolver: a request naming an unregistered adapter loads it on first use from the URI
 template, through the allow-list. Real server subprocess, real adapter files (file:// URIs), both
-front ends (gRPC Generate and the OpenAI HTTP API)."""
+front ends (gRPC Generate and the OpenAI HTTP API); and an s3:// template on a real S3 (Ceph RGW)
+through the adapter-cache sidecar."""
 
 from __future__ import annotations
 
@@ -127,3 +128,32 @@ def test_off_by_default_and_template_checked() -> None:
         with pytest.raises(ValueError, match="--adapter-resolver"):
             check_template(bad)
     assert isinstance(parse(["--adapter-resolver", "s3://b/{name}"]), argparse.Namespace)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_s3_template_through_the_sidecar(ceph_s3, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The documented shape: 's3://bucket/adapters/{name}' on a real S3 (Ceph RGW), fetched by the
+    adapter-cache sidecar; a name with no objects is NOT_FOUND and leaves nothing registered."""
+    from tests.test_cache_helpers import Sidecar
+
+    root = Path(tmp_path_factory.mktemp("rs3"))  # short: unix socket paths are limited
+    bucket = ceph_s3.create_bucket("resolver")
+    write_peft_adapter(root / "src" / "sql", rank=4, seed=90)
+    s3 = ceph_s3.client()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        s3.upload_file(str(root / "src" / "sql" / f), bucket, f"adapters/sql/{f}")
+    sidecar = Sidecar(root, allow=[f"s3://{bucket}/"], env=ceph_s3.env(), socket=root / "c.sock")
+    server = start_inference_server(
+        ["--model", "builtin:tiny", "--max-loras", "2", "--cache-address", sidecar.target,
+         "--adapter-source-allow", f"s3://{bucket}/adapters/",
+         "--adapter-resolver", f"s3://{bucket}/adapters/{{name}}"], log_dir=root)
+    try:
+        assert generate(server, "sql")
+        assert adapters(server) == {"sql": 1}
+        assert grpc_code(server, "nope") == grpc.StatusCode.NOT_FOUND
+        assert adapters(server) == {"sql": 1}
+        assert generate(server, "sql")
+    finally:
+        server.stop()
+        sidecar.stop()
