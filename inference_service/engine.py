@@ -84,6 +84,7 @@ class EngineStats:
     waiting_lora_adapters: tuple[str, ...] = ()
     loads_total: int = 0
     evictions_total: int = 0
+    updated_at: float = 0.0  # wall-clock time of this snapshot: vllm:lora_requests_info's value
 
 
 class EngineCore:
@@ -311,6 +312,7 @@ class EngineCore:
             waiting_lora_adapters=tuple(sorted(u.split("@")[0] for u in waiting - running)),
             loads_total=lora.loads_total,
             evictions_total=lora.evictions_total,
+            updated_at=time.time(),
         )
 
     def list_adapters(self, limit: int | None = None, after: tuple[str, int] | None = None) -> list[AdapterInfo]:
