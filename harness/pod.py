@@ -269,7 +269,6 @@ class Pod:
         paths = {m["mountPath"]: self.volumes[m["name"]] for m in spec.get("volumeMounts", [])}
         c = Container(spec, sidecar, paths)
         env = dict(IMAGE_ENV)
-        env["PATH"] = f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         env["HOSTNAME"] = self.name
         for src in spec.get("envFrom", []):
             kind, ref = ("ConfigMap", src["configMapRef"]) if "configMapRef" in src else ("Secret", src["secretRef"])
@@ -281,6 +280,8 @@ class Pod:
             if value is not None:
                 env[e["name"]] = value
         env = {k: remap(v, paths) for k, v in env.items()}
+        # Set after the remap: these are host paths (a checkout under /tmp must not be remapped to a volume).
+        env["PATH"] = f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         env["PYTHONPATH"] = str(REPO)  # this checkout's code, whatever the venv's editable install points at
         env["OMP_NUM_THREADS"] = "1"
         c.env = env

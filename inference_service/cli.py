@@ -20,6 +20,7 @@ from adapter_cache.auth import read_tokens
 from adapter_cache.env_flags import add_env_flag, env_name
 from adapter_cache.errors import LoraplexError
 from adapter_cache.uri_policy import UriPolicy
+from inference_service.adapter_resolver import check_template
 from inference_service.auth import admin_disabled_reason, read_token_file
 from inference_service.config import EngineConfig
 from inference_service.http.config import HttpConfig
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--adapter-source-allow",
          "allowed adapter URI prefix, e.g. s3://bucket/adapters/ or file:///srv/adapters (repeatable; "
          "none: every adapter URI is PERMISSION_DENIED)", action="append", default=[])
+    _add(g, "--adapter-resolver", "URI template, e.g. 's3://bucket/adapters/{name}': a request naming an "
+         "unregistered adapter loads it from there first (checked by --adapter-source-allow; off when empty)",
+         default=ServerConfig.adapter_resolver)
 
     g = p.add_argument_group("serving")
     _add(g, "--listen", "HOST:PORT or unix:///path", default=ServerConfig.listen)
@@ -151,6 +155,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         read_tokens(args.cache_token_file)  # unreadable or empty: a usage error now, not at the first load
     allow = tuple(args.adapter_source_allow)
     UriPolicy(allow)  # reject malformed prefixes at startup
+    if args.adapter_resolver:
+        check_template(args.adapter_resolver)
+        if not allow:
+            raise ValueError("--adapter-resolver needs --adapter-source-allow covering its URIs")
     if args.shutdown_grace_s < 0 or args.drain_delay_s < 0 or args.watchdog_stall_s < 0:
         raise ValueError("--shutdown-grace-s, --drain-delay-s and --watchdog-stall-s must be >= 0")
     reason = admin_disabled_reason(args.listen, token, args.insecure_admin)
@@ -198,6 +206,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_message_bytes=args.max_message_bytes,
         default_max_new_tokens=args.default_max_new_tokens,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
+        adapter_resolver=args.adapter_resolver,
         preload=read_preload_file(args.preload_file) if args.preload_file else [],
         preload_file=args.preload_file,
         preload_reload_s=args.preload_reload_s,
@@ -268,10 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference_service.engine import Engine
     from inference_service.metrics import EngineCollector, build_registry, serve_metrics
+    from inference_service.residency import ResidencyCollector
 
     registry, sink = build_registry(server_cfg.adapter_metrics_top_k)
     engine = Engine(engine_cfg, metrics=sink)
     registry.register(EngineCollector(engine.stats))
+    registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     engine.start()
     metrics_server = None
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ class EngineStats:
     waiting_lora_adapters: tuple[str, ...] = ()
     loads_total: int = 0
     evictions_total: int = 0
+    updated_at: float = 0.0  # wall-clock time of this snapshot: vllm:lora_requests_info's value
 
 
 def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSource:
@@ -219,6 +221,7 @@ class EngineCore:
             waiting_lora_adapters=tuple(sorted(adapter_name(u) for u in waiting - running)),
             loads_total=lora.loads_total,
             evictions_total=lora.evictions_total,
+            updated_at=time.time(),
         )
 
     def list_adapters(self, limit: int | None = None, after: tuple[str, int] | None = None) -> list[AdapterInfo]:

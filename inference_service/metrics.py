@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -213,12 +212,12 @@ class EngineCollector(Collector):
         # Router-compatible series, named and shaped as vLLM exports them.
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
-            "Running stats on LoRA requests (vLLM-compatible; value is the scrape time).",
+            "Running stats on LoRA requests (vLLM-compatible; value is the last-update time).",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
         info.add_metric(
             [str(s.max_lora), ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)],
-            time.time(),
+            s.updated_at,
         )
         yield info
         yield _gauge("vllm:num_requests_running", "Requests in the running batch.", s.requests_running)

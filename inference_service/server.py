@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
 from adapter_cache.uri_policy import UriPolicy
+from inference_service.adapter_resolver import resolve_adapter
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.auth import AdminAuth, admin_disabled_reason
@@ -78,6 +79,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     drain_delay_s: float = 0.0
     watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: off)
+    adapter_resolver: str = ""  # URI template with {name}: unregistered adapters load on first use
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -111,6 +113,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 check_adapter_name(adapter)
             prompt_ids = self._prompt_ids(request)
             params = self._sampling_params(request)
+            await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, adapter)
             stream = self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id)
             submitted = True
             async for out in stream:

@@ -35,6 +35,7 @@ INFERENCE_METRICS = {
     "vllm:lora_requests_info", "vllm:num_requests_running", "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc", "loraplex_health_serving", "loraplex_drain_cancelled_requests_total",
     "loraplex_preload_adapters", "loraplex_preload_failures_total", "loraplex_preload_reloads_total",
+    "loraplex_lora_adapters_resident", "loraplex_lora_adapter_resident",
 }
 CACHE_METRICS = {
     "loraplex_cache_bytes", "loraplex_cache_capacity_bytes", "loraplex_cache_entries", "loraplex_cache_leases",

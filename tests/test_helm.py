@@ -30,6 +30,7 @@ ALL_VALUES = DATA / "helm-values-all.yaml"
 BAD_VALUES = DATA / "helm-values-bad-type.yaml"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+GIE_KINDS = {"InferencePool", "InferenceObjective"}  # validated by tests/test_helm_gateway.py
 
 pytestmark = pytest.mark.needs_tool("helm", HELM)
 
@@ -83,7 +84,7 @@ def test_lint_strict(values: Path | None) -> None:
 @pytest.mark.parametrize("docs_fixture", ["default_docs", "all_docs"])
 def test_core_kinds_validate_strict(docs_fixture: str, request: pytest.FixtureRequest) -> None:
     docs = request.getfixturevalue(docs_fixture)
-    core = [d for d in docs if d["kind"] not in CRD_KINDS]
+    core = [d for d in docs if d["kind"] not in CRD_KINDS | GIE_KINDS]
     assert {"Deployment", "Service", "ServiceAccount", "ConfigMap"} <= {d["kind"] for d in core}
     for version in K8S_VERSIONS:
         for doc in core:
@@ -191,7 +192,7 @@ def test_pod_shape_defaults(default_docs: list[dict]) -> None:
     # tmpfs pages count against the sidecar: its memory covers the shm size plus the process.
     assert int(cache["resources"]["limits"]["memory"]) == int(staged["sizeLimit"]) + 536870912
     (svc,) = by_kind(default_docs, "Service")
-    assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics", "cache-metrics"}
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "http", "metrics", "cache-metrics"}
 
 
 def test_pod_shape_all_features(all_docs: list[dict]) -> None:

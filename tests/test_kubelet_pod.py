@@ -175,8 +175,9 @@ def _drain_with_stream_in_flight(pod: Pod, address: str) -> None:
 
         def poll() -> None:
             while not stop_polling.is_set():
-                health_log.append((time.monotonic(), _health(address, timeout=1.0)))
-                time.sleep(0.05)
+                status = _health(address, timeout=1.0)
+                health_log.append((time.monotonic(), status))  # when the answer came: a check sent before
+                time.sleep(0.05)  # SIGTERM may still answer NOT_SERVING after it
 
         poller = threading.Thread(target=poll)
         poller.start()

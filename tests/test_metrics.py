@@ -61,6 +61,7 @@ class FakeStats:
     max_lora: int = 4
     running_lora_adapters: list[str] = field(default_factory=lambda: ["a", "b"])
     waiting_lora_adapters: list[str] = field(default_factory=lambda: ["c"])
+    updated_at: float = 1.7e9
 
 
 def _registry(stats: FakeStats, top_k: int = 20):
@@ -124,7 +125,7 @@ def test_exposition_has_every_required_series_with_values():
     assert len(info) == 1
     labels = dict(info[0][0])
     assert labels == {"max_lora": "4", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
-    assert info[0][1] > 1.6e9  # the scrape timestamp, as vLLM does
+    assert info[0][1] == 1.7e9  # the snapshot's last-update time (GIE model server protocol)
 
 
 def test_gauges_are_read_at_scrape_time():

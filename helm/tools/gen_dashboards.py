@@ -116,7 +116,12 @@ def serving() -> gdash.Dashboard:
              (f"sum(rate(loraplex_lora_evictions_total{{{SEL}}}[{RATE}]))", "evictions")))
          .with_panel(timeseries(
              "Load latency by tier", "Time from needing an adapter to LOADED, by source tier.", "s",
-             *quantiles("loraplex_lora_load_seconds", by="tier"), span=24)))
+             *quantiles("loraplex_lora_load_seconds", by="tier"), span=16))
+         .with_panel(timeseries(
+             "Resident adapters", "Adapters by where their weights are (device slot, host memory, adapter cache); "
+             "and per adapter, how many pods hold it in a slot (docs/metrics.md).", "none",
+             (f"sum by (tier) (loraplex_lora_adapters_resident{{{SEL}}})", "{{tier}}"),
+             (f'sum by (adapter) (loraplex_lora_adapter_resident{{{SEL}, tier="device"}})', "pods with {{adapter}}"))))
     d = (d.with_row(gdash.Row("Requests and latency"))
          .with_panel(timeseries(
              "Requests running and waiting", "Running batch and queue, by wait reason.", "none",

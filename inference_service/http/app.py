@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError
 from adapter_cache.uri_policy import UriPolicy
+from inference_service.adapter_resolver import resolve_adapter
 from inference_service.auth import AdminAuth, admin_disabled_reason
 from inference_service.chat_template import ChatTemplate
 from inference_service.http.errors import error_response, loraplex_error_response, status_of
@@ -132,6 +133,7 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
             prompt_ids = openai.completion_prompt(body)
             max_tokens = body.max_tokens
         params = openai.sampling(body, max_tokens, len(prompt_ids))
+        await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -236,7 +238,8 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
     async def metrics() -> Response:
         if registry is None:
             return error_response("metrics are not enabled", 404, "NOT_FOUND")
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: the residency collector waits for the scheduler thread (residency.py).
+        return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     return BodyLimit(app, config.max_message_bytes)
 

@@ -244,6 +244,12 @@ class LoRAManager:
         """Whether new requests may use `name` now (a dict lookup: safe from any thread)."""
         return name in self._registry.current
 
+    def residency(self) -> list[tuple[str, AdapterState, LoadTier]]:
+        """(name, state, where its next load's bytes come from) of each adapter's current version:
+        what routers want to know about warm adapters (inference_service/residency.py)."""
+        versions = self._registry.versions
+        return [(name, self.state(uid), versions[uid].tier) for name, uid in self._registry.current.items()]
+
     def adapter_names(self) -> frozenset[str]:
         """The names new requests may use now."""
         return frozenset(self._registry.current)

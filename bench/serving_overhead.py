@@ -1,0 +1,333 @@
+"""The serving layer's own benchmark: what the front end costs, measured through the real server.
+
+Two regimes, each with the load generator in processes of its own:
+
+- **Simulated accelerator** (`sim`): the server is the real `loraplex-inference` (scheduler, LoRA manager,
+  detokenizer, outputs, gRPC) except that the model runner's forward pass is a stand-in that sleeps a fixed
+  wall time (`--sim-step-ms`, no CPU used, like a GPU kernel) and emits deterministic tokens. Ideal
+  tokens/s = streams x steps/s; `efficiency` = achieved / ideal.
+- **Real model on CPU** (`real`): a small real-shaped LLaMA (hidden 256, 4 layers, 2 KV heads, vocab 32000,
+  fp32), 32 concurrent streams of 32-token prompts and 64 new tokens (greedy, EOS ignored), on the base model
+  and over 8 adapters in 4 slots, gRPC against the in-process EngineCore stepping the same requests.
+
+    .venv/bin/python bench/serving_overhead.py                     # both regimes
+    .venv/bin/python bench/serving_overhead.py sim --streams 64,256,1024 --sim-step-ms 5,10
+    .venv/bin/python bench/serving_overhead.py real
+
+RESULT lines: `serving_efficiency_256` (achieved/ideal at 256 streams, 10 ms step; target >= 0.90),
+`grpc_vs_inprocess_small_model` (the lower of base and mixed; target >= 0.80).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+
+
+# ---- the server side: the real CLI with a stand-in forward pass ----------------------------------------
+
+def serve_simulated(step_ms: float, cli_args: list[str]) -> int:
+    """Runs `loraplex-inference` whose ModelRunner.run sleeps `step_ms` instead of computing."""
+    from inference_service import cli
+    from inference_service.model_runner import ModelRunner
+
+    step_s = step_ms / 1000.0
+
+    def run(self, batch):  # noqa: ANN001 - same signature as ModelRunner.run
+        time.sleep(step_s)  # the accelerator's step: wall time, no CPU (the GIL is released)
+        vocab = self.model.config.vocab_size
+        out = {}
+        for request, num_tokens in batch.items:
+            end = request.num_computed_tokens + num_tokens
+            if end == request.num_tokens:  # this chunk reaches the end: a token is sampled
+                out[request.request_id] = ((request.num_tokens * 7919 + 13) % (vocab - 3) + 3, None)
+        return out
+
+    ModelRunner.run = run
+    return cli.main(cli_args)
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    address: str
+    log: Path
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_server(cmd_prefix: list[str], args: list[str], log_dir: Path) -> Server:
+    import socket
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    log = log_dir / f"server-{port}.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the same torch threads as the in-process side
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([*cmd_prefix, "--listen", address, "--log-level", "WARNING", *args], cwd=ROOT,
+                                env=env, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
+        with grpc.insecure_channel(address) as ch:
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return Server(proc, address, log)
+            except grpc.RpcError:
+                pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("server did not become SERVING")
+
+
+# ---- the load generator: its own processes ------------------------------------------------------------
+
+def client_main(spec_json: str) -> None:
+    """One load-generator process: `streams` concurrent Generate calls on grpc.aio; prints per-stream
+    arrival times (monotonic, relative to the shared start) and its own CPU seconds as JSON."""
+    import resource
+
+    import grpc
+
+    from inference_service.api import inference_pb2 as pb
+    from inference_service.api import inference_pb2_grpc as pb_grpc
+
+    spec = json.loads(spec_json)
+
+    async def one(stub, i: int) -> dict:
+        adapters = spec["adapters"]
+        adapter = adapters[i % len(adapters)] if adapters else ""
+        req = pb.GenerateRequest(adapter=adapter, max_new_tokens=spec["new_tokens"], ignore_eos=True)
+        req.token_ids.ids.extend(spec["prompts"][i % len(spec["prompts"])])
+        sent = time.time()
+        arrivals, tokens = [], 0
+        async for msg in stub.Generate(req):
+            arrivals.append(time.time())
+            tokens += len(msg.token_ids)
+        return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
+
+    async def run() -> list[dict]:
+        channels = [grpc.aio.insecure_channel(spec["address"]) for _ in range(spec["channels"])]
+        stubs = [pb_grpc.InferenceStub(ch) for ch in channels]
+        for ch in channels:
+            await ch.channel_ready()
+        await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
+        results = await asyncio.gather(*(one(stubs[i % len(stubs)], spec["first"] + i)
+                                         for i in range(spec["streams"])))
+        for ch in channels:
+            await ch.close()
+        return list(results)
+
+    results = asyncio.run(run())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"streams": results, "cpu_s": usage.ru_utime + usage.ru_stime}))
+
+
+@dataclass
+class LoadResult:
+    tokens: int
+    messages: int
+    wall_s: float
+    server_cpu_s: float
+    client_cpu_s: float
+    ttft: list[float]
+    itl: list[float]
+
+    def line(self) -> str:
+        def pct(xs: list[float], q: float) -> float:
+            return statistics.quantiles(xs, n=100)[q - 1] * 1000 if len(xs) > 1 else float("nan")
+
+        return (f"{self.tokens / self.wall_s:8.0f} tok/s {self.messages / self.wall_s:8.0f} msg/s  "
+                f"cpu server {self.server_cpu_s:5.2f}s client {self.client_cpu_s:5.2f}s  "
+                f"ttft p50/p99 {pct(self.ttft, 50):6.1f}/{pct(self.ttft, 99):6.1f} ms  "
+                f"itl p50/p99 {pct(self.itl, 50):6.1f}/{pct(self.itl, 99):6.1f} ms")
+
+
+def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[list[int]],
+                  adapters: list[str], clients: int) -> LoadResult:
+    start_at = time.time() + 1.5  # every client process connected and waiting by then
+    per = [streams // clients + (1 if i < streams % clients else 0) for i in range(clients)]
+    procs, first = [], 0
+    for n in per:
+        spec = {"address": server.address, "streams": n, "first": first, "new_tokens": new_tokens,
+                "prompts": prompts, "adapters": adapters, "channels": max(1, n // 64), "start_at": start_at}
+        first += n
+        procs.append(subprocess.Popen([sys.executable, __file__, "_client", json.dumps(spec)], cwd=ROOT,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE))
+    cpu0 = None
+    while time.time() < start_at - 0.05:
+        time.sleep(0.01)
+    cpu0 = server.cpu_seconds()
+    outs = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+    server_cpu = server.cpu_seconds() - cpu0
+    all_streams = [s for o in outs for s in o["streams"]]
+    end = max(s["arrivals"][-1] for s in all_streams)
+    tokens = sum(s["tokens"] for s in all_streams)
+    assert tokens == streams * new_tokens, f"{tokens} tokens, expected {streams * new_tokens}"
+    itl = [b - a for s in all_streams for a, b in zip(s["arrivals"], s["arrivals"][1:], strict=False)]
+    return LoadResult(tokens, sum(len(s["arrivals"]) for s in all_streams), end - start_at, server_cpu,
+                      sum(o["cpu_s"] for o in outs), [s["arrivals"][0] - s["sent"] for s in all_streams], itl)
+
+
+# ---- regimes -----------------------------------------------------------------------------------------
+
+def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
+    result_256 = None
+    prompt_tokens = 32
+    prompts = [[(i * 31 + j) % 200 + 3 for j in range(prompt_tokens)] for i in range(64)]
+    for step_ms in args.sim_step_ms:
+        for streams in args.streams:
+            server_args = ["--model", "builtin:tiny", "--device", "cpu", "--max-num-seqs", str(streams),
+                           "--max-queue", str(streams),
+                           "--max-num-batched-tokens", str(streams * prompt_tokens),
+                           "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(args.sim_new_tokens)]
+            server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], server_args, tmp)
+            try:
+                generate_load(server, min(streams, 16), 8, prompts, [], 1)  # warm-up
+                r = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
+            finally:
+                server.stop()
+            ideal = streams * 1000.0 / step_ms
+            eff = r.tokens / r.wall_s / ideal
+            print(f"sim step {step_ms:4.1f} ms, {streams:5d} streams: {r.line()}  "
+                  f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f}", flush=True)
+            if streams == 256 and step_ms == 10:
+                result_256 = eff
+    return result_256
+
+
+def make_small_checkpoint(out: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMALL_MODEL, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def run_inprocess(model: str, adapters: dict[str, str], streams: int, new_tokens: int,
+                  prompts: list[list[int]], max_loras: int) -> float:
+    """Tokens/s of the EngineCore stepping the same requests, no transport at all."""
+    from inference_service.config import EngineConfig
+    from inference_service.engine import EngineCore
+    from inference_service.request import Request, SamplingParams
+
+    core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer="byte", max_loras=max_loras,
+                                   max_num_seqs=streams))
+    names = list(adapters)
+    for name, uri in adapters.items():
+        core.lora.load_adapter(name, uri, preload=True)
+    while core.lora.has_pending_work():
+        core.step()
+        time.sleep(0.001)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+
+    def once(tag: str) -> float:
+        for i in range(streams):
+            adapter = names[i % len(names)] if names else None
+            core.add_request(Request(f"{tag}{i}", list(prompts[i % len(prompts)]), params), adapter)
+        t0, tokens = time.perf_counter(), 0
+        while core.has_work() or core.lora.has_pending_work():
+            tokens += sum(len(o.new_token_ids) for o in core.step())
+        elapsed = time.perf_counter() - t0
+        assert tokens == streams * new_tokens, tokens
+        return tokens / elapsed
+
+    once("warm")
+    best = max(once(f"r{k}-") for k in range(2))
+    core.shutdown()
+    return best
+
+
+def run_real(args: argparse.Namespace, tmp: Path) -> float:
+    from inference_service.demo_adapters import write_peft_adapter
+    from inference_service.models.llama import ModelConfig
+
+    checkpoint = make_small_checkpoint(tmp / "small-model")
+    config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+    adapters = {f"a{i}": write_peft_adapter(tmp / f"a{i}", config, rank=8, seed=i).as_uri() for i in range(8)}
+    prompts = [[(i * 131 + j * 7) % 31000 + 100 for j in range(32)] for i in range(args.real_streams)]
+    ratios = []
+    for label, used in (("base", {}), ("8 adapters / 4 slots", adapters)):
+        inproc = run_inprocess(str(checkpoint), used, args.real_streams, 64, prompts, 4)
+        server = start_server([sys.executable, "-m", "inference_service.cli"],
+                              ["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
+                               "--tokenizer", "byte", "--max-loras", "4",
+                               "--max-num-seqs", str(args.real_streams),
+                               "--adapter-source-allow", tmp.as_uri()], tmp)
+        try:
+            from inference_service.client import InferenceClient
+
+            with InferenceClient(server.address) as c:
+                for name, uri in used.items():
+                    c.load_adapter(name, uri, timeout=120)
+            generate_load(server, args.real_streams, 64, prompts, list(used), 1)  # warm-up
+            r = max((generate_load(server, args.real_streams, 64, prompts, list(used), 1) for _ in range(2)),
+                    key=lambda r: r.tokens / r.wall_s)
+        finally:
+            server.stop()
+        ratio = r.tokens / r.wall_s / inproc
+        ratios.append(ratio)
+        print(f"real {label:22s}: in-process {inproc:7.0f} tok/s | gRPC {r.line()} | ratio {ratio:.3f}", flush=True)
+    return min(ratios)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_client":
+        client_main(sys.argv[2])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "_serve_sim":
+        return serve_simulated(float(sys.argv[2]), sys.argv[4:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("regime", nargs="?", choices=("sim", "real", "both"), default="both")
+    p.add_argument("--sim-step-ms", type=lambda s: [float(x) for x in s.split(",")], default=[5.0, 10.0])
+    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
+    p.add_argument("--sim-new-tokens", type=int, default=128)
+    p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--real-streams", type=int, default=32)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        eff = run_sim(args, Path(tmp)) if args.regime in ("sim", "both") else None
+        ratio = run_real(args, Path(tmp)) if args.regime in ("real", "both") else None
+    if eff is not None:
+        print(f"RESULT serving_efficiency_256={eff:.3f}")
+    if ratio is not None:
+        print(f"RESULT grpc_vs_inprocess_small_model={ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""bench/routing.py's router re-implements GIE's endpoint-picker scoring; its rules are checked here
+on hand-built pod views, and its parser on a real /metrics exposition."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from inference_service.engine import EngineStats
+from inference_service.metrics import EngineCollector, build_registry
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "routing.py"
+spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
+routing = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = routing  # dataclasses look their module up there
+spec.loader.exec_module(routing)
+
+
+def pod(running=(), waiting=(), max_lora=2, queue=0, kv=0.0, resident=()) -> object:
+    return routing.Replica("http://x", "x", None, max_lora, set(running), set(waiting), queue, kv, set(resident))
+
+
+def test_lora_affinity_rules_in_gie_order() -> None:
+    assert routing.lora_affinity_score(pod(running={"a", "b"}), "a") == 1.0  # active
+    assert routing.lora_affinity_score(pod(running={"b"}), "a") == 0.8  # room for one more
+    assert routing.lora_affinity_score(pod(running={"b"}, waiting={"a"}), "a") == 0.6  # full, a waiting
+    assert routing.lora_affinity_score(pod(running={"b", "c"}), "a") == 0.0  # full
+    # Residency counts only in the residency-aware variant.
+    assert routing.lora_affinity_score(pod(running={"b", "c"}, resident={"a"}), "a") == 0.0
+    assert routing.lora_affinity_score(pod(running={"b", "c"}, resident={"a"}), "a", residency=True) == 1.0
+
+
+def test_queue_scores_normalised_and_picker() -> None:
+    pods = [pod(queue=4), pod(queue=0), pod(queue=2)]
+    assert routing.queue_scores(pods) == [0.0, 1.0, 0.5]
+    assert routing.queue_scores([pod(queue=3), pod(queue=3)]) == [1.0, 1.0]
+    with_a, empty = pod(running={"a", "b"}), pod()
+    pick = routing.affinity_router([with_a, empty], random.Random(0))
+    assert pick("a") is with_a  # 1.0 + 1 + 1 beats 0.8 + 1 + 1
+    assert pick("c") is empty  # with_a is full: 0 + 1 + 1 against 0.8 + 1 + 1
+    with_a.queue = 1  # a longer queue outweighs affinity: 1.0 + 0 + 1 < 0.8 + 1 + 1
+    assert pick("a") is empty
+
+
+def test_parse_view_of_real_exposition() -> None:
+    registry, _ = build_registry()
+    stats = EngineStats(max_lora=4, running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",),
+                        requests_waiting={"queued": 3}, kv_cache_usage=0.25, updated_at=1.7e9)
+    registry.register(EngineCollector(lambda: stats))
+    view = routing.parse_view(generate_latest(registry).decode())
+    assert (view["max_lora"], view["running"], view["waiting"], view["queue"], view["kv"]) == \
+        (4, {"a", "b"}, {"c"}, 3, 0.25)
