@@ -15,8 +15,8 @@ import logging
 import weakref
 from typing import Any
 
-from inference_service.limits import check_adapter_name
 from adapter_cache.uri_policy import SCHEMES, UriPolicy
+from inference_service.limits import check_adapter_name
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.engine_helpers import load_adapters
+from harness.ports import free_port
+from harness.tools import require_tool
 from inference_service.client import InferenceClient
 from inference_service.config import EngineConfig
 from inference_service.demo_adapters import write_peft_adapter
@@ -31,9 +34,6 @@ from inference_service.engine import EngineCore
 from inference_service.metrics import EngineCollector, build_registry, serve_metrics
 from inference_service.request import Request, SamplingParams
 from inference_service.residency import ResidencyCollector
-from harness.engine_helpers import load_adapters
-from harness.ports import free_port
-from harness.tools import require_tool
 
 INFO = "vllm:lora_requests_info"
 COUNTS = "loraplex_lora_adapters_resident"
