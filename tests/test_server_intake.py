@@ -1,5 +1,5 @@
-"""The real server's intake, end to end: adapters of --preload-file are in their slots before it
-reports SERVING, a full queue answers RESOURCE_EXHAUSTED, a request id already in use answers
+"""The real server's intake, end to end: required adapters of --preload-file are in their slots
+before it reports SERVING, a full queue answers RESOURCE_EXHAUSTED, a request id already in use answers
 INVALID_ARGUMENT; and afterwards the server still serves and holds nothing."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ MAX_NUM_SEQS, MAX_QUEUE = 1, 2
 def server(tmp_path, inference_server_factory):
     adapters = {name: write_peft_adapter(tmp_path / name, rank=4, seed=i) for i, name in enumerate(["p0", "p1"])}
     preload = tmp_path / "preload.json"
-    preload.write_text(json.dumps([{"name": n, "uri": p.as_uri(), "pinned": n == "p1"} for n, p in adapters.items()]))
+    # required: they gate readiness (entries without it load in the background after SERVING)
+    preload.write_text(json.dumps([{"name": n, "uri": p.as_uri(), "pinned": n == "p1", "required": True}
+                                   for n, p in adapters.items()]))
     return inference_server_factory("--preload-file", str(preload), "--adapter-source-allow", tmp_path.as_uri(),
                                     "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE))
 
