@@ -128,7 +128,8 @@ def test_running_waiting_resident_evicted_exact_labels(core_and_registry, adapte
         # queued request too, but it is running: it is listed as running only (llm-d-router #2605).
         for rid, name in (("r1", "a"), ("r2", "b"), ("r3", "a")):
             core.add_request(Request(rid, PROMPT, PARAMS), name)
-        step_until(core, lambda: core.stats().running_lora_adapters == ("a",) and core.stats().slots_occupied == 2)
+        step_until(core, lambda: core.stats().running_lora_adapters == ("a",) and core.stats().slots_occupied == 2
+                   and core.stats().pending_load_events == 0)  # b's copy done: LOADED, not LOADING
         fams = full.families()
         assert info(fams)[0] == {"max_lora": "2", "running_lora_adapters": "a", "waiting_lora_adapters": "b"}
         assert residency(fams) == ({"device": 2, "host": 0, "cache": 0}, {("a", "device", 1), ("b", "device", 1)})
