@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from adapter_cache.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from inference_service.demo_adapters import write_peft_adapter
 from inference_service.models.loader import builtin_tiny_config
 
 MAX_RANK = 8
@@ -239,3 +240,21 @@ def remove(file: str) -> Edit:
 A0, B1 = key(0, "q_proj", "A"), key(1, "down_proj", "B")
 q_in, q_out = SHAPES.features["q_proj"]
 down_in, down_out = SHAPES.features["down_proj"]
+
+
+def write_admin_error_adapters(root: Path, outside: Path) -> None:
+    """The LoadAdapter error cases both front ends test (tests/test_server_errors.py and its HTTP twin):
+    `outside/elsewhere` beyond the allow-list, and under `root` rank64, too-many-layers, bad-json,
+    truncated and dora."""
+    write_peft_adapter(outside / "elsewhere", rank=8, seed=2)
+    write_peft_adapter(root / "rank64", rank=64, seed=3)
+    write_peft_adapter(root / "too-many-layers", rank=4, seed=4, num_layers=5)
+    bad_json = write_peft_adapter(root / "bad-json", rank=4, seed=5)
+    (bad_json / "adapter_config.json").write_text("{not json")
+    truncated = write_peft_adapter(root / "truncated", rank=4, seed=6)
+    data = (truncated / "adapter_model.safetensors").read_bytes()
+    (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    dora = write_peft_adapter(root / "dora", rank=4, seed=7)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(cfg))

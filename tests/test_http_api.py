@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.bad_adapters import write_admin_error_adapters
 from harness.devices import SERVER_DEVICE
 from harness.engine_helpers import generate, load_adapters
 from harness.inference_server import start_inference_server
@@ -51,18 +52,7 @@ def env(tmp_path_factory):
     for i, name in enumerate(ADAPTERS):
         write_peft_adapter(root / name, rank=8, seed=10 + i)
     write_peft_adapter(root / "spare", rank=4, seed=20)
-    write_peft_adapter(outside / "elsewhere", rank=8, seed=2)
-    write_peft_adapter(root / "rank64", rank=64, seed=3)
-    write_peft_adapter(root / "too-many-layers", rank=4, seed=4, num_layers=5)
-    bad_json = write_peft_adapter(root / "bad-json", rank=4, seed=5)
-    (bad_json / "adapter_config.json").write_text("{not json")
-    truncated = write_peft_adapter(root / "truncated", rank=4, seed=6)
-    data = (truncated / "adapter_model.safetensors").read_bytes()
-    (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
-    dora = write_peft_adapter(root / "dora", rank=4, seed=7)
-    cfg = json.loads((dora / "adapter_config.json").read_text())
-    cfg["use_dora"] = True
-    (dora / "adapter_config.json").write_text(json.dumps(cfg))
+    write_admin_error_adapters(root, outside)
     template = root / "chatml.jinja"
     template.write_text(CHATML)
     server = start_inference_server(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.bad_adapters import write_admin_error_adapters
 from harness.inference_server import start_inference_server
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
@@ -28,18 +28,7 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("allowed")
     outside = tmp_path_factory.mktemp("outside")
     write_peft_adapter(root / "good", rank=8, seed=1)
-    write_peft_adapter(outside / "elsewhere", rank=8, seed=2)
-    write_peft_adapter(root / "rank64", rank=64, seed=3)
-    write_peft_adapter(root / "too-many-layers", rank=4, seed=4, num_layers=5)
-    bad_json = write_peft_adapter(root / "bad-json", rank=4, seed=5)
-    (bad_json / "adapter_config.json").write_text("{not json")
-    truncated = write_peft_adapter(root / "truncated", rank=4, seed=6)
-    data = (truncated / "adapter_model.safetensors").read_bytes()
-    (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
-    dora = write_peft_adapter(root / "dora", rank=4, seed=7)
-    cfg = json.loads((dora / "adapter_config.json").read_text())
-    cfg["use_dora"] = True
-    (dora / "adapter_config.json").write_text(json.dumps(cfg))
+    write_admin_error_adapters(root, outside)
     server = start_inference_server(
         ["--model", "builtin:tiny", "--max-loras", "2", "--max-lora-rank", "16", "--max-new-tokens-limit",
          str(LIMIT), "--max-message-bytes", str(MAX_MESSAGE), "--adapter-source-allow", root.as_uri()],
