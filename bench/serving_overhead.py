@@ -82,34 +82,21 @@ class Server:
 
 
 def start_server(cmd_prefix: list[str], args: list[str], log_dir: Path) -> Server:
-    import socket
+    from harness.inference_server import wait_serving
+    from harness.ports import free_port
 
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"127.0.0.1:{port}"
-    log = log_dir / f"server-{port}.log"
+    address = f"127.0.0.1:{free_port()}"
+    log = log_dir / f"server-{address.rsplit(':', 1)[1]}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the same torch threads as the in-process side
     with open(log, "wb") as f:
         proc = subprocess.Popen([*cmd_prefix, "--listen", address, "--log-level", "WARNING", *args], cwd=ROOT,
                                 env=env, stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
-        with grpc.insecure_channel(address) as ch:
-            try:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return Server(proc, address, log)
-            except grpc.RpcError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("server did not become SERVING")
+    try:
+        wait_serving(address, proc, timeout=180)
+    except (RuntimeError, TimeoutError) as e:
+        proc.kill()
+        raise RuntimeError(f"{e}\n{log.read_text()[-3000:]}") from None
+    return Server(proc, address, log)
 
 
 # ---- the load generator: its own processes ------------------------------------------------------------
