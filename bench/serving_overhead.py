@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -69,8 +70,18 @@ class Server:
     log: Path
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU seconds of the server and its engine core process (and any other child)."""
+        total, pids = 0.0, [self.proc.pid]
+        while pids:
+            pid = pids.pop()
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue  # exited meanwhile
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            pids += [int(c) for c in children]
+        return total
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -194,24 +205,24 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
     result_256 = None
     prompt_tokens = 32
     prompts = [[(i * 31 + j) % 200 + 3 for j in range(prompt_tokens)] for i in range(64)]
-    for step_ms in args.sim_step_ms:
-        for streams in args.streams:
-            server_args = ["--model", "builtin:tiny", "--device", "cpu", "--max-num-seqs", str(streams),
-                           "--max-queue", str(streams),
-                           "--max-num-batched-tokens", str(streams * prompt_tokens),
-                           "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(args.sim_new_tokens)]
-            server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], server_args, tmp)
-            try:
-                generate_load(server, min(streams, 16), 8, prompts, [], 1)  # warm-up
-                r = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
-            finally:
-                server.stop()
-            ideal = streams * 1000.0 / step_ms
-            eff = r.tokens / r.wall_s / ideal
-            print(f"sim step {step_ms:4.1f} ms, {streams:5d} streams: {r.line()}  "
-                  f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f}", flush=True)
-            if streams == 256 and step_ms == 10:
-                result_256 = eff
+    for engine_core, step_ms, streams in itertools.product(args.engine_core, args.sim_step_ms, args.streams):
+        server_args = ["--engine-core", engine_core,
+                       "--model", "builtin:tiny", "--device", "cpu", "--max-num-seqs", str(streams),
+                       "--max-queue", str(streams),
+                       "--max-num-batched-tokens", str(streams * prompt_tokens),
+                       "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(args.sim_new_tokens)]
+        server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], server_args, tmp)
+        try:
+            generate_load(server, min(streams, 16), 8, prompts, [], 1)  # warm-up
+            r = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
+        finally:
+            server.stop()
+        ideal = streams * 1000.0 / step_ms
+        eff = r.tokens / r.wall_s / ideal
+        print(f"sim core={engine_core:7s} step {step_ms:4.1f} ms, {streams:5d} streams: {r.line()}  "
+              f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f}", flush=True)
+        if streams == 256 and step_ms == 10 and engine_core == args.engine_core[-1]:
+            result_256 = eff
     return result_256
 
 
@@ -268,10 +279,12 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
     adapters = {f"a{i}": write_peft_adapter(tmp / f"a{i}", config, rank=8, seed=i).as_uri() for i in range(8)}
     prompts = [[(i * 131 + j * 7) % 31000 + 100 for j in range(32)] for i in range(args.real_streams)]
     ratios = []
-    for label, used in (("base", {}), ("8 adapters / 4 slots", adapters)):
+    for engine_core, (label, used) in itertools.product(args.engine_core,
+                                                        (("base", {}), ("8 adapters / 4 slots", adapters))):
         inproc = run_inprocess(str(checkpoint), used, args.real_streams, 64, prompts, 4)
         server = start_server([sys.executable, "-m", "inference_service.cli"],
-                              ["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
+                              ["--engine-core", engine_core,
+                               "--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
                                "--tokenizer", "byte", "--max-loras", "4",
                                "--max-num-seqs", str(args.real_streams),
                                "--adapter-source-allow", tmp.as_uri()], tmp)
@@ -287,8 +300,10 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
         finally:
             server.stop()
         ratio = r.tokens / r.wall_s / inproc
-        ratios.append(ratio)
-        print(f"real {label:22s}: in-process {inproc:7.0f} tok/s | gRPC {r.line()} | ratio {ratio:.3f}", flush=True)
+        if engine_core == args.engine_core[-1]:
+            ratios.append(ratio)
+        print(f"real core={engine_core:7s} {label:22s}: in-process {inproc:7.0f} tok/s | gRPC {r.line()} "
+              f"| ratio {ratio:.3f}", flush=True)
     return min(ratios)
 
 
@@ -305,6 +320,8 @@ def main() -> int:
     p.add_argument("--sim-new-tokens", type=int, default=128)
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
     p.add_argument("--real-streams", type=int, default=32)
+    p.add_argument("--engine-core", type=lambda s: s.split(","), default=["process"],
+                   help="thread,process compares the two (the RESULT lines use the last)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         eff = run_sim(args, Path(tmp)) if args.regime in ("sim", "both") else None

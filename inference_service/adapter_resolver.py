@@ -42,7 +42,7 @@ class AdapterResolver:
         self._inflight: dict[str, asyncio.Future[None]] = {}
 
     def registered(self, name: str) -> bool:
-        return self.engine.core.adapter_is_current(name)  # atomic from this thread, as in Engine.add_request
+        return self.engine.adapter_is_current(name)
 
     async def ensure(self, name: str) -> None:
         """Returns once `name` is registered (loaded here if needed); raises the load's LoraplexError

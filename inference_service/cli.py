@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "seeds sampling for requests that set no seed of their own", type=int,
          default=EngineConfig.seed)
+    _add(g, "--engine-core", "process: the scheduler in a process of its own, so the front ends' per-message "
+         "work never slows a step (docs/architecture.md); thread: in this process (debugging, comparisons)",
+         default="process", choices=("process", "thread"))
     _add(g, "--tokenizer", "auto: the checkpoint's tokenizer.json (required); byte: UTF-8 bytes as token ids",
          default=EngineConfig.tokenizer, choices=("auto", "byte"))
 
@@ -276,11 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
 
     from inference_service.engine import Engine
+    from inference_service.engine_process import ProcessEngine
     from inference_service.metrics import EngineCollector, build_registry, serve_metrics
     from inference_service.residency import ResidencyCollector
 
     registry, sink = build_registry(server_cfg.adapter_metrics_top_k)
-    engine = Engine(engine_cfg, metrics=sink)
+    # The core process is forked here, before any server thread exists.
+    engine = (ProcessEngine if args.engine_core == "process" else Engine)(engine_cfg, metrics=sink)
     registry.register(EngineCollector(engine.stats))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     engine.start()

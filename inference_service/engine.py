@@ -1,142 +1,96 @@
-"""The bridge between the scheduler thread and its callers.
+"""The scheduler thread, and the in-process bridge to it.
 
-`Engine` runs an `engine_core.EngineCore` on its own thread: other threads (the asyncio gRPC
-loop, tests) talk to it only through a command queue, and read results from per-request output
-streams and from snapshots it publishes after each step. It uses only EngineCore's methods, so a
-bridge to a core in another process could take its place.
+`CoreThread` runs an `engine_core.EngineCore`: other threads talk to it only through a command
+queue; it hands each step's outputs to one callback, once per step (never per token), and
+publishes a stats snapshot after each step. `Engine` is the in-process front end over it (the
+request streams of inference_service/streams.py); `engine_process.ProcessEngine` is the same front
+end over a CoreThread in a process of its own, which is what `loraplex-inference` serves with.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError, ResourceExhaustedError
+from adapter_cache.errors import LoraplexError, NotFoundError
 from inference_service.config import EngineConfig
-from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats
+from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats, validate_request
 from inference_service.limits import check_adapter_name, check_request_id
 from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.streams import RequestStream, StreamTable
 
 log = logging.getLogger(__name__)
 
-
-class RequestStream:
-    """One request's outputs, fed by the scheduler thread; iterate it sync or async."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self._async_queue: asyncio.Queue[RequestOutput] | None = asyncio.Queue() if loop else None
-        self._sync_queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-
-    def put(self, output: RequestOutput) -> None:
-        """Called on the asyncio loop (async streams) or the scheduler thread (sync streams)."""
-        if self._async_queue is not None:
-            self._async_queue.put_nowait(output)
-        else:
-            self._sync_queue.put(output)
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        while True:
-            output = self._sync_queue.get()
-            yield output
-            if output.finished:
-                return
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        assert self._async_queue is not None, "create the stream inside a running event loop to iterate async"
-        queue = self._async_queue
-        while True:
-            output = await queue.get()
-            # Deltas that piled up while the consumer was busy go out as one: under load the
-            # consumer then spends less per token instead of falling further behind.
-            while not output.finished and not queue.empty():
-                output = output.followed_by(queue.get_nowait())
-            yield output
-            if output.finished:
-                return
-
-
+T = TypeVar("T")
 Command = Callable[[EngineCore], None]
+OutputsCallback = Callable[[list[RequestOutput]], None]
 
 
-class Engine:
-    """EngineCore on its own thread, with thread-safe intake, abort and admin calls."""
+class CoreThread:
+    """The scheduler loop over one EngineCore; every method but `run` is safe from any thread."""
 
-    def __init__(
-        self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None
-    ) -> None:
-        self.core = EngineCore(config, source, metrics)
-        self.config = config
-        self.tokenizer = self.core.tokenizer
-        self.model_info = self.core.model_info
+    def __init__(self, core: EngineCore, on_outputs: OutputsCallback,
+                 on_idle: Callable[[], None] | None = None) -> None:
+        self.core = core
+        self._on_outputs = on_outputs
+        self._on_idle = on_idle or (lambda: None)  # once per loop turn, after the step's hand-off
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
-        self._streams_lock = threading.Lock()
-        self._ids = itertools.count()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-        self._stats = self.core.stats()
+        self._thread: threading.Thread | None = None
+        self._stats = core.stats()
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="scheduler", daemon=True)
         self._thread.start()
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._commands.put(lambda core: None)
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=30)
-        self.core.shutdown()
 
-    # ---- public API (any thread) ----
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        adapter: str | None = None,
-        request_id: str | None = None,
-    ) -> RequestStream:
-        if request_id is not None:
-            check_request_id(request_id, self.model_info.limits.max_request_id_length)
-        if adapter:
-            check_adapter_name(adapter)
-        self.core.validate(prompt_token_ids, params)
-        # A dict lookup from this thread is atomic; the scheduler thread checks again at intake.
-        if adapter and not self.core.adapter_is_current(adapter):
-            raise NotFoundError(f"unknown adapter {adapter!r}")
-        with self._streams_lock:
-            if len(self._streams) >= self.config.max_queue + self.config.max_num_seqs:
-                raise ResourceExhaustedError(f"the request queue is full ({len(self._streams)} requests)")
-            request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-            if request_id in self._streams:
-                raise InvalidArgumentError(f"request id {request_id!r} is already in use")
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
-            stream = RequestStream(request_id, loop)
-            self._streams[request_id] = stream
-        request = Request(request_id, prompt_token_ids, params)
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- commands (any thread) ----
+
+    def add_request(self, request: Request, adapter: str | None) -> None:
         self._commands.put(lambda core: self._intake(core, request, adapter))
-        return stream
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         self._commands.put(lambda core: core.abort(request_id, reason))
 
-    def load_adapter(
-        self, name: str, uri: str, sha256: str | None = None, pinned: bool = False, preload: bool = False
-    ) -> concurrent.futures.Future[AdapterInfo]:
-        check_adapter_name(name)
+    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """`fn(core, *args)` on the scheduler thread between steps; its result (or error) in the future."""
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run(core: EngineCore) -> None:
+            try:
+                value = fn(core, *args)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it (SystemExit still ends the loop)
+                if not isinstance(exc, LoraplexError):
+                    log.exception("engine call %s failed", getattr(fn, "__name__", fn))
+                result.set_exception(exc)
+            else:
+                result.set_result(value)
+
+        self._commands.put(run)
+        return result
+
+    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
+                     preload: bool = False) -> concurrent.futures.Future[AdapterInfo]:
         result: concurrent.futures.Future[AdapterInfo] = concurrent.futures.Future()
 
         def run(core: EngineCore) -> None:
@@ -147,50 +101,22 @@ class Engine:
         return result
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
-        check_adapter_name(name)
         result: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def run(core: EngineCore) -> None:
-            inner = core.unload_adapter(name)
-            inner.add_done_callback(lambda f: self._copy_future(f, result))
+            core.unload_adapter(name).add_done_callback(lambda f: _copy_future(f, result))
 
         self._commands.put(lambda core: self._guarded(core, run, result))
         return result
 
-    def list_adapters(
-        self, limit: int | None = None, after: tuple[str, int] | None = None
-    ) -> concurrent.futures.Future[list[AdapterInfo]]:
-        """A page of `EngineCore.list_adapters`, computed on the scheduler thread (which owns the
-        registry) when asked, never as part of a step."""
-        result: concurrent.futures.Future[list[AdapterInfo]] = concurrent.futures.Future()
+    def list_adapters(self, limit: int | None = None,
+                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:
+        """A page of `EngineCore.list_adapters`, computed between steps when asked, never in one."""
+        return self.call(EngineCore.list_adapters, limit, after)
 
-        def run(core: EngineCore) -> None:
-            result.set_result(core.list_adapters(limit, after))
+    # ---- the loop (the scheduler thread) ----
 
-        self._commands.put(lambda core: self._guarded(core, run, result))
-        return result
-
-    def call(self, fn: Command) -> concurrent.futures.Future[None]:
-        """Runs `fn` on the scheduler thread between steps; the health watchdog's heartbeat."""
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def run(core: EngineCore) -> None:
-            fn(core)
-            done.set_result(None)
-
-        self._commands.put(run)
-        return done
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    # ---- scheduler thread ----
-
-    def _loop(self) -> None:
+    def run(self) -> None:
         core = self.core
         while not self._stop.is_set():
             idle = not core.has_work()
@@ -202,8 +128,10 @@ class Engine:
             except Exception:  # noqa: BLE001 - keep serving; fail the requests of this step
                 log.exception("scheduler step failed")
                 outputs = core.fail_running(LoraplexError("internal error in the scheduler step"))
-            self._publish(core)
-            self._deliver(outputs)
+            self._stats = core.stats()  # O(active): no per-step work for idle registered adapters
+            if outputs:
+                self._on_outputs(outputs)
+            self._on_idle()
             if not outputs and (core.has_work() or core.has_pending_work()):
                 time.sleep(0.0005)  # waiting on loads only: leave the cores to the loaders
 
@@ -220,68 +148,117 @@ class Engine:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self._stats = self.core.stats()
 
     def _intake(self, core: EngineCore, request: Request, adapter: str | None) -> None:
         try:
             core.add_request(request, adapter)
         except LoraplexError as exc:
             request.finish_reason, request.error = FinishReason.ERROR, exc
-            self._deliver([RequestOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
-                                         prompt_tokens=request.num_prompt_tokens, error=exc)])
-
-    def _publish(self, core: EngineCore) -> None:
-        self._stats = core.stats()  # O(active): no per-step work for idle registered adapters
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        with self._streams_lock:
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is None:
-                    continue
-                if output.finished:
-                    del self._streams[output.request_id]
-                if stream.loop is None:
-                    stream.put(output)
-                else:
-                    by_loop.setdefault(stream.loop, []).append((stream, output))
-        # One hand-off per loop per step, not per token: keeps the asyncio side cheap.
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # that loop is closed: its clients are gone
+            self._on_outputs([RequestOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
+                                            prompt_tokens=request.num_prompt_tokens, error=exc)])
 
     def _guarded(self, core: EngineCore, run: Command, result: concurrent.futures.Future) -> None:
         try:
             run(core)
         except LoraplexError as exc:
             result.set_exception(exc)
-        self._publish(core)
+        self._stats = core.stats()
 
-    def _resolve_adapter(
-        self, inner: concurrent.futures.Future, result: concurrent.futures.Future[AdapterInfo], name: str
-    ) -> None:
+    def _resolve_adapter(self, inner: concurrent.futures.Future, result: concurrent.futures.Future[AdapterInfo],
+                         name: str) -> None:
         if inner.exception() is not None:
             result.set_exception(inner.exception())
             return
-        entry = inner.result()
-        self._publish(self.core)
-        info = self.core.adapter_info(entry.uid)
+        self._stats = self.core.stats()
+        info = self.core.adapter_info(inner.result().uid)
         if info is None:
             result.set_exception(NotFoundError(f"adapter {name} was unloaded while loading"))
             return
         result.set_result(info)
 
-    @staticmethod
-    def _copy_future(inner: concurrent.futures.Future, result: concurrent.futures.Future) -> None:
-        if inner.exception() is not None:
-            result.set_exception(inner.exception())
-        else:
-            result.set_result(inner.result())
+
+def _copy_future(inner: concurrent.futures.Future, result: concurrent.futures.Future) -> None:
+    if inner.exception() is not None:
+        result.set_exception(inner.exception())
+    else:
+        result.set_result(inner.result())
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, output in items:
-        stream.put(output)
+def checked_request(model_info: Any, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
+                    request_id: str | None) -> str:
+    """The checks both bridges make before a request leaves the caller's thread; its request id."""
+    if request_id is not None:
+        check_request_id(request_id, model_info.limits.max_request_id_length)
+    if adapter:
+        check_adapter_name(adapter)
+    validate_request(model_info, prompt_token_ids, params)
+    return request_id or f"req-{uuid.uuid4().hex[:12]}"
+
+
+class Engine:
+    """EngineCore on a thread of this process, with thread-safe intake, abort and admin calls."""
+
+    def __init__(
+        self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None
+    ) -> None:
+        self.core = EngineCore(config, source, metrics, detokenize=False)
+        self.config = config
+        self.tokenizer = self.core.tokenizer
+        self.model_info = self.core.model_info
+        self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs)
+        self._thread = CoreThread(self.core, self.streams.deliver)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._thread.stop()
+        self.core.shutdown()
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
+        # A dict lookup from this thread is atomic; the scheduler thread checks again at intake.
+        if adapter and not self.core.adapter_is_current(adapter):
+            raise NotFoundError(f"unknown adapter {adapter!r}")
+        stream = self.streams.open(request_id, prompt_token_ids, params)
+        self._thread.add_request(Request(request_id, prompt_token_ids, params), adapter)
+        return stream
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        self._thread.abort(request_id, reason)
+
+    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
+                     preload: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+        check_adapter_name(name)
+        return self._thread.load_adapter(name, uri, sha256, pinned, preload)
+
+    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
+        check_adapter_name(name)
+        return self._thread.unload_adapter(name)
+
+    def list_adapters(self, limit: int | None = None,
+                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:
+        return self._thread.list_adapters(limit, after)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """`fn(core, *args)` on the scheduler thread between steps (the watchdog's heartbeat)."""
+        return self._thread.call(fn, *args)
+
+    def adapter_is_current(self, name: str) -> bool:
+        """Whether new requests may use `name` now (atomic from any thread; intake checks again)."""
+        return self.core.adapter_is_current(name)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.alive
+
+    def stats(self) -> EngineStats:
+        return self._thread.stats()

@@ -45,6 +45,8 @@ class ModelInfo:
     max_new_tokens_limit: int
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_registered_adapters: int = 0
+    kv_cache_blocks: int = 0
+    kv_block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,32 @@ class EngineStats:
     updated_at: float = 0.0  # wall-clock time of this snapshot: vllm:lora_requests_info's value
 
 
+def validate_request(info: ModelInfo, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """The checks a request passes before it reaches the scheduler (no scheduler state: any thread,
+    any process that has the model's `ModelInfo`)."""
+    if not prompt_token_ids:
+        raise InvalidArgumentError("the prompt is empty")
+    if len(prompt_token_ids) >= info.max_context:
+        raise ResourceExhaustedError(
+            f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {info.max_context} tokens")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
+        raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
+    check_stop(params.stop, len(params.stop_token_ids), info.limits)
+    if any(t >= info.vocab_size for t, _ in params.logit_bias):
+        raise InvalidArgumentError(f"logit_bias token ids must be in [0, {info.vocab_size})")
+    params.validate(info.max_new_tokens_limit)
+    if any(t >= info.vocab_size for t in params.stop_token_ids):
+        raise InvalidArgumentError(f"stop_token_ids must be in [0, {info.vocab_size})")
+    total = len(prompt_token_ids) + params.max_new_tokens
+    if len(prompt_token_ids) >= info.max_context or total > info.max_context:
+        raise ResourceExhaustedError(
+            f"prompt of {len(prompt_token_ids)} tokens + max_new_tokens {params.max_new_tokens} "
+            f"does not fit the context of {info.max_context} tokens"
+        )
+    if -(-total // info.kv_block_size) > info.kv_cache_blocks:
+        raise ResourceExhaustedError(f"{total} tokens do not fit the KV cache ({info.kv_cache_blocks} blocks)")
+
+
 def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSource:
     """Where adapters come from: the sidecar when one is configured, else local directories."""
     if config.cache_address:
@@ -80,8 +108,11 @@ class EngineCore:
     """Synchronous engine: call from one thread only."""
 
     def __init__(
-        self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None
+        self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None,
+        detokenize: bool = True,
     ) -> None:
+        """`detokenize=False`: outputs of requests without stop strings carry `text=None`, decoded
+        by the front end's stream off this thread (what the serving bridges ask for)."""
         self.config = config
         self.metrics = metrics or NullMetrics()
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
@@ -101,8 +132,10 @@ class EngineCore:
             max_new_tokens_limit=config.max_new_tokens_limit,
             limits=config.limits,
             max_registered_adapters=config.max_registered_adapters,
+            kv_cache_blocks=self.runner.kv.num_blocks,
+            kv_block_size=self.runner.kv.block_size,
         )
-        self.outputs = OutputProcessor(self.tokenizer, self.metrics)
+        self.outputs = OutputProcessor(self.tokenizer, self.metrics, detokenize)
         # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
         # same arrivals samples the same tokens; a request's own seed always wins.
         self._seeds = random.Random(config.seed)
@@ -110,29 +143,7 @@ class EngineCore:
     # ---- intake ----
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Checks that need no scheduler state (safe from any thread)."""
-        info = self.model_info
-        if not prompt_token_ids:
-            raise InvalidArgumentError("the prompt is empty")
-        if len(prompt_token_ids) >= info.max_context:
-            raise ResourceExhaustedError(
-                f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {info.max_context} tokens")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
-            raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
-        check_stop(params.stop, len(params.stop_token_ids), info.limits)
-        if any(t >= info.vocab_size for t, _ in params.logit_bias):
-            raise InvalidArgumentError(f"logit_bias token ids must be in [0, {info.vocab_size})")
-        params.validate(info.max_new_tokens_limit)
-        if any(t >= info.vocab_size for t in params.stop_token_ids):
-            raise InvalidArgumentError(f"stop_token_ids must be in [0, {info.vocab_size})")
-        total = len(prompt_token_ids) + params.max_new_tokens
-        if len(prompt_token_ids) >= info.max_context or total > info.max_context:
-            raise ResourceExhaustedError(
-                f"prompt of {len(prompt_token_ids)} tokens + max_new_tokens {params.max_new_tokens} "
-                f"does not fit the context of {info.max_context} tokens"
-            )
-        if self.runner.kv.blocks_needed(total) > self.runner.kv.num_blocks:
-            raise ResourceExhaustedError(f"{total} tokens do not fit the KV cache ({self.runner.kv.num_blocks} blocks)")
+        validate_request(self.model_info, prompt_token_ids, params)
 
     def add_request(self, request: Request, adapter: str | None) -> None:
         """Take a validated request in; resolves the adapter name and takes its reference."""
@@ -194,6 +205,10 @@ class EngineCore:
     def adapter_names(self) -> frozenset[str]:
         """The names new requests may use now."""
         return self.lora.adapter_names()
+
+    def adapter_names_changes(self) -> int:
+        """Bumped whenever `adapter_names()` changes."""
+        return self.lora.adapter_names_changes
 
     def has_pending_work(self) -> bool:
         """Adapter loads in flight (the scheduler thread must keep polling them)."""

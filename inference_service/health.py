@@ -113,7 +113,7 @@ async def watch_engine(engine: Any, reporter: HealthReporter, stall_s: float) ->
         else:
             if beat is not None:
                 reporter.engine_problem = None  # the last heartbeat came back: the loop moves
-            beat, sent = engine.call(lambda core: None), time.monotonic()
+            beat, sent = engine.call(heartbeat), time.monotonic()
         await reporter.update()
         await asyncio.sleep(interval)
 
@@ -123,7 +123,7 @@ def install_test_fault(engine: Any) -> None:
     delay = float(os.environ.get(TEST_STEP_DELAY_ENV) or 0)
     if delay > 0:
         log.warning("TEST FAULT ARMED: every scheduler step %.3fs slower", delay)
-        threading.Thread(target=_slow_steps, args=(engine, delay), name="test-fault-slow", daemon=True).start()
+        engine.call(_slow_steps, delay)
     kind = os.environ.get(TEST_FAULT_ENV)
     if not kind:
         return
@@ -131,20 +131,27 @@ def install_test_fault(engine: Any) -> None:
     if kind not in ("die", "hang") or (seconds and (kind == "die" or not seconds.replace(".", "", 1).isdigit())):
         raise ValueError(f"{TEST_FAULT_ENV}={os.environ[TEST_FAULT_ENV]!r}: expected 'die', 'hang' or 'hang:SECONDS'")
     log.warning("TEST FAULT ARMED: SIGUSR1 makes the scheduler thread %s", kind)
-
-    def fault(core: Any) -> None:
-        log.error("TEST FAULT: scheduler thread %s now", "exits" if kind == "die" else "hangs")
-        if kind == "die":
-            raise SystemExit  # not an Exception: leaves the scheduler loop, the thread ends
-        threading.Event().wait(float(seconds) if seconds else None)
-
-    signal.signal(signal.SIGUSR1, lambda *_: engine.call(fault))
+    signal.signal(signal.SIGUSR1, lambda *_: engine.call(_scheduler_fault, kind, float(seconds) if seconds else None))
 
 
-def _slow_steps(engine: Any, delay: float) -> None:
-    """One sleeping command at a time: the scheduler runs it between every two steps."""
-    while engine.alive:
-        try:
-            engine.call(lambda core: time.sleep(delay)).result(timeout=delay + 1)
-        except TimeoutError:
-            continue
+def heartbeat(core: Any) -> None:
+    """The watchdog's no-op on the scheduler thread (module level: it crosses to the core process)."""
+
+
+def _scheduler_fault(core: Any, kind: str, seconds: float | None) -> None:
+    log.error("TEST FAULT: scheduler thread %s now", "exits" if kind == "die" else "hangs")
+    if kind == "die":
+        raise SystemExit  # not an Exception: leaves the scheduler loop, the thread ends
+    threading.Event().wait(seconds)
+
+
+def _slow_steps(core: Any, delay: float) -> None:
+    """Makes every step of this core `delay` seconds slower (on the scheduler thread, in whichever
+    process it runs)."""
+    step = core.step
+
+    def slow_step() -> Any:
+        time.sleep(delay)
+        return step()
+
+    core.step = slow_step

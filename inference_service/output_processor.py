@@ -1,9 +1,12 @@
 """Output processing on the scheduler thread: from a sampled token to a `RequestOutput`.
 
-One place for what a client sees of a request: detokenizer state, finish reasons (stop tokens,
-EOS, length, stop strings), the stop-string hold-back, TTFT/ITL, and the final output of every
-request however it ended. The scheduler advances requests (`Scheduler.postprocess`) and asks
-`on_token` whether a new token ends one.
+One place for what a client sees of a request: finish reasons (stop tokens, EOS, length, stop
+strings), the stop-string hold-back, TTFT/ITL, and the final output of every request however it
+ended. With `detokenize=False` (the serving bridges) only requests with stop strings are decoded
+here, since a stop string must end its request at an exact token; the others leave `text` None
+for the front end's stream to decode off the scheduler thread (inference_service/streams.py).
+The scheduler advances requests (`Scheduler.postprocess`) and asks `on_token` whether a new token
+ends one.
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ class _TextState:
 class OutputProcessor:
     """Per-request text state and this step's outputs, in the order requests produced them."""
 
-    def __init__(self, tokenizer: Tokenizer, metrics: MetricsSink) -> None:
+    def __init__(self, tokenizer: Tokenizer, metrics: MetricsSink, detokenize: bool = True) -> None:
         self.tokenizer, self.metrics = tokenizer, metrics
+        self.detokenize = detokenize
         self._text: dict[str, _TextState] = {}
         self._step: dict[str, RequestOutput] = {}
 
     def add(self, request: Request) -> None:
+        if not (self.detokenize or request.params.stop):
+            return  # the front end decodes it
         # Seeded with the prompt, so the first output token decodes as it would after it.
         self._text[request.request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens))
@@ -73,8 +79,6 @@ class OutputProcessor:
             self.metrics.inter_token(now - (timings.last_token or now))
         timings.last_token = now
         p = request.params
-        state = self._text[request.request_id]
-        detok = state.detokenizer
         reason = None
         if token in p.stop_token_ids:
             reason, request.stop_reason = FinishReason.STOP, token
@@ -82,6 +86,29 @@ class OutputProcessor:
             reason = FinishReason.EOS
         elif len(request.output_token_ids) >= p.max_new_tokens:
             reason = FinishReason.LENGTH
+        text: str | None = None
+        state = self._text.get(request.request_id)
+        if state is not None:
+            text, reason = self._text_delta(request, state, reason)
+        self._step[request.request_id] = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            text=text,
+            prompt_tokens=request.num_prompt_tokens,
+            generated_tokens=len(request.output_token_ids),
+            timings=timings,
+            logits=[logits] if p.return_logits else None,  # type: ignore[list-item]
+            logprobs=[request.step_logprobs] if p.logprobs is not None else None,  # type: ignore[list-item]
+            stop_reason=request.stop_reason,
+        )
+        return reason
+
+    @staticmethod
+    def _text_delta(request: Request, state: _TextState,
+                    reason: FinishReason | None) -> tuple[str, FinishReason | None]:
+        """The newest token's text delta, and the finish reason once a stop string is found."""
+        p = request.params
+        detok = state.detokenizer
         previous = detok.text
         detok.update(request.output_token_ids, final=reason is not None)
         text = detok.text
@@ -98,18 +125,7 @@ class OutputProcessor:
                 text = text[: max(0, len(text) - longest + 1)]
         delta = text[state.emitted :]
         state.emitted += len(delta)
-        self._step[request.request_id] = RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[token],
-            text=delta,
-            prompt_tokens=request.num_prompt_tokens,
-            generated_tokens=len(request.output_token_ids),
-            timings=timings,
-            logits=[logits] if p.return_logits else None,  # type: ignore[list-item]
-            logprobs=[request.step_logprobs] if p.logprobs is not None else None,  # type: ignore[list-item]
-            stop_reason=request.stop_reason,
-        )
-        return reason
+        return delta, reason
 
     def take(self, finished: list[Request]) -> list[RequestOutput]:
         """This step's outputs: the token deltas, and a final output for each request that ended."""

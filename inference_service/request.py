@@ -152,7 +152,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    text: str = ""
+    text: str | None = ""  # None: not decoded by the core; the front end's stream decodes it
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
@@ -164,24 +164,21 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the request
 
-    def followed_by(self, later: RequestOutput) -> RequestOutput:
-        """One delta covering this one and the next (a consumer that fell behind sends fewer messages)."""
-        logits = None if self.logits is None and later.logits is None else (self.logits or []) + (later.logits or [])
-        return RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
-            text=self.text + later.text,
-            finished=later.finished,
-            finish_reason=later.finish_reason,
-            prompt_tokens=later.prompt_tokens,
-            generated_tokens=later.generated_tokens,
-            error=later.error,
-            timings=later.timings,
-            logits=logits,
-            logprobs=None if self.logprobs is None and later.logprobs is None
-            else (self.logprobs or []) + (later.logprobs or []),
-            stop_reason=later.stop_reason,
-        )
+    def absorb(self, later: RequestOutput) -> None:
+        """Take the next delta of the same request into this one, in place (a consumer that fell
+        behind gets one message; in place, so a stream that is never read costs O(tokens))."""
+        self.new_token_ids += later.new_token_ids
+        if self.text is not None and later.text is not None:
+            self.text += later.text
+        if later.logits is not None:
+            self.logits = (self.logits or []) + later.logits
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.prompt_tokens = later.prompt_tokens or self.prompt_tokens
+        self.generated_tokens = later.generated_tokens or self.generated_tokens
+        self.timings = later.timings or self.timings
+        self.stop_reason = later.stop_reason
 
 
 class Request:

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from adapter_cache.errors import LoraplexError
+
 log = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "cache")
@@ -49,7 +51,7 @@ def residency_of(core: Any) -> Residency:
 
 
 class _Engine(Protocol):
-    def call(self, fn: Any) -> concurrent.futures.Future[None]: ...
+    def call(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]: ...
 
 
 class ResidencyCollector(Collector):
@@ -65,15 +67,16 @@ class ResidencyCollector(Collector):
         self._lock = threading.Lock()
 
     def snapshot(self) -> Residency:
-        box: list[Residency] = []
-        done = self._engine.call(lambda core: box.append(residency_of(core)))
+        done = self._engine.call(residency_of)
         try:
-            done.result(timeout=SCRAPE_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            log.warning("scheduler busy: residency metrics show the previous snapshot")
+            now = done.result(timeout=SCRAPE_WAIT_S)
+        except (concurrent.futures.TimeoutError, LoraplexError) as e:
+            log.warning("no residency from the scheduler (%s): metrics show the previous snapshot",
+                        type(e).__name__)
+            now = None
         with self._lock:
-            if box:
-                self._last = box[0]
+            if now is not None:
+                self._last = now
             return self._last
 
     def collect(self) -> Iterable[Any]:

@@ -141,7 +141,7 @@ class LoRAManager:
         """Stop new requests at once; in-flight ones finish, then the slot is freed."""
         log.info("unload adapter %s; %s", name, self._memory())
         entry = self._registry.resolve(name)
-        del self._registry.current[name]
+        self._registry.retire(name)
         for version in list(self._registry.versions.values()):
             if version.name == name:
                 self._registry.mark_draining(version)  # versions still staging too, or one would become current later
@@ -253,6 +253,11 @@ class LoRAManager:
     def adapter_names(self) -> frozenset[str]:
         """The names new requests may use now."""
         return frozenset(self._registry.current)
+
+    @property
+    def adapter_names_changes(self) -> int:
+        """Bumped whenever `adapter_names()` changes (O(1): a process bridge polls it every step)."""
+        return self._registry.current_changes
 
     def uid_of(self, name: str) -> str:
         """The uid of the version of `name` new requests get (NotFoundError if none)."""

@@ -63,6 +63,7 @@ class AdapterRegistry:
         self.referenced: set[str] = set()  # uids with at least one request reference
         self._next_version: dict[str, int] = {}
         self._refs_total = 0
+        self.current_changes = 0  # bumped whenever `current` changes: mirrors of it know when to refresh
 
     def add_version(self, name: str, uri: str, sha256: str | None, pinned: bool) -> AdapterVersion:
         version = self._next_version.get(name, 1)
@@ -95,6 +96,7 @@ class AdapterRegistry:
         """Point the name at this version; returns the version it replaces (to be drained)."""
         old_uid = self.current.get(entry.name)
         self.current[entry.name] = entry.uid
+        self.current_changes += 1
         return self.versions.get(old_uid) if old_uid and old_uid != entry.uid else None
 
     def resolve(self, name: str) -> AdapterVersion:
@@ -111,7 +113,12 @@ class AdapterRegistry:
         if not self.names[entry.name]:
             del self.names[entry.name]
         if self.current.get(entry.name) == uid:
-            del self.current[entry.name]
+            self.retire(entry.name)
+
+    def retire(self, name: str) -> None:
+        """New requests may no longer use `name` (its versions drain)."""
+        del self.current[name]
+        self.current_changes += 1
 
     def total_refs(self) -> int:
         return self._refs_total

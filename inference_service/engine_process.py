@@ -1,0 +1,350 @@
+"""The engine core in a process of its own: what `loraplex-inference` serves with.
+
+Why a process: the front ends (gRPC, HTTP) do Python work per message (protobuf, JSON,
+detokenization, the transport's own bookkeeping). On the engine's interpreter that work and the
+scheduler thread take turns on one GIL, and every step stretches by it; at hundreds of streams the
+front end, not the accelerator, set the pace (vLLM's EngineCore process and SGLang's scheduler
+process are the same answer). docs/architecture.md has the measurements.
+
+The core process runs a `CoreThread` over its EngineCore (detokenize=False) on its main thread and
+reads commands from a pipe on another; after each step it sends ONE message: the step's outputs
+(compact tuples for plain token deltas), the metric events the step recorded, the stats snapshot
+and the set of adapter names when they changed, and the results of admin calls. This process
+(`ProcessEngine`) keeps the request streams, detokenizes, replays the metric events into the real
+metrics sink and mirrors the snapshot, so `stats()` and admission never wait for the core.
+
+The core process is forked before the server starts any thread, and exits when the pipe closes:
+a parent that dies takes its core with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from adapter_cache.errors import LoraplexError, NotFoundError, UnavailableError
+from inference_service.config import EngineConfig
+from inference_service.engine import CoreThread, checked_request
+from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats
+from inference_service.limits import check_adapter_name
+from inference_service.metrics_sink import MetricsSink, NullMetrics
+from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.streams import RequestStream, StreamTable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
+
+# A plain token delta on the wire: (request id, token ids, text or None, generated tokens).
+Delta = tuple[str, list[int], str | None, int]
+
+
+@dataclasses.dataclass
+class _Update:
+    """Everything one turn of the core's loop tells the front end, in one message."""
+
+    deltas: list[Delta]
+    outputs: list[RequestOutput]  # finished ones and those with logits/logprobs: whole
+    metric_events: list[tuple[str, tuple[Any, ...]]]
+    stats: EngineStats | None  # when it changed
+    adapter_names: frozenset[str] | None  # when it changed
+    results: list[tuple[int, bool, Any]]  # (call id, ok, value or exception)
+
+
+class RecordedMetrics:
+    """The core process's metrics sink: records calls for the front end to replay (thread-safe:
+    loader threads report loads)."""
+
+    def __init__(self) -> None:
+        self._events: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
+
+    def take(self) -> list[tuple[str, tuple[Any, ...]]]:
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
+
+    def adapter_loaded(self, tier: str, seconds: float) -> None:
+        self._events.append(("adapter_loaded", (tier, seconds)))
+
+    def adapter_evicted(self) -> None:
+        self._events.append(("adapter_evicted", ()))
+
+    def first_token(self, seconds: float) -> None:
+        self._events.append(("first_token", (seconds,)))
+
+    def inter_token(self, seconds: float) -> None:
+        self._events.append(("inter_token", (seconds,)))
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        self._events.append(("tokens", (prompt, generated)))
+
+    def request_finished(self, finish_reason: str, adapter: str | None) -> None:
+        self._events.append(("request_finished", (finish_reason, adapter)))
+
+
+# ---- the core process ------------------------------------------------------------------------------------
+
+class _Outbox:
+    """Collects a loop turn's outputs and call results; sends them as one `_Update`."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, core: EngineCore, sink: RecordedMetrics,
+                 thread_stats: Callable[[], EngineStats]) -> None:
+        self._conn, self._core, self._sink, self._stats = conn, core, sink, thread_stats
+        self._outputs: list[RequestOutput] = []
+        self._results: collections.deque[tuple[int, bool, Any]] = collections.deque()
+        self._sent_stats: EngineStats | None = None
+        self._sent_names = -1
+        self._lock = threading.Lock()
+
+    def add_outputs(self, outputs: list[RequestOutput]) -> None:
+        self._outputs += outputs
+
+    def add_result(self, call_id: int, future: concurrent.futures.Future) -> None:
+        error = future.exception()
+        self._results.append((call_id, error is None, error if error is not None else future.result()))
+
+    def flush(self) -> None:
+        """On the scheduler thread, once per loop turn: sends only when something changed."""
+        stats = self._stats()
+        plain = dataclasses.replace(stats, updated_at=0.0)
+        stats_changed = plain != self._sent_stats
+        names_changes = self._core.adapter_names_changes()
+        names = self._core.adapter_names() if names_changes != self._sent_names else None
+        events = self._sink.take()
+        if not (self._outputs or self._results or events or stats_changed or names is not None):
+            return
+        results = []
+        while self._results:
+            results.append(self._results.popleft())
+        deltas: list[Delta] = []
+        whole: list[RequestOutput] = []
+        for out in self._outputs:
+            if out.finished or out.logits is not None or out.logprobs is not None or out.error is not None:
+                whole.append(out)
+            else:
+                deltas.append((out.request_id, out.new_token_ids, out.text, out.generated_tokens))
+        self._outputs = []
+        update = _Update(deltas, whole, events, stats if stats_changed else None, names, results)
+        with self._lock:
+            self._conn.send(update)
+        self._sent_stats, self._sent_names = plain, names_changes
+
+
+def _core_main(conn: multiprocessing.connection.Connection, config: EngineConfig) -> None:
+    # The front end owns the lifecycle: Ctrl-C and a SIGTERM to the process group reach it, it
+    # drains, then stops this process; a front end that dies closes the pipe, which ends this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sink = RecordedMetrics()
+    try:
+        core = EngineCore(config, None, sink, detokenize=False)
+    except BaseException as exc:  # noqa: BLE001 - reported to the front end, which raises it
+        conn.send(("failed", exc))
+        return
+    thread: CoreThread
+    outbox = _Outbox(conn, core, sink, lambda: thread.stats())
+    thread = CoreThread(core, outbox.add_outputs, outbox.flush)
+    conn.send(("ready", core.model_info, core.tokenizer, thread.stats()))
+    threading.Thread(target=_read_commands, args=(conn, thread, outbox), name="commands", daemon=True).start()
+    try:
+        thread.run()  # on this process's main thread; returns on "stop" or a closed pipe
+    finally:
+        core.shutdown()
+
+
+def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThread, outbox: _Outbox) -> None:
+    try:
+        while True:
+            command = conn.recv()
+            kind = command[0]
+            if kind == "add":
+                _, request_id, prompt, params, adapter, arrival = command
+                request = Request(request_id, prompt, params)
+                request.timings.arrival = arrival  # TTFT counts from the front end's intake
+                thread.add_request(request, adapter)
+            elif kind == "abort":
+                thread.abort(command[1], command[2])
+            elif kind == "call":
+                _, call_id, what, args = command
+                future = getattr(thread, what)(*args) if isinstance(what, str) else thread.call(what, *args)
+                future.add_done_callback(lambda f, call_id=call_id: outbox.add_result(call_id, f))
+            elif kind == "stop":
+                break
+    except (EOFError, OSError):
+        log.warning("the front end has gone: stopping the engine core")
+    finally:
+        thread.stop()
+
+
+# ---- the front end's side ----------------------------------------------------------------------------------
+
+class ProcessEngine:
+    """The Engine interface (add_request, abort, admin calls, stats) over a core process."""
+
+    def __init__(self, config: EngineConfig, metrics: MetricsSink | None = None) -> None:
+        self.config = config
+        self._metrics = metrics or NullMetrics()
+        context = multiprocessing.get_context("fork")  # before any server thread exists (see module doc)
+        self._conn, child = context.Pipe(duplex=True)
+        self._process = context.Process(target=_core_main, args=(child, config), name="loraplex-engine-core",
+                                        daemon=True)
+        self._process.start()
+        child.close()
+        hello = self._hello()
+        if hello[0] == "failed":
+            self._process.join(10)
+            raise hello[1]
+        _, self.model_info, self.tokenizer, self._stats = hello
+        self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs)
+        self._adapter_names: frozenset[str] = frozenset()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._dead = False
+        self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
+        log.info("engine core process %d started", self._process.pid)
+
+    def _hello(self) -> tuple:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._conn.poll(0.2):
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self._process.kill()
+                raise LoraplexError(f"the engine core process did not start (exit code {self._process.exitcode})")
+        return self._conn.recv()
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def shutdown(self) -> None:
+        try:
+            self._send(("stop",))
+        except UnavailableError:
+            pass
+        self._process.join(30)
+        if self._process.is_alive():
+            log.error("the engine core process did not stop: killing it")
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+
+    # ---- requests ----
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
+        if adapter and adapter not in self._adapter_names:  # the core checks again at intake
+            raise NotFoundError(f"unknown adapter {adapter!r}")
+        stream = self.streams.open(request_id, prompt_token_ids, params)
+        try:
+            self._send(("add", request_id, list(prompt_token_ids), params, adapter, time.monotonic()))
+        except UnavailableError:
+            self.streams.close(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        try:
+            self._send(("abort", request_id, reason))
+        except UnavailableError:
+            pass  # no core, no request to abort
+
+    # ---- admin ----
+
+    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
+                     preload: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+        check_adapter_name(name)
+        return self._call("load_adapter", name, uri, sha256, pinned, preload)
+
+    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
+        check_adapter_name(name)
+        return self._call("unload_adapter", name)
+
+    def list_adapters(self, limit: int | None = None,
+                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:
+        return self._call("list_adapters", limit, after)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """`fn(core, *args)` on the core's scheduler thread between steps; `fn` and `args` must
+        pickle (a module-level function)."""
+        return self._call(fn, *args)
+
+    def adapter_is_current(self, name: str) -> bool:
+        return name in self._adapter_names
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self._process.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- the pipe ----
+
+    def _call(self, what: str | Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, what, args))
+        except UnavailableError as exc:
+            self._calls.pop(call_id, None)
+            future.set_exception(exc)
+        return future
+
+    def _send(self, command: tuple) -> None:
+        if self._dead:
+            raise UnavailableError("the engine core process has exited")
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except (OSError, ValueError) as exc:
+            raise UnavailableError(f"the engine core process is gone ({exc})") from None
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._apply(self._conn.recv())
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._dead = True
+            if self._process.exitcode not in (None, 0):
+                log.error("the engine core process exited with code %s", self._process.exitcode)
+            gone = UnavailableError("the engine core process has exited")
+            self.streams.fail_all(gone)
+            for call_id in list(self._calls):
+                future = self._calls.pop(call_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(gone)
+
+    def _apply(self, update: _Update) -> None:
+        # Names and stats first: a LoadAdapter that returns must find its adapter admissible.
+        if update.adapter_names is not None:
+            self._adapter_names = update.adapter_names
+        if update.stats is not None:
+            self._stats = update.stats
+        for name, args in update.metric_events:
+            getattr(self._metrics, name)(*args)
+        outputs = [RequestOutput(rid, ids, text=text, generated_tokens=generated)
+                   for rid, ids, text, generated in update.deltas]
+        self.streams.deliver(outputs + update.outputs)
+        for call_id, ok, value in update.results:
+            future = self._calls.pop(call_id, None)
+            if future is None:
+                continue
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)

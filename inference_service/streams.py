@@ -1,0 +1,170 @@
+"""The front end's side of a request: its output stream, and the table of open streams.
+
+The engine hands a whole step's outputs over once (`StreamTable.deliver`, from whichever thread
+receives them); each `RequestStream` keeps at most ONE pending output: a consumer that lags gets
+everything produced meanwhile coalesced into one delta, so a client that stops reading holds one
+message (bounded by its max_new_tokens) and never stalls the engine. Detokenization happens here,
+on the consumer's side, when the consumer takes an output: never on the scheduler thread (the
+core detokenizes only requests with stop strings, which must end at an exact token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator
+
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from inference_service.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# Finishes that flush the detokenizer's held-back tail (an incomplete character at the end): the
+# output is complete. A cancelled or failed request's tail is dropped, as the core does.
+_COMPLETE = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP)
+
+
+class StreamText:
+    """Text deltas for outputs the core left undecoded (`RequestOutput.text is None`)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._tokenizer, self._prompt, self._params = tokenizer, prompt_token_ids, params
+        self._detokenizer: IncrementalDetokenizer | None = None  # made on first use: the prompt's decode
+        self._output_ids: list[int] = []
+
+    def fill(self, output: RequestOutput) -> None:
+        if output.text is not None:
+            return
+        if self._detokenizer is None:
+            self._detokenizer = IncrementalDetokenizer(self._tokenizer, self._prompt, self._params.skip_special_tokens)
+        self._output_ids += output.new_token_ids
+        complete = output.finished and output.finish_reason in _COMPLETE
+        output.text = self._detokenizer.update(self._output_ids, final=complete) \
+            if output.new_token_ids or complete else ""
+
+
+class RequestStream:
+    """One request's outputs; iterate it sync (any thread) or async (on the loop it was made on)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, text: StreamText) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._text = text
+        self._pending: RequestOutput | None = None
+        self._done = False
+        # Async streams are fed on their loop (one call_soon_threadsafe per step); sync ones from
+        # the delivering thread, so they need a lock.
+        self._ready: asyncio.Event | None = asyncio.Event() if loop else None
+        self._cond: threading.Condition | None = None if loop else threading.Condition()
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens delivered but not yet taken by the consumer (what a slow reader holds)."""
+        pending = self._pending
+        return len(pending.new_token_ids) if pending is not None else 0
+
+    def put(self, output: RequestOutput) -> None:
+        if self._cond is None:
+            self._merge(output)
+            assert self._ready is not None
+            self._ready.set()
+            return
+        with self._cond:
+            self._merge(output)
+            self._cond.notify()
+
+    def _merge(self, output: RequestOutput) -> None:
+        if self._pending is None:
+            self._pending = output
+        else:
+            self._pending.absorb(output)
+
+    def _take(self) -> RequestOutput:
+        output, self._pending = self._pending, None
+        assert output is not None
+        self._text.fill(output)
+        return output
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        assert self._cond is not None, "this stream was made in an event loop: iterate it with `async for`"
+        while not self._done:
+            with self._cond:
+                while self._pending is None:
+                    self._cond.wait()
+                output = self._take()
+            self._done = output.finished
+            yield output
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        assert self._ready is not None, "create the stream inside a running event loop to iterate async"
+        while not self._done:
+            if self._pending is None:
+                self._ready.clear()
+                await self._ready.wait()
+                continue
+            output = self._take()
+            self._done = output.finished
+            yield output
+
+
+class StreamTable:
+    """The open streams of one engine, by request id: admission, delivery, and failing them all."""
+
+    def __init__(self, tokenizer: Tokenizer, capacity: int) -> None:
+        self._tokenizer = tokenizer
+        self._capacity = capacity  # waiting + running requests the engine accepts
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        stream = RequestStream(request_id, loop, StreamText(self._tokenizer, prompt_token_ids, params))
+        with self._lock:
+            if len(self._streams) >= self._capacity:
+                raise ResourceExhaustedError(f"the request queue is full ({len(self._streams)} requests)")
+            if request_id in self._streams:
+                raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        """Forget a stream the engine never took (its intake could not be sent)."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        """Any thread: route one step's outputs; one hand-off per event loop, not per token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.request_id]
+                if stream.loop is None:
+                    stream.put(output)
+                else:
+                    by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # that loop is closed: its clients are gone
+
+    def fail_all(self, error: LoraplexError) -> None:
+        """The engine is gone: end every open stream with `error`."""
+        with self._lock:
+            ids = list(self._streams)
+        self.deliver(RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=error)
+                     for rid in ids)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put(output)

@@ -1,0 +1,97 @@
+"""The front end's request streams (inference_service/streams.py): one pending output per stream,
+coalescing for a consumer that lags, and detokenization on the consumer's side that gives the
+same text however the tokens were grouped."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
+from inference_service.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.streams import StreamTable
+from inference_service.tokenizer import ByteTokenizer
+
+PROMPT = list(b"Hi ")
+# "naïve ✓ done": multi-byte characters split across tokens, which the detokenizer holds back.
+TEXT_IDS = list("naïve ✓ done".encode())
+
+
+def _deltas(ids: list[int], reason: FinishReason = FinishReason.LENGTH) -> list[RequestOutput]:
+    outs = [RequestOutput("r", [t], text=None, generated_tokens=i + 1) for i, t in enumerate(ids)]
+    outs[-1].finished, outs[-1].finish_reason = True, reason
+    return outs
+
+
+def test_a_consumer_that_never_reads_holds_one_pending_output() -> None:
+    table = StreamTable(ByteTokenizer(), capacity=4)
+    stream = table.open("r", PROMPT, SamplingParams())
+    for out in _deltas(TEXT_IDS):
+        table.deliver([out])
+        assert stream.pending_tokens <= len(TEXT_IDS)
+    assert stream.pending_tokens == len(TEXT_IDS)
+    messages = list(stream)
+    assert len(messages) == 1, "everything delivered meanwhile is one message"
+    assert messages[0].new_token_ids == TEXT_IDS and messages[0].text == "naïve ✓ done"
+    assert messages[0].finished and messages[0].generated_tokens == len(TEXT_IDS)
+    assert len(table) == 0
+
+
+def test_a_consumer_that_keeps_up_gets_one_message_per_token_and_the_same_text() -> None:
+    table = StreamTable(ByteTokenizer(), capacity=4)
+    got: list[RequestOutput] = []
+
+    async def run() -> None:
+        stream = table.open("r", PROMPT, SamplingParams())
+        assert stream.loop is asyncio.get_running_loop()
+
+        async def feed() -> None:
+            for out in _deltas(TEXT_IDS):
+                await asyncio.to_thread(table.deliver, [out])  # from another thread, as the engine does
+                await asyncio.sleep(0.001)
+
+        feeder = asyncio.ensure_future(feed())
+        async for out in stream:
+            got.append(out)
+        await feeder
+
+    asyncio.run(run())
+    assert len(got) == len(TEXT_IDS)
+    assert "".join(o.text or "" for o in got) == "naïve ✓ done"
+    # A multi-byte character's first bytes wait for the rest: those messages carry no text yet.
+    assert any(o.text == "" for o in got[:-1])
+
+
+def test_a_cancelled_request_drops_an_incomplete_character() -> None:
+    table = StreamTable(ByteTokenizer(), capacity=4)
+    stream = table.open("r", PROMPT, SamplingParams())
+    check = "✓".encode()
+    table.deliver([RequestOutput("r", [check[0]], text=None, generated_tokens=1)])
+    table.deliver([RequestOutput("r", [], finished=True, finish_reason=FinishReason.CANCELLED)])
+    (message,) = list(stream)
+    assert message.text == "" and message.finish_reason is FinishReason.CANCELLED
+
+
+def test_admission_bounds_and_duplicate_ids() -> None:
+    table = StreamTable(ByteTokenizer(), capacity=2)
+    table.open("a", PROMPT, SamplingParams())
+    with pytest.raises(InvalidArgumentError, match="already in use"):
+        table.open("a", PROMPT, SamplingParams())
+    table.open("b", PROMPT, SamplingParams())
+    with pytest.raises(ResourceExhaustedError, match="queue is full"):
+        table.open("c", PROMPT, SamplingParams())
+    table.close("a")
+    table.open("c", PROMPT, SamplingParams())
+
+
+def test_fail_all_ends_every_open_stream_from_another_thread() -> None:
+    table = StreamTable(ByteTokenizer(), capacity=8)
+    streams = [table.open(f"r{i}", PROMPT, SamplingParams()) for i in range(3)]
+    error = ResourceExhaustedError("gone")
+    threading.Thread(target=table.fail_all, args=(error,)).start()
+    for stream in streams:
+        (message,) = list(stream)
+        assert message.finished and message.finish_reason is FinishReason.ERROR and message.error is error
+    assert len(table) == 0
