@@ -19,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -48,10 +49,9 @@ class InlineEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
 
-    def call(self, fn: Callable[[EngineCore], None]) -> concurrent.futures.Future[None]:
-        fn(self.core)
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        done.set_result(None)
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result(fn(self.core, *args))
         return done
 
 
