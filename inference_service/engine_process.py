@@ -26,6 +26,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import queue
 import signal
 import threading
 import time
@@ -56,24 +57,29 @@ class _Update:
 
     deltas: list[Delta]
     outputs: list[RequestOutput]  # finished ones and those with logits/logprobs: whole
-    metric_events: list[tuple[str, tuple[Any, ...]]]
+    recorded_metrics: tuple[list[float], list[float], list[tuple[str, tuple[Any, ...]]]]
     stats: EngineStats | None  # when it changed
     adapter_names: frozenset[str] | None  # when it changed
     results: list[tuple[int, bool, Any]]  # (call id, ok, value or exception)
 
 
 class RecordedMetrics:
-    """The core process's metrics sink: records calls for the front end to replay (thread-safe:
-    loader threads report loads)."""
+    """The core process's metrics sink: records calls for the front end to replay. Per-token
+    timings go into plain lists (one pickled list of floats per step, not an object per token);
+    appends are atomic, and loader threads report loads."""
 
     def __init__(self) -> None:
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
         self._events: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
 
-    def take(self) -> list[tuple[str, tuple[Any, ...]]]:
+    def take(self) -> tuple[list[float], list[float], list[tuple[str, tuple[Any, ...]]]]:
+        ttft, self._ttft = self._ttft, []
+        itl, self._itl = self._itl, []
         events = []
         while self._events:
             events.append(self._events.popleft())
-        return events
+        return ttft, itl, events
 
     def adapter_loaded(self, tier: str, seconds: float) -> None:
         self._events.append(("adapter_loaded", (tier, seconds)))
@@ -82,10 +88,10 @@ class RecordedMetrics:
         self._events.append(("adapter_evicted", ()))
 
     def first_token(self, seconds: float) -> None:
-        self._events.append(("first_token", (seconds,)))
+        self._ttft.append(seconds)
 
     def inter_token(self, seconds: float) -> None:
-        self._events.append(("inter_token", (seconds,)))
+        self._itl.append(seconds)
 
     def tokens(self, prompt: int, generated: int) -> None:
         self._events.append(("tokens", (prompt, generated)))
@@ -94,10 +100,22 @@ class RecordedMetrics:
         self._events.append(("request_finished", (finish_reason, adapter)))
 
 
+def replay(metrics: MetricsSink, recorded: tuple[list[float], list[float], list[tuple[str, tuple[Any, ...]]]]) -> None:
+    ttft, itl, events = recorded
+    for seconds in ttft:
+        metrics.first_token(seconds)
+    for seconds in itl:
+        metrics.inter_token(seconds)
+    for name, args in events:
+        getattr(metrics, name)(*args)
+
+
 # ---- the core process ------------------------------------------------------------------------------------
 
 class _Outbox:
-    """Collects a loop turn's outputs and call results; sends them as one `_Update`."""
+    """Collects a loop turn's outputs and call results; a sender thread encodes and sends them as
+    one `_Update`, while the scheduler thread goes on with the next step (the forward pass
+    releases the GIL: on an accelerator the encoding overlaps it)."""
 
     def __init__(self, conn: multiprocessing.connection.Connection, core: EngineCore, sink: RecordedMetrics,
                  thread_stats: Callable[[], EngineStats]) -> None:
@@ -106,7 +124,9 @@ class _Outbox:
         self._results: collections.deque[tuple[int, bool, Any]] = collections.deque()
         self._sent_stats: EngineStats | None = None
         self._sent_names = -1
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="sender", daemon=True)
+        self._sender.start()
 
     def add_outputs(self, outputs: list[RequestOutput]) -> None:
         self._outputs += outputs
@@ -116,30 +136,40 @@ class _Outbox:
         self._results.append((call_id, error is None, error if error is not None else future.result()))
 
     def flush(self) -> None:
-        """On the scheduler thread, once per loop turn: sends only when something changed."""
+        """On the scheduler thread, once per loop turn: hands over what changed (cheap)."""
         stats = self._stats()
         plain = dataclasses.replace(stats, updated_at=0.0)
         stats_changed = plain != self._sent_stats
         names_changes = self._core.adapter_names_changes()
         names = self._core.adapter_names() if names_changes != self._sent_names else None
-        events = self._sink.take()
-        if not (self._outputs or self._results or events or stats_changed or names is not None):
+        recorded = self._sink.take()
+        if not (self._outputs or self._results or any(recorded) or stats_changed or names is not None):
             return
         results = []
         while self._results:
             results.append(self._results.popleft())
-        deltas: list[Delta] = []
-        whole: list[RequestOutput] = []
-        for out in self._outputs:
-            if out.finished or out.logits is not None or out.logprobs is not None or out.error is not None:
-                whole.append(out)
-            else:
-                deltas.append((out.request_id, out.new_token_ids, out.text, out.generated_tokens))
-        self._outputs = []
-        update = _Update(deltas, whole, events, stats if stats_changed else None, names, results)
-        with self._lock:
-            self._conn.send(update)
+        outputs, self._outputs = self._outputs, []
+        self._queue.put((outputs, recorded, stats if stats_changed else None, names, results))
         self._sent_stats, self._sent_names = plain, names_changes
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._sender.join(timeout=10)
+
+    def _send_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            outputs, recorded, stats, names, results = item
+            deltas: list[Delta] = []
+            whole: list[RequestOutput] = []
+            for out in outputs:
+                if out.finished or out.logits is not None or out.logprobs is not None or out.error is not None:
+                    whole.append(out)
+                else:
+                    deltas.append((out.request_id, out.new_token_ids, out.text, out.generated_tokens))
+            try:
+                self._conn.send(_Update(deltas, whole, recorded, stats, names, results))
+            except (OSError, ValueError):
+                return  # the front end has gone; the command reader stops the loop
 
 
 def _core_main(conn: multiprocessing.connection.Connection, config: EngineConfig) -> None:
@@ -161,6 +191,7 @@ def _core_main(conn: multiprocessing.connection.Connection, config: EngineConfig
     try:
         thread.run()  # on this process's main thread; returns on "stop" or a closed pipe
     finally:
+        outbox.close()
         core.shutdown()
 
 
@@ -335,8 +366,7 @@ class ProcessEngine:
             self._adapter_names = update.adapter_names
         if update.stats is not None:
             self._stats = update.stats
-        for name, args in update.metric_events:
-            getattr(self._metrics, name)(*args)
+        replay(self._metrics, update.recorded_metrics)
         outputs = [RequestOutput(rid, ids, text=text, generated_tokens=generated)
                    for rid, ids, text, generated in update.deltas]
         self.streams.deliver(outputs + update.outputs)
