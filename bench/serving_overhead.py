@@ -1,6 +1,6 @@
 """The serving layer's own benchmark: what the front end costs, measured through the real server.
 
-Two regimes, each with the load generator in processes of its own:
+Two regimes and a stalled-reader check, each with the load generator in processes of its own:
 
 - **Simulated accelerator** (`sim`): the server is the real `loraplex-inference` (scheduler, LoRA manager,
   detokenizer, outputs, gRPC) except that the model runner's forward pass is a stand-in that sleeps a fixed
@@ -9,10 +9,14 @@ Two regimes, each with the load generator in processes of its own:
 - **Real model on CPU** (`real`): a small real-shaped LLaMA (hidden 256, 4 layers, 2 KV heads, vocab 32000,
   fp32), 32 concurrent streams of 32-token prompts and 64 new tokens (greedy, EOS ignored), on the base model
   and over 8 adapters in 4 slots, gRPC against the in-process EngineCore stepping the same requests.
+- **Stalled reader** (`stalled`): 64 simulated streams at 10 ms alone, then beside a client that opened a
+  long stream and stopped reading; the others' inter-token p99 ratio (target <= 1.2).
 
-    .venv/bin/python bench/serving_overhead.py                     # both regimes
+`--engine-core thread,process` runs each server both ways (before/after the core got its own process).
+
+    .venv/bin/python bench/serving_overhead.py                     # everything
     .venv/bin/python bench/serving_overhead.py sim --streams 64,256,1024 --sim-step-ms 5,10
-    .venv/bin/python bench/serving_overhead.py real
+    .venv/bin/python bench/serving_overhead.py real --engine-core thread,process
 
 RESULT lines: `serving_efficiency_256` (achieved/ideal at 256 streams, 10 ms step; target >= 0.90),
 `grpc_vs_inprocess_small_model` (the lower of base and mixed; target >= 0.80).
@@ -153,6 +157,22 @@ def client_main(spec_json: str) -> None:
     print(json.dumps({"streams": results, "cpu_s": usage.ru_utime + usage.ru_stime}))
 
 
+def stalled_reader_main(address: str, new_tokens: int) -> None:
+    """A client that opens a long stream (with logprobs: big messages that fill the flow-control
+    window), reads its first message, then never reads again until it is killed."""
+    import grpc
+
+    from inference_service.api import inference_pb2 as pb
+    from inference_service.api import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        req = pb.GenerateRequest(text="stalled", max_new_tokens=new_tokens, ignore_eos=True, logprobs=20)
+        stream = pb_grpc.InferenceStub(channel).Generate(req)
+        next(stream)
+        print("STALLED", flush=True)
+        time.sleep(3600)
+
+
 @dataclass
 class LoadResult:
     tokens: int
@@ -224,6 +244,36 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
         if streams == 256 and step_ms == 10 and engine_core == args.engine_core[-1]:
             result_256 = eff
     return result_256
+
+
+def run_stalled_reader(args: argparse.Namespace, tmp: Path) -> None:
+    """64 streams at a 10 ms step, alone and beside a client that stops reading: the others'
+    inter-token p99 must stay within 1.2x (issue 16)."""
+    streams, step_ms, prompt_tokens = 64, 10.0, 32
+    prompts = [[(i * 31 + j) % 200 + 3 for j in range(prompt_tokens)] for i in range(64)]
+    server_args = ["--engine-core", args.engine_core[-1], "--model", "builtin:tiny", "--device", "cpu",
+                   "--max-num-seqs", str(streams + 1), "--max-queue", str(streams + 1),
+                   "--max-num-batched-tokens", str((streams + 1) * prompt_tokens),
+                   "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", "1000"]
+    server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], server_args, tmp)
+    stalled = None
+    try:
+        generate_load(server, 16, 8, prompts, [], 1)  # warm-up
+        alone = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
+        stalled = subprocess.Popen([sys.executable, __file__, "_stalled", server.address, "1000"], cwd=ROOT,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)
+        assert stalled.stdout is not None and stalled.stdout.readline().strip() == b"STALLED"
+        beside = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
+    finally:
+        if stalled is not None:
+            stalled.kill()
+            stalled.wait()
+        server.stop()
+    p99 = [statistics.quantiles(r.itl, n=100)[98] * 1000 for r in (alone, beside)]
+    print(f"stalled reader, 64 streams at 10 ms: alone {alone.line()}", flush=True)
+    print(f"stalled reader, 64 streams at 10 ms: beside a client that stopped reading {beside.line()}", flush=True)
+    print(f"stalled reader: others' inter-token p99 {p99[1]:.1f} ms vs {p99[0]:.1f} ms alone: "
+          f"ratio {p99[1] / p99[0]:.2f} (target <= 1.2)", flush=True)
 
 
 def make_small_checkpoint(out: Path) -> Path:
@@ -311,10 +361,14 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_client":
         client_main(sys.argv[2])
         return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "_stalled":
+        stalled_reader_main(sys.argv[2], int(sys.argv[3]))
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_serve_sim":
         return serve_simulated(float(sys.argv[2]), sys.argv[4:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("regime", nargs="?", choices=("sim", "real", "both"), default="both")
+    p.add_argument("regime", nargs="?", choices=("sim", "stalled", "real", "both"), default="both",
+                   help="both: sim, stalled and real")
     p.add_argument("--sim-step-ms", type=lambda s: [float(x) for x in s.split(",")], default=[5.0, 10.0])
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
     p.add_argument("--sim-new-tokens", type=int, default=128)
@@ -325,6 +379,8 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         eff = run_sim(args, Path(tmp)) if args.regime in ("sim", "both") else None
+        if args.regime in ("stalled", "both"):
+            run_stalled_reader(args, Path(tmp))
         ratio = run_real(args, Path(tmp)) if args.regime in ("real", "both") else None
     if eff is not None:
         print(f"RESULT serving_efficiency_256={eff:.3f}")

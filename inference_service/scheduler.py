@@ -127,6 +127,7 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         scheduled: set[int] = set()
+        block_size = self.kv.block_size
         for request in list(self.running):
             if budget == 0:
                 break
@@ -134,14 +135,15 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_tokens
-            while not self.kv.can_grow(request.block_table, target):
-                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
-                self._preempt(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            self.kv.grow(request.block_table, target)
+            if target > len(request.block_table) * block_size:  # most decode steps fit their last block
+                while not self.kv.can_grow(request.block_table, target):
+                    victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                    self._preempt(victim)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
+                    continue
+                self.kv.grow(request.block_table, target)
             batch.items.append((request, num_tokens))
             scheduled.add(id(request))
             budget -= num_tokens
