@@ -286,8 +286,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry, sink = build_registry(server_cfg.adapter_metrics_top_k)
     # The core process is forked here, before any server thread exists.
     engine = (ProcessEngine if args.engine_core == "process" else Engine)(engine_cfg, metrics=sink)
-    if os.environ.get("X_NICE"):
-        os.nice(int(os.environ["X_NICE"]))
     registry.register(EngineCollector(engine.stats))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     engine.start()
