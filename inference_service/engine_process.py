@@ -26,6 +26,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import signal
 import threading
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
+ORPHAN_EXIT_S = 10.0  # a core whose front end died exits at most this long after
 
 # A plain token delta on the wire: (request id, token ids, text or None, generated tokens).
 Delta = tuple[str, list[int], str | None, int]
@@ -172,9 +174,12 @@ class _Outbox:
                 return  # the front end has gone; the command reader stops the loop
 
 
-def _core_main(conn: multiprocessing.connection.Connection, config: EngineConfig) -> None:
+def _core_main(conn: multiprocessing.connection.Connection, front_end: multiprocessing.connection.Connection,
+               config: EngineConfig) -> None:
     # The front end owns the lifecycle: Ctrl-C and a SIGTERM to the process group reach it, it
-    # drains, then stops this process; a front end that dies closes the pipe, which ends this one.
+    # drains, then stops this process; a front end that dies closes the pipe, which ends this one
+    # (once the fork's copy of the front end's end is closed here).
+    front_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sink = RecordedMetrics()
@@ -215,6 +220,10 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
                 break
     except (EOFError, OSError):
         log.warning("the front end has gone: stopping the engine core")
+        # A scheduler stuck in a step would keep this process alive with nobody to serve.
+        deadline = threading.Timer(ORPHAN_EXIT_S, os._exit, (1,))
+        deadline.daemon = True
+        deadline.start()
     finally:
         thread.stop()
 
@@ -229,8 +238,8 @@ class ProcessEngine:
         self._metrics = metrics or NullMetrics()
         context = multiprocessing.get_context("fork")  # before any server thread exists (see module doc)
         self._conn, child = context.Pipe(duplex=True)
-        self._process = context.Process(target=_core_main, args=(child, config), name="loraplex-engine-core",
-                                        daemon=True)
+        self._process = context.Process(target=_core_main, args=(child, self._conn, config),
+                                        name="loraplex-engine-core", daemon=True)
         self._process.start()
         child.close()
         hello = self._hello()

@@ -1,0 +1,134 @@
+"""The engine core in its own process (inference_service/engine_process.py), through the real server.
+
+- A LoadAdapter that returned makes the adapter usable at once: the front end's mirror of adapter
+  names is updated before the call's result (both travel in one ordered pipe).
+- The core process dying (the test-only fault hook ends its scheduler) ends the streams in flight
+  with UNAVAILABLE, turns health NOT_SERVING and refuses new requests; nothing hangs.
+- A front end killed with SIGKILL takes its core process with it (the pipe closes).
+- The thread bridge (`--engine-core thread`) serves the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from harness.inference_server import start_inference_server
+from inference_service.api import inference_pb2 as pb
+from inference_service.api import inference_pb2_grpc as pb_grpc
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
+
+TOKEN = "process-test-token"
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _health(address: str) -> str:
+    with grpc.insecure_channel(address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def _tokens(address: str, text: str, adapter: str = "", n: int = 12) -> list[int]:
+    with InferenceClient(address) as client:
+        return [t for m in client.generate(text, adapter=adapter, max_new_tokens=n, ignore_eos=True, timeout=60)
+                for t in m.token_ids]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    for i in range(3):
+        write_peft_adapter(root / f"p{i}", rank=8, seed=100 + i)
+    return root
+
+
+def test_a_loaded_adapter_is_usable_as_soon_as_load_adapter_returns(adapter_dir: Path, tmp_path: Path) -> None:
+    server = start_inference_server(["--max-loras", "2", "--adapter-source-allow", adapter_dir.as_uri()],
+                                    env={"LORAPLEX_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path)
+    try:
+        with InferenceClient(server.address, token=TOKEN) as client:
+            for round_ in range(10):
+                name = f"fresh{round_}"
+                client.load_adapter(name, (adapter_dir / f"p{round_ % 3}").as_uri(), timeout=60)
+                out = list(client.generate("go", adapter=name, max_new_tokens=2, ignore_eos=True, timeout=30))
+                assert out[-1].usage.generated_tokens == 2
+                client.unload_adapter(name, timeout=60)
+                with pytest.raises(grpc.RpcError) as info:
+                    list(client.generate("go", adapter=name, max_new_tokens=2, timeout=30))
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        server.stop()
+
+
+def test_thread_and_process_bridges_serve_the_same_tokens(adapter_dir: Path, tmp_path: Path) -> None:
+    results = []
+    for core in ("process", "thread"):
+        server = start_inference_server(["--engine-core", core, "--adapter-source-allow", adapter_dir.as_uri()],
+                                        env={"LORAPLEX_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path)
+        try:
+            assert bool(_children(server.proc.pid)) == (core == "process")
+            with InferenceClient(server.address, token=TOKEN) as client:
+                client.load_adapter("p0", (adapter_dir / "p0").as_uri(), timeout=60)
+            results.append((_tokens(server.address, "same tokens"), _tokens(server.address, "same tokens", "p0")))
+        finally:
+            server.stop()
+    assert results[0] == results[1]
+    assert results[0][0] != results[0][1]  # the adapter changes the output: the check can fail
+
+
+def test_a_dead_core_process_ends_streams_unavailable_and_health_not_serving(tmp_path: Path) -> None:
+    server = start_inference_server(["--watchdog-stall-s", "2"], env={"LORAPLEX_TEST_FAULT_SCHEDULER": "die"},
+                                    log_dir=tmp_path)
+    try:
+        (core,) = _children(server.proc.pid)
+        stub = pb_grpc.InferenceStub(server.channel())
+        stream = stub.Generate(pb.GenerateRequest(text="long", max_new_tokens=1000, ignore_eos=True), timeout=60)
+        next(stream)
+        server.proc.send_signal(signal.SIGUSR1)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine core process has exited" in info.value.details()
+        assert time.monotonic() - started < 10
+        _wait(lambda: not _alive(core), 10, "the core process to exit")
+        _wait(lambda: _health(server.address) == "NOT_SERVING", 10, "health NOT_SERVING")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="after", max_new_tokens=2), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(timeout=5)
+
+
+def test_a_killed_front_end_takes_its_core_process_with_it(tmp_path: Path) -> None:
+    server = start_inference_server([], log_dir=tmp_path)
+    (core,) = _children(server.proc.pid)
+    assert _tokens(server.address, "hi", n=2)
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    _wait(lambda: not _alive(core), 15, "the orphaned core process to exit")
