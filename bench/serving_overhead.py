@@ -5,7 +5,9 @@ Two regimes and a stalled-reader check, each with the load generator in processe
 - **Simulated accelerator** (`sim`): the server is the real `loraplex-inference` (scheduler, LoRA manager,
   detokenizer, outputs, gRPC) except that the model runner's forward pass is a stand-in that sleeps a fixed
   wall time (`--sim-step-ms`, no CPU used, like a GPU kernel) and emits deterministic tokens. Ideal
-  tokens/s = streams x steps/s; `efficiency` = achieved / ideal.
+  tokens/s = streams x steps/s; `efficiency` = achieved / ideal, from the moment the load generators start
+  every stream at once to the last token (so a slow intake of the burst counts); `steady state` = the same
+  ratio while every stream is streaming (the last stream's first token to the first stream's last one).
 - **Real model on CPU** (`real`): a small real-shaped LLaMA (hidden 256, 4 layers, 2 KV heads, vocab 32000,
   fp32), 32 concurrent streams of 32-token prompts and 64 new tokens (greedy, EOS ignored), on the base model
   and over 8 adapters in 4 slots, gRPC against the in-process EngineCore stepping the same requests.
@@ -134,11 +136,11 @@ def client_main(spec_json: str) -> None:
         req = pb.GenerateRequest(adapter=adapter, max_new_tokens=spec["new_tokens"], ignore_eos=True)
         req.token_ids.ids.extend(spec["prompts"][i % len(spec["prompts"])])
         sent = time.time()
-        arrivals, tokens = [], 0
+        arrivals, counts = [], []
         async for msg in stub.Generate(req):
             arrivals.append(time.time())
-            tokens += len(msg.token_ids)
-        return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
+            counts.append(len(msg.token_ids))
+        return {"sent": sent, "arrivals": arrivals, "counts": counts, "tokens": sum(counts)}
 
     async def run() -> list[dict]:
         channels = [grpc.aio.insecure_channel(spec["address"]) for _ in range(spec["channels"])]
@@ -182,6 +184,7 @@ class LoadResult:
     client_cpu_s: float
     ttft: list[float]
     itl: list[float]
+    steady_tok_s: float  # while every stream was streaming: from the last first token to the first last one
 
     def line(self) -> str:
         def pct(xs: list[float], q: float) -> float:
@@ -215,8 +218,11 @@ def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[l
     tokens = sum(s["tokens"] for s in all_streams)
     assert tokens == streams * new_tokens, f"{tokens} tokens, expected {streams * new_tokens}"
     itl = [b - a for s in all_streams for a, b in zip(s["arrivals"], s["arrivals"][1:], strict=False)]
+    lo, hi = max(s["arrivals"][0] for s in all_streams), min(s["arrivals"][-1] for s in all_streams)
+    steady = sum(n for s in all_streams for t, n in zip(s["arrivals"], s["counts"], strict=True) if lo < t <= hi)
     return LoadResult(tokens, sum(len(s["arrivals"]) for s in all_streams), end - start_at, server_cpu,
-                      sum(o["cpu_s"] for o in outs), [s["arrivals"][0] - s["sent"] for s in all_streams], itl)
+                      sum(o["cpu_s"] for o in outs), [s["arrivals"][0] - s["sent"] for s in all_streams], itl,
+                      steady / (hi - lo) if hi > lo else float("nan"))
 
 
 # ---- regimes -----------------------------------------------------------------------------------------
@@ -240,7 +246,8 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
         ideal = streams * 1000.0 / step_ms
         eff = r.tokens / r.wall_s / ideal
         print(f"sim core={engine_core:7s} step {step_ms:4.1f} ms, {streams:5d} streams: {r.line()}  "
-              f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f}", flush=True)
+              f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f} "
+              f"(steady state {r.steady_tok_s / ideal:.3f})", flush=True)
         if streams == 256 and step_ms == 10 and engine_core == args.engine_core[-1]:
             result_256 = eff
     return result_256
