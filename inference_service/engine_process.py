@@ -135,6 +135,9 @@ class _Outbox:
 
     def add_result(self, call_id: int, future: concurrent.futures.Future) -> None:
         error = future.exception()
+        if error is not None and not isinstance(error, LoraplexError):
+            # Only our errors are known to cross the pipe; anything else is a bug, reported as one.
+            error = LoraplexError(f"internal error in the engine core: {type(error).__name__}: {error}")
         self._results.append((call_id, error is None, error if error is not None else future.result()))
 
     def flush(self) -> None:
