@@ -52,6 +52,7 @@ def serve_simulated(step_ms: float, cli_args: list[str]) -> int:
     """Runs `loraplex-inference` whose ModelRunner.run sleeps `step_ms` instead of computing."""
     from inference_service import cli
     from inference_service.model_runner import ModelRunner
+    from inference_service.request import TokenLogprobs
 
     step_s = step_ms / 1000.0
 
@@ -62,7 +63,11 @@ def serve_simulated(step_ms: float, cli_args: list[str]) -> int:
         for request, num_tokens in batch.items:
             end = request.num_computed_tokens + num_tokens
             if end == request.num_tokens:  # this chunk reaches the end: a token is sampled
-                out[request.request_id] = ((request.num_tokens * 7919 + 13) % (vocab - 3) + 3, None)
+                token = (request.num_tokens * 7919 + 13) % (vocab - 3) + 3
+                out[request.request_id] = (token, None)
+                if request.params.logprobs is not None:  # deterministic stand-ins, as the tokens are
+                    k = request.params.logprobs
+                    request.step_logprobs = TokenLogprobs(token, -0.5, tuple((t, -1.0 - t) for t in range(k)))
         return out
 
     ModelRunner.run = run
