@@ -2,57 +2,69 @@
 
 Replicas: REPLICAS real `loraplex-inference` processes on loopback (builtin:tiny model, SLOTS LoRA
 slots each, the OpenAI HTTP API on, one CPU thread each), every adapter registered on every replica
-by LoadAdapter (no preload: slots fill on demand). Workload: Poisson arrivals of REQUESTS
-completions (streamed), the adapter of each drawn from a Zipf law (exponent ZIPF_S) over ADAPTERS
-adapters, the same seeded sequence for both routers. Each router gets fresh replicas.
+by LoadAdapter (no preload: slots fill on demand, the least recently used idle one is evicted).
+Workload: Poisson arrivals of REQUESTS completions (streamed), the adapter of each drawn from a Zipf
+law (exponent ZIPF_S) over ADAPTERS adapters, the same seeded sequence for every router. Each router
+gets fresh replicas.
 
-Routers:
+Routers; all but round-robin read each replica's real /metrics on the serving port every 50 ms, as
+the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default):
 - round-robin: replica i mod N.
-- affinity: the Gateway API Inference Extension endpoint picker's scoring, re-implemented from its
-  published source and protocol (kubernetes-sigs/gateway-api-inference-extension):
-  * metrics per pod, refreshed every 50 ms as the EPP does (its --refresh-metrics-interval default)
-    from each replica's real /metrics on the serving port: `vllm:lora_requests_info{max_lora,
-    running_lora_adapters, waiting_lora_adapters}` (the newest series by value, as the model server
-    protocol, docs/proposals/003-model-server-protocol, says), `vllm:num_requests_waiting`,
-    `vllm:kv_cache_usage_perc`;
+- gie: the Gateway API Inference Extension EPP's scoring, re-implemented from its published source
+  and protocol (kubernetes-sigs/gateway-api-inference-extension):
+  * per pod: `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` (the
+    newest series by value, as the model server protocol, docs/proposals/003-model-server-protocol,
+    says), `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`;
   * lora-affinity-scorer (pkg/epp/scheduling/framework/plugins/scorer/lora_affinity.go): 1.0 when
     the adapter is running on the pod; 0.8 when running + waiting adapters < max_lora; 0.6 when it is
     waiting there; else 0;
   * queue-scorer (scorer/queue.go): (max_q - q) / (max_q - min_q) over the candidates, 1 when equal;
   * kv-cache-utilization-scorer (scorer/kvcache_utilization.go): 1 - usage;
-  * equal weights (1 each), summed; the max-score picker takes the best, ties broken at random.
+  * equal weights (1 each, what a scheduling profile gives a plugin that names no weight), summed;
+    the max-score picker (picker/max_score_picker.go) takes the best, ties broken at random.
   The llm-d scheduler composes the same scorers (llm-d-inference-scheduler, its default profile).
+- affinity (the RESULT): the same scorers, weights and picker, with two changes:
+  * an adapter idle in a device slot (loraplex_lora_adapter_resident{tier="device"}, docs/metrics.md)
+    scores as running (1.0). GIE sees only adapters that have requests: with requests shorter than
+    the gaps between them, an adapter's slot looks empty again between its requests, most pods have
+    "room" (0.8) and the pick is a tie, so a warm adapter is found again only by chance;
+  * ties go to the adapter's rendezvous-hash (highest random weight) home among the tied pods, the
+    rule NVIDIA Dynamo's LoRA router places adapters by (ai-dynamo/dynamo,
+    lib/llm/src/lora/routing/hrw.rs), instead of a random one: every router instance picks alike
+    without sharing state, and the run does not depend on a random draw.
+  The queue and KV scorers are kept: a pod with a longer queue loses a request for its adapter to
+  another pod, which loads it, so a hot adapter spreads over several pods under load.
+- gie+rendezvous, gie+residency (only with --routers): one change each.
 
-A third router, affinity+residency, is GIE's with one change: an adapter idle in a device slot
-(loraplex_lora_adapter_resident{tier="device"}, docs/metrics.md) scores as active. GIE itself sees
-only adapters with requests, so when requests are short and replicas are not saturated its picks
-are mostly ties (every pod has "room"), broken at random: close to round-robin for slot loads.
+Prints per router: adapter loads into slots (from loraplex_lora_loads_total), TTFT p50/p99, tokens/s
+(the offered load when every router keeps up), requests per replica; then each router's loads and
+TTFT p99 relative to round-robin. Measured figures: docs/metrics.md.
 
-Prints per router: adapter loads into slots (from loraplex_lora_loads_total), TTFT p50/p99, tokens/s.
+    .venv/bin/python bench/routing.py [--replicas 5] [--slots 4] [--adapters 32] [--requests 400] \
+        [--rate 20] [--routers round-robin,gie,affinity]
 
-    .venv/bin/python bench/routing.py [--replicas 2] [--slots 4] [--adapters 32] [--requests 400] [--rate 20]
-
-Last line: RESULT affinity_loads_vs_roundrobin=<ratio>   (the GIE router; target <= 0.5 with TTFT p99
-no worse). Bound: even a perfect static split of the 8 hottest adapters over 2 x 4 slots misses on
-~33% of requests at Zipf s=1 over 32 (vs ~64% measured for round-robin LRU), a ratio of ~0.5.
+Last line: RESULT affinity_loads_vs_roundrobin=<ratio>   (target <= 0.5 with TTFT p99 no worse).
+Capacity decides how low it can go: round-robin makes every replica's slots serve the whole Zipf
+law, an affinity router lets each replica keep a different part of the hot set. 5 x 4 = 20 slots
+for 32 adapters is the default; with 2 x 4 even a perfect split of the 8 hottest adapters misses on
+~33% of requests at s=1 against ~64% for round-robin's LRU, a ratio of ~0.5 at best.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import itertools
 import json
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from harness.inference_server import InferenceServer, start_inference_server  # noqa: E402
 from inference_service.client import InferenceClient  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
 
@@ -69,9 +82,9 @@ METRICS_REFRESH_S = 0.05  # the GIE EPP's default metrics refresh interval
 
 @dataclass
 class Replica:
+    name: str  # stable across runs, as a pod name is: the rendezvous hash keys on it
     http: str
-    grpc: str
-    proc: subprocess.Popen
+    server: InferenceServer | None
     # The endpoint picker's view, refreshed by scrape().
     max_lora: int = 0
     running: set[str] = field(default_factory=set)
@@ -130,15 +143,27 @@ def queue_scores(replicas: list[Replica]) -> list[float]:
     return [1.0 if hi == lo else (hi - r.queue) / (hi - lo) for r in replicas]
 
 
-def affinity_router(replicas: list[Replica], rng: random.Random, residency: bool = False
-                    ) -> Callable[[str], Replica]:
-    """GIE's scorers; with `residency`, an adapter idle in a device slot (loraplex's residency
-    gauge, docs/metrics.md) counts as active too: GIE itself cannot see it."""
+def rendezvous_rank(adapter: str, replicas: list[Replica]) -> list[Replica]:
+    """The replicas in rendezvous (highest-random-weight) order for `adapter`: each (adapter, pod)
+    pair hashes to a weight and the highest weight is the adapter's home. Deterministic, so every
+    router instance agrees without coordination, and removing a pod moves only its own adapters."""
+    def weight(r: Replica) -> bytes:
+        return hashlib.blake2b(f"{adapter}\0{r.name}".encode(), digest_size=8).digest()
+    return sorted(replicas, key=weight, reverse=True)
+
+
+def affinity_router(replicas: list[Replica], rng: random.Random, residency: bool = False,
+                    tie_break: str = "random") -> Callable[[str], Replica]:
+    """GIE's scorers summed with equal weights, the max-score pod wins. `residency`: an adapter idle
+    in a device slot (loraplex's residency gauge, docs/metrics.md) counts as active too; GIE itself
+    cannot see it. `tie_break`: "random" as GIE's max-score picker, or "rendezvous": among the
+    best-scored pods, the adapter's rendezvous-hash home first, so an adapter that is active nowhere
+    keeps landing on the same pod instead of a random one."""
     def pick(adapter: str) -> Replica:
         q = queue_scores(replicas)
         totals = [lora_affinity_score(r, adapter, residency) + q[i] + (1.0 - r.kv) for i, r in enumerate(replicas)]
-        best = max(totals)
-        return rng.choice([r for r, t in zip(replicas, totals, strict=True) if t == best])
+        best = [r for r, t in zip(replicas, totals, strict=True) if t == max(totals)]
+        return rendezvous_rank(adapter, best)[0] if tie_break == "rendezvous" else rng.choice(best)
     return pick
 
 
@@ -147,48 +172,48 @@ def round_robin_router(replicas: list[Replica]) -> Callable[[str], Replica]:
     return lambda adapter: next(cycle)
 
 
+ROUTERS: dict[str, Callable[[list[Replica], random.Random], Callable[[str], Replica]]] = {
+    "round-robin": lambda replicas, rng: round_robin_router(replicas),
+    "gie": lambda replicas, rng: affinity_router(replicas, rng),
+    "gie+rendezvous": lambda replicas, rng: affinity_router(replicas, rng, tie_break="rendezvous"),
+    "gie+residency": lambda replicas, rng: affinity_router(replicas, rng, residency=True),
+    "affinity": lambda replicas, rng: affinity_router(replicas, rng, residency=True, tie_break="rendezvous"),
+}
+
+
 # ---- replicas -------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_replica(name: str, args, adapters_dir: Path, log_dir: Path) -> Replica:
+    """A real server (the harness waits until its gRPC health says SERVING; the HTTP API is up then)
+    with every adapter registered, none loaded: slots fill on demand."""
+    server = start_inference_server(
+        ["--model", "builtin:tiny", "--device", args.device, "--dtype", "float32", "--max-loras", str(args.slots),
+         "--adapter-source-allow", adapters_dir.as_uri() + "/", "--log-level", "WARNING"],
+        log_dir=log_dir, timeout=180, http=True)
+    try:
+        with InferenceClient(server.address) as client:
+            for k in range(args.adapters):
+                client.load_adapter(f"lora-{k:02d}", (adapters_dir / f"lora-{k:02d}").as_uri(), timeout=60)
+    except BaseException:
+        server.stop()
+        raise
+    return Replica(name, server.http_url, server)
 
 
-def start_replica(args, allow: str, log_dir: Path) -> Replica:
-    http_port, grpc_port = free_port(), free_port()
-    log = open(log_dir / f"replica-{http_port}.log", "wb")  # noqa: SIM115 - lives as long as the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "inference_service.cli", "--model", "builtin:tiny", "--device", args.device,
-         "--dtype", "float32", "--listen", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port),
-         "--metrics-port", "0", "--max-loras", str(args.slots), "--adapter-source-allow", allow,
-         "--log-level", "WARNING"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return Replica(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", proc)
-
-
-def wait_healthy(r: Replica, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if r.proc.poll() is not None:
-            raise RuntimeError(f"replica {r.http} exited with {r.proc.returncode}")
-        try:
-            if urllib.request.urlopen(r.http + "/health", timeout=2).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{r.http} not healthy after {timeout}s")
+def start_replicas(args, adapters_dir: Path, log_dir: Path) -> list[Replica]:
+    with ThreadPoolExecutor(args.replicas) as pool:  # side by side
+        started = [pool.submit(start_replica, f"replica-{i}", args, adapters_dir, log_dir)
+                   for i in range(args.replicas)]
+    try:
+        return [f.result() for f in started]
+    except Exception:
+        stop([f.result() for f in started if f.exception() is None])
+        raise
 
 
 def stop(replicas: list[Replica]) -> None:
-    for r in replicas:
-        r.proc.terminate()
-    for r in replicas:
-        try:
-            r.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            r.proc.kill()
+    with ThreadPoolExecutor(len(replicas) or 1) as pool:
+        list(pool.map(lambda r: r.server.stop(), replicas))
 
 
 # ---- the workload ---------------------------------------------------------------------------------
@@ -213,21 +238,19 @@ class Result:
     loads: float
     per_replica: list[int]
 
+    def line(self, name: str) -> str:
+        return (f"{name:15s} adapter loads {self.loads:5.0f}   TTFT p50 {pct(self.ttft, 50) * 1e3:7.1f} ms  "
+                f"p99 {pct(self.ttft, 99) * 1e3:7.1f} ms   {self.tokens / self.seconds:7.1f} tokens/s   "
+                f"requests per replica {self.per_replica}")
+
 
 async def run_policy(name: str, args, adapters_dir: Path, work: list[tuple[float, str]], log_dir: Path) -> Result:
     import httpx2 as httpx  # the HTTP client the openai SDK is built on
 
-    allow = adapters_dir.as_uri() + "/"
-    replicas = [start_replica(args, allow, log_dir) for _ in range(args.replicas)]
+    replicas = start_replicas(args, adapters_dir, log_dir)
     try:
-        for r in replicas:
-            wait_healthy(r)
-            with InferenceClient(r.grpc) as client:  # registered only: slots fill on demand
-                for k in range(args.adapters):
-                    client.load_adapter(f"lora-{k:02d}", (adapters_dir / f"lora-{k:02d}").as_uri(), timeout=60)
         loads0 = [refresh(r)["loads"] for r in replicas]
-        pick = (round_robin_router(replicas) if name == "round-robin"
-                else affinity_router(replicas, random.Random(args.seed), residency=name == "affinity+residency"))
+        pick = ROUTERS[name](replicas, random.Random(args.seed))
         sent = [0] * len(replicas)
         ttft: list[float] = []
         tokens = 0
@@ -280,7 +303,7 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=5)
     p.add_argument("--slots", type=int, default=4, help="LoRA slots per replica (--max-loras)")
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--zipf-s", type=float, default=1.0)
@@ -289,9 +312,16 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds over the routers, every other one in reverse order (fresh replicas every run)")
+    p.add_argument("--routers", default="round-robin,gie,affinity",
+                   help=f"comma-separated, from {', '.join(ROUTERS)}; round-robin and affinity are required")
     args = p.parse_args()
-    if args.replicas < 2:
-        p.error("--replicas must be at least 2")
+    if args.replicas < 2 or args.repeats < 1:
+        p.error("--replicas must be at least 2, --repeats at least 1")
+    routers = args.routers.split(",")
+    if not {"round-robin", "affinity"} <= set(routers) <= set(ROUTERS):
+        p.error(f"--routers: round-robin and affinity, plus any of {', '.join(ROUTERS)}")
     with tempfile.TemporaryDirectory(prefix="loraplex-routing-") as tmp:
         root = Path(tmp)
         adapters_dir = root / "adapters"
@@ -304,21 +334,28 @@ def main() -> int:
         top = sorted(counts.items(), key=lambda kv: -kv[1])[:5]
         print(f"workload: {args.requests} requests at {args.rate}/s over {len(counts)} of {args.adapters} adapters "
               f"(Zipf s={args.zipf_s}); top: {top}; {args.replicas} replicas x {args.slots} slots", flush=True)
-        results = {}
-        for name in ("round-robin", "affinity", "affinity+residency"):
-            results[name] = asyncio.run(run_policy(name, args, adapters_dir, work, root))
-            res = results[name]
-            print(f"{name:18s} adapter loads {res.loads:5.0f}   TTFT p50 {pct(res.ttft, 50) * 1e3:7.1f} ms  "
-                  f"p99 {pct(res.ttft, 99) * 1e3:7.1f} ms   {res.tokens / res.seconds:7.1f} tokens/s   "
-                  f"requests per replica {res.per_replica}", flush=True)
-    rr, aff, res = results["round-robin"], results["affinity"], results["affinity+residency"]
-    assert rr.tokens == aff.tokens == res.tokens == args.requests * args.max_tokens, (rr.tokens, aff.tokens)
-    print(f"affinity+residency: loads vs round-robin {res.loads / max(rr.loads, 1.0):.3f}, "
-          f"TTFT p99 vs round-robin {pct(res.ttft, 99) / pct(rr.ttft, 99):.3f}")
-    p99_ok = pct(aff.ttft, 99) <= pct(rr.ttft, 99)
-    print(f"TTFT p99 affinity/round-robin = {pct(aff.ttft, 99) / pct(rr.ttft, 99):.3f} "
-          f"({'no worse' if p99_ok else 'WORSE'})")
-    print(f"RESULT affinity_loads_vs_roundrobin={aff.loads / max(rr.loads, 1.0):.3f}")
+        runs: dict[str, list[Result]] = {name: [] for name in routers}
+        for rnd in range(args.repeats):  # every other round in reverse order: each router runs early and late
+            for name in routers if rnd % 2 == 0 else routers[::-1]:
+                res = asyncio.run(run_policy(name, args, adapters_dir, work, root))
+                assert res.tokens == args.requests * args.max_tokens, (name, res.tokens)
+                runs[name].append(res)
+                print(f"[round {rnd + 1}] {res.line(name)}", flush=True)
+    # Loads add up over the rounds; a latency is the median of the rounds' values, so that one round
+    # hit by a stall of this shared machine does not decide it.
+    loads = {name: sum(r.loads for r in rs) for name, rs in runs.items()}
+    p99 = {name: statistics.median(pct(r.ttft, 99) for r in rs) for name, rs in runs.items()}
+    print(f"over {args.repeats} rounds (loads: total; TTFT: median of the rounds):")
+    for name, rs in runs.items():
+        p50 = statistics.median(pct(r.ttft, 50) for r in rs)
+        tps = sum(r.tokens for r in rs) / sum(r.seconds for r in rs)
+        print(f"{name:15s} adapter loads {loads[name]:5.0f}   TTFT p50 {p50 * 1e3:7.1f} ms  "
+              f"p99 {p99[name] * 1e3:7.1f} ms   {tps:7.1f} tokens/s")
+    for name in (n for n in routers if n != "round-robin"):
+        ratio = p99[name] / p99["round-robin"]
+        print(f"{name:15s} vs round-robin: adapter loads {loads[name] / max(loads['round-robin'], 1.0):.3f}, "
+              f"TTFT p99 {ratio:.3f} ({'no worse' if ratio <= 1.0 else 'WORSE'})")
+    print(f"RESULT affinity_loads_vs_roundrobin={loads['affinity'] / max(loads['round-robin'], 1.0):.3f}")
     return 0
 
 
