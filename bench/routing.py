@@ -4,8 +4,9 @@ Replicas: REPLICAS real `loraplex-inference` processes on loopback (builtin:tiny
 slots each, the OpenAI HTTP API on, one CPU thread each), every adapter registered on every replica
 by LoadAdapter (no preload: slots fill on demand, the least recently used idle one is evicted).
 Workload: Poisson arrivals of REQUESTS completions (streamed), the adapter of each drawn from a Zipf
-law (exponent ZIPF_S) over ADAPTERS adapters, the same seeded sequence for every router. Each router
-gets fresh replicas.
+law (exponent ZIPF_S) over ADAPTERS adapters, the same seeded sequence for every router. Each run of
+a router gets fresh replicas; REPEATS rounds run every router once, every other round in reverse
+order, so that no router always runs first or last while other work shares the machine.
 
 Routers; all but round-robin read each replica's real /metrics on the serving port every 50 ms, as
 the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default):
@@ -31,17 +32,19 @@ the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default):
   * ties go to the adapter's rendezvous-hash (highest random weight) home among the tied pods, the
     rule NVIDIA Dynamo's LoRA router places adapters by (ai-dynamo/dynamo,
     lib/llm/src/lora/routing/hrw.rs), instead of a random one: every router instance picks alike
-    without sharing state, and the run does not depend on a random draw.
+    without sharing state, and its picks do not depend on a random draw.
   The queue and KV scorers are kept: a pod with a longer queue loses a request for its adapter to
   another pod, which loads it, so a hot adapter spreads over several pods under load.
 - gie+rendezvous, gie+residency (only with --routers): one change each.
 
-Prints per router: adapter loads into slots (from loraplex_lora_loads_total), TTFT p50/p99, tokens/s
-(the offered load when every router keeps up), requests per replica; then each router's loads and
-TTFT p99 relative to round-robin. Measured figures: docs/metrics.md.
+Prints per run: adapter loads into slots (from loraplex_lora_loads_total), TTFT p50/p99, tokens/s
+(the offered load when every router keeps up), requests per replica. Then per router over all
+rounds: loads summed, TTFT p50/p99 as the median of the rounds' values (on a shared machine one
+round's p99 can be set by a single stall of the host), and loads and p99 relative to round-robin.
+Measured figures: docs/metrics.md.
 
     .venv/bin/python bench/routing.py [--replicas 5] [--slots 4] [--adapters 32] [--requests 400] \
-        [--rate 20] [--routers round-robin,gie,affinity]
+        [--rate 20] [--max-tokens 32] [--repeats 3] [--routers round-robin,gie,affinity]
 
 Last line: RESULT affinity_loads_vs_roundrobin=<ratio>   (target <= 0.5 with TTFT p99 no worse).
 Capacity decides how low it can go: round-robin makes every replica's slots serve the whole Zipf
@@ -256,10 +259,9 @@ async def run_policy(name: str, args, adapters_dir: Path, work: list[tuple[float
         tokens = 0
         stop_scraping = asyncio.Event()
 
-        async def scraper() -> None:  # the EPP's metrics refresh loop, one pod after the other
+        async def scraper() -> None:  # the EPP's metrics refresh loop: every pod at once, as its collectors do
             while not stop_scraping.is_set():
-                for r in replicas:
-                    await asyncio.to_thread(refresh, r)
+                await asyncio.gather(*(asyncio.to_thread(refresh, r) for r in replicas))
                 await asyncio.sleep(METRICS_REFRESH_S)
 
         async def one(client, offset: float, adapter: str, t0: float) -> None:
