@@ -189,10 +189,15 @@ ROUTERS: dict[str, Callable[[list[Replica], random.Random], Callable[[str], Repl
 def start_replica(name: str, args, adapters_dir: Path, log_dir: Path) -> Replica:
     """A real server (the harness waits until its gRPC health says SERVING; the HTTP API is up then)
     with every adapter registered, none loaded: slots fill on demand."""
-    server = start_inference_server(
-        ["--model", "builtin:tiny", "--device", args.device, "--dtype", "float32", "--max-loras", str(args.slots),
-         "--adapter-source-allow", adapters_dir.as_uri() + "/", "--log-level", "WARNING"],
-        log_dir=log_dir, timeout=180, http=True)
+    server_args = ["--model", "builtin:tiny", "--device", args.device, "--dtype", "float32", "--max-loras",
+                   str(args.slots), "--adapter-source-allow", adapters_dir.as_uri() + "/", "--log-level", "WARNING"]
+    for attempt in range(3):
+        try:
+            server = start_inference_server(server_args, log_dir=log_dir, timeout=180, http=True)
+            break
+        except RuntimeError as e:  # a port picked free was taken before the server bound it: pick again
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
     try:
         with InferenceClient(server.address) as client:
             for k in range(args.adapters):
