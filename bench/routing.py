@@ -1,15 +1,17 @@
 """LoRA-affinity routing across real replicas vs round-robin, on a skewed multi-adapter workload.
 
-Replicas: REPLICAS real `loraplex-inference` processes on loopback (builtin:tiny model, SLOTS LoRA
-slots each, the OpenAI HTTP API on, one CPU thread each), every adapter registered on every replica
-by LoadAdapter (no preload: slots fill on demand, the least recently used idle one is evicted).
-Workload: Poisson arrivals of REQUESTS completions (streamed), the adapter of each drawn from a Zipf
-law (exponent ZIPF_S) over ADAPTERS adapters, the same seeded sequence for every router. Each run of
-a router gets fresh replicas; REPEATS rounds run every router once, every other round in reverse
-order, so that no router always runs first or last while other work shares the machine.
+Replicas: REPLICAS real `loraplex-inference` processes per router on loopback (builtin:tiny model,
+SLOTS LoRA slots each, the OpenAI HTTP API on, one CPU thread each), every adapter registered on
+every replica by LoadAdapter (no preload: slots fill on demand, the least recently used idle one is
+evicted). Workload: Poisson arrivals of REQUESTS streamed completions at RATE per second, the
+adapter of each drawn from a Zipf law (exponent ZIPF_S) over ADAPTERS adapters, one seeded sequence.
+The routers run side by side, each on its own fresh replicas and on the same arrival times: a stall
+of this shared host hits them all alike, where one router after the other would each draw their own
+(single-round TTFT p99 here ranges 50-2000 ms with other work on the machine). REPEATS rounds.
 
 Routers; all but round-robin read each replica's real /metrics on the serving port every 50 ms, as
-the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default):
+the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default, one refresh loop per pod,
+pkg/epp/backend/metrics/pod_metrics.go):
 - round-robin: replica i mod N.
 - gie: the Gateway API Inference Extension EPP's scoring, re-implemented from its published source
   and protocol (kubernetes-sigs/gateway-api-inference-extension):
@@ -24,7 +26,7 @@ the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default):
   * equal weights (1 each, what a scheduling profile gives a plugin that names no weight), summed;
     the max-score picker (picker/max_score_picker.go) takes the best, ties broken at random.
   The llm-d scheduler composes the same scorers (llm-d-inference-scheduler, its default profile).
-- affinity (the RESULT): the same scorers, weights and picker, with two changes:
+- affinity (the RESULT): the same scorers, weights and picker, with three changes:
   * an adapter idle in a device slot (loraplex_lora_adapter_resident{tier="device"}, docs/metrics.md)
     scores as running (1.0). GIE sees only adapters that have requests: with requests shorter than
     the gaps between them, an adapter's slot looks empty again between its requests, most pods have
@@ -32,19 +34,24 @@ the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default):
   * ties go to the adapter's rendezvous-hash (highest random weight) home among the tied pods, the
     rule NVIDIA Dynamo's LoRA router places adapters by (ai-dynamo/dynamo,
     lib/llm/src/lora/routing/hrw.rs), instead of a random one: every router instance picks alike
-    without sharing state, and its picks do not depend on a random draw.
-  The queue and KV scorers are kept: a pod with a longer queue loses a request for its adapter to
-  another pod, which loads it, so a hot adapter spreads over several pods under load.
-- gie+rendezvous, gie+residency (only with --routers): one change each.
+    without sharing state;
+  * a bounded-load filter before scoring (consistent hashing with bounded loads, Mirrokni, Thorup,
+    Zadimoghaddam, SODA 2018): a pod is a candidate while its in-flight requests, counted by the
+    router as llm-d's active-request-scorer counts them, are under max(2, ceil(1.25 * mean)). Without
+    it the replica holding the hottest adapter (a quarter of the traffic) takes ~40% of requests,
+    and its bursts set the TTFT tail (`affinity-unbounded`: loads ~0.33 of round-robin's, TTFT p99
+    1.15-1.33x in our runs); with it a hot adapter spills to a second pod in a burst and stays warm
+    there.
+  The queue and KV scorers are kept: a pod with a longer queue loses requests to another pod.
+- gie+rendezvous, gie+residency, affinity-unbounded (only with --routers): part of the changes.
 
-Prints per run: adapter loads into slots (from loraplex_lora_loads_total), TTFT p50/p99, tokens/s
-(the offered load when every router keeps up), requests per replica. Then per router over all
-rounds: loads summed, TTFT p50/p99 as the median of the rounds' values (on a shared machine one
-round's p99 can be set by a single stall of the host), and loads and p99 relative to round-robin.
-Measured figures: docs/metrics.md.
+Prints per router and round: adapter loads into slots (from loraplex_lora_loads_total), TTFT p50/p99
+(client side, to the first streamed token), tokens/s (the offered load when a router keeps up),
+requests per replica; then the same over all rounds and each router's loads and TTFT p99 relative to
+round-robin. Measured figures: docs/metrics.md.
 
     .venv/bin/python bench/routing.py [--replicas 5] [--slots 4] [--adapters 32] [--requests 400] \
-        [--rate 20] [--max-tokens 32] [--repeats 3] [--routers round-robin,gie,affinity]
+        [--rate 5] [--max-tokens 32] [--repeats 2] [--routers round-robin,gie,affinity]
 
 Last line: RESULT affinity_loads_vs_roundrobin=<ratio>   (target <= 0.5 with TTFT p99 no worse).
 Capacity decides how low it can go: round-robin makes every replica's slots serve the whole Zipf
@@ -57,9 +64,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import itertools
 import json
+import math
+import operator
 import random
 import statistics
 import sys
@@ -80,6 +90,10 @@ from harness.inference_server import InferenceServer, start_inference_server  # 
 from inference_service.client import InferenceClient  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
 
+# The affinity router's load bound: factor 1.25 (as Vimeo ran bounded-load hashing in HAProxy, and
+# brpc's c_murmurhash_bl default) and a floor of two in flight: at this load the mean is under one,
+# and ceil(1.25 * mean) = 1 would refuse a pod a second request whenever another pod is idle.
+LOAD_BOUND = (1.25, 2)
 METRICS_REFRESH_S = 0.05  # the GIE EPP's default metrics refresh interval
 
 
@@ -95,16 +109,24 @@ class Replica:
     queue: int = 0
     kv: float = 0.0
     resident: set[str] = field(default_factory=set)  # loraplex_lora_adapter_resident{tier="device"}
+    in_flight: int = 0  # requests the router sent here that have not finished (its own count)
 
     def metrics_text(self) -> str:
         return urllib.request.urlopen(self.http + "/metrics", timeout=5).read().decode()
 
 
+READ = ("vllm:lora_requests_info", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "loraplex_lora_adapter_resident", "loraplex_lora_loads_total")
+
+
 def parse_view(text: str) -> dict:
-    """The EPP's metrics for one pod, from the Prometheus text."""
+    """The EPP's metrics for one pod, from the Prometheus text. Only the families read are parsed:
+    Python's parser is slow, and the bench's CPU is the replicas' CPU here."""
     view: dict = {"queue": 0, "kv": 0.0, "loads": 0.0, "resident": set()}
     newest = -1.0
-    for fam in text_string_to_metric_families(text):
+    wanted = "\n".join(line for line in text.splitlines()
+                       if line.removeprefix("# HELP ").removeprefix("# TYPE ").startswith(READ))
+    for fam in text_string_to_metric_families(wanted + "\n"):
         for s in fam.samples:
             if s.name == "vllm:lora_requests_info" and s.value > newest:  # the latest update wins
                 newest = s.value
@@ -155,17 +177,26 @@ def rendezvous_rank(adapter: str, replicas: list[Replica]) -> list[Replica]:
     return sorted(replicas, key=weight, reverse=True)
 
 
+def within_load_bound(replicas: list[Replica], factor: float, floor: int) -> list[Replica]:
+    """The pods that may take one more request under consistent hashing with bounded loads
+    (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): fewer than max(floor, ceil(factor * mean)) in flight,
+    the mean counting the new request."""
+    bound = max(floor, math.ceil(factor * (sum(r.in_flight for r in replicas) + 1) / len(replicas)))
+    return [r for r in replicas if r.in_flight < bound]
+
+
 def affinity_router(replicas: list[Replica], rng: random.Random, residency: bool = False,
-                    tie_break: str = "random") -> Callable[[str], Replica]:
+                    tie_break: str = "random", load_bound: tuple[float, int] | None = None) -> Callable[[str], Replica]:
     """GIE's scorers summed with equal weights, the max-score pod wins. `residency`: an adapter idle
     in a device slot (loraplex's residency gauge, docs/metrics.md) counts as active too; GIE itself
     cannot see it. `tie_break`: "random" as GIE's max-score picker, or "rendezvous": among the
     best-scored pods, the adapter's rendezvous-hash home first, so an adapter that is active nowhere
     keeps landing on the same pod instead of a random one."""
     def pick(adapter: str) -> Replica:
-        q = queue_scores(replicas)
-        totals = [lora_affinity_score(r, adapter, residency) + q[i] + (1.0 - r.kv) for i, r in enumerate(replicas)]
-        best = [r for r, t in zip(replicas, totals, strict=True) if t == max(totals)]
+        candidates = within_load_bound(replicas, *load_bound) if load_bound else replicas
+        q = queue_scores(candidates)
+        totals = [lora_affinity_score(r, adapter, residency) + q[i] + (1.0 - r.kv) for i, r in enumerate(candidates)]
+        best = [r for r, t in zip(candidates, totals, strict=True) if t == max(totals)]
         return rendezvous_rank(adapter, best)[0] if tie_break == "rendezvous" else rng.choice(best)
     return pick
 
@@ -180,7 +211,9 @@ ROUTERS: dict[str, Callable[[list[Replica], random.Random], Callable[[str], Repl
     "gie": lambda replicas, rng: affinity_router(replicas, rng),
     "gie+rendezvous": lambda replicas, rng: affinity_router(replicas, rng, tie_break="rendezvous"),
     "gie+residency": lambda replicas, rng: affinity_router(replicas, rng, residency=True),
-    "affinity": lambda replicas, rng: affinity_router(replicas, rng, residency=True, tie_break="rendezvous"),
+    "affinity": lambda replicas, rng: affinity_router(replicas, rng, residency=True, tie_break="rendezvous",
+                                                      load_bound=LOAD_BOUND),
+    "affinity-unbounded": lambda replicas, rng: affinity_router(replicas, rng, residency=True, tie_break="rendezvous"),
 }
 
 
@@ -208,10 +241,9 @@ def start_replica(name: str, args, adapters_dir: Path, log_dir: Path) -> Replica
     return Replica(name, server.http_url, server)
 
 
-def start_replicas(args, adapters_dir: Path, log_dir: Path) -> list[Replica]:
-    with ThreadPoolExecutor(args.replicas) as pool:  # side by side
-        started = [pool.submit(start_replica, f"replica-{i}", args, adapters_dir, log_dir)
-                   for i in range(args.replicas)]
+def start_replicas(names: list[str], args, adapters_dir: Path, log_dir: Path) -> list[Replica]:
+    with ThreadPoolExecutor(len(names)) as pool:  # side by side
+        started = [pool.submit(start_replica, name, args, adapters_dir, log_dir) for name in names]
     try:
         return [f.result() for f in started]
     except Exception:
@@ -246,37 +278,43 @@ class Result:
     loads: float
     per_replica: list[int]
 
+    def __add__(self, other: Result) -> Result:
+        per_replica = [a + b for a, b in zip(self.per_replica, other.per_replica, strict=True)]
+        return Result(self.ttft + other.ttft, self.tokens + other.tokens, self.seconds + other.seconds,
+                      self.loads + other.loads, per_replica)
+
     def line(self, name: str) -> str:
         return (f"{name:15s} adapter loads {self.loads:5.0f}   TTFT p50 {pct(self.ttft, 50) * 1e3:7.1f} ms  "
                 f"p99 {pct(self.ttft, 99) * 1e3:7.1f} ms   {self.tokens / self.seconds:7.1f} tokens/s   "
                 f"requests per replica {self.per_replica}")
 
 
-async def run_policy(name: str, args, adapters_dir: Path, work: list[tuple[float, str]], log_dir: Path) -> Result:
+async def drive(name: str, replicas: list[Replica], args, work: list[tuple[float, str]], t0: float) -> Result:
+    """One router over its replicas: the workload's requests at t0 + their offsets."""
     import httpx2 as httpx  # the HTTP client the openai SDK is built on
 
-    replicas = start_replicas(args, adapters_dir, log_dir)
-    try:
-        loads0 = [refresh(r)["loads"] for r in replicas]
-        pick = ROUTERS[name](replicas, random.Random(args.seed))
-        sent = [0] * len(replicas)
-        ttft: list[float] = []
-        tokens = 0
-        stop_scraping = asyncio.Event()
+    loads0 = [v["loads"] for v in await asyncio.gather(*(asyncio.to_thread(refresh, r) for r in replicas))]
+    pick = ROUTERS[name](replicas, random.Random(args.seed))
+    sent = [0] * len(replicas)
+    ttft: list[float] = []
+    tokens = 0
+    stop_scraping = asyncio.Event()
 
-        async def scraper() -> None:  # the EPP's metrics refresh loop: every pod at once, as its collectors do
-            while not stop_scraping.is_set():
-                await asyncio.gather(*(asyncio.to_thread(refresh, r) for r in replicas))
-                await asyncio.sleep(METRICS_REFRESH_S)
+    async def scraper() -> None:  # the EPP's metrics refresh loops: every pod on its own, 50 ms apart
+        while not stop_scraping.is_set():
+            await asyncio.gather(*(asyncio.to_thread(refresh, r) for r in replicas))
+            await asyncio.sleep(METRICS_REFRESH_S)
 
-        async def one(client, offset: float, adapter: str, t0: float) -> None:
-            nonlocal tokens
-            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            r = pick(adapter)
-            sent[replicas.index(r)] += 1
-            body = {"model": adapter, "prompt": "Route me to a warm adapter, please.", "max_tokens": args.max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            start, first = time.perf_counter(), None
+    async def one(client, offset: float, adapter: str) -> None:
+        nonlocal tokens
+        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+        r = pick(adapter)
+        sent[replicas.index(r)] += 1
+        body = {"model": adapter, "prompt": "Route me to a warm adapter, please.", "max_tokens": args.max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        start, first = time.perf_counter(), None
+        r.in_flight += 1
+        try:
             async with client.stream("POST", r.http + "/v1/completions", json=body) as resp:
                 resp.raise_for_status()
                 async for line in resp.aiter_lines():
@@ -287,19 +325,37 @@ async def run_policy(name: str, args, adapters_dir: Path, work: list[tuple[float
                         first = time.perf_counter()
                     if chunk.get("usage"):
                         tokens += chunk["usage"]["completion_tokens"]
-            ttft.append((first or time.perf_counter()) - start)
+        finally:
+            r.in_flight -= 1
+        ttft.append((first or time.perf_counter()) - start)
 
-        scraping = asyncio.create_task(scraper())
-        await asyncio.sleep(3 * METRICS_REFRESH_S)
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(client, off, a, t0) for off, a in work))
-            seconds = time.perf_counter() - t0
-        stop_scraping.set()
+    # Round-robin reads nothing: its replicas are spared the scrapes (if anything, that favours it).
+    scraping = asyncio.create_task(scraper()) if name != "round-robin" else None
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await asyncio.gather(*(one(client, off, a) for off, a in work))
+        seconds = time.perf_counter() - t0
+    stop_scraping.set()
+    if scraping:
         await scraping
-        loads = sum(refresh(r)["loads"] - l0 for r, l0 in zip(replicas, loads0, strict=True))
-        return Result(ttft, tokens, seconds, loads, sent)
+    ends = await asyncio.gather(*(asyncio.to_thread(refresh, r) for r in replicas))
+    return Result(ttft, tokens, seconds, sum(v["loads"] for v in ends) - sum(loads0), sent)
+
+
+def run_round(routers: list[str], args, adapters_dir: Path, work: list[tuple[float, str]], log_dir: Path
+              ) -> dict[str, Result]:
+    """Every router on its own fresh replicas, all at once on the same arrival times: a stall of the
+    shared host hits them alike, where one router after the other would each draw their own."""
+    replicas = start_replicas([f"replica-{i}" for _ in routers for i in range(args.replicas)], args, adapters_dir,
+                              log_dir)
+    sets = [replicas[k * args.replicas:(k + 1) * args.replicas] for k in range(len(routers))]
+
+    async def all_routers() -> list[Result]:
+        t0 = time.perf_counter() + 0.5  # the first metrics are in by then
+        return await asyncio.gather(*(drive(name, rs, args, work, t0) for name, rs in zip(routers, sets, strict=True)))
+
+    try:
+        return dict(zip(routers, asyncio.run(all_routers()), strict=True))
     finally:
         stop(replicas)
 
@@ -315,12 +371,11 @@ def main() -> int:
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--zipf-s", type=float, default=1.0)
     p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second, all replicas together")
+    p.add_argument("--rate", type=float, default=5.0, help="Poisson arrivals per second, per router")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="rounds over the routers, every other one in reverse order (fresh replicas every run)")
+    p.add_argument("--repeats", type=int, default=2, help="rounds, each on fresh replicas")
     p.add_argument("--routers", default="round-robin,gie,affinity",
                    help=f"comma-separated, from {', '.join(ROUTERS)}; round-robin and affinity are required")
     args = p.parse_args()
@@ -342,27 +397,22 @@ def main() -> int:
         print(f"workload: {args.requests} requests at {args.rate}/s over {len(counts)} of {args.adapters} adapters "
               f"(Zipf s={args.zipf_s}); top: {top}; {args.replicas} replicas x {args.slots} slots", flush=True)
         runs: dict[str, list[Result]] = {name: [] for name in routers}
-        for rnd in range(args.repeats):  # every other round in reverse order: each router runs early and late
-            for name in routers if rnd % 2 == 0 else routers[::-1]:
-                res = asyncio.run(run_policy(name, args, adapters_dir, work, root))
+        for rnd in range(args.repeats):
+            for name, res in run_round(routers, args, adapters_dir, work, root).items():
                 assert res.tokens == args.requests * args.max_tokens, (name, res.tokens)
                 runs[name].append(res)
                 print(f"[round {rnd + 1}] {res.line(name)}", flush=True)
-    # Loads add up over the rounds; a latency is the median of the rounds' values, so that one round
-    # hit by a stall of this shared machine does not decide it.
-    loads = {name: sum(r.loads for r in rs) for name, rs in runs.items()}
-    p99 = {name: statistics.median(pct(r.ttft, 99) for r in rs) for name, rs in runs.items()}
-    print(f"over {args.repeats} rounds (loads: total; TTFT: median of the rounds):")
-    for name, rs in runs.items():
-        p50 = statistics.median(pct(r.ttft, 50) for r in rs)
-        tps = sum(r.tokens for r in rs) / sum(r.seconds for r in rs)
-        print(f"{name:15s} adapter loads {loads[name]:5.0f}   TTFT p50 {p50 * 1e3:7.1f} ms  "
-              f"p99 {p99[name] * 1e3:7.1f} ms   {tps:7.1f} tokens/s")
+    # All rounds together: loads summed, latencies over every request.
+    total = {name: functools.reduce(operator.add, rs) for name, rs in runs.items()}
+    print(f"all {args.repeats} rounds:")
+    for name, res in total.items():
+        print(res.line(name))
+    rr = total["round-robin"]
     for name in (n for n in routers if n != "round-robin"):
-        ratio = p99[name] / p99["round-robin"]
-        print(f"{name:15s} vs round-robin: adapter loads {loads[name] / max(loads['round-robin'], 1.0):.3f}, "
+        ratio = pct(total[name].ttft, 99) / pct(rr.ttft, 99)
+        print(f"{name:15s} vs round-robin: adapter loads {total[name].loads / max(rr.loads, 1.0):.3f}, "
               f"TTFT p99 {ratio:.3f} ({'no worse' if ratio <= 1.0 else 'WORSE'})")
-    print(f"RESULT affinity_loads_vs_roundrobin={loads['affinity'] / max(loads['round-robin'], 1.0):.3f}")
+    print(f"RESULT affinity_loads_vs_roundrobin={total['affinity'].loads / max(rr.loads, 1.0):.3f}")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""bench/routing.py's router re-implements GIE's endpoint-picker scoring; its rules are checked here
-on hand-built pod views, and its parser on a real /metrics exposition."""
+"""bench/routing.py's routers re-implement GIE's endpoint-picker scoring and add a rendezvous-hash
+tie-break; their rules are checked here on hand-built pod views, and the parser on a real /metrics
+exposition."""
 
 from __future__ import annotations
 
@@ -85,3 +86,19 @@ def test_random_tie_break_is_gies() -> None:
     pods = [pod(name=f"replica-{i}", max_lora=4) for i in range(4)]
     pick = routing.affinity_router(pods, random.Random(1))
     assert len({pick("lora-00").name for _ in range(50)}) > 1  # GIE's picker: ties at random
+
+
+def test_load_bound_spills_a_hot_pod_but_keeps_affinity_otherwise() -> None:
+    hot, idle = pod(name="replica-0", running={"a"}, resident={"a"}), pod(name="replica-1")
+    pods = [hot, idle]
+    pick = routing.affinity_router(pods, random.Random(0), residency=True, tie_break="rendezvous",
+                                   load_bound=(1.25, 2))
+    hot.in_flight = 1
+    assert pick("a") is hot  # one in flight is under the floor of two: affinity wins
+    hot.in_flight = 2
+    assert pick("a") is idle  # bound max(2, ceil(1.25 * 3 / 2)) = 2: the hot pod is full
+    idle.in_flight = 4
+    assert pick("a") is hot  # now the mean is higher: ceil(1.25 * 7 / 2) = 5 > 2
+    assert routing.within_load_bound(pods, 1.25, 2) == pods
+    hot.in_flight, idle.in_flight = 6, 0
+    assert routing.within_load_bound(pods, 1.25, 2) == [idle]  # ceil(1.25 * 7 / 2) = 5 <= 6
