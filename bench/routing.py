@@ -9,9 +9,9 @@ The routers run side by side, each on its own fresh replicas and on the same arr
 of this shared host hits them all alike, where one router after the other would each draw their own
 (single-round TTFT p99 here ranges 50-2000 ms with other work on the machine). REPEATS rounds.
 
-Routers; all but round-robin read each replica's real /metrics on the serving port every 50 ms, as
-the GIE endpoint picker (EPP) does (its --refresh-metrics-interval default, one refresh loop per pod,
-pkg/epp/backend/metrics/pod_metrics.go):
+Routers; each replica's real /metrics on the serving port is read every 50 ms, as the GIE endpoint
+picker (EPP) does (its --refresh-metrics-interval default, one refresh loop per pod,
+pkg/epp/backend/metrics/pod_metrics.go), round-robin's too though it uses none of it:
 - round-robin: replica i mod N.
 - gie: the Gateway API Inference Extension EPP's scoring, re-implemented from its published source
   and protocol (kubernetes-sigs/gateway-api-inference-extension):
@@ -329,15 +329,15 @@ async def drive(name: str, replicas: list[Replica], args, work: list[tuple[float
             r.in_flight -= 1
         ttft.append((first or time.perf_counter()) - start)
 
-    # Round-robin reads nothing: its replicas are spared the scrapes (if anything, that favours it).
-    scraping = asyncio.create_task(scraper()) if name != "round-robin" else None
+    # Round-robin reads nothing but is scraped alike: a scrape costs a replica CPU (and the residency
+    # snapshot a turn of its scheduler thread), and what is compared is the routing.
+    scraping = asyncio.create_task(scraper())
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.gather(*(one(client, off, a) for off, a in work))
         seconds = time.perf_counter() - t0
     stop_scraping.set()
-    if scraping:
-        await scraping
+    await scraping
     ends = await asyncio.gather(*(asyncio.to_thread(refresh, r) for r in replicas))
     return Result(ttft, tokens, seconds, sum(v["loads"] for v in ends) - sum(loads0), sent)
 
