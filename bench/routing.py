@@ -332,7 +332,8 @@ async def drive(name: str, replicas: list[Replica], args, work: list[tuple[float
     # Round-robin reads nothing but is scraped alike: a scrape costs a replica CPU (and the residency
     # snapshot a turn of its scheduler thread), and what is compared is the routing.
     scraping = asyncio.create_task(scraper())
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under a request.
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.gather(*(one(client, off, a) for off, a in work))
         seconds = time.perf_counter() - t0
