@@ -39,9 +39,9 @@ pkg/epp/backend/metrics/pod_metrics.go), round-robin's too though it uses none o
     Zadimoghaddam, SODA 2018): a pod is a candidate while its in-flight requests, counted by the
     router as llm-d's active-request-scorer counts them, are under max(2, ceil(1.25 * mean)). Without
     it the replica holding the hottest adapter (a quarter of the traffic) takes ~40% of requests,
-    and its bursts set the TTFT tail (`affinity-unbounded`: loads ~0.33 of round-robin's, TTFT p99
-    1.15-1.33x in our runs); with it a hot adapter spills to a second pod in a burst and stays warm
-    there.
+    and its bursts set the TTFT tail (`affinity-unbounded`: loads 0.31-0.38 of round-robin's, TTFT
+    p99 1.24x the bounded router's side by side); with it a hot adapter spills to a second pod in a
+    burst and stays warm there.
   The queue and KV scorers are kept: a pod with a longer queue loses requests to another pod.
 - gie+rendezvous, gie+residency, affinity-unbounded (only with --routers): part of the changes.
 
@@ -102,7 +102,7 @@ class Replica:
     name: str  # stable across runs, as a pod name is: the rendezvous hash keys on it
     http: str
     server: InferenceServer | None
-    # The endpoint picker's view, refreshed by scrape().
+    # The endpoint picker's view, refreshed by refresh().
     max_lora: int = 0
     running: set[str] = field(default_factory=set)
     waiting: set[str] = field(default_factory=set)
@@ -191,7 +191,8 @@ def affinity_router(replicas: list[Replica], rng: random.Random, residency: bool
     in a device slot (loraplex's residency gauge, docs/metrics.md) counts as active too; GIE itself
     cannot see it. `tie_break`: "random" as GIE's max-score picker, or "rendezvous": among the
     best-scored pods, the adapter's rendezvous-hash home first, so an adapter that is active nowhere
-    keeps landing on the same pod instead of a random one."""
+    keeps landing on the same pod instead of a random one. `load_bound` (factor, floor): only pods
+    within_load_bound are scored, as a GIE filter plugin runs before its scorers."""
     def pick(adapter: str) -> Replica:
         candidates = within_load_bound(replicas, *load_bound) if load_bound else replicas
         q = queue_scores(candidates)
