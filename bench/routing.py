@@ -368,7 +368,7 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", type=int, default=5)
+    p.add_argument("--replicas", type=int, default=5, help="replicas per router (each router gets its own)")
     p.add_argument("--slots", type=int, default=4, help="LoRA slots per replica (--max-loras)")
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--zipf-s", type=float, default=1.0)
