@@ -1,5 +1,6 @@
-"""bench/routing.py's router re-implements GIE's endpoint-picker scoring; its rules are checked here
-on hand-built pod views, and its parser on a real /metrics exposition."""
+"""bench/routing.py's routers re-implement GIE's endpoint-picker scoring and add a rendezvous-hash
+tie-break; their rules are checked here on hand-built pod views, and the parser on a real /metrics
+exposition."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ sys.modules[spec.name] = routing  # dataclasses look their module up there
 spec.loader.exec_module(routing)
 
 
-def pod(running=(), waiting=(), max_lora=2, queue=0, kv=0.0, resident=()) -> object:
-    return routing.Replica("http://x", "x", None, max_lora, set(running), set(waiting), queue, kv, set(resident))
+def pod(running=(), waiting=(), max_lora=2, queue=0, kv=0.0, resident=(), name="pod") -> object:
+    return routing.Replica(name, "http://x", None, max_lora, set(running), set(waiting), queue, kv,
+                           set(resident))
 
 
 def test_lora_affinity_rules_in_gie_order() -> None:
@@ -54,3 +56,49 @@ def test_parse_view_of_real_exposition() -> None:
     view = routing.parse_view(generate_latest(registry).decode())
     assert (view["max_lora"], view["running"], view["waiting"], view["queue"], view["kv"]) == \
         (4, {"a", "b"}, {"c"}, 3, 0.25)
+
+
+def test_rendezvous_tie_break_is_deterministic_sticky_and_spreads() -> None:
+    pods = [pod(name=f"replica-{i}", max_lora=4) for i in range(4)]
+    adapters = [f"lora-{k:02d}" for k in range(32)]
+    homes = {a: routing.rendezvous_rank(a, pods)[0].name for a in adapters}
+    # The same home whatever the order the pods are listed in, and from a fresh router.
+    assert {a: routing.rendezvous_rank(a, pods[::-1])[0].name for a in adapters} == homes
+    pick = routing.affinity_router(pods, random.Random(1), tie_break="rendezvous")
+    assert all(pick(a).name == homes[a] for a in adapters for _ in range(3))  # all tied: the home wins
+    # Adapters spread over every pod (32 adapters, 4 pods: none gets more than half).
+    per_pod = [list(homes.values()).count(r.name) for r in pods]
+    assert min(per_pod) > 0 and max(per_pod) <= 16, per_pod
+    # Removing a pod moves only the adapters that lived there.
+    gone = pods[0].name
+    rest = {a: routing.rendezvous_rank(a, pods[1:])[0].name for a in adapters}
+    assert all(rest[a] == homes[a] for a in adapters if homes[a] != gone)
+    # Only a tie defers to the home: a better score elsewhere still wins.
+    home = next(r for r in pods if r.name == homes["lora-00"])
+    other = next(r for r in pods if r is not home)
+    other.running = {"lora-00"}
+    assert pick("lora-00") is other
+    other.running, home.queue = set(), 2  # a longer queue at home sends it away too
+    assert pick("lora-00") is not home
+
+
+def test_random_tie_break_is_gies() -> None:
+    pods = [pod(name=f"replica-{i}", max_lora=4) for i in range(4)]
+    pick = routing.affinity_router(pods, random.Random(1))
+    assert len({pick("lora-00").name for _ in range(50)}) > 1  # GIE's picker: ties at random
+
+
+def test_load_bound_spills_a_hot_pod_but_keeps_affinity_otherwise() -> None:
+    hot, idle = pod(name="replica-0", running={"a"}, resident={"a"}), pod(name="replica-1")
+    pods = [hot, idle]
+    pick = routing.affinity_router(pods, random.Random(0), residency=True, tie_break="rendezvous",
+                                   load_bound=(1.25, 2))
+    hot.in_flight = 1
+    assert pick("a") is hot  # one in flight is under the floor of two: affinity wins
+    hot.in_flight = 2
+    assert pick("a") is idle  # bound max(2, ceil(1.25 * 3 / 2)) = 2: the hot pod is full
+    idle.in_flight = 4
+    assert pick("a") is hot  # now the mean is higher: ceil(1.25 * 7 / 2) = 5 > 2
+    assert routing.within_load_bound(pods, 1.25, 2) == pods
+    hot.in_flight, idle.in_flight = 6, 0
+    assert routing.within_load_bound(pods, 1.25, 2) == [idle]  # ceil(1.25 * 7 / 2) = 5 <= 6
