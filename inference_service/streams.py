@@ -11,6 +11,7 @@ core detokenizes only requests with stop strings, which must end at an exact tok
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 
@@ -21,6 +22,12 @@ from inference_service.tokenizer import IncrementalDetokenizer, Tokenizer
 # Finishes that flush the detokenizer's held-back tail (an incomplete character at the end): the
 # output is complete. A cancelled or failed request's tail is dropped, as the core does.
 _COMPLETE = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP)
+
+# Streams woken per event-loop turn. grpc.aio accepts one new call per turn of the loop; waking
+# every stream of a step in one turn made a turn as long as all their writes (~10 ms at 256
+# streams), so a burst of new calls waited seconds to be accepted. In chunks, turns stay short
+# and new calls get their turn; the same work is done.
+WAKE_CHUNK = 16
 
 
 class StreamText:
@@ -113,6 +120,8 @@ class StreamTable:
         self._tokenizer = tokenizer
         self._capacity = capacity  # waiting + running requests the engine accepts
         self._streams: dict[str, RequestStream] = {}
+        self._backlogs: dict[asyncio.AbstractEventLoop, collections.deque[tuple[RequestStream, RequestOutput]]] = {}
+        self._draining: set[asyncio.AbstractEventLoop] = set()  # loops with a _drain scheduled
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -139,7 +148,7 @@ class StreamTable:
 
     def deliver(self, outputs: Iterable[RequestOutput]) -> None:
         """Any thread: route one step's outputs; one hand-off per event loop, not per token."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        woken: list[asyncio.AbstractEventLoop] = []
         with self._lock:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
@@ -149,13 +158,33 @@ class StreamTable:
                     del self._streams[output.request_id]
                 if stream.loop is None:
                     stream.put(output)
-                else:
-                    by_loop.setdefault(stream.loop, []).append((stream, output))
-        for loop, items in by_loop.items():
+                    continue
+                self._backlogs.setdefault(stream.loop, collections.deque()).append((stream, output))
+                if stream.loop not in self._draining:  # else the scheduled _drain takes it in order
+                    self._draining.add(stream.loop)
+                    woken.append(stream.loop)
+        for loop in woken:
             try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # that loop is closed: its clients are gone
+                loop.call_soon_threadsafe(self._drain, loop)
+            except RuntimeError:  # that loop is closed: its clients are gone
+                with self._lock:
+                    self._backlogs.pop(loop, None)
+                    self._draining.discard(loop)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On `loop`: hand WAKE_CHUNK outputs to their streams, then yield the loop if more wait.
+        One FIFO per loop, so a stream's outputs are put in the order they were made even when a
+        later step's outputs arrive before this step's are all handed over."""
+        with self._lock:
+            backlog = self._backlogs[loop]
+            items = [backlog.popleft() for _ in range(min(WAKE_CHUNK, len(backlog)))]
+            more = bool(backlog)
+            if not more:
+                self._draining.discard(loop)
+        for stream, output in items:
+            stream.put(output)
+        if more:
+            loop.call_soon(self._drain, loop)
 
     def fail_all(self, error: LoraplexError) -> None:
         """The engine is gone: end every open stream with `error`."""
@@ -163,17 +192,3 @@ class StreamTable:
             ids = list(self._streams)
         self.deliver(RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=error)
                      for rid in ids)
-
-
-# Streams woken per event-loop turn. grpc.aio accepts one new call per turn of the loop; waking
-# every stream of a step in one turn made a turn as long as all their writes (~10 ms at 256
-# streams), so a burst of new calls waited seconds to be accepted. In chunks, turns stay short
-# and new calls get their turn; the same work is done.
-WAKE_CHUNK = 16
-
-
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, output in items[:WAKE_CHUNK]:
-        stream.put(output)
-    if len(items) > WAKE_CHUNK:
-        asyncio.get_running_loop().call_soon(_put_all, items[WAKE_CHUNK:])

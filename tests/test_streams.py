@@ -95,3 +95,39 @@ def test_fail_all_ends_every_open_stream_from_another_thread() -> None:
         (message,) = list(stream)
         assert message.finished and message.finish_reason is FinishReason.ERROR and message.error is error
     assert len(table) == 0
+
+
+def test_outputs_reach_each_stream_in_order_when_steps_outrun_the_chunked_wakeups() -> None:
+    """More streams than one loop turn wakes (WAKE_CHUNK), and the next step's outputs delivered
+    before the first step's tail is handed over, with a different set of requests (the last one
+    finishing first): every stream still gets its tokens in order and its final output. Handed
+    over out of order, the tail request's final was merged into its earlier non-final delta and
+    its stream hung (what the 10,000-call storm found)."""
+    from inference_service.streams import WAKE_CHUNK
+
+    n = 2 * WAKE_CHUNK + 5
+    last = f"r{n - 1}"
+    table = StreamTable(ByteTokenizer(), capacity=n)
+    got: dict[str, list[int]] = {}
+
+    def out(rid: str, token: int, final: bool) -> RequestOutput:
+        return RequestOutput(rid, [token], text=None, generated_tokens=token - 99, finished=final,
+                             finish_reason=FinishReason.LENGTH if final else None)
+
+    async def run() -> None:
+        streams = [table.open(f"r{i}", PROMPT, SamplingParams()) for i in range(n)]
+
+        async def consume(stream) -> None:  # noqa: ANN001
+            async for message in stream:
+                got.setdefault(stream.request_id, []).extend(message.new_token_ids)
+
+        consumers = [asyncio.ensure_future(consume(s)) for s in streams]
+        # Both steps are handed over before the loop runs: step 2 holds only the last request.
+        table.deliver([out(f"r{i}", 100, False) for i in range(n)])
+        table.deliver([out(last, 101, True)])
+        table.deliver([out(f"r{i}", 101, True) for i in range(n - 1)])
+        await asyncio.wait_for(asyncio.gather(*consumers), timeout=10)
+
+    asyncio.run(run())
+    assert got == {f"r{i}": [100, 101] for i in range(n)}
+    assert len(table) == 0
