@@ -38,10 +38,11 @@ class CoreThread:
     """The scheduler loop over one EngineCore; every method but `run` is safe from any thread."""
 
     def __init__(self, core: EngineCore, on_outputs: OutputsCallback,
-                 on_idle: Callable[[], None] | None = None) -> None:
+                 on_turn_end: Callable[[EngineStats], None] | None = None) -> None:
         self.core = core
         self._on_outputs = on_outputs
-        self._on_idle = on_idle or (lambda: None)  # once per loop turn, after the step's hand-off
+        # Once per loop turn, after the step's hand-off, with the turn's stats snapshot.
+        self._on_turn_end = on_turn_end or (lambda stats: None)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,7 +132,7 @@ class CoreThread:
             self._stats = core.stats()  # O(active): no per-step work for idle registered adapters
             if outputs:
                 self._on_outputs(outputs)
-            self._on_idle()
+            self._on_turn_end(self._stats)
             if not outputs and (core.has_work() or core.has_pending_work()):
                 time.sleep(0.0005)  # waiting on loads only: leave the cores to the loaders
 
@@ -148,8 +149,7 @@ class CoreThread:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                break
-        self._stats = self.core.stats()
+                return
 
     def _intake(self, core: EngineCore, request: Request, adapter: str | None) -> None:
         try:

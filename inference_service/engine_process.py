@@ -119,9 +119,8 @@ class _Outbox:
     one `_Update`, while the scheduler thread goes on with the next step (the forward pass
     releases the GIL: on an accelerator the encoding overlaps it)."""
 
-    def __init__(self, conn: multiprocessing.connection.Connection, core: EngineCore, sink: RecordedMetrics,
-                 thread_stats: Callable[[], EngineStats]) -> None:
-        self._conn, self._core, self._sink, self._stats = conn, core, sink, thread_stats
+    def __init__(self, conn: multiprocessing.connection.Connection, core: EngineCore, sink: RecordedMetrics) -> None:
+        self._conn, self._core, self._sink = conn, core, sink
         self._outputs: list[RequestOutput] = []
         self._results: collections.deque[tuple[int, bool, Any]] = collections.deque()
         self._sent_stats: EngineStats | None = None
@@ -140,9 +139,8 @@ class _Outbox:
             error = LoraplexError(f"internal error in the engine core: {type(error).__name__}: {error}")
         self._results.append((call_id, error is None, error if error is not None else future.result()))
 
-    def flush(self) -> None:
+    def flush(self, stats: EngineStats) -> None:
         """On the scheduler thread, once per loop turn: hands over what changed (cheap)."""
-        stats = self._stats()
         plain = dataclasses.replace(stats, updated_at=0.0)
         stats_changed = plain != self._sent_stats
         names_changes = self._core.adapter_names_changes()
@@ -191,8 +189,7 @@ def _core_main(conn: multiprocessing.connection.Connection, front_end: multiproc
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, which raises it
         conn.send(("failed", exc))
         return
-    thread: CoreThread
-    outbox = _Outbox(conn, core, sink, lambda: thread.stats())
+    outbox = _Outbox(conn, core, sink)
     thread = CoreThread(core, outbox.add_outputs, outbox.flush)
     conn.send(("ready", core.model_info, core.tokenizer, thread.stats()))
     threading.Thread(target=_read_commands, args=(conn, thread, outbox), name="commands", daemon=True).start()
