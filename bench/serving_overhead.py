@@ -232,17 +232,24 @@ def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[l
 
 # ---- regimes -----------------------------------------------------------------------------------------
 
+SIM_PROMPT_TOKENS = 32
+SIM_PROMPTS = [[(i * 31 + j) % 200 + 3 for j in range(SIM_PROMPT_TOKENS)] for i in range(64)]
+
+
+def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_limit: int, tmp: Path) -> Server:
+    """The simulated-accelerator server, sized so `streams` requests run (and prefill) in one step."""
+    args = ["--engine-core", engine_core, "--model", "builtin:tiny", "--device", "cpu",
+            "--max-num-seqs", str(streams), "--max-queue", str(streams),
+            "--max-num-batched-tokens", str(streams * SIM_PROMPT_TOKENS),
+            "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(new_tokens_limit)]
+    return start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], args, tmp)
+
+
 def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
     result_256 = None
-    prompt_tokens = 32
-    prompts = [[(i * 31 + j) % 200 + 3 for j in range(prompt_tokens)] for i in range(64)]
+    prompts = SIM_PROMPTS
     for engine_core, step_ms, streams in itertools.product(args.engine_core, args.sim_step_ms, args.streams):
-        server_args = ["--engine-core", engine_core,
-                       "--model", "builtin:tiny", "--device", "cpu", "--max-num-seqs", str(streams),
-                       "--max-queue", str(streams),
-                       "--max-num-batched-tokens", str(streams * prompt_tokens),
-                       "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(args.sim_new_tokens)]
-        server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], server_args, tmp)
+        server = start_sim_server(engine_core, step_ms, streams, args.sim_new_tokens, tmp)
         try:
             generate_load(server, min(streams, 16), 8, prompts, [], 1)  # warm-up
             r = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
@@ -261,13 +268,8 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
 def run_stalled_reader(args: argparse.Namespace, tmp: Path) -> None:
     """64 streams at a 10 ms step, alone and beside a client that stops reading: the others'
     inter-token p99 must stay within 1.2x (issue 16)."""
-    streams, step_ms, prompt_tokens = 64, 10.0, 32
-    prompts = [[(i * 31 + j) % 200 + 3 for j in range(prompt_tokens)] for i in range(64)]
-    server_args = ["--engine-core", args.engine_core[-1], "--model", "builtin:tiny", "--device", "cpu",
-                   "--max-num-seqs", str(streams + 1), "--max-queue", str(streams + 1),
-                   "--max-num-batched-tokens", str((streams + 1) * prompt_tokens),
-                   "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", "1000"]
-    server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], server_args, tmp)
+    streams, step_ms, prompts = 64, 10.0, SIM_PROMPTS
+    server = start_sim_server(args.engine_core[-1], step_ms, streams + 1, 1000, tmp)  # + the stalled stream
     stalled = None
     try:
         generate_load(server, 16, 8, prompts, [], 1)  # warm-up
