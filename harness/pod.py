@@ -56,15 +56,20 @@ IMAGE_WORKDIR = "/tmp"
 NO_PROXY_GRPC = [("grpc.enable_http_proxy", 0)]
 
 
-def render_chart(*value_files: Path, sets: Sequence[str] = (), namespace: str = "ml") -> list[dict]:
-    args = [str(HELM), "template", "rel", str(CHART_DIR), "--namespace", namespace]
+def _helm_template(chart: Path, value_files: Sequence[Path], sets: Sequence[str], namespace: str,
+                   *extra: str) -> str:
+    args = [str(HELM), "template", "rel", str(chart), "--namespace", namespace, *extra]
     for f in value_files:
         args += ["-f", str(f)]
     for s in sets:
         args += ["--set", s]
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return out.stdout
+
+
+def render_chart(*value_files: Path, sets: Sequence[str] = (), namespace: str = "ml") -> list[dict]:
+    return [d for d in yaml.safe_load_all(_helm_template(CHART_DIR, value_files, sets, namespace)) if d]
 
 
 def render_notes(*value_files: Path, sets: Sequence[str] = ()) -> str:
@@ -76,15 +81,8 @@ def render_notes(*value_files: Path, sets: Sequence[str] = ()) -> str:
         shutil.copy(chart / "templates" / "NOTES.txt", chart / "NOTES.src")
         (chart / "templates" / "notes-rendered.yaml").write_text(
             'notes: {{ tpl (.Files.Get "NOTES.src") . | toJson }}\n')
-        args = [str(HELM), "template", "rel", str(chart), "--namespace", "ml",
-                "--show-only", "templates/notes-rendered.yaml"]
-        for f in value_files:
-            args += ["-f", str(f)]
-        for s in sets:
-            args += ["--set", s]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        return yaml.safe_load(out.stdout)["notes"]
+        out = _helm_template(chart, value_files, sets, "ml", "--show-only", "templates/notes-rendered.yaml")
+        return yaml.safe_load(out)["notes"]
 
 
 def netns_supported() -> bool:
