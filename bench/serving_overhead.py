@@ -49,28 +49,29 @@ SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num
 # ---- the server side: the real CLI with a stand-in forward pass ----------------------------------------
 
 def serve_simulated(step_ms: float, cli_args: list[str]) -> int:
-    """Runs `loraplex-inference` whose ModelRunner.run sleeps `step_ms` instead of computing."""
+    """Runs `loraplex-inference` whose ModelRunner.execute sleeps `step_ms` instead of computing
+    (planning the step's rows, the scheduler, outputs and transport are all the real code)."""
     from inference_service import cli
     from inference_service.model_runner import ModelRunner
     from inference_service.request import TokenLogprobs
 
     step_s = step_ms / 1000.0
 
-    def run(self, batch):  # noqa: ANN001 - same signature as ModelRunner.run
+    def execute(self, rows, previous):  # noqa: ANN001 - same signature as ModelRunner.execute
         time.sleep(step_s)  # the accelerator's step: wall time, no CPU (the GIL is released)
         vocab = self.model.config.vocab_size
         out = {}
-        for request, num_tokens in batch.items:
-            end = request.num_computed_tokens + num_tokens
-            if end == request.num_tokens:  # this chunk reaches the end: a token is sampled
-                token = (request.num_tokens * 7919 + 13) % (vocab - 3) + 3
-                out[request.request_id] = (token, None)
-                if request.params.logprobs is not None:  # deterministic stand-ins, as the tokens are
-                    k = request.params.logprobs
-                    request.step_logprobs = TokenLogprobs(token, -0.5, tuple((t, -1.0 - t) for t in range(k)))
+        for row in rows:
+            if row.samples:  # this row reaches its request's end: a token is sampled
+                end = row.start + len(row.input_ids)
+                token = (end * 7919 + 13) % (vocab - 3) + 3
+                k = row.params.logprobs  # deterministic stand-ins, as the tokens are
+                logprobs = TokenLogprobs(token, -0.5, tuple((t, -1.0 - t) for t in range(k))) if k is not None \
+                    else None
+                out[row.request_id] = (token, None, logprobs)
         return out
 
-    ModelRunner.run = run
+    ModelRunner.execute = execute
     return cli.main(cli_args)
 
 
@@ -236,9 +237,12 @@ SIM_PROMPT_TOKENS = 32
 SIM_PROMPTS = [[(i * 31 + j) % 200 + 3 for j in range(SIM_PROMPT_TOKENS)] for i in range(64)]
 
 
-def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_limit: int, tmp: Path) -> Server:
+def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_limit: int, tmp: Path,
+                     async_scheduling: str = "on") -> Server:
     """The simulated-accelerator server, sized so `streams` requests run (and prefill) in one step."""
-    args = ["--engine-core", engine_core, "--model", "builtin:tiny", "--device", "cpu",
+    # --async-scheduling on: the stand-in is an accelerator (auto turns it on for one, off on CPU)
+    args = ["--engine-core", engine_core, "--async-scheduling", async_scheduling, "--model", "builtin:tiny",
+            "--device", "cpu",
             "--max-num-seqs", str(streams), "--max-queue", str(streams),
             "--max-num-batched-tokens", str(streams * SIM_PROMPT_TOKENS),
             "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(new_tokens_limit)]
@@ -248,8 +252,9 @@ def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_
 def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
     result_256 = None
     prompts = SIM_PROMPTS
-    for engine_core, step_ms, streams in itertools.product(args.engine_core, args.sim_step_ms, args.streams):
-        server = start_sim_server(engine_core, step_ms, streams, args.sim_new_tokens, tmp)
+    for engine_core, overlap, step_ms, streams in itertools.product(args.engine_core, args.async_scheduling,
+                                                                     args.sim_step_ms, args.streams):
+        server = start_sim_server(engine_core, step_ms, streams, args.sim_new_tokens, tmp, overlap)
         try:
             generate_load(server, min(streams, 16), 8, prompts, [], 1)  # warm-up
             r = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
@@ -257,10 +262,11 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
             server.stop()
         ideal = streams * 1000.0 / step_ms
         eff = r.tokens / r.wall_s / ideal
-        print(f"sim core={engine_core:7s} step {step_ms:4.1f} ms, {streams:5d} streams: {r.line()}  "
+        print(f"sim core={engine_core:7s} async={overlap:3s} step {step_ms:4.1f} ms, {streams:5d} streams: {r.line()}  "
               f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f} "
               f"(steady state {r.steady_tok_s / ideal:.3f})", flush=True)
-        if streams == 256 and step_ms == 10 and engine_core == args.engine_core[-1]:
+        last = (args.engine_core[-1], args.async_scheduling[-1])
+        if streams == 256 and step_ms == 10 and (engine_core, overlap) == last:
             result_256 = eff
     return result_256
 
@@ -388,6 +394,8 @@ def main() -> int:
     p.add_argument("--sim-new-tokens", type=int, default=128)
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
     p.add_argument("--real-streams", type=int, default=32)
+    p.add_argument("--async-scheduling", type=lambda s: s.split(","), default=["on"],
+                   help="the simulated servers' --async-scheduling; off,on compares (the RESULT uses the last)")
     p.add_argument("--engine-core", type=lambda s: s.split(","), default=["process"],
                    help="thread,process compares the two (the RESULT lines use the last)")
     args = p.parse_args()

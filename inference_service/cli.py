@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--engine-core", "process: the scheduler in a process of its own, so the front ends' per-message "
          "work never slows a step (docs/architecture.md); thread: in this process (debugging, comparisons)",
          default="process", choices=("process", "thread"))
+    _add(g, "--async-scheduling", "on: each step runs on a device thread while the scheduler plans the next one "
+         "(the scheduler's CPU time hides behind the accelerator's); auto: on for accelerators, off on CPU",
+         default=EngineConfig.async_scheduling, choices=("auto", "on", "off"))
     _add(g, "--tokenizer", "auto: the checkpoint's tokenizer.json (required); byte: UTF-8 bytes as token ids",
          default=EngineConfig.tokenizer, choices=("auto", "byte"))
 
@@ -195,6 +198,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             max_request_id_length=args.max_request_id_length,
         ),
         tokenizer=args.tokenizer,
+        async_scheduling=args.async_scheduling,
     )
     server_cfg = ServerConfig(
         listen=args.listen,

@@ -51,11 +51,20 @@ class EngineConfig:
     seed: int = 0  # seeds sampling for requests without a seed of their own
     # auto: the checkpoint's tokenizer.json (refused without one); byte: bytes 0-255 are tokens 0-255
     tokenizer: str = "auto"
+    # on: each step runs on a device worker thread while the scheduler plans the next (vLLM's
+    # --async-scheduling, SGLang's overlap scheduler); auto: on for accelerators, off on CPU, where
+    # the model's threads are the cores the scheduler would overlap with
+    async_scheduling: str = "auto"  # auto | on | off
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def async_scheduling_on(self) -> bool:
+        if self.async_scheduling == "auto":
+            return self.torch_device().type != "cpu"
+        return self.async_scheduling == "on"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

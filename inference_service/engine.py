@@ -133,7 +133,7 @@ class CoreThread:
             if outputs:
                 self._on_outputs(outputs)
             self._on_turn_end(self._stats)
-            if not outputs and (core.has_work() or core.has_pending_work()):
+            if not outputs and not core.step_in_flight and (core.has_work() or core.has_pending_work()):
                 time.sleep(0.0005)  # waiting on loads only: leave the cores to the loaders
 
     def _run_commands(self, block: bool) -> None:

@@ -12,7 +12,9 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -26,13 +28,15 @@ from inference_service.lora.registry import AdapterVersion, adapter_name
 from inference_service.lora.sidecar_source import SidecarSource
 from inference_service.lora.source import AdapterSource, LocalDirectorySource
 from inference_service.metrics_sink import MetricsSink, NullMetrics
-from inference_service.model_runner import ModelRunner
+from inference_service.model_runner import ModelRunner, PlannedRow, StepResults
 from inference_service.models.loader import load_model
 from inference_service.output_processor import OutputProcessor
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams, WaitReason
+from inference_service.sampling import FORWARD_FAILED
 from inference_service.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,12 @@ class EngineCore:
         # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
         # same arrivals samples the same tokens; a request's own seed always wins.
         self._seeds = random.Random(config.seed)
+        # Async scheduling: steps run on this one thread, in launch order, while the scheduler
+        # thread plans the next (docs/architecture.md, "Async scheduling").
+        self._device_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="device") \
+            if config.async_scheduling_on() else None
+        self._in_flight: tuple[ScheduledBatch, concurrent.futures.Future[StepResults]] | None = None
+        self._previous_samples: dict[str, int] = {}  # the device worker's: a pending row's input
 
     # ---- intake ----
 
@@ -158,37 +168,73 @@ class EngineCore:
         self.scheduler.abort(request_id, reason)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step (async scheduling) not completed yet: the next `step` call completes it."""
+        return self._in_flight is not None
 
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; the outputs of the step that completed. With async scheduling
+        the step is launched on the device worker and the previous one (launched by the last call)
+        is completed here, so the scheduler's work overlaps the device's; without, it runs here."""
         batch = self.scheduler.schedule()
+        if self._device_worker is None:
+            if batch:
+                results = self._contained(batch.items, lambda items: self.runner.run(ScheduledBatch(items)),
+                                          lambda item: item[0].request_id)
+                self.scheduler.launched(batch)
+                self.scheduler.postprocess(batch, results, self.outputs.on_token)
+            return self.outputs.take(self.scheduler.take_finished())
+        previous, self._in_flight = self._in_flight, None
         if batch:
-            self.scheduler.postprocess(batch, self._run(batch), self.outputs.on_token)
+            rows = self.runner.plan(batch)
+            self.scheduler.launched(batch)
+            self._in_flight = (batch, self._device_worker.submit(self._execute, rows))
+        if previous is not None:
+            self.scheduler.postprocess(previous[0], previous[1].result(), self.outputs.on_token)
         return self.outputs.take(self.scheduler.take_finished())
 
-    def _run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor | None]]:
-        """The batch's forward pass; if it raises, its requests run again one at a time, so only a
-        request that fails alone is ended (with INTERNAL: that is a bug) and the others go on."""
-        try:
-            return self.runner.run(batch)
-        except Exception:  # noqa: BLE001 - contained below
-            if len(batch.items) == 1:
-                request = batch.items[0][0]
-                log.exception("the forward pass of request %s failed", shown(request.request_id))
-                self.scheduler.finish(request, FinishReason.ERROR,
-                                      LoraplexError(f"internal error in request {request.request_id}"))
-                return {}
-            log.exception("a forward pass of %d requests failed; running them one at a time", len(batch.items))
-        results: dict[str, tuple[int, torch.Tensor | None]] = {}
-        for item in batch.items:
-            results.update(self._run(ScheduledBatch([item])))
+    def _execute(self, rows: list[PlannedRow]) -> StepResults:
+        """One launched step, on the device worker (steps run in launch order, so KV blocks and slots
+        freed while a step runs are reused only by later steps, which run after it)."""
+        results = self._contained(rows, lambda part: self.runner.execute(part, self._previous_samples),
+                                  lambda row: row.request_id)
+        self._previous_samples = {request_id: result[0] for request_id, result in results.items()}
         return results
 
+    @staticmethod
+    def _contained(parts: list[T], run: Callable[[list[T]], StepResults],
+                   request_id: Callable[[T], str]) -> StepResults:
+        """`run(parts)`; if it raises, its requests run again one at a time, so only a request that
+        fails alone is ended (`FORWARD_FAILED`: INTERNAL, that is a bug) and the others go on."""
+        try:
+            return run(parts)
+        except Exception:  # noqa: BLE001 - contained below
+            if len(parts) == 1:
+                log.exception("the forward pass of request %s failed", shown(request_id(parts[0])))
+                return {request_id(parts[0]): (FORWARD_FAILED, None, None)}
+            log.exception("a forward pass of %d requests failed; running them one at a time", len(parts))
+        results: StepResults = {}
+        for part in parts:
+            results.update(EngineCore._contained([part], run, request_id))
+        return results
+
+    def _drop_in_flight(self) -> None:
+        """Wait for the launched step and drop its tokens (after a failed step, at shutdown)."""
+        if self._in_flight is not None:
+            concurrent.futures.wait([self._in_flight[1]])
+            self._in_flight = None
+
     def fail_running(self, error: LoraplexError) -> list[RequestOutput]:
-        """After a failed step: end every running request with `error` (waiting ones stay)."""
-        for request in list(self.scheduler.running):
+        """After a failed step: end every running request with `error`, and every waiting one owed
+        a token by a dropped step (the other waiting ones stay)."""
+        self._drop_in_flight()
+        owed = [r for r in self.scheduler.waiting if r.num_pending_tokens]
+        for request in [*self.scheduler.running, *owed]:
             self.scheduler.finish(request, FinishReason.ERROR, error)
         return self.outputs.take(self.scheduler.take_finished())
 
@@ -254,4 +300,7 @@ class EngineCore:
         return self.lora.is_current(name)
 
     def shutdown(self) -> None:
+        self._drop_in_flight()
+        if self._device_worker is not None:
+            self._device_worker.shutdown()
         self.lora.shutdown()

@@ -1,12 +1,15 @@
 """ModelRunner: owns the model, the KV cache and the LoRAManager; runs one scheduled batch.
 
-Thin on purpose: it packs a batch into tensors, runs the model and samples; everything about
-adapters is the LoRAManager's, everything about admission the Scheduler's.
+Thin on purpose: `plan` takes what a step needs of each request (on the scheduler thread),
+`execute` packs it into tensors, runs the model and samples (on the device worker with async
+scheduling); everything about adapters is the LoRAManager's, everything about admission the
+Scheduler's.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -22,13 +25,36 @@ from inference_service.lora.ops import build_lora_batch
 from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
-from inference_service.request import Request
-from inference_service.sampling import attach_logprobs, process_logits, sample
+from inference_service.request import Request, SamplingParams, TokenLogprobs
+from inference_service.sampling import process_logits, sample, step_logprobs
 from inference_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_BUDGET = 256 << 20
+
+# request id -> (token or a negative code, logits if asked, logprobs if asked), per sampled row
+StepResults = dict[str, tuple[int, torch.Tensor | None, TokenLogprobs | None]]
+
+
+@dataclass(slots=True)
+class PlannedRow:
+    """One request's part of a step, taken on the scheduler thread when the step is planned:
+    `execute` reads nothing else of the request (with async scheduling the scheduler goes on
+    changing it while the step runs on the device worker)."""
+
+    request_id: str
+    start: int  # first position computed
+    input_ids: list[int]  # tokens [start, end); a pending row's last one is filled in by execute
+    pending: bool  # the last input is the request's sample from the previous step, not appended yet
+    block_table: list[int]  # a copy
+    slot: int  # LoRA slot (-1: the base model)
+    rank: int
+    samples: bool  # the row reaches the request's end: a token is sampled
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # a copy, only where the params' logits processing reads the history
 
 
 class ModelRunner:
@@ -93,56 +119,94 @@ class ModelRunner:
             return int(free * 0.9)
         return _CPU_DEFAULT_BUDGET
 
+    def run(self, batch: ScheduledBatch) -> StepResults:
+        """Plan and execute one step on this thread (the engine without async scheduling)."""
+        return self.execute(self.plan(batch), {})
+
+    def plan(self, batch: ScheduledBatch) -> list[PlannedRow]:
+        """The step's rows, ordered by slot (so the LoRA op usually sees contiguous, equally long
+        groups, no gathers), taken on the scheduler thread: `execute` reads nothing else of a request."""
+        rows = []
+        for request, num_tokens in batch.items:
+            start = request.num_computed_tokens
+            end = start + num_tokens
+            input_ids = request.token_ids(start, end)
+            pending = len(input_ids) < num_tokens  # the newest token is still being sampled
+            assert len(input_ids) >= num_tokens - 1, f"{request.request_id}: more than one token pending"
+            samples = end == request.num_tokens
+            outputs = []
+            if samples and request.params.processes_logits:  # penalties read the history
+                outputs = list(request.output_token_ids)
+            if pending:
+                input_ids.append(0)
+            slot = self._slot(request)
+            rank = self.lora.rank_of(request.adapter_uid) if slot >= 0 and request.adapter_uid else 0
+            rows.append(PlannedRow(request.request_id, start, input_ids, pending, list(request.block_table), slot,
+                                   rank, samples, request.params, request.generator, request.prompt_token_ids,
+                                   outputs))
+        rows.sort(key=lambda row: row.slot)
+        return rows
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, torch.Tensor | None]]:
-        """Forward one step; returns (next token, logits if the request asked for them) for requests
-        whose chunk reached the end. The token is negative where that row could not be sampled
+    def execute(self, rows: list[PlannedRow], previous: dict[str, int]) -> StepResults:
+        """Forward one planned step; `previous` holds the tokens the step before sampled (a pending
+        row's last input). Returns (next token, logits if asked, logprobs if asked) for the rows that
+        reach their end. The token is negative where that row could not be sampled
         (`sampling.NON_FINITE`, `SAMPLING_FAILED`): the engine ends that request alone."""
-        forward, sampled = self._prepare(batch)
+        for row in rows:
+            if row.pending:
+                # A negative code (no token was sampled) ends that request when its step is
+                # postprocessed: this row's result is dropped then, any input will do.
+                row.input_ids[-1] = max(previous[row.request_id], 0)
+                if row.samples and row.params.processes_logits:
+                    row.output_token_ids.append(row.input_ids[-1])
+        forward, sampled = self._tensors(rows)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():
             logits = self.model(forward, self.kv.layers)
             if not sampled:
                 return {}
             processed = process_logits(logits, sampled, self.tokenizer.eos_token_ids)  # return_logits: raw
-            tokens = sample(processed, [r.params for r in sampled], [r.generator for r in sampled])
-            attach_logprobs(processed, sampled, tokens)
+            params = [r.params for r in sampled]
+            tokens = sample(processed, params, [r.generator for r in sampled])
+            logprobs = step_logprobs(processed, params, tokens)
         return {
-            r.request_id: (t, logits[i] if r.params.return_logits else None)
+            r.request_id: (t, logits[i] if r.params.return_logits else None, logprobs[i])
             for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))
         }
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:
+    def _tensors(self, rows: list[PlannedRow]) -> tuple[ForwardBatch, list[PlannedRow]]:
         block_size = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         token_slots: list[int] = []
         logits_rows: list[int] = []
-        sampled: list[Request] = []
+        sampled: list[PlannedRow] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
-        # Ordered by slot, so the LoRA op usually sees contiguous, equally long groups (no gathers).
-        slotted = sorted(((self._slot(r), r, n) for r, n in batch.items), key=lambda item: item[0])
-        for slot, request, num_tokens in slotted:
-            start, row = request.num_computed_tokens, len(input_ids)
+        ranks: dict[int, int] = {}
+        for planned in rows:
+            start, row, num_tokens = planned.start, len(input_ids), len(planned.input_ids)
             end = start + num_tokens
-            input_ids.extend(request.token_ids(start, end))
+            input_ids.extend(planned.input_ids)
             positions.extend(range(start, end))
-            table = request.block_table
+            table = planned.block_table
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            token_slots.extend([slot] * num_tokens)
+            token_slots.extend([planned.slot] * num_tokens)
+            if planned.rank > 0:
+                ranks[planned.slot] = planned.rank
             if num_tokens == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillSegment(row, row + num_tokens, start, self._tensor(table)))
-            if end == request.num_tokens:
+            if planned.samples:
                 logits_rows.append(row + num_tokens - 1)
-                sampled.append(request)
+                sampled.append(planned)
         attention = AttentionBatch(slot_mapping=self._tensor(slot_mapping), prefills=prefills)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
@@ -154,19 +218,10 @@ class ModelRunner:
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             attention=attention,
-            lora=build_lora_batch(token_slots, self.lora.num_slots, self.device, self._slot_ranks(slotted)),
+            lora=build_lora_batch(token_slots, self.lora.num_slots, self.device, ranks),
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled
-
-    def _slot_ranks(self, slotted: list[tuple[int, Request, int]]) -> dict[int, int]:
-        """The rank of the adapter in each slot the batch uses, where the manager knows it."""
-        ranks = {}
-        for slot, request, _ in slotted:
-            rank = self.lora.rank_of(request.adapter_uid) if slot >= 0 and request.adapter_uid else 0
-            if rank > 0:
-                ranks[slot] = rank
-        return ranks
 
     def _slot(self, request: Request) -> int:
         if request.adapter_uid is None:

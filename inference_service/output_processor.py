@@ -22,7 +22,7 @@ from inference_service.limits import shown
 from inference_service.lora.registry import adapter_name
 from inference_service.metrics_sink import MetricsSink
 from inference_service.request import FinishReason, Request, RequestOutput
-from inference_service.sampling import NON_FINITE, SAMPLING_FAILED
+from inference_service.sampling import FORWARD_FAILED, NON_FINITE, SAMPLING_FAILED
 from inference_service.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def sample_error(request: Request, token: int) -> LoraplexError | None:
     """The error that ends a request whose row sampled no token (`sampling.NON_FINITE`,
-    `SAMPLING_FAILED`), or None for a real token."""
+    `SAMPLING_FAILED`, `FORWARD_FAILED`), or None for a real token."""
     if token == NON_FINITE:
         log.warning("request %s: non-finite logits (adapter %s); ended alone", shown(request.request_id),
                     request.adapter_uid or "-")
@@ -42,6 +42,8 @@ def sample_error(request: Request, token: int) -> LoraplexError | None:
         )
     if token == SAMPLING_FAILED:
         return LoraplexError(f"internal error sampling request {request.request_id}")
+    if token == FORWARD_FAILED:
+        return LoraplexError(f"internal error in request {request.request_id}")
     return None
 
 

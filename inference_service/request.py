@@ -197,7 +197,9 @@ class Request:
         self.params = params
         self.adapter_uid = adapter_uid
         self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being written by a launched step)
+        # Sampled by a launched step, not yet appended to output_token_ids (async scheduling has up to two)
+        self.num_pending_tokens = 0
         self.block_table: list[int] = []
         self.timings = Timings()
         self.arrival_seq = 0  # FCFS order, set by the scheduler
@@ -208,11 +210,12 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
-        self.step_logprobs: TokenLogprobs | None = None  # set by the runner when params.logprobs asks
+        self.step_logprobs: TokenLogprobs | None = None  # the newest token's, when params.logprobs asks
         self.stop_reason: str | int | None = None
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without joining the two (a decode step wants one)."""
+        """Tokens [start, end) of prompt + output, without joining the two (a decode step wants one);
+        shorter where the range reaches a pending token."""
         prompt_len = len(self.prompt_token_ids)
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
@@ -222,7 +225,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + output, counting sampled tokens not appended yet (what the scheduler plans with)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

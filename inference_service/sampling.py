@@ -8,15 +8,18 @@ rows of the batch (seeded ones too) are unaffected.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from inference_service.request import Request, SamplingParams, TokenLogprobs
+from inference_service.request import SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
 NON_FINITE = -1
 SAMPLING_FAILED = -2
+FORWARD_FAILED = -3  # set by the engine: the row's forward pass failed alone
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
@@ -60,7 +63,17 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
 # Kept apart from `sample`: a batch where no request asks for these never runs them.
 
 
-def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+class SampledRow(Protocol):
+    """What processing a row's logits reads of its request (a `Request`, or the model runner's
+    snapshot of one: with async scheduling the request's own lists may be a token behind)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def process_logits(logits: torch.Tensor, requests: Sequence[SampledRow],
+                   eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """Penalties, logit bias and min_tokens applied to the rows [S, V] whose request asks; the
     input is left as it was (a copy is made only when some row changes)."""
     rows = [row for row, r in enumerate(requests) if r.params.processes_logits]
@@ -102,8 +115,8 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token, float(logprobs[token]), pairs)
 
 
-def attach_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> None:
-    """Sets request.step_logprobs for the requests that ask for logprobs."""
-    for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
-        if request.params.logprobs is not None:
-            request.step_logprobs = token_logprobs(logits[row], token, request.params.logprobs)
+def step_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                  tokens: list[int]) -> list[TokenLogprobs | None]:
+    """Each row's token logprobs where its request asks for them (None elsewhere)."""
+    return [token_logprobs(logits[row], token, p.logprobs) if p.logprobs is not None and token >= 0 else None
+            for row, (p, token) in enumerate(zip(params, tokens, strict=True))]

@@ -23,6 +23,7 @@ from inference_service.config import EngineConfig
 from inference_service.kv_cache import KVCache
 from inference_service.limits import shown
 from inference_service.lora.manager import LoRAManager
+from inference_service.model_runner import StepResults
 from inference_service.output_processor import sample_error
 from inference_service.request import FinishReason, Request, RequestStatus, WaitReason
 
@@ -75,23 +76,33 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_this_step.append(request)
 
-    def postprocess(
-        self, batch: ScheduledBatch, sampled: dict[str, tuple[int, torch.Tensor | None]], on_token: OnToken
-    ) -> None:
-        """The one place a request advances after a step: its computed tokens, its new token, and
-        its finish when `on_token` (output processing) says the token ends it. Failures are
-        contained to one request: a row that sampled no token (non-finite logits, a sampling bug)
-        or whose output processing raises ends that request alone, and the batch goes on."""
+    def launched(self, batch: ScheduledBatch) -> None:
+        """A planned step has been handed to the device: its tokens count as computed, and each row
+        that reaches its request's end owes one pending token until `postprocess` appends it (with
+        async scheduling the next step is planned before that, so it must count them)."""
         now = time.monotonic()
         for request, num_tokens in batch.items:
-            if request.finished:
-                continue  # its forward pass failed alone (EngineCore._run)
             request.num_computed_tokens += num_tokens
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
-            if request.request_id not in sampled:
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_pending_tokens += 1
+
+    def postprocess(self, batch: ScheduledBatch, sampled: StepResults, on_token: OnToken) -> None:
+        """The one place a request gets its new token after a step, and its finish when `on_token`
+        (output processing) says the token ends it. Failures are contained to one request: a row
+        that sampled no token (non-finite logits, a failed forward pass or sampling) or whose output
+        processing raises ends that request alone, and the batch goes on. A request that ended
+        while its step ran (cancelled, or finished by the step before) drops the row's token."""
+        now = time.monotonic()
+        for request, _ in batch.items:
+            result = sampled.get(request.request_id)
+            if result is None:
                 continue  # a prefill chunk short of the prompt's end
-            token, logits = sampled[request.request_id]
+            request.num_pending_tokens -= 1
+            if request.finished:
+                continue
+            token, logits, request.step_logprobs = result
             error = sample_error(request, token)
             if error is not None:
                 self.finish(request, FinishReason.ERROR, error)
@@ -133,6 +144,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.num_pending_tokens and len(request.output_token_ids) + request.num_pending_tokens \
+                    >= request.params.max_new_tokens:
+                continue  # its in-flight step samples its last token (async scheduling)
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_tokens
             if target > len(request.block_table) * block_size:  # most decode steps fit their last block

@@ -5,7 +5,7 @@
 - The core process dying (the test-only fault hook ends its scheduler) ends the streams in flight
   with UNAVAILABLE, turns health NOT_SERVING and refuses new requests; nothing hangs.
 - A front end killed with SIGKILL takes its core process with it (the pipe closes).
-- The thread bridge (`--engine-core thread`) serves the same tokens.
+- The thread bridge (`--engine-core thread`) and async scheduling serve the same tokens.
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ def test_a_loaded_adapter_is_usable_as_soon_as_load_adapter_returns(adapter_dir:
         server.stop()
 
 
-def test_thread_and_process_bridges_serve_the_same_tokens(adapter_dir: Path, tmp_path: Path) -> None:
+def test_thread_and_process_bridges_and_async_scheduling_serve_the_same_tokens(adapter_dir: Path,
+                                                                              tmp_path: Path) -> None:
     results = []
-    for core in ("process", "thread"):
-        server = start_inference_server(["--engine-core", core, "--adapter-source-allow", adapter_dir.as_uri()],
+    for core, overlap in (("process", "off"), ("thread", "off"), ("process", "on")):
+        server = start_inference_server(["--engine-core", core, "--async-scheduling", overlap,
+                                         "--adapter-source-allow", adapter_dir.as_uri()],
                                         env={"LORAPLEX_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path)
         try:
             assert bool(_children(server.proc.pid)) == (core == "process")
@@ -97,7 +99,7 @@ def test_thread_and_process_bridges_serve_the_same_tokens(adapter_dir: Path, tmp
             results.append((_tokens(server.address, "same tokens"), _tokens(server.address, "same tokens", "p0")))
         finally:
             server.stop()
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert results[0][0] != results[0][1]  # the adapter changes the output: the check can fail
 
 

@@ -42,7 +42,8 @@ def _core(device: str = "cpu", **kwargs) -> EngineCore:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_preemption_gives_identical_outputs(tiny_adapters, device):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_preemption_gives_identical_outputs(tiny_adapters, device, async_scheduling):
     names = list(tiny_adapters)
     prompts = {f"r{i}": (p, names[i % 4] if i % 5 else None) for i, p in enumerate(_prompts(10))}
     reference_core = _core(device)
@@ -51,7 +52,8 @@ def test_preemption_gives_identical_outputs(tiny_adapters, device):
     assert reference_core.scheduler.num_preemptions == 0
 
     block_bytes = kv_bytes_per_block(builtin_tiny_config(), 16, torch.float32)
-    tight = _core(device, kv_cache_bytes=12 * block_bytes)  # 192 tokens for 10 requests of up to 70
+    tight = _core(device, kv_cache_bytes=12 * block_bytes,  # 192 tokens for 10 requests of up to 70
+                  async_scheduling=async_scheduling)
     load_adapters(tight, {n: tiny_adapters[n] for n in names[:4]})
     constrained = generate(tight, prompts, GREEDY)
     assert tight.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
@@ -80,11 +82,12 @@ def test_no_head_of_line_blocking_on_cold_adapter(tiny_adapters):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
-def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed, device):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_abort_storm_leaves_nothing_behind(tiny_adapters, seed, device, async_scheduling):
     """Aborts land at every stage: queued, adapter loading, mid chunked prefill, decoding,
     after finishing, twice, and for unknown ids. Nothing leaks."""
     rng = random.Random(seed)
-    core = _core(device, max_loras=3, max_num_batched_tokens=24, aging_steps=8)
+    core = _core(device, max_loras=3, max_num_batched_tokens=24, aging_steps=8, async_scheduling=async_scheduling)
     load_adapters(core, tiny_adapters)
     live: list[str] = []
     done: list[str] = []

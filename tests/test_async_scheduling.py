@@ -1,0 +1,213 @@
+"""Async scheduling (`--async-scheduling on`): each step runs on the device worker while the
+scheduler plans the next one (inference_service/engine_core.py).
+
+- It serves exactly what the synchronous engine serves: greedy and seeded sampling, adapters
+  swapping through fewer slots, stop tokens, stop strings, penalties and min_tokens (which read
+  the token history a step behind), logprobs, chunked prefill and preemption.
+- The overlap is real: `step()` returns while the step it launched is still running.
+- A request cancelled while its step runs gets no token after the cancel, and its KV blocks and
+  adapter reference are released exactly once; a request whose previous step sampled no token
+  (non-finite logits) ends alone even though its next step was already launched.
+- A forward pass that fails for one request on the device worker ends only that request.
+
+The faults are patches of the model runner's `execute` (a kernel bug cannot be caused for real);
+the real-input fault (an overflowing adapter) is tests/test_isolation_engine.py's, and
+tests/test_scheduler.py runs its preemption and abort-storm tests in both modes.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.adapters import write_tiny_adapter
+from harness.engine_helpers import load_adapters, run_to_completion
+from inference_service.config import EngineConfig
+from inference_service.engine_core import EngineCore
+from inference_service.kv_cache import kv_bytes_per_block
+from inference_service.models.loader import builtin_tiny_config
+from inference_service.request import FinishReason, Request, SamplingParams
+from inference_service.sampling import NON_FINITE
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {f"a{i}": write_tiny_adapter(root / f"a{i}", rank=4 + 2 * i, seed=40 + i) for i in range(3)}
+
+
+def _core(mode: str, adapters: dict[str, Path], **kwargs: object) -> EngineCore:
+    config = dict(model="builtin:tiny", max_loras=2, max_lora_rank=8, kv_cache_bytes=4 << 20)
+    config.update(kwargs)
+    core = EngineCore(EngineConfig(device="cpu", async_scheduling=mode, **config))  # type: ignore[arg-type]
+    load_adapters(core, adapters)
+    return core
+
+
+def _serve(core: EngineCore, requests: dict[str, tuple[list[int], str | None, SamplingParams]]) -> dict:
+    for rid, (prompt, adapter, params) in requests.items():
+        core.add_request(Request(rid, prompt, params), adapter)
+    outputs = run_to_completion(core)
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0 and not core.step_in_flight
+    return {rid: ([t for o in outs for t in o.new_token_ids], "".join(o.text or "" for o in outs),
+                  outs[-1].finish_reason, [lp for o in outs for lp in (o.logprobs or [])])
+            for rid, outs in outputs.items()}
+
+
+def _prompt(i: int, length: int = 12) -> list[int]:
+    return [256] + [(i * 37 + j * 11) % 90 + 33 for j in range(length)]
+
+
+def _requests(reference_tokens: dict[str, list[int]], stop_text: str) -> dict:
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    return {
+        "base": (_prompt(0), None, greedy),
+        "a0": (_prompt(1), "a0", greedy),
+        "a1": (_prompt(2), "a1", SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=3)),
+        "a2-seeded": (_prompt(3), "a2", SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9,
+                                                       top_p=0.9, seed=7)),
+        "stop-token": (_prompt(4), "a0", SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                                        stop_token_ids=(reference_tokens["stop-token"][6],))),
+        "stop-string": (_prompt(5), None, SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop_text,))),
+        "penalties": (_prompt(6), "a1", SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                                                       frequency_penalty=0.6, presence_penalty=0.4, min_tokens=5,
+                                                       stop_token_ids=(reference_tokens["penalties"][2],))),
+        "long-prompt": (_prompt(7, 70), "a2", greedy),
+        "eos": (_prompt(8), None, SamplingParams(max_new_tokens=24)),
+    }
+
+
+@pytest.mark.parametrize("tight_kv", [False, True], ids=["roomy-kv", "preempting-kv"])
+def test_async_scheduling_serves_exactly_what_the_synchronous_engine_serves(adapters, tight_kv):
+    kwargs: dict[str, object] = {"max_num_batched_tokens": 32}  # the long prompt prefills in chunks
+    if tight_kv:
+        kwargs["kv_cache_bytes"] = 8 * kv_bytes_per_block(builtin_tiny_config(), 16, torch.float32)
+    plain = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    probe = _serve(_core("off", adapters), {"stop-token": (_prompt(4), "a0", plain),
+                                            "penalties": (_prompt(6), "a1", plain),
+                                            "stop-string": (_prompt(5), None, plain)})
+    stop_text = probe["stop-string"][1][5:7]
+    reference_tokens = {rid: r[0] for rid, r in probe.items()}
+    results, preemptions = {}, {}
+    for mode in ("off", "on"):
+        core = _core(mode, adapters, **kwargs)
+        results[mode] = _serve(core, _requests(reference_tokens, stop_text))
+        preemptions[mode] = core.scheduler.num_preemptions
+        core.shutdown()
+    # Logprob values to float tolerance: a batch may differ by a row (a request that finished in the
+    # step before still has its launched row), which moves the matmuls' last bits; tokens are exact.
+    for rid, (tokens, text, reason, logprobs) in results["off"].items():
+        assert results["on"][rid][:3] == (tokens, text, reason), rid
+        got = results["on"][rid][3]
+        assert [(lp.token_id, [t for t, _ in lp.top]) for lp in got] == \
+            [(lp.token_id, [t for t, _ in lp.top]) for lp in logprobs]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-4)
+    off = results["off"]
+    assert off["stop-token"][2] is FinishReason.STOP and len(off["stop-token"][0]) == 7
+    assert off["stop-string"][2] is FinishReason.STOP and stop_text not in off["stop-string"][1]
+    assert off["penalties"][0] != reference_tokens["penalties"]  # the history-reading processing mattered
+    assert len(off["a1"][3]) == 20 and off["base"][0] != off["a0"][0]
+    assert (min(preemptions.values()) > 0) == tight_kv, preemptions
+
+
+def test_step_returns_while_the_step_it_launched_runs(adapters, monkeypatch):
+    core = _core("on", {})
+    real_execute = core.runner.execute
+    release = threading.Event()
+    running = threading.Event()
+
+    def execute(rows, previous):  # patch: a device step that runs until the test lets it finish
+        running.set()
+        assert release.wait(30)
+        return real_execute(rows, previous)
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    core.add_request(Request("r", _prompt(0), SamplingParams(max_new_tokens=3, ignore_eos=True)), None)
+    assert core.step() == []  # launched, not waited for
+    assert running.wait(30) and core.step_in_flight
+    release.set()
+    outputs = run_to_completion(core)
+    assert [len(o.new_token_ids) for o in outputs["r"]] == [1, 1, 1]
+    core.shutdown()
+
+
+def test_a_request_cancelled_while_its_step_runs_gets_nothing_more_and_releases_once(adapters):
+    core = _core("on", adapters)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for i, adapter in enumerate(("a0", "a1", None)):
+        core.add_request(Request(f"r{i}", _prompt(i), params), adapter)
+    seen: dict[str, list] = {"r0": [], "r1": []}
+    for _ in range(2000):  # until r0 streams (its adapter's slot copy lands first)
+        for out in core.step():
+            seen.setdefault(out.request_id, []).append(out)
+        if len(seen["r0"]) >= 2:
+            break
+    assert core.step_in_flight  # r0's next token is being computed now
+    tokens_before = sum(len(o.new_token_ids) for o in seen["r0"])
+    core.abort("r0")
+    assert core.lora.stats().references == 1  # r1's only: r0's was released at the cancel
+    rest = run_to_completion(core)
+    assert [o.new_token_ids for o in rest["r0"]] == [[]] and rest["r0"][0].finish_reason is FinishReason.CANCELLED
+    assert tokens_before < 30
+    assert sum(len(o.new_token_ids) for o in seen["r1"] + rest["r1"]) == 30
+    core.abort("r0")  # idempotent: nothing released twice
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+    core.shutdown()
+
+
+def test_a_failed_sample_ends_the_request_even_with_its_next_step_launched(adapters, monkeypatch):
+    core = _core("on", {})
+    real_execute = core.runner.execute
+    calls = {"n": 0}
+
+    def execute(rows, previous):  # patch: request "bad" gets non-finite logits at its 4th step
+        calls["n"] += 1
+        results = real_execute(rows, previous)
+        if calls["n"] == 4 and "bad" in results:
+            results["bad"] = (NON_FINITE, None, None)
+        return results
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    core.add_request(Request("bad", _prompt(0), params), None)
+    core.add_request(Request("good", _prompt(1), params), None)
+    outputs = run_to_completion(core)
+    assert outputs["bad"][-1].finish_reason is FinishReason.ERROR
+    assert sum(len(o.new_token_ids) for o in outputs["bad"]) == 3
+    assert sum(len(o.new_token_ids) for o in outputs["good"]) == 10
+    assert core.runner.kv.num_used == 0
+    core.shutdown()
+
+
+def test_a_forward_pass_failing_on_the_device_worker_ends_only_that_request(adapters, monkeypatch):
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = {"a": _prompt(0), "b": _prompt(1), "c": _prompt(2)}
+    reference = _core("on", {})
+    for rid, prompt in prompts.items():
+        reference.add_request(Request(rid, prompt, params), None)
+    expected = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in run_to_completion(reference).items()}
+    reference.shutdown()
+
+    core = _core("on", {})
+    real_execute = core.runner.execute
+    calls = {"n": 0}
+
+    def execute(rows, previous):  # patch: a kernel bug that only request "b"'s rows trigger
+        calls["n"] += 1
+        if any(r.request_id == "b" for r in rows) and calls["n"] > 3:
+            raise RuntimeError("simulated kernel failure")
+        return real_execute(rows, previous)
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    for rid, prompt in prompts.items():
+        core.add_request(Request(rid, prompt, params), None)
+    outputs = run_to_completion(core)
+    assert outputs["b"][-1].finish_reason is FinishReason.ERROR and outputs["b"][-1].error.code == "INTERNAL"
+    for rid in ("a", "c"):
+        assert [t for o in outputs[rid] for t in o.new_token_ids] == expected[rid]
+        assert outputs[rid][-1].finish_reason is FinishReason.LENGTH
+    assert core.runner.kv.num_used == 0 and not core.has_work()
+    core.shutdown()
