@@ -50,11 +50,13 @@ class KVCache:
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) - len(block_table) <= len(self._free)
 
-    def grow(self, block_table: list[int], num_tokens: int) -> None:
-        """Extend a block table in place to hold num_tokens (callers check can_grow first)."""
-        for _ in range(self.blocks_needed(num_tokens) - len(block_table)):
-            block_table.append(self._free.pop())
+    def grown(self, block_table: list[int], num_tokens: int) -> list[int]:
+        """A new block table: `block_table` extended to hold num_tokens (callers check can_grow
+        first). Tables are never changed in place, so a launched step keeps the one it was planned
+        with while the scheduler moves on (async scheduling)."""
+        new = [self._free.pop() for _ in range(self.blocks_needed(num_tokens) - len(block_table))]
+        return block_table + new if new else block_table
 
     def release(self, block_table: list[int]) -> None:
+        """Return a table's blocks (its owner drops the table: it is not emptied in place)."""
         self._free.extend(reversed(block_table))
-        block_table.clear()

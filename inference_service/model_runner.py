@@ -47,7 +47,7 @@ class PlannedRow:
     start: int  # first position computed
     input_ids: list[int]  # tokens [start, end); a pending row's last one is filled in by execute
     pending: bool  # the last input is the request's sample from the previous step, not appended yet
-    block_table: list[int]  # a copy
+    block_table: list[int]  # the request's table then (tables are replaced, never changed in place)
     slot: int  # LoRA slot (-1: the base model)
     rank: int
     samples: bool  # the row reaches the request's end: a token is sampled
@@ -141,7 +141,7 @@ class ModelRunner:
                 input_ids.append(0)
             slot = self._slot(request)
             rank = self.lora.rank_of(request.adapter_uid) if slot >= 0 and request.adapter_uid else 0
-            rows.append(PlannedRow(request.request_id, start, input_ids, pending, list(request.block_table), slot,
+            rows.append(PlannedRow(request.request_id, start, input_ids, pending, request.block_table, slot,
                                    rank, samples, request.params, request.generator, request.prompt_token_ids,
                                    outputs))
         rows.sort(key=lambda row: row.slot)

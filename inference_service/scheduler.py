@@ -71,6 +71,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.error = reason, error
         self.kv.release(request.block_table)
+        request.block_table = []
         if request.adapter_uid is not None:
             self.lora.release(request.adapter_uid, request.request_id)
         del self.requests[request.request_id]
@@ -157,7 +158,7 @@ class Scheduler:
                         break
                 if request.status is not RequestStatus.RUNNING:
                     continue
-                self.kv.grow(request.block_table, target)
+                request.block_table = self.kv.grown(request.block_table, target)
             batch.items.append((request, num_tokens))
             scheduled.add(id(request))
             budget -= num_tokens
@@ -168,6 +169,7 @@ class Scheduler:
         assert request is not None, "nothing left to preempt"
         self.running.remove(request)
         self.kv.release(request.block_table)
+        request.block_table = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -199,7 +201,7 @@ class Scheduler:
                 num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
                 target = request.num_computed_tokens + num_tokens
                 if self.kv.can_grow(request.block_table, target):
-                    self.kv.grow(request.block_table, target)
+                    request.block_table = self.kv.grown(request.block_table, target)
                     admitted.append(request)
                     batch.items.append((request, num_tokens))
                     budget -= num_tokens
