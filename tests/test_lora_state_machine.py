@@ -174,9 +174,10 @@ class SlotPoolMachine(RuleBasedStateMachine):
     # ---- setup ----
 
     @initialize(
-        slots=st.integers(1, 3), kv_blocks=st.sampled_from([4, 64]), max_num_seqs=st.sampled_from([2, 64])
+        slots=st.integers(1, 3), kv_blocks=st.sampled_from([4, 64]), max_num_seqs=st.sampled_from([2, 64]),
+        async_scheduling=st.sampled_from(["off", "on"]),
     )
-    def setup(self, slots: int, kv_blocks: int, max_num_seqs: int) -> None:
+    def setup(self, slots: int, kv_blocks: int, max_num_seqs: int, async_scheduling: str) -> None:
         self.executor, self.copies = ManualExecutor(), ManualCopyEngine()
 
         def manager(**kwargs: object) -> LoRAManager:
@@ -186,18 +187,19 @@ class SlotPoolMachine(RuleBasedStateMachine):
             model="builtin:tiny", device="cpu", max_loras=slots, max_lora_rank=MAX_RANK,
             kv_cache_bytes=kv_blocks * KV_BLOCK_BYTES,
             max_num_seqs=max_num_seqs, aging_steps=10**9,  # no aging barrier: every queued request's adapter is needed
+            async_scheduling=async_scheduling,  # on: each step runs on the device worker while the next is planned
         )
         with mock.patch("inference_service.model_runner.LoRAManager", manager), \
                 mock.patch("inference_service.model_runner.make_copy_engine", lambda *a: self.copies):
             self.core = EngineCore(config)
         assert self.core.runner.kv.num_blocks == kv_blocks
-        real_run = self.core.runner.run
+        real_plan = self.core.runner.plan
 
-        def checked_run(batch):
+        def checked_plan(batch):  # every step is planned here, with or without async scheduling
             self._check_batch(batch)
-            return real_run(batch)
+            return real_plan(batch)
 
-        self.core.runner.run = checked_run  # type: ignore[method-assign]
+        self.core.runner.plan = checked_plan  # type: ignore[method-assign]
 
     # ---- rules ----
 
@@ -386,7 +388,9 @@ class SlotPoolMachine(RuleBasedStateMachine):
             assert torch.equal(b_buf[slot], b_exp), f"slot {slot} ({uid}) B of {key} is not its adapter's"
 
     def _check_batch(self, batch) -> None:
-        """At every forward: each adapter is LOADED with exactly its weights; no more adapters than slots."""
+        """At every step's plan: each adapter is LOADED with exactly its weights; no more adapters than
+        slots. (A live request's reference keeps its slot from reloading until its step has run: the
+        invariants check protected slots are never overwritten.)"""
         self.batches += 1
         uids = {r.adapter_uid for r, _ in batch.items if r.adapter_uid is not None}
         assert len(uids) <= self.lora._pool.num_slots
