@@ -245,10 +245,11 @@ SIM_PROMPTS = [[(i * 31 + j) % 200 + 3 for j in range(SIM_PROMPT_TOKENS)] for i 
 
 
 def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_limit: int, tmp: Path,
-                     async_scheduling: str = "on") -> Server:
+                     async_scheduling: str = "on", stream_interval: int = 1) -> Server:
     """The simulated-accelerator server, sized so `streams` requests run (and prefill) in one step."""
     # --async-scheduling on: the stand-in is an accelerator (auto turns it on for one, off on CPU)
-    args = ["--engine-core", engine_core, "--async-scheduling", async_scheduling, "--model", "builtin:tiny",
+    args = ["--engine-core", engine_core, "--async-scheduling", async_scheduling,
+            "--stream-interval", str(stream_interval), "--model", "builtin:tiny",
             "--device", "cpu",
             "--max-num-seqs", str(streams), "--max-queue", str(streams),
             "--max-num-batched-tokens", str(streams * SIM_PROMPT_TOKENS),
@@ -259,9 +260,9 @@ def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_
 def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
     result_256 = None
     prompts = SIM_PROMPTS
-    for engine_core, overlap, step_ms, streams in itertools.product(args.engine_core, args.async_scheduling,
-                                                                     args.sim_step_ms, args.streams):
-        server = start_sim_server(engine_core, step_ms, streams, args.sim_new_tokens, tmp, overlap)
+    for engine_core, overlap, interval, step_ms, streams in itertools.product(
+            args.engine_core, args.async_scheduling, args.stream_interval, args.sim_step_ms, args.streams):
+        server = start_sim_server(engine_core, step_ms, streams, args.sim_new_tokens, tmp, overlap, interval)
         try:
             generate_load(server, min(streams, 16), 8, prompts, [], 1)  # warm-up
             r = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
@@ -269,11 +270,12 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
             server.stop()
         ideal = streams * 1000.0 / step_ms
         eff = r.tokens / r.wall_s / ideal
-        print(f"sim core={engine_core:7s} async={overlap:3s} step {step_ms:4.1f} ms, {streams:5d} streams: {r.line()}  "
+        print(f"sim core={engine_core:7s} async={overlap:3s} interval={interval} step {step_ms:4.1f} ms, "
+              f"{streams:5d} streams: {r.line()}  "
               f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f} "
               f"(steady state {r.steady_tok_s / ideal:.3f})", flush=True)
-        last = (args.engine_core[-1], args.async_scheduling[-1])
-        if streams == 256 and step_ms == 10 and (engine_core, overlap) == last:
+        last = (args.engine_core[-1], args.async_scheduling[-1], args.stream_interval[-1])
+        if streams == 256 and step_ms == 10 and (engine_core, overlap, interval) == last:
             result_256 = eff
     return result_256
 
@@ -406,6 +408,8 @@ def main() -> int:
     p.add_argument("--sim-new-tokens", type=int, default=128)
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
     p.add_argument("--real-streams", type=int, default=32)
+    p.add_argument("--stream-interval", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="the simulated servers' --stream-interval; 1,8 compares (the RESULT uses the last)")
     p.add_argument("--async-scheduling", type=lambda s: s.split(","), default=["on"],
                    help="the simulated servers' --async-scheduling; off,on compares (the RESULT uses the last)")
     p.add_argument("--engine-core", type=lambda s: s.split(","), default=["process"],

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--async-scheduling", "on: each step runs on a device thread while the scheduler plans the next one "
          "(the scheduler's CPU time hides behind the accelerator's); auto: on for accelerators, off on CPU",
          default=EngineConfig.async_scheduling, choices=("auto", "on", "off"))
+    _add(g, "--stream-interval", "tokens per streamed message after a request's first token (its end is sent at "
+         "once); 1 sends every token as it comes. Larger values cut the messages, and the front end's CPU, at "
+         "hundreds of concurrent streams", type=int, default=EngineConfig.stream_interval)
     _add(g, "--tokenizer", "auto: the checkpoint's tokenizer.json (required); byte: UTF-8 bytes as token ids",
          default=EngineConfig.tokenizer, choices=("auto", "byte"))
 
@@ -167,6 +170,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             raise ValueError("--adapter-resolver needs --adapter-source-allow covering its URIs")
     if args.shutdown_grace_s < 0 or args.drain_delay_s < 0 or args.watchdog_stall_s < 0:
         raise ValueError("--shutdown-grace-s, --drain-delay-s and --watchdog-stall-s must be >= 0")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
     reason = admin_disabled_reason(args.listen, token, args.insecure_admin)
     if reason:
         log.warning("%s", reason)
@@ -199,6 +204,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         ),
         tokenizer=args.tokenizer,
         async_scheduling=args.async_scheduling,
+        stream_interval=args.stream_interval,
     )
     server_cfg = ServerConfig(
         listen=args.listen,

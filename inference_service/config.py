@@ -55,6 +55,9 @@ class EngineConfig:
     # --async-scheduling, SGLang's overlap scheduler); auto: on for accelerators, off on CPU, where
     # the model's threads are the cores the scheduler would overlap with
     async_scheduling: str = "auto"  # auto | on | off
+    # Front ends: tokens per streamed message after a request's first (its end is sent at once);
+    # 1 sends each token as it comes to a client that keeps up
+    stream_interval: int = 1
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

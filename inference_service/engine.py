@@ -207,7 +207,7 @@ class Engine:
         self.config = config
         self.tokenizer = self.core.tokenizer
         self.model_info = self.core.model_info
-        self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs)
+        self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs, config.stream_interval)
         self._thread = CoreThread(self.core, self.streams.deliver)
 
     def start(self) -> None:

@@ -247,7 +247,7 @@ class ProcessEngine:
             self._process.join(10)
             raise hello[1]
         _, self.model_info, self.tokenizer, self._stats = hello
-        self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs)
+        self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs, config.stream_interval)
         self._adapter_names: frozenset[str] = frozenset()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()

@@ -3,9 +3,12 @@
 The engine hands a whole step's outputs over once (`StreamTable.deliver`, from whichever thread
 receives them); each `RequestStream` keeps at most ONE pending output: a consumer that lags gets
 everything produced meanwhile coalesced into one delta, so a client that stops reading holds one
-message (bounded by its max_new_tokens) and never stalls the engine. Detokenization happens here,
-on the consumer's side, when the consumer takes an output: never on the scheduler thread (the
-core detokenizes only requests with stop strings, which must end at an exact token).
+message (bounded by its max_new_tokens) and never stalls the engine. With a stream interval of N
+(`--stream-interval`, vLLM's and SGLang's knob) a stream sends its first token at once, then a
+message per N tokens, and its end at once: fewer messages for the front end at hundreds of streams.
+Detokenization happens here, on the consumer's side, when the consumer takes an output: never on
+the scheduler thread (the core detokenizes only requests with stop strings, which must end at an
+exact token).
 """
 
 from __future__ import annotations
@@ -52,11 +55,14 @@ class StreamText:
 class RequestStream:
     """One request's outputs; iterate it sync (any thread) or async (on the loop it was made on)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, text: StreamText) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None, text: StreamText,
+                 interval: int = 1) -> None:
         self.request_id = request_id
         self.loop = loop
         self._text = text
+        self._interval = interval  # tokens per message after the first (the end is sent at once)
         self._pending: RequestOutput | None = None
+        self._sent = False  # the first output was taken
         self._done = False
         # Async streams are fed on their loop (one call_soon_threadsafe per step); sync ones from
         # the delivering thread, so they need a lock.
@@ -69,15 +75,23 @@ class RequestStream:
         pending = self._pending
         return len(pending.new_token_ids) if pending is not None else 0
 
+    def _takeable(self) -> bool:
+        """A message is due: the first token, the end, or `interval` tokens since the last one."""
+        pending = self._pending
+        return pending is not None and (not self._sent or pending.finished
+                                        or len(pending.new_token_ids) >= self._interval)
+
     def put(self, output: RequestOutput) -> None:
         if self._cond is None:
             self._merge(output)
             assert self._ready is not None
-            self._ready.set()
+            if self._takeable():
+                self._ready.set()
             return
         with self._cond:
             self._merge(output)
-            self._cond.notify()
+            if self._takeable():
+                self._cond.notify()
 
     def _merge(self, output: RequestOutput) -> None:
         if self._pending is None:
@@ -88,6 +102,7 @@ class RequestStream:
     def _take(self) -> RequestOutput:
         output, self._pending = self._pending, None
         assert output is not None
+        self._sent = True
         self._text.fill(output)
         return output
 
@@ -95,7 +110,7 @@ class RequestStream:
         assert self._cond is not None, "this stream was made in an event loop: iterate it with `async for`"
         while not self._done:
             with self._cond:
-                while self._pending is None:
+                while not self._takeable():
                     self._cond.wait()
                 output = self._take()
             self._done = output.finished
@@ -104,7 +119,7 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         assert self._ready is not None, "create the stream inside a running event loop to iterate async"
         while not self._done:
-            if self._pending is None:
+            if not self._takeable():
                 self._ready.clear()
                 await self._ready.wait()
                 continue
@@ -116,9 +131,10 @@ class RequestStream:
 class StreamTable:
     """The open streams of one engine, by request id: admission, delivery, and failing them all."""
 
-    def __init__(self, tokenizer: Tokenizer, capacity: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, capacity: int, stream_interval: int = 1) -> None:
         self._tokenizer = tokenizer
         self._capacity = capacity  # waiting + running requests the engine accepts
+        self._interval = stream_interval
         self._streams: dict[str, RequestStream] = {}
         self._backlogs: dict[asyncio.AbstractEventLoop, collections.deque[tuple[RequestStream, RequestOutput]]] = {}
         self._draining: set[asyncio.AbstractEventLoop] = set()  # loops with a _drain scheduled
@@ -132,7 +148,7 @@ class StreamTable:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        stream = RequestStream(request_id, loop, StreamText(self._tokenizer, prompt_token_ids, params))
+        stream = RequestStream(request_id, loop, StreamText(self._tokenizer, prompt_token_ids, params), self._interval)
         with self._lock:
             if len(self._streams) >= self._capacity:
                 raise ResourceExhaustedError(f"the request queue is full ({len(self._streams)} requests)")

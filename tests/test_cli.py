@@ -21,6 +21,7 @@ FLAGS = [
     "--max-stop-token-ids", "--max-prompt-chars", "--max-request-id-length", "--max-registered-adapters",
     "--host-load-workers", "--adapter-load-timeout-s",
     "--dtype", "--max-model-len", "--preload-reload-s", "--watchdog-stall-s", "--shutdown-grace-s", "--drain-delay-s",
+    "--async-scheduling", "--stream-interval",
 ]
 
 
@@ -75,6 +76,12 @@ def test_configs_from_args(tmp_path, monkeypatch):
     assert [e.name for e in server_cfg.preload] == ["a", "b"] and server_cfg.preload[0].pinned
     assert not server_cfg.preload[1].pinned and server_cfg.preload_file == str(preload)
     assert engine_cfg.dtype == "auto" and server_cfg.shutdown_grace_s == 30.0
+    assert (engine_cfg.async_scheduling, engine_cfg.stream_interval) == ("auto", 1)
+    engine_cfg, _ = cli.configs_from_args(cli.build_parser().parse_args(
+        ["--async-scheduling", "on", "--stream-interval", "8"]))
+    assert (engine_cfg.async_scheduling, engine_cfg.stream_interval) == ("on", 8)
+    with pytest.raises(ValueError, match="--stream-interval must be >= 1"):
+        cli.configs_from_args(cli.build_parser().parse_args(["--stream-interval", "0"]))
 
 
 def test_preload_file_entries_are_checked(tmp_path):

@@ -134,3 +134,22 @@ def test_a_killed_front_end_takes_its_core_process_with_it(tmp_path: Path) -> No
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
     _wait(lambda: not _alive(core), 15, "the orphaned core process to exit")
+
+
+def test_stream_interval_groups_the_tokens_of_each_message(tmp_path: Path) -> None:
+    """`--stream-interval 4`: the first token at once, then messages of at least 4 tokens (more only
+    when the client lags), the end at once; the same tokens as one message per token."""
+    server = start_inference_server(["--stream-interval", "4"], log_dir=tmp_path)
+    try:
+        with InferenceClient(server.address) as client:
+            messages = list(client.generate("group", max_new_tokens=10, ignore_eos=True, timeout=60))
+        sizes = [len(m.token_ids) for m in messages]
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 10, sizes
+        assert len(messages) <= 4 and messages[-1].usage.generated_tokens == 10
+    finally:
+        server.stop()
+    default = start_inference_server([], log_dir=tmp_path)
+    try:
+        assert _tokens(default.address, "group", n=10) == [t for m in messages for t in m.token_ids]
+    finally:
+        default.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -131,3 +132,54 @@ def test_outputs_reach_each_stream_in_order_when_steps_outrun_the_chunked_wakeup
     asyncio.run(run())
     assert got == {f"r{i}": [100, 101] for i in range(n)}
     assert len(table) == 0
+
+
+@pytest.mark.parametrize("interval", [3, 5])
+def test_a_stream_interval_sends_the_first_token_then_every_n_tokens_and_the_end_at_once(interval: int) -> None:
+    table = StreamTable(ByteTokenizer(), capacity=4, stream_interval=interval)
+    got: list[RequestOutput] = []
+
+    async def run() -> None:
+        stream = table.open("r", PROMPT, SamplingParams())
+
+        async def feed() -> None:
+            for out in _deltas(TEXT_IDS):
+                await asyncio.to_thread(table.deliver, [out])
+                await asyncio.sleep(0.002)  # the consumer keeps up: only the interval groups tokens
+
+        feeder = asyncio.ensure_future(feed())
+        async for out in stream:
+            got.append(out)
+        await feeder
+
+    asyncio.run(run())
+    sizes = [len(o.new_token_ids) for o in got]
+    full, rest = divmod(len(TEXT_IDS) - 1, interval)
+    assert sizes == [1] + [interval] * full + ([rest] if rest else []), sizes
+    assert [t for o in got for t in o.new_token_ids] == TEXT_IDS
+    assert "".join(o.text for o in got) == "naïve ✓ done" and got[-1].finished
+
+
+def test_a_stream_interval_holds_tokens_until_due_and_sends_the_end_at_once() -> None:
+    table = StreamTable(ByteTokenizer(), capacity=4, stream_interval=4)
+    stream = table.open("r", PROMPT, SamplingParams())
+    outs = _deltas(TEXT_IDS[:4])
+    got: list[RequestOutput] = []
+    reader = threading.Thread(target=lambda: got.extend(stream))  # a synchronous consumer
+    reader.start()
+    table.deliver([outs[0]])
+    _wait(lambda: len(got) == 1)  # the first token: at once
+    table.deliver(outs[1:3])
+    time.sleep(0.05)
+    assert len(got) == 1 and stream.pending_tokens == 2  # 2 < 4 tokens: not due yet
+    table.deliver([outs[3]])  # the end: at once, with the 3 tokens pending
+    reader.join(10)
+    assert not reader.is_alive()
+    assert [o.new_token_ids for o in got] == [TEXT_IDS[:1], TEXT_IDS[1:4]] and got[-1].finished
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
