@@ -189,11 +189,12 @@ class EngineCore:
                 self.scheduler.launched(batch)
                 self.scheduler.postprocess(batch, results, self.outputs.on_token)
             return self.outputs.take(self.scheduler.take_finished())
-        previous, self._in_flight = self._in_flight, None
+        previous, launched = self._in_flight, None
         if batch:
-            rows = self.runner.plan(batch)
+            rows = self.runner.plan(batch)  # if this raises, the step in flight stays there for fail_running
             self.scheduler.launched(batch)
-            self._in_flight = (batch, self._device_worker.submit(self._execute, rows))
+            launched = (batch, self._device_worker.submit(self._execute, rows))
+        self._in_flight = launched
         if previous is not None:
             self.scheduler.postprocess(previous[0], previous[1].result(), self.outputs.on_token)
         return self.outputs.take(self.scheduler.take_finished())

@@ -18,11 +18,13 @@ tests/test_scheduler.py runs its preemption and abort-storm tests in both modes.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from adapter_cache.errors import LoraplexError
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.config import EngineConfig
@@ -210,4 +212,57 @@ def test_a_forward_pass_failing_on_the_device_worker_ends_only_that_request(adap
         assert [t for o in outputs[rid] for t in o.new_token_ids] == expected[rid]
         assert outputs[rid][-1].finish_reason is FinishReason.LENGTH
     assert core.runner.kv.num_used == 0 and not core.has_work()
+    core.shutdown()
+
+
+def test_a_failed_step_with_one_in_flight_ends_the_running_requests_and_leaves_nothing(adapters, monkeypatch):
+    """A bug in planning (a patch: it cannot be caused for real) while a step runs on the device
+    worker: the scheduler thread's recovery (`fail_running`, as CoreThread calls it) waits for the
+    launched step, ends every running request and every one owed a token, releases everything, and
+    the engine serves the next request."""
+    core = _core("on", adapters)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for i, adapter in enumerate(("a0", None, "a1")):
+        core.add_request(Request(f"r{i}", _prompt(i), params), adapter)
+    for _ in range(2000):  # until every request streams
+        core.step()
+        if len(core.scheduler.running) == 3 and core.step_in_flight:
+            break
+    real_plan, real_execute = core.runner.plan, core.runner.execute
+    release, ran = threading.Event(), threading.Event()
+    held: set[int] = set()  # the rows of the step that runs until the test releases it
+
+    def execute(rows, previous):  # patch: that step waits for `release`
+        if id(rows) in held:
+            assert release.wait(30)
+        results = real_execute(rows, previous)
+        if id(rows) in held:
+            ran.set()
+        return results
+
+    def plan_held(batch):  # patch: the next step is held on the worker...
+        rows = real_plan(batch)
+        held.add(id(rows))
+        core.runner.plan = plan_failing
+        return rows
+
+    def plan_failing(batch):  # ...and planning the one after it raises, once
+        core.runner.plan = real_plan
+        raise RuntimeError("simulated planning bug")
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    monkeypatch.setattr(core.runner, "plan", plan_held)
+    core.step()  # launches the held step, completes the one before it
+    with pytest.raises(RuntimeError, match="simulated planning bug"):
+        core.step()
+    assert core.step_in_flight and not ran.is_set()
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    outputs = core.fail_running(LoraplexError("internal error in the scheduler step"))
+    assert ran.is_set() and time.monotonic() - started >= 0.25  # it waited for the step in flight
+    assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]
+    assert all(o.finished and o.finish_reason is FinishReason.ERROR for o in outputs)
+    assert not core.has_work() and core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+    core.add_request(Request("after", _prompt(5), SamplingParams(max_new_tokens=5, ignore_eos=True)), "a0")
+    assert sum(len(o.new_token_ids) for o in run_to_completion(core)["after"]) == 5
     core.shutdown()
