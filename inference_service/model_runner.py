@@ -46,7 +46,7 @@ class PlannedRow:
     request_id: str
     start: int  # first position computed
     input_ids: list[int]  # tokens [start, end); a pending row's last one is filled in by execute
-    pending: bool  # the last input is the request's sample from the previous step, not appended yet
+    pending: bool  # the last input is the request's sample from the previous step, not filled in yet
     block_table: list[int]  # the request's table then (tables are replaced, never changed in place)
     slot: int  # LoRA slot (-1: the base model)
     rank: int
@@ -154,12 +154,13 @@ class ModelRunner:
         reach their end. The token is negative where that row could not be sampled
         (`sampling.NON_FINITE`, `SAMPLING_FAILED`): the engine ends that request alone."""
         for row in rows:
-            if row.pending:
+            if row.pending:  # filled in once: a row run again after a failed pass finds it done
                 # A negative code (no token was sampled) ends that request when its step is
                 # postprocessed: this row's result is dropped then, any input will do.
                 row.input_ids[-1] = max(previous[row.request_id], 0)
                 if row.samples and row.params.processes_logits:
                     row.output_token_ids.append(row.input_ids[-1])
+                row.pending = False
         forward, sampled = self._tensors(rows)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():

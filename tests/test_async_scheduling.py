@@ -27,6 +27,7 @@ import torch
 from adapter_cache.errors import LoraplexError
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
+from inference_service import model_runner
 from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
 from inference_service.kv_cache import kv_bytes_per_block
@@ -266,3 +267,46 @@ def test_a_failed_step_with_one_in_flight_ends_the_running_requests_and_leaves_n
     core.add_request(Request("after", _prompt(5), SamplingParams(max_new_tokens=5, ignore_eos=True)), "a0")
     assert sum(len(o.new_token_ids) for o in run_to_completion(core)["after"]) == 5
     core.shutdown()
+
+
+def test_a_batch_that_fails_once_and_runs_again_row_by_row_serves_the_same_tokens(adapters, monkeypatch):
+    """A forward pass that fails for the whole batch once (a patch: a transient kernel failure) runs
+    again one row at a time; rows whose last input was pending (filled in from the step before) and
+    whose penalties read the history must be filled in once, not once per attempt."""
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=2.0,
+                            presence_penalty=1.0)
+    prompts = {"a": _prompt(0), "b": _prompt(1), "c": _prompt(2)}
+
+    def serve(core: EngineCore) -> dict[str, list[int]]:
+        for rid, prompt in prompts.items():
+            core.add_request(Request(rid, prompt, params), None)
+        outputs = run_to_completion(core)
+        core.shutdown()
+        return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
+
+    expected = serve(_core("on", {}))
+    core = _core("on", {})
+    real_tensors = core.runner._tensors
+    calls = {"n": 0}
+
+    def tensors(rows):  # patch: every 4th multi-row pass fails once, inside execute; its rows then run alone
+        if len(rows) > 1:
+            calls["n"] += 1
+            if calls["n"] % 4 == 0:
+                raise RuntimeError("simulated transient kernel failure")
+        return real_tensors(rows)
+
+    histories: list[tuple[int, int]] = []  # (history length, outputs before the sampled token)
+
+    def process_logits(logits, rows, eos_token_ids):  # a spy: what the penalties read
+        histories.extend((len(r.output_token_ids), r.start + len(r.input_ids) - len(r.prompt_token_ids))
+                         for r in rows)
+        return real_process_logits(logits, rows, eos_token_ids)
+
+    real_process_logits = model_runner.process_logits
+    monkeypatch.setattr(core.runner, "_tensors", tensors)
+    monkeypatch.setattr(model_runner, "process_logits", process_logits)
+    assert serve(core) == expected
+    assert calls["n"] >= 8
+    # Every row's penalties saw exactly the outputs before its token: never one twice.
+    assert histories and all(seen == before for seen, before in histories), histories
