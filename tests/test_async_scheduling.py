@@ -26,7 +26,7 @@ import torch
 
 from adapter_cache.errors import LoraplexError
 from harness.adapters import write_tiny_adapter
-from harness.engine_helpers import load_adapters, run_to_completion
+from harness.engine_helpers import generate, load_adapters, run_to_completion
 from inference_service import model_runner
 from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
@@ -189,9 +189,7 @@ def test_a_forward_pass_failing_on_the_device_worker_ends_only_that_request(adap
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = {"a": _prompt(0), "b": _prompt(1), "c": _prompt(2)}
     reference = _core("on", {})
-    for rid, prompt in prompts.items():
-        reference.add_request(Request(rid, prompt, params), None)
-    expected = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in run_to_completion(reference).items()}
+    expected = generate(reference, {rid: (prompt, None) for rid, prompt in prompts.items()}, params)
     reference.shutdown()
 
     core = _core("on", {})
@@ -275,16 +273,10 @@ def test_a_batch_that_fails_once_and_runs_again_row_by_row_serves_the_same_token
     whose penalties read the history must be filled in once, not once per attempt."""
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=2.0,
                             presence_penalty=1.0)
-    prompts = {"a": _prompt(0), "b": _prompt(1), "c": _prompt(2)}
-
-    def serve(core: EngineCore) -> dict[str, list[int]]:
-        for rid, prompt in prompts.items():
-            core.add_request(Request(rid, prompt, params), None)
-        outputs = run_to_completion(core)
-        core.shutdown()
-        return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
-
-    expected = serve(_core("on", {}))
+    prompts = {rid: (_prompt(i), None) for i, rid in enumerate("abc")}
+    reference = _core("on", {})
+    expected = generate(reference, prompts, params)
+    reference.shutdown()
     core = _core("on", {})
     real_tensors = core.runner._tensors
     calls = {"n": 0}
@@ -306,7 +298,8 @@ def test_a_batch_that_fails_once_and_runs_again_row_by_row_serves_the_same_token
     real_process_logits = model_runner.process_logits
     monkeypatch.setattr(core.runner, "_tensors", tensors)
     monkeypatch.setattr(model_runner, "process_logits", process_logits)
-    assert serve(core) == expected
+    assert generate(core, prompts, params) == expected
+    core.shutdown()
     assert calls["n"] >= 8
     # Every row's penalties saw exactly the outputs before its token: never one twice.
     assert histories and all(seen == before for seen, before in histories), histories
