@@ -35,6 +35,7 @@ import ctypes
 import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -144,33 +145,55 @@ def client_main(spec_json: str) -> None:
 
     spec = json.loads(spec_json)
 
-    async def one(stub, i: int) -> dict:
-        adapters = spec["adapters"]
+    async def request(stub, i: int, k: int) -> dict:
+        adapters, prompts = spec["adapters"], spec["prompts"]
         adapter = adapters[i % len(adapters)] if adapters else ""
-        req = pb.GenerateRequest(adapter=adapter, max_new_tokens=spec["new_tokens"], ignore_eos=True)
-        req.token_ids.ids.extend(spec["prompts"][i % len(spec["prompts"])])
+        # Sustained: lengths vary around the mean like real traffic's (uniform within +-50%, seeded),
+        # so the streams' turnovers spread out instead of staying in lockstep with the first burst.
+        length = spec["new_tokens"] if k == 0 or spec["until"] is None else \
+            random.Random(i * 7919 + k).randint(spec["new_tokens"] // 2, spec["new_tokens"] * 3 // 2)
+        req = pb.GenerateRequest(adapter=adapter, max_new_tokens=length, ignore_eos=True)
+        req.token_ids.ids.extend(prompts[(i + k) % len(prompts)])
         sent = time.time()
         arrivals, counts = [], []
         async for msg in stub.Generate(req):
             arrivals.append(time.time())
             counts.append(len(msg.token_ids))
-        return {"sent": sent, "arrivals": arrivals, "counts": counts, "tokens": sum(counts)}
+        return {"sent": sent, "arrivals": arrivals, "counts": counts, "tokens": sum(counts), "length": length}
 
-    async def run() -> list[dict]:
+    async def one(stub, i: int) -> list[dict]:
+        # burst: one request per stream; sustained: the stream sends its next request as soon as the
+        # last one ends, until `until` (a closed loop, like benchmark_serving's --max-concurrency)
+        done = [await request(stub, i, 0)]
+        while spec["until"] is not None and time.time() < spec["until"]:
+            done.append(await request(stub, i, len(done)))
+        return done
+
+    def cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    async def cpu_at(moment: float) -> float:
+        await asyncio.sleep(max(0.0, moment - time.time()))
+        return cpu_s()
+
+    async def run() -> tuple[list[dict], float]:
         channels = [grpc.aio.insecure_channel(spec["address"]) for _ in range(spec["channels"])]
         stubs = [pb_grpc.InferenceStub(ch) for ch in channels]
         for ch in channels:
             await ch.channel_ready()
         await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
+        window = [asyncio.ensure_future(cpu_at(t)) for t in spec["window"] or ()]
         results = await asyncio.gather(*(one(stubs[i % len(stubs)], spec["first"] + i)
                                          for i in range(spec["streams"])))
+        window_cpu = window[1].result() - window[0].result() if window else None
         for ch in channels:
             await ch.close()
-        return list(results)
+        return [r for stream in results for r in stream], window_cpu
 
-    results = asyncio.run(run())
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"streams": results, "cpu_s": usage.ru_utime + usage.ru_stime}))
+    t0 = cpu_s()
+    results, window_cpu = asyncio.run(run())
+    print(json.dumps({"requests": results, "cpu_s": cpu_s() - t0 if window_cpu is None else window_cpu}))
 
 
 def stalled_reader_main(address: str, new_tokens: int) -> None:
@@ -213,32 +236,57 @@ class LoadResult:
 
 
 def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[list[int]],
-                  adapters: list[str], clients: int) -> LoadResult:
+                  adapters: list[str], clients: int, sustain_s: float | None = None) -> LoadResult:
+    """`streams` concurrent streams from `clients` processes, all starting at once.
+
+    Burst (`sustain_s` None): one request per stream, measured from the start to the last token, so the
+    intake of the synchronized burst counts in full. Sustained: every stream sends its next request as
+    soon as its last one ends, and the figures cover `sustain_s` seconds after a settling period as long
+    as one request (the tokens that arrived in that window, the requests sent in it, each process's CPU
+    over it), so every request's turnaround counts but the one-off burst at the start does not."""
     start_at = time.time() + 1.5  # every client process connected and waiting by then
+    window = None
+    if sustain_s is not None:
+        settle = max(1.0, new_tokens * 0.015)
+        window = (start_at + settle, start_at + settle + sustain_s)
     per = [streams // clients + (1 if i < streams % clients else 0) for i in range(clients)]
     procs, first = [], 0
     for n in per:
         spec = {"address": server.address, "streams": n, "first": first, "new_tokens": new_tokens,
-                "prompts": prompts, "adapters": adapters, "channels": max(1, n // 64), "start_at": start_at}
+                "prompts": prompts, "adapters": adapters, "channels": max(1, n // 64), "start_at": start_at,
+                "until": window[1] if window else None, "window": window}
         first += n
         procs.append(subprocess.Popen([sys.executable, __file__, "_client", json.dumps(spec)], cwd=ROOT,
                                       env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE))
-    cpu0 = None
-    while time.time() < start_at - 0.05:
-        time.sleep(0.01)
-    cpu0 = server.cpu_seconds()
+    server_cpu = []
+    for moment in window or (start_at,):
+        while time.time() < moment - 0.05:
+            time.sleep(0.01)
+        time.sleep(max(0.0, moment - time.time()))
+        server_cpu.append(server.cpu_seconds())
     outs = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
-    server_cpu = server.cpu_seconds() - cpu0
-    all_streams = [s for o in outs for s in o["streams"]]
-    end = max(s["arrivals"][-1] for s in all_streams)
-    tokens = sum(s["tokens"] for s in all_streams)
-    assert tokens == streams * new_tokens, f"{tokens} tokens, expected {streams * new_tokens}"
-    itl = [b - a for s in all_streams for a, b in zip(s["arrivals"], s["arrivals"][1:], strict=False)]
-    lo, hi = max(s["arrivals"][0] for s in all_streams), min(s["arrivals"][-1] for s in all_streams)
-    steady = sum(n for s in all_streams for t, n in zip(s["arrivals"], s["counts"], strict=True) if lo < t <= hi)
-    return LoadResult(tokens, sum(len(s["arrivals"]) for s in all_streams), end - start_at, server_cpu,
-                      sum(o["cpu_s"] for o in outs), [s["arrivals"][0] - s["sent"] for s in all_streams], itl,
-                      steady / (hi - lo) if hi > lo else float("nan"))
+    if window is None:
+        server_cpu.append(server.cpu_seconds())
+    requests = [r for o in outs for r in o["requests"]]
+    assert all(r["tokens"] == r["length"] for r in requests), "a request ended short"
+    lo, hi = window or (start_at, max(r["arrivals"][-1] for r in requests))
+    tokens = messages = 0
+    itl, ttft = [], []
+    for r in requests:
+        in_window = [(t, n) for t, n in zip(r["arrivals"], r["counts"], strict=True) if lo <= t <= hi]
+        tokens += sum(n for _, n in in_window)
+        messages += len(in_window)
+        itl += [b - a for a, b in itertools.pairwise(r["arrivals"]) if lo <= b <= hi]
+        if lo <= r["sent"] <= hi:
+            ttft.append(r["arrivals"][0] - r["sent"])
+    steady = float("nan")
+    if window is None:  # while every stream was streaming: the last first token to the first last one
+        s_lo, s_hi = max(r["arrivals"][0] for r in requests), min(r["arrivals"][-1] for r in requests)
+        if s_hi > s_lo:
+            steady = sum(n for r in requests for t, n in zip(r["arrivals"], r["counts"], strict=True)
+                         if s_lo < t <= s_hi) / (s_hi - s_lo)
+    return LoadResult(tokens, messages, hi - lo, server_cpu[1] - server_cpu[0], sum(o["cpu_s"] for o in outs),
+                      ttft, itl, steady)
 
 
 # ---- regimes -----------------------------------------------------------------------------------------
@@ -265,21 +313,24 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
     prompts = SIM_PROMPTS
     for engine_core, overlap, interval, step_ms, streams in itertools.product(
             args.engine_core, args.async_scheduling, args.stream_interval, args.sim_step_ms, args.streams):
-        server = start_sim_server(engine_core, step_ms, streams, args.sim_new_tokens, tmp, overlap, interval)
+        server = start_sim_server(engine_core, step_ms, streams, args.sim_new_tokens * 2, tmp, overlap, interval)
         try:
             generate_load(server, min(streams, 16), 8, prompts, [], 1)  # warm-up
-            r = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
+            runs = [(load, generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients,
+                                         args.sustain_s if load == "sustained" else None))
+                    for load in args.load]
         finally:
             server.stop()
         ideal = streams * 1000.0 / step_ms
-        eff = r.tokens / r.wall_s / ideal
-        print(f"sim core={engine_core:7s} async={overlap:3s} interval={interval} step {step_ms:4.1f} ms, "
-              f"{streams:5d} streams: {r.line()}  "
-              f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f} "
-              f"(steady state {r.steady_tok_s / ideal:.3f})", flush=True)
-        last = (args.engine_core[-1], args.async_scheduling[-1], args.stream_interval[-1])
-        if streams == 256 and step_ms == 10 and (engine_core, overlap, interval) == last:
-            result_256 = eff
+        for load, r in runs:
+            eff = r.tokens / r.wall_s / ideal
+            steady = f" (steady state {r.steady_tok_s / ideal:.3f})" if load == "burst" else ""
+            print(f"sim core={engine_core:7s} async={overlap:3s} interval={interval} step {step_ms:4.1f} ms, "
+                  f"{streams:5d} streams, {load:9s}: {r.line()}  "
+                  f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f}{steady}", flush=True)
+            last = (args.engine_core[-1], args.async_scheduling[-1], args.stream_interval[-1], args.load[-1])
+            if streams == 256 and step_ms == 10 and (engine_core, overlap, interval, load) == last:
+                result_256 = eff
     return result_256
 
 
@@ -410,6 +461,11 @@ def main() -> int:
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
     p.add_argument("--sim-new-tokens", type=int, default=128)
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--load", type=lambda s: s.split(","), default=["burst", "sustained"],
+                   help="burst: one request per stream, all sent at once, measured to the last token; "
+                   "sustained: each stream sends its next request when the last ends, measured over "
+                   "--sustain-s after settling (the RESULT uses the last)")
+    p.add_argument("--sustain-s", type=float, default=8.0)
     p.add_argument("--real-streams", type=int, default=32)
     p.add_argument("--stream-interval", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
                    help="the simulated servers' --stream-interval (1: a message per token; the RESULT uses the "

@@ -290,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference_service.engine import Engine
     from inference_service.engine_process import ProcessEngine
+    from inference_service.heap import freeze_startup_objects
     from inference_service.metrics import EngineCollector, build_registry, serve_metrics
     from inference_service.residency import ResidencyCollector
 
@@ -302,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry.register(EngineCollector(engine.stats))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     engine.start()
+    # Here, not in serve(): a process that runs many servers (the tests) would keep their cycles.
+    freeze_startup_objects()
     metrics_server = None
     try:
         if server_cfg.metrics_port:

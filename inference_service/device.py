@@ -24,10 +24,11 @@ from inference_service.kernels.copy import CopyJob, PassGate
 log = logging.getLogger(__name__)
 
 BACKGROUND_NICENESS = 10
-# The longest the scheduler thread waits for the GIL while a loader thread runs Python (parsing an
-# adapter, setting up a copy). With Python's default, 5 ms, that wait can land whole in one
-# inter-token gap of a ~12 ms decode step.
-LOADER_GIL_SWITCH_INTERVAL_S = 0.0005
+# The longest a thread that must act now waits for the GIL while another runs Python: the scheduler
+# thread while a loader thread parses an adapter or sets up a copy, and the async device worker,
+# back from a step, while the scheduler thread plans the next. With Python's default, 5 ms, that
+# wait can land whole in one inter-token gap of a ~10 ms decode step.
+GIL_SWITCH_INTERVAL_S = 0.0005
 # See ThreadCopyEngine: during a forward pass, one piece of a copy (~30 µs) each this often.
 PASS_PIECE_INTERVAL_S = 0.0003
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
@@ -172,13 +173,18 @@ class CudaCopyEngine:
         self._stream.synchronize()
 
 
+def shorten_gil_switch_interval() -> None:
+    """For a process with a thread that must not wait long for the GIL (see GIL_SWITCH_INTERVAL_S)."""
+    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+
 def background_worker_thread(niceness: int = BACKGROUND_NICENESS) -> None:
     """Set-up of loader threads (host preparation, CPU slot copies), which run beside the model:
     one torch thread each, a lower CPU priority, a shorter GIL switch interval for the process
     (why: docs/architecture.md, "CPU copy overlap")."""
     torch.set_num_threads(1)
-    if sys.getswitchinterval() > LOADER_GIL_SWITCH_INTERVAL_S:
-        sys.setswitchinterval(LOADER_GIL_SWITCH_INTERVAL_S)
+    shorten_gil_switch_interval()
     try:
         if niceness:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)

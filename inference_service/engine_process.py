@@ -38,6 +38,7 @@ from adapter_cache.errors import LoraplexError, NotFoundError, UnavailableError
 from inference_service.config import EngineConfig
 from inference_service.engine import CoreThread, checked_request
 from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats
+from inference_service.heap import freeze_startup_objects
 from inference_service.limits import check_adapter_name
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -189,6 +190,7 @@ def _core_main(conn: multiprocessing.connection.Connection, front_end: multiproc
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, which raises it
         conn.send(("failed", exc))
         return
+    freeze_startup_objects()
     outbox = _Outbox(conn, core, sink)
     thread = CoreThread(core, outbox.add_outputs, outbox.flush)
     conn.send(("ready", core.model_info, core.tokenizer, thread.stats()))
