@@ -375,6 +375,7 @@ def run_inprocess(model: str, adapters: dict[str, str], streams: int, new_tokens
     seconds per token it took (all its threads: torch's too)."""
     from inference_service.config import EngineConfig
     from inference_service.engine import EngineCore
+    from inference_service.heap import freeze_startup_objects
     from inference_service.request import Request, SamplingParams
 
     core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer="byte", max_loras=max_loras,
@@ -399,6 +400,7 @@ def run_inprocess(model: str, adapters: dict[str, str], streams: int, new_tokens
         return tokens / elapsed, cpu / tokens
 
     once("warm")
+    freeze_startup_objects()  # as the server's processes do: no full collection over torch's objects mid-run
     best = max((once(f"r{k}-") for k in range(2)), key=lambda r: r[0])
     core.shutdown()
     return best
