@@ -369,60 +369,59 @@ def make_small_checkpoint(out: Path) -> Path:
     return out
 
 
-def run_inprocess(model: str, adapters: dict[str, str], streams: int, new_tokens: int,
-                  prompts: list[list[int]], max_loras: int) -> tuple[float, float]:
-    """Tokens/s of the EngineCore stepping the same requests, no transport at all, and the CPU
-    seconds per token it took (all its threads: torch's too)."""
-    from inference_service.config import EngineConfig
-    from inference_service.engine import EngineCore
-    from inference_service.heap import freeze_startup_objects
-    from inference_service.request import Request, SamplingParams
+class InProcess:
+    """The EngineCore stepping requests itself, no transport at all: the real regime's baseline."""
 
-    core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer="byte", max_loras=max_loras,
-                                   max_num_seqs=streams))
-    names = list(adapters)
-    for name, uri in adapters.items():
-        core.lora.load_adapter(name, uri, preload=True)
-    while core.lora.has_pending_work():
-        core.step()
-        time.sleep(0.001)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    def __init__(self, model: str, adapters: dict[str, str], streams: int, max_loras: int) -> None:
+        from inference_service.config import EngineConfig
+        from inference_service.engine import EngineCore
 
-    def once(tag: str) -> tuple[float, float]:
-        for i in range(streams):
-            adapter = names[i % len(names)] if names else None
-            core.add_request(Request(f"{tag}{i}", list(prompts[i % len(prompts)]), params), adapter)
+        self.core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer="byte",
+                                            max_loras=max_loras, max_num_seqs=streams))
+        self.names, self.streams, self.rounds = list(adapters), streams, 0
+        for name, uri in adapters.items():
+            self.core.lora.load_adapter(name, uri, preload=True)
+        while self.core.lora.has_pending_work():
+            self.core.step()
+            time.sleep(0.001)
+
+    def once(self, new_tokens: int, prompts: list[list[int]]) -> tuple[float, float]:
+        """Tokens/s of one round of `streams` requests, and the CPU seconds per token it took (all
+        its threads: torch's too)."""
+        from inference_service.request import Request, SamplingParams
+
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        self.rounds += 1
+        for i in range(self.streams):
+            adapter = self.names[i % len(self.names)] if self.names else None
+            self.core.add_request(Request(f"r{self.rounds}-{i}", list(prompts[i % len(prompts)]), params), adapter)
         t0, cpu0, tokens = time.perf_counter(), time.process_time(), 0
-        while core.has_work() or core.lora.has_pending_work():
-            tokens += sum(len(o.new_token_ids) for o in core.step())
+        while self.core.has_work() or self.core.lora.has_pending_work():
+            tokens += sum(len(o.new_token_ids) for o in self.core.step())
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        assert tokens == streams * new_tokens, tokens
+        assert tokens == self.streams * new_tokens, tokens
         return tokens / elapsed, cpu / tokens
-
-    once("warm")
-    freeze_startup_objects()  # as the server's processes do: no full collection over torch's objects mid-run
-    best = max((once(f"r{k}-") for k in range(2)), key=lambda r: r[0])
-    core.shutdown()
-    return best
 
 
 def run_real(args: argparse.Namespace, tmp: Path) -> float:
     from inference_service.demo_adapters import write_peft_adapter
+    from inference_service.heap import freeze_startup_objects
     from inference_service.models.llama import ModelConfig
 
     checkpoint = make_small_checkpoint(tmp / "small-model")
     config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
     adapters = {f"a{i}": write_peft_adapter(tmp / f"a{i}", config, rank=8, seed=i).as_uri() for i in range(8)}
-    prompts = [[(i * 131 + j * 7) % 31000 + 100 for j in range(32)] for i in range(args.real_streams)]
+    streams, new_tokens = args.real_streams, 64
+    prompts = [[(i * 131 + j * 7) % 31000 + 100 for j in range(32)] for i in range(streams)]
     ratios = []
     for engine_core, (label, used) in itertools.product(args.engine_core,
                                                         (("base", {}), ("8 adapters / 4 slots", adapters))):
-        inproc, inproc_cpu = run_inprocess(str(checkpoint), used, args.real_streams, 64, prompts, 4)
+        inproc = InProcess(str(checkpoint), used, streams, 4)
         server = start_server([sys.executable, "-m", "inference_service.cli"],
                               ["--engine-core", engine_core,
                                "--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
                                "--tokenizer", "byte", "--max-loras", "4",
-                               "--max-num-seqs", str(args.real_streams),
+                               "--max-num-seqs", str(streams),
                                "--adapter-source-allow", tmp.as_uri()], tmp)
         try:
             from inference_service.client import InferenceClient
@@ -430,20 +429,34 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
             with InferenceClient(server.address) as c:
                 for name, uri in used.items():
                     c.load_adapter(name, uri, timeout=120)
-            generate_load(server, args.real_streams, 64, prompts, list(used), 1)  # warm-up
-            r = max((generate_load(server, args.real_streams, 64, prompts, list(used), 1) for _ in range(2)),
-                    key=lambda r: r.tokens / r.wall_s)
+            inproc.once(new_tokens, prompts)  # warm-up, both
+            generate_load(server, streams, new_tokens, prompts, list(used), 1)
+            freeze_startup_objects()  # as the server's processes do: no full collection over torch's objects
+            # A round is ~1 s here and this machine's speed drifts between runs: the rounds alternate,
+            # and the figure is the median of each round pair's ratio.
+            pairs = [(inproc.once(new_tokens, prompts), generate_load(server, streams, new_tokens, prompts,
+                                                                      list(used), 1))
+                     for _ in range(args.real_rounds)]
         finally:
             server.stop()
-        ratio = r.tokens / r.wall_s / inproc
+            inproc.core.shutdown()
+        pair_ratios = [r.tokens / r.wall_s / tok_s for (tok_s, _), r in pairs]
+        ratio = statistics.median(pair_ratios)
         if engine_core == args.engine_core[-1]:
             ratios.append(ratio)
+        (inproc_tok_s, inproc_cpu), r = max(pairs, key=lambda p: p[1].tokens / p[1].wall_s)
         # Both runs keep every core busy here, so the ratio cannot beat the CPU each token costs:
         # the model's (in-process) against the model's + the front end's + the load generator's.
-        grpc_cpu = (r.server_cpu_s + r.client_cpu_s) / r.tokens
-        print(f"real core={engine_core:7s} {label:22s}: in-process {inproc:7.0f} tok/s | gRPC {r.line()} "
-              f"| ratio {ratio:.3f} | CPU per token: in-process {inproc_cpu * 1e6:.0f} us, gRPC server + client "
-              f"{grpc_cpu * 1e6:.0f} us: CPU-bound ceiling {inproc_cpu / grpc_cpu:.3f}", flush=True)
+        grpc_cpu = statistics.median((r.server_cpu_s + r.client_cpu_s) / r.tokens for _, r in pairs)
+        inproc_cpu = statistics.median(cpu for (_, cpu), _ in pairs)
+        print(f"real core={engine_core:7s} {label:22s}: in-process "
+              f"{statistics.median(t for (t, _), _ in pairs):7.0f} tok/s (median of {len(pairs)}) | "
+              f"gRPC best round {r.line()} | rounds in-process/gRPC tok/s "
+              f"{' '.join(f'{t:.0f}/{g.tokens / g.wall_s:.0f}' for (t, _), g in pairs)} | "
+              f"ratio per round {' '.join(f'{x:.3f}' for x in pair_ratios)}, "
+              f"median {ratio:.3f} | CPU per token (medians): in-process {inproc_cpu * 1e6:.0f} us, "
+              f"gRPC server + client {grpc_cpu * 1e6:.0f} us: CPU-bound ceiling {inproc_cpu / grpc_cpu:.3f}",
+              flush=True)
     return min(ratios)
 
 
@@ -469,6 +482,7 @@ def main() -> int:
                    "--sustain-s after settling (the RESULT uses the last)")
     p.add_argument("--sustain-s", type=float, default=8.0)
     p.add_argument("--real-streams", type=int, default=32)
+    p.add_argument("--real-rounds", type=int, default=7, help="in-process and gRPC rounds, alternating")
     p.add_argument("--stream-interval", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
                    help="the simulated servers' --stream-interval (1: a message per token; the RESULT uses the "
                    "last: the issue allows coalescing at 256 streams)")
