@@ -291,6 +291,7 @@ def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[l
 
 # ---- regimes -----------------------------------------------------------------------------------------
 
+ROUNDS_PER_TURN = 2  # the real regime's
 SIM_PROMPT_TOKENS = 32
 SIM_PROMPTS = [[(i * 31 + j) % 200 + 3 for j in range(SIM_PROMPT_TOKENS)] for i in range(64)]
 
@@ -385,9 +386,8 @@ class InProcess:
             self.core.step()
             time.sleep(0.001)
 
-    def once(self, new_tokens: int, prompts: list[list[int]]) -> tuple[float, float]:
-        """Tokens/s of one round of `streams` requests, and the CPU seconds per token it took (all
-        its threads: torch's too)."""
+    def once(self, new_tokens: int, prompts: list[list[int]]) -> tuple[int, float, float]:
+        """One round of `streams` requests: tokens, seconds, and CPU seconds (all its threads: torch's too)."""
         from inference_service.request import Request, SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -398,9 +398,20 @@ class InProcess:
         t0, cpu0, tokens = time.perf_counter(), time.process_time(), 0
         while self.core.has_work() or self.core.lora.has_pending_work():
             tokens += sum(len(o.new_token_ids) for o in self.core.step())
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         assert tokens == self.streams * new_tokens, tokens
-        return tokens / elapsed, cpu / tokens
+        return tokens, time.perf_counter() - t0, time.process_time() - cpu0
+
+
+@dataclass
+class Turn:
+    """Consecutive rounds on one side: its tokens/s and CPU per token over them."""
+    tok_s: float
+    cpu_per_token: float
+
+    @classmethod
+    def of(cls, rounds: list[tuple[int, float, float]]) -> Turn:
+        tokens = sum(t for t, _, _ in rounds)
+        return cls(tokens / sum(s for _, s, _ in rounds), sum(c for _, _, c in rounds) / tokens)
 
 
 def run_real(args: argparse.Namespace, tmp: Path) -> float:
@@ -432,31 +443,38 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
             inproc.once(new_tokens, prompts)  # warm-up, both
             generate_load(server, streams, new_tokens, prompts, list(used), 1)
             freeze_startup_objects()  # as the server's processes do: no full collection over torch's objects
-            # A round is ~1 s here and this machine's speed drifts between runs: the rounds alternate,
-            # and the figure is the median of each round pair's ratio.
-            pairs = [(inproc.once(new_tokens, prompts), generate_load(server, streams, new_tokens, prompts,
-                                                                      list(used), 1))
-                     for _ in range(args.real_rounds)]
+            # A round is ~1 s here and this machine's speed drifts 20% between rounds, so the two sides
+            # take turns and the figure is the median of the turns' ratios. A turn is two rounds: with 8
+            # adapters over 4 slots, the slots a round leaves behind make the next one alternately fast
+            # and slow, on both sides.
+            turns, grpc_runs = [], []
+            for _ in range(args.real_turns):
+                inproc_turn = Turn.of([inproc.once(new_tokens, prompts) for _ in range(ROUNDS_PER_TURN)])
+                runs = [generate_load(server, streams, new_tokens, prompts, list(used), 1)
+                        for _ in range(ROUNDS_PER_TURN)]
+                grpc_runs += runs
+                turns.append((inproc_turn, Turn.of([(r.tokens, r.wall_s, r.server_cpu_s + r.client_cpu_s)
+                                                    for r in runs])))
         finally:
             server.stop()
             inproc.core.shutdown()
-        pair_ratios = [r.tokens / r.wall_s / tok_s for (tok_s, _), r in pairs]
-        ratio = statistics.median(pair_ratios)
+        turn_ratios = [g.tok_s / i.tok_s for i, g in turns]
+        ratio = statistics.median(turn_ratios)
         if engine_core == args.engine_core[-1]:
             ratios.append(ratio)
-        (inproc_tok_s, inproc_cpu), r = max(pairs, key=lambda p: p[1].tokens / p[1].wall_s)
         # Both runs keep every core busy here, so the ratio cannot beat the CPU each token costs:
         # the model's (in-process) against the model's + the front end's + the load generator's.
-        grpc_cpu = statistics.median((r.server_cpu_s + r.client_cpu_s) / r.tokens for _, r in pairs)
-        inproc_cpu = statistics.median(cpu for (_, cpu), _ in pairs)
+        inproc_cpu = statistics.median(i.cpu_per_token for i, _ in turns)
+        grpc_cpu = statistics.median(g.cpu_per_token for _, g in turns)
+        best = max(grpc_runs, key=lambda r: r.tokens / r.wall_s)
         print(f"real core={engine_core:7s} {label:22s}: in-process "
-              f"{statistics.median(t for (t, _), _ in pairs):7.0f} tok/s (median of {len(pairs)}) | "
-              f"gRPC best round {r.line()} | rounds in-process/gRPC tok/s "
-              f"{' '.join(f'{t:.0f}/{g.tokens / g.wall_s:.0f}' for (t, _), g in pairs)} | "
-              f"ratio per round {' '.join(f'{x:.3f}' for x in pair_ratios)}, "
-              f"median {ratio:.3f} | CPU per token (medians): in-process {inproc_cpu * 1e6:.0f} us, "
-              f"gRPC server + client {grpc_cpu * 1e6:.0f} us: CPU-bound ceiling {inproc_cpu / grpc_cpu:.3f}",
-              flush=True)
+              f"{statistics.median(i.tok_s for i, _ in turns):6.0f} tok/s, gRPC "
+              f"{statistics.median(g.tok_s for _, g in turns):6.0f} tok/s (medians of {len(turns)} turns of "
+              f"{ROUNDS_PER_TURN} rounds; turns' in-process/gRPC tok/s "
+              f"{' '.join(f'{i.tok_s:.0f}/{g.tok_s:.0f}' for i, g in turns)}) | gRPC's best round: {best.line()} | "
+              f"ratio per turn {' '.join(f'{x:.3f}' for x in turn_ratios)}, median {ratio:.3f} | "
+              f"CPU per token (medians): in-process {inproc_cpu * 1e6:.0f} us, gRPC server + client "
+              f"{grpc_cpu * 1e6:.0f} us: CPU-bound ceiling {inproc_cpu / grpc_cpu:.3f}", flush=True)
     return min(ratios)
 
 
@@ -482,7 +500,8 @@ def main() -> int:
                    "--sustain-s after settling (the RESULT uses the last)")
     p.add_argument("--sustain-s", type=float, default=8.0)
     p.add_argument("--real-streams", type=int, default=32)
-    p.add_argument("--real-rounds", type=int, default=7, help="in-process and gRPC rounds, alternating")
+    p.add_argument("--real-turns", type=int, default=5,
+                   help=f"turns the in-process and gRPC sides take, {ROUNDS_PER_TURN} rounds each")
     p.add_argument("--stream-interval", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
                    help="the simulated servers' --stream-interval (1: a message per token; the RESULT uses the "
                    "last: the issue allows coalescing at 256 streams)")
