@@ -5,12 +5,22 @@ Two regimes and a stalled-reader check, each with the load generator in processe
 - **Simulated accelerator** (`sim`): the server is the real `loraplex-inference` (scheduler, LoRA manager,
   detokenizer, outputs, gRPC) except that the model runner's forward pass is a stand-in that sleeps a fixed
   wall time (`--sim-step-ms`, no CPU used, like a GPU kernel) and emits deterministic tokens. Ideal
-  tokens/s = streams x steps/s; `efficiency` = achieved / ideal, from the moment the load generators start
-  every stream at once to the last token (so a slow intake of the burst counts); `steady state` = the same
-  ratio while every stream is streaming (the last stream's first token to the first stream's last one).
+  tokens/s = streams x steps/s; `efficiency` = achieved / ideal, under two loads (`--load`):
+  - `burst`: every stream sends one request (128 new tokens) at the same moment; measured from that
+    moment to the last token, so the intake of the synchronized burst counts in full. `steady state` =
+    the same ratio while every stream is streaming (the last first token to the first last one).
+  - `sustained`: N streams kept open as a closed loop (each sends its next request as soon as its last
+    one ends, like benchmark_serving's --max-concurrency), lengths uniform within +-50% of the mean as
+    real traffic varies (fixed lengths keep every stream in lockstep with the first burst forever);
+    measured over `--sustain-s` seconds after a settling period, so each request's turnaround (its end,
+    the next call, its first token) counts and the one-off burst at the start does not.
 - **Real model on CPU** (`real`): a small real-shaped LLaMA (hidden 256, 4 layers, 2 KV heads, vocab 32000,
   fp32), 32 concurrent streams of 32-token prompts and 64 new tokens (greedy, EOS ignored), on the base model
-  and over 8 adapters in 4 slots, gRPC against the in-process EngineCore stepping the same requests.
+  and over 8 adapters in 4 slots, gRPC against the in-process EngineCore stepping the same requests. The
+  two sides take turns (`--real-turns`, two rounds each) and the figure is the median of the turns'
+  ratios (a round is ~1 s and this machine's speed drifts). `--model-threads 0,1`: the model on torch's
+  default threads on both sides (every core: the front end and the load generator then take their CPU
+  from the model's), then on one thread on both sides (a core left to them, as an accelerator would).
 - **Stalled reader** (`stalled`): 64 simulated streams at 10 ms alone, then beside a client that opened a
   long stream and stopped reading; the others' inter-token p99 ratio (target <= 1.2).
 
@@ -19,12 +29,13 @@ Two regimes and a stalled-reader check, each with the load generator in processe
 
     .venv/bin/python bench/serving_overhead.py                     # everything
     .venv/bin/python bench/serving_overhead.py sim --streams 64,256,1024 --sim-step-ms 5,10
-    .venv/bin/python bench/serving_overhead.py sim --async-scheduling off,on --stream-interval 1
-    .venv/bin/python bench/serving_overhead.py real --engine-core thread,process
+    .venv/bin/python bench/serving_overhead.py sim --async-scheduling off,on --stream-interval 1 --load burst
+    .venv/bin/python bench/serving_overhead.py real --engine-core thread,process --model-threads 0
 
-RESULT lines: `serving_efficiency_256` (achieved/ideal at 256 streams, 10 ms step, with the last
-`--stream-interval`, 8 by default: coalescing is allowed there; target >= 0.90),
-`grpc_vs_inprocess_small_model` (the lower of base and mixed; target >= 0.80).
+RESULT lines: `serving_efficiency_256` (achieved/ideal at 256 streams, 10 ms step, the last `--load`,
+sustained by default, and the last `--stream-interval`, 8 by default: coalescing is allowed there;
+target >= 0.90), `grpc_vs_inprocess_small_model` (the lower of base and mixed, with the first
+`--model-threads`, torch's default by default; target >= 0.80).
 """
 
 from __future__ import annotations
@@ -113,13 +124,15 @@ class Server:
             self.proc.wait()
 
 
-def start_server(cmd_prefix: list[str], args: list[str], log_dir: Path) -> Server:
+def start_server(cmd_prefix: list[str], args: list[str], log_dir: Path, torch_threads: int | None = None) -> Server:
     from harness.inference_server import wait_serving
     from harness.ports import free_port
 
     address = f"127.0.0.1:{free_port()}"
     log = log_dir / f"server-{address.rsplit(':', 1)[1]}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the same torch threads as the in-process side
+    if torch_threads is not None:
+        env["OMP_NUM_THREADS"] = str(torch_threads)  # torch's intra-op threads at start-up
     with open(log, "wb") as f:
         proc = subprocess.Popen([*cmd_prefix, "--listen", address, "--log-level", "WARNING", *args], cwd=ROOT,
                                 env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -415,6 +428,8 @@ class Turn:
 
 
 def run_real(args: argparse.Namespace, tmp: Path) -> float:
+    import torch
+
     from inference_service.demo_adapters import write_peft_adapter
     from inference_service.heap import freeze_startup_objects
     from inference_service.models.llama import ModelConfig
@@ -425,15 +440,17 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
     streams, new_tokens = args.real_streams, 64
     prompts = [[(i * 131 + j * 7) % 31000 + 100 for j in range(32)] for i in range(streams)]
     ratios = []
-    for engine_core, (label, used) in itertools.product(args.engine_core,
-                                                        (("base", {}), ("8 adapters / 4 slots", adapters))):
+    default_threads = torch.get_num_threads()
+    for threads, engine_core, (label, used) in itertools.product(
+            args.model_threads, args.engine_core, (("base", {}), ("8 adapters / 4 slots", adapters))):
+        torch.set_num_threads(threads or default_threads)  # this thread steps the in-process engine
         inproc = InProcess(str(checkpoint), used, streams, 4)
         server = start_server([sys.executable, "-m", "inference_service.cli"],
                               ["--engine-core", engine_core,
                                "--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
                                "--tokenizer", "byte", "--max-loras", "4",
                                "--max-num-seqs", str(streams),
-                               "--adapter-source-allow", tmp.as_uri()], tmp)
+                               "--adapter-source-allow", tmp.as_uri()], tmp, threads or None)
         try:
             from inference_service.client import InferenceClient
 
@@ -460,14 +477,15 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
             inproc.core.shutdown()
         turn_ratios = [g.tok_s / i.tok_s for i, g in turns]
         ratio = statistics.median(turn_ratios)
-        if engine_core == args.engine_core[-1]:
+        if engine_core == args.engine_core[-1] and threads == args.model_threads[0]:
             ratios.append(ratio)
         # Both runs keep every core busy here, so the ratio cannot beat the CPU each token costs:
         # the model's (in-process) against the model's + the front end's + the load generator's.
         inproc_cpu = statistics.median(i.cpu_per_token for i, _ in turns)
         grpc_cpu = statistics.median(g.cpu_per_token for _, g in turns)
         best = max(grpc_runs, key=lambda r: r.tokens / r.wall_s)
-        print(f"real core={engine_core:7s} {label:22s}: in-process "
+        shown_threads = f"{threads} torch thread(s)" if threads else f"all {default_threads} torch threads"
+        print(f"real core={engine_core:7s} model on {shown_threads}, {label:22s}: in-process "
               f"{statistics.median(i.tok_s for i, _ in turns):6.0f} tok/s, gRPC "
               f"{statistics.median(g.tok_s for _, g in turns):6.0f} tok/s (medians of {len(turns)} turns of "
               f"{ROUNDS_PER_TURN} rounds; turns' in-process/gRPC tok/s "
@@ -500,6 +518,10 @@ def main() -> int:
                    "--sustain-s after settling (the RESULT uses the last)")
     p.add_argument("--sustain-s", type=float, default=8.0)
     p.add_argument("--real-streams", type=int, default=32)
+    p.add_argument("--model-threads", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1],
+                   help="the real regime's torch threads on both sides; 0: torch's default (every core; the "
+                   "RESULT uses the first); 1 leaves a core to the serving layer and the load generator, as an "
+                   "accelerator would")
     p.add_argument("--real-turns", type=int, default=5,
                    help=f"turns the in-process and gRPC sides take, {ROUNDS_PER_TURN} rounds each")
     p.add_argument("--stream-interval", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
