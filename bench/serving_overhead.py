@@ -76,9 +76,10 @@ SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num
 
 # ---- the server side: the real CLI with a stand-in forward pass ----------------------------------------
 
-def serve_simulated(step_ms: float, cli_args: list[str]) -> int:
+def serve_simulated(step_ms: float, trace: str, cli_args: list[str]) -> int:
     """Runs `loraplex-inference` whose ModelRunner.execute sleeps `step_ms` instead of computing
-    (planning the step's rows, the scheduler, outputs and transport are all the real code)."""
+    (planning the step's rows, the scheduler, outputs and transport are all the real code). Each step
+    appends `start slept rows` to `trace` (`StepTrace`)."""
     from inference_service import cli
     from inference_service.model_runner import ModelRunner
     from inference_service.request import TokenLogprobs
@@ -88,8 +89,12 @@ def serve_simulated(step_ms: float, cli_args: list[str]) -> int:
     # default on Linux, ~1% of a 5 ms step). 1 ns, for this process's threads (inherited by each).
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
 
+    steps = open(trace, "a", buffering=1)  # noqa: SIM115 - for the process's life
+
     def execute(self, rows, previous):  # noqa: ANN001 - same signature as ModelRunner.execute
+        start = time.time()
         time.sleep(step_s)  # the accelerator's step: wall time, no CPU (the GIL is released)
+        steps.write(f"{start:.6f} {time.time() - start:.6f} {len(rows)}\n")
         vocab = self.model.config.vocab_size
         out = {}
         for row in rows:
@@ -155,10 +160,35 @@ def serve_bare(signal_port: int, listen: str) -> None:
 
 
 @dataclass
+class StepTrace:
+    """What the stand-in device did over a load's window: where the efficiency went. Efficiency is about
+    (step_ms / period) x (rows / streams): a period longer than the step is the device waiting (its own
+    sleep ending late on this machine, then the gap before the next step starts), fewer rows than streams
+    are requests between their end and the next one's first step (turnaround)."""
+    period_ms: float  # start to start, mean
+    slept_ms: float  # the stand-in's sleep, mean: a 10 ms sleep on these VMs takes longer
+    rows: float  # per step, mean
+
+    @classmethod
+    def read(cls, path: Path, window: tuple[float, float]) -> StepTrace:
+        steps = [tuple(float(x) for x in line.split()) for line in path.read_text().splitlines()]
+        inside = [s for s in steps if window[0] <= s[0] <= window[1]]
+        if len(inside) < 2:
+            return cls(float("nan"), float("nan"), float("nan"))
+        period = (inside[-1][0] - inside[0][0]) / (len(inside) - 1)
+        return cls(period * 1000, statistics.mean(s[1] for s in inside) * 1000, statistics.mean(s[2] for s in inside))
+
+    def line(self, step_ms: float, streams: int) -> str:
+        return (f"device: a step every {self.period_ms:5.2f} ms (slept {self.slept_ms:5.2f}), {self.rows:5.1f} rows: "
+                f"{step_ms / self.period_ms:.3f} x {self.rows / streams:.3f}")
+
+
+@dataclass
 class Server:
     proc: subprocess.Popen
     address: str
     log: Path
+    trace: Path | None = None  # a simulated server's StepTrace file
 
     def cpu_seconds(self) -> tuple[float, float]:
         """CPU seconds of the server's front end, and of its engine core process (and any other child)."""
@@ -315,6 +345,7 @@ class LoadResult:
     itl: list[float]
     steady_tok_s: float  # while every stream was streaming: from the last first token to the first last one
     steal: float  # the host's share of our CPUs meanwhile (machine_ticks)
+    window: tuple[float, float]  # what was measured (time.time())
 
     def line(self) -> str:
         def pct(xs: list[float], q: float) -> float:
@@ -384,7 +415,7 @@ def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[l
                          if s_lo < t <= s_hi) / (s_hi - s_lo)
     (front0, core0), (front1, core1) = server_cpu
     return LoadResult(tokens, messages, hi - lo, front1 + core1 - front0 - core0, core1 - core0,
-                      sum(o["cpu_s"] for o in outs), ttft, itl, steady, steal_between(*ticks))
+                      sum(o["cpu_s"] for o in outs), ttft, itl, steady, steal_between(*ticks), (lo, hi))
 
 
 # ---- regimes -----------------------------------------------------------------------------------------
@@ -404,7 +435,10 @@ def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_
             "--max-num-seqs", str(streams), "--max-queue", str(streams),
             "--max-num-batched-tokens", str(streams * SIM_PROMPT_TOKENS),
             "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(new_tokens_limit)]
-    return start_server([sys.executable, __file__, "_serve_sim", str(step_ms), "--"], args, tmp)
+    trace = tmp / f"steps-{time.monotonic_ns()}.txt"
+    server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), str(trace), "--"], args, tmp)
+    server.trace = trace
+    return server
 
 
 def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
@@ -424,9 +458,11 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
         for load, r in runs:
             eff = r.tokens / r.wall_s / ideal
             steady = f" (steady state {r.steady_tok_s / ideal:.3f})" if load == "burst" else ""
+            assert server.trace is not None
+            device = StepTrace.read(server.trace, r.window).line(step_ms, streams)
             print(f"sim core={engine_core:7s} async={overlap:3s} interval={interval} step {step_ms:4.1f} ms, "
                   f"{streams:5d} streams, {load:9s}: {r.line()}  "
-                  f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f}{steady}", flush=True)
+                  f"tokens/msg {r.tokens / r.messages:4.2f}  efficiency {eff:.3f}{steady} | {device}", flush=True)
             last = (args.engine_core[-1], args.async_scheduling[-1], args.stream_interval[-1], args.load[-1])
             if streams == 256 and step_ms == 10 and (engine_core, overlap, interval, load) == last:
                 result_256 = eff
@@ -645,7 +681,7 @@ def main() -> int:
         stalled_reader_main(sys.argv[2], int(sys.argv[3]))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_serve_sim":
-        return serve_simulated(float(sys.argv[2]), sys.argv[4:])
+        return serve_simulated(float(sys.argv[2]), sys.argv[3], sys.argv[5:])
     if len(sys.argv) > 1 and sys.argv[1] == "_serve_bare":
         serve_bare(int(sys.argv[2]), sys.argv[sys.argv.index("--listen") + 1])
         return 0
