@@ -93,19 +93,18 @@ def serve_simulated(step_ms: float, trace: str, cli_args: list[str]) -> int:
 
     def execute(self, rows, previous):  # noqa: ANN001 - same signature as ModelRunner.execute
         start = time.time()
-        time.sleep(step_s)  # the accelerator's step: wall time, no CPU (the GIL is released)
-        steps.write(f"{start:.6f} {time.time() - start:.6f} {len(rows)}\n")
+        # The accelerator's step, `step_s` of wall time in all: it samples a token for each row that
+        # reaches its request's end (deterministic stand-ins, logprobs too when asked) ...
         vocab = self.model.config.vocab_size
-        out = {}
-        for row in rows:
-            if row.samples:  # this row reaches its request's end: a token is sampled
-                end = row.start + len(row.input_ids)
-                token = (end * 7919 + 13) % (vocab - 3) + 3
-                k = row.params.logprobs  # deterministic stand-ins, as the tokens are
-                logprobs = TokenLogprobs(token, -0.5, tuple((t, -1.0 - t) for t in range(k))) if k is not None \
-                    else None
-                out[row.request_id] = (token, None, logprobs)
-        return out
+        sampled = [row for row in rows if row.samples]
+        tokens = [((row.start + len(row.input_ids)) * 7919 + 13) % (vocab - 3) + 3 for row in sampled]
+        logprobs = [None if row.params.logprobs is None else
+                    TokenLogprobs(token, -0.5, tuple((t, -1.0 - t) for t in range(row.params.logprobs)))
+                    for row, token in zip(sampled, tokens, strict=True)]
+        time.sleep(max(0.0, start + step_s - time.time()))  # ... and takes no CPU (the GIL is released)
+        steps.write(f"{start:.6f} {time.time() - start:.6f} {len(rows)}\n")
+        # The host's part once the device is done, as ModelRunner.execute does it: results by request.
+        return {row.request_id: (token, None, lp) for row, token, lp in zip(sampled, tokens, logprobs, strict=True)}
 
     ModelRunner.execute = execute
     return cli.main(cli_args)
