@@ -23,8 +23,8 @@ Two regimes and a stalled-reader check, each with the load generator in processe
   from the model's), then on one thread on both sides (a core left to them, as an accelerator would).
   `--floor` (default on): the in-process engine again, while after each of its steps a bare grpc.aio server
   (no engine, no streams, no detokenizer: a prebuilt message per token) writes that step's tokens to the
-  same load generator; its rate over the engine's alone is about the most any server on grpc.aio can reach
-  on this machine, and the gRPC side's ratio to it is what our own serving code costs.
+  same load generator; its rate over the engine's alone is what the cheapest front end on grpc.aio costs the
+  engine on this machine, and the gRPC side's ratio to it is what our own serving code costs on top.
 - **Stalled reader** (`stalled`): 64 simulated streams at 10 ms alone, then beside a client that opened a
   long stream and stopped reading; the others' inter-token p99 ratio (target <= 1.2).
 
@@ -551,13 +551,18 @@ class Turn:
         return cls(tokens / sum(s for _, s, _ in rounds), sum(c for _, _, c in rounds) / tokens)
 
 
+def us_per_token(runs: list[LoadResult], part: str) -> float:
+    """The median over `runs` of one of their CPU seconds (`part`) per token, in microseconds."""
+    return statistics.median(getattr(r, part) / r.tokens for r in runs) * 1e6
+
+
 def inprocess_beside_bare(inproc: InProcess, new_tokens: int, prompts: list[list[int]],
                           tmp: Path) -> tuple[Turn, LoadResult]:
     """The in-process engine's tokens/s over a turn while, after each of its steps, a bare grpc.aio
     server (`serve_bare`) writes a message per token it made to as many streams of the same load generator
     the gRPC side uses: the cheapest front end there can be, on the same machine. A gRPC server here does
-    at least that server's and that client's work per token on top of the model's, so this is about the
-    most the gRPC side can reach here (`--floor`)."""
+    at least that server's and that client's work per token on top of the model's, so this is a reference
+    for what the gRPC side can reach here (`--floor`; not a strict bound: its turns vary as the engine's do)."""
     import socket
 
     from harness.ports import free_port
@@ -627,7 +632,7 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
                 grpc_runs += runs
                 turns.append((inproc_turn, Turn.of([(r.tokens, r.wall_s, r.server_cpu_s + r.client_cpu_s)
                                                     for r in runs])))
-            server.stop()
+            server.stop()  # the floor's engine runs beside the bare server alone
             inproc_tok_s = statistics.median(i.tok_s for i, _ in turns)
             floor = [inprocess_beside_bare(inproc, new_tokens, prompts, tmp)
                      for _ in range(args.real_turns)] if args.floor else []
@@ -644,9 +649,6 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
         grpc_cpu = statistics.median(g.cpu_per_token for _, g in turns)
         best = max(grpc_runs, key=lambda r: r.tokens / r.wall_s)
 
-        def per_token(part: str, runs: list[LoadResult] = grpc_runs) -> float:
-            return statistics.median(getattr(r, part) / r.tokens for r in runs) * 1e6
-
         shown_threads = f"{threads} torch thread(s)" if threads else f"all {default_threads} torch threads"
         print(f"real core={engine_core:7s} model on {shown_threads}, {label:22s}: in-process "
               f"{inproc_tok_s:6.0f} tok/s, gRPC "
@@ -655,20 +657,21 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
               f"{' '.join(f'{i.tok_s:.0f}/{g.tok_s:.0f}' for i, g in turns)}) | gRPC's best round: {best.line()} | "
               f"ratio per turn {' '.join(f'{x:.3f}' for x in turn_ratios)}, median {ratio:.3f} | "
               f"CPU per token (medians): in-process {inproc_cpu * 1e6:.0f} us, gRPC server + client "
-              f"{grpc_cpu * 1e6:.0f} us (engine core process {per_token('core_cpu_s'):.0f}, front end "
-              f"{per_token('server_cpu_s') - per_token('core_cpu_s'):.0f}, load generator "
-              f"{per_token('client_cpu_s'):.0f}): CPU-bound ceiling {inproc_cpu / grpc_cpu:.3f} | steal "
+              f"{grpc_cpu * 1e6:.0f} us (engine core process {us_per_token(grpc_runs, 'core_cpu_s'):.0f}, front end "
+              f"{us_per_token(grpc_runs, 'server_cpu_s') - us_per_token(grpc_runs, 'core_cpu_s'):.0f}, load generator "
+              f"{us_per_token(grpc_runs, 'client_cpu_s'):.0f}): CPU-bound ceiling {inproc_cpu / grpc_cpu:.3f} | steal "
               f"{statistics.median(r.steal for r in grpc_runs):.0%}", flush=True)
         if floor:
             bound = statistics.median(t.tok_s for t, _ in floor) / inproc_tok_s
             print(f"real floor, model on {shown_threads}, {label:22s}: in-process with a bare grpc.aio server "
                   f"writing each step's tokens to the same load generator: "
                   f"{statistics.median(t.tok_s for t, _ in floor):.0f} tok/s (turns "
-                  f"{' '.join(f'{t.tok_s:.0f}' for t, _ in floor)}): {bound:.3f} of in-process alone, about the "
-                  f"most a server on grpc.aio can reach here; gRPC reached {ratio / bound:.3f} of that | CPU per "
+                  f"{' '.join(f'{t.tok_s:.0f}' for t, _ in floor)}): {bound:.3f} of in-process alone, what the "
+                  f"cheapest front end on grpc.aio costs the engine here; gRPC reached {ratio / bound:.3f} of that | "
+                  f"CPU per "
                   f"token (medians): model {statistics.median(t.cpu_per_token for t, _ in floor) * 1e6:.0f} us, "
-                  f"bare server {per_token('server_cpu_s', [r for _, r in floor]):.0f} us, load generator "
-                  f"{per_token('client_cpu_s', [r for _, r in floor]):.0f} us", flush=True)
+                  f"bare server {us_per_token([r for _, r in floor], 'server_cpu_s'):.0f} us, load generator "
+                  f"{us_per_token([r for _, r in floor], 'client_cpu_s'):.0f} us", flush=True)
     return min(ratios)
 
 
@@ -702,7 +705,7 @@ def main() -> int:
                    "RESULT uses the first); 1 leaves a core to the serving layer and the load generator, as an "
                    "accelerator would")
     p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
-                   help="the real regime's bound: the in-process engine with a bare grpc.aio server writing "
+                   help="the real regime's reference: the in-process engine with a bare grpc.aio server writing "
                    "each of its steps' tokens to the load generator")
     p.add_argument("--real-turns", type=int, default=5,
                    help=f"turns the in-process and gRPC sides take, {ROUNDS_PER_TURN} rounds each")
