@@ -346,6 +346,11 @@ class LoadResult:
     steal: float  # the host's share of our CPUs meanwhile (machine_ticks)
     window: tuple[float, float]  # what was measured (time.time())
 
+    @property
+    def front_cpu_s(self) -> float:
+        """The server's front end alone."""
+        return self.server_cpu_s - self.core_cpu_s
+
     def line(self) -> str:
         def pct(xs: list[float], q: float) -> float:
             return statistics.quantiles(xs, n=100)[q - 1] * 1000 if len(xs) > 1 else float("nan")
@@ -648,7 +653,6 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
         inproc_cpu = statistics.median(i.cpu_per_token for i, _ in turns)
         grpc_cpu = statistics.median(g.cpu_per_token for _, g in turns)
         best = max(grpc_runs, key=lambda r: r.tokens / r.wall_s)
-
         shown_threads = f"{threads} torch thread(s)" if threads else f"all {default_threads} torch threads"
         print(f"real core={engine_core:7s} model on {shown_threads}, {label:22s}: in-process "
               f"{inproc_tok_s:6.0f} tok/s, gRPC "
@@ -658,20 +662,19 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
               f"ratio per turn {' '.join(f'{x:.3f}' for x in turn_ratios)}, median {ratio:.3f} | "
               f"CPU per token (medians): in-process {inproc_cpu * 1e6:.0f} us, gRPC server + client "
               f"{grpc_cpu * 1e6:.0f} us (engine core process {us_per_token(grpc_runs, 'core_cpu_s'):.0f}, front end "
-              f"{us_per_token(grpc_runs, 'server_cpu_s') - us_per_token(grpc_runs, 'core_cpu_s'):.0f}, load generator "
+              f"{us_per_token(grpc_runs, 'front_cpu_s'):.0f}, load generator "
               f"{us_per_token(grpc_runs, 'client_cpu_s'):.0f}): CPU-bound ceiling {inproc_cpu / grpc_cpu:.3f} | steal "
               f"{statistics.median(r.steal for r in grpc_runs):.0%}", flush=True)
         if floor:
-            bound = statistics.median(t.tok_s for t, _ in floor) / inproc_tok_s
+            floor_tok_s = statistics.median(t.tok_s for t, _ in floor)
+            bound, bare_runs = floor_tok_s / inproc_tok_s, [r for _, r in floor]
             print(f"real floor, model on {shown_threads}, {label:22s}: in-process with a bare grpc.aio server "
-                  f"writing each step's tokens to the same load generator: "
-                  f"{statistics.median(t.tok_s for t, _ in floor):.0f} tok/s (turns "
+                  f"writing each step's tokens to the same load generator: {floor_tok_s:.0f} tok/s (turns "
                   f"{' '.join(f'{t.tok_s:.0f}' for t, _ in floor)}): {bound:.3f} of in-process alone, what the "
                   f"cheapest front end on grpc.aio costs the engine here; gRPC reached {ratio / bound:.3f} of that | "
-                  f"CPU per "
-                  f"token (medians): model {statistics.median(t.cpu_per_token for t, _ in floor) * 1e6:.0f} us, "
-                  f"bare server {us_per_token([r for _, r in floor], 'server_cpu_s'):.0f} us, load generator "
-                  f"{us_per_token([r for _, r in floor], 'client_cpu_s'):.0f} us", flush=True)
+                  f"CPU per token (medians): model {statistics.median(t.cpu_per_token for t, _ in floor) * 1e6:.0f} "
+                  f"us, bare server {us_per_token(bare_runs, 'server_cpu_s'):.0f} us, load generator "
+                  f"{us_per_token(bare_runs, 'client_cpu_s'):.0f} us", flush=True)
     return min(ratios)
 
 
