@@ -135,6 +135,9 @@ class CoreThread:
             self._on_turn_end(self._stats)
             if not outputs and not core.step_in_flight and (core.has_work() or core.has_pending_work()):
                 time.sleep(0.0005)  # waiting on loads only: leave the cores to the loaders
+            plan_at = core.plan_not_before()
+            if plan_at is not None:  # a step is running: take arrivals in until the next plan is due
+                self._run_commands_until(plan_at)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -142,14 +145,26 @@ class CoreThread:
         except queue.Empty:
             return
         while True:
-            try:
-                command(self.core)
-            except Exception:  # noqa: BLE001 - a bad command must not stop the scheduler
-                log.exception("engine command failed")
+            self._run_command(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_commands_until(self, deadline: float) -> None:
+        """Run commands as they arrive (an abort at once, as always) until `deadline` (monotonic)."""
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            try:
+                command = self._commands.get(timeout=left)
+            except queue.Empty:
+                return
+            self._run_command(command)
+
+    def _run_command(self, command: Command) -> None:
+        try:
+            command(self.core)
+        except Exception:  # noqa: BLE001 - a bad command must not stop the scheduler
+            log.exception("engine command failed")
 
     def _intake(self, core: EngineCore, request: Request, adapter: str | None) -> None:
         try:

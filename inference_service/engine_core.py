@@ -7,6 +7,7 @@ to other threads: everything it needs is a method here, so a process bridge coul
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import random
@@ -38,6 +39,25 @@ from inference_service.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Async scheduling plans step N+2 while N+1 runs. Planned the moment N completes, it misses every
+# request that arrives during N+1 (a closed-loop client's next request always does: it follows
+# N's last token), which then waits for N+3. So the next plan waits, taking commands as they come,
+# until this fraction of the shortest recent step has passed since N+1 started, and never closer
+# than PLAN_SLACK_S to that step's end (time to plan and launch before the device runs dry).
+PLAN_AT_FRACTION = 0.6
+PLAN_SLACK_S = 0.003
+RECENT_STEPS = 16
+
+
+@dataclass(slots=True)
+class _Launch:
+    """A step handed to the device worker; the worker stamps when it ran."""
+
+    batch: ScheduledBatch
+    future: concurrent.futures.Future[StepResults] = field(init=False)  # set once submitted
+    started: float | None = None
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +172,8 @@ class EngineCore:
             # Back from step N, the worker must start N+1 at once, not after 5 ms of the scheduler
             # thread's Python: with the default the 256-stream simulation stepped every 11.2 ms, 10.6 now.
             shorten_gil_switch_interval()
-        self._in_flight: tuple[ScheduledBatch, concurrent.futures.Future[StepResults]] | None = None
+        self._in_flight: _Launch | None = None
+        self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)  # device seconds
         self._previous_samples: dict[str, int] = {}  # the device worker's: a pending row's input
 
     # ---- intake ----
@@ -180,6 +201,18 @@ class EngineCore:
         """A launched step (async scheduling) not completed yet: the next `step` call completes it."""
         return self._in_flight is not None
 
+    def plan_not_before(self) -> float | None:
+        """With a step running on the device: the monotonic time before which planning the next one
+        gains nothing (see PLAN_AT_FRACTION); None when the next step should be planned now."""
+        launch = self._in_flight
+        if launch is None or not self._recent_steps:
+            return None
+        # Not stamped yet: the worker is only now picking it up (`step` waited for the one before).
+        started = launch.started if launch.started is not None else time.monotonic()
+        shortest = min(self._recent_steps)
+        wait = min(shortest * PLAN_AT_FRACTION, shortest - PLAN_SLACK_S)
+        return started + wait if wait > 0 else None
+
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
@@ -198,18 +231,24 @@ class EngineCore:
         if batch:
             rows = self.runner.plan(batch)  # if this raises, the step in flight stays there for fail_running
             self.scheduler.launched(batch)
-            launched = (batch, self._device_worker.submit(self._execute, rows))
+            launched = _Launch(batch)
+            launched.future = self._device_worker.submit(self._execute, rows, launched)
         self._in_flight = launched
         if previous is not None:
-            self.scheduler.postprocess(previous[0], previous[1].result(), self.outputs.on_token)
+            results = previous.future.result()
+            if previous.seconds is not None:
+                self._recent_steps.append(previous.seconds)
+            self.scheduler.postprocess(previous.batch, results, self.outputs.on_token)
         return self.outputs.take(self.scheduler.take_finished())
 
-    def _execute(self, rows: list[PlannedRow]) -> StepResults:
+    def _execute(self, rows: list[PlannedRow], launch: _Launch) -> StepResults:
         """One launched step, on the device worker (steps run in launch order, so KV blocks and slots
         freed while a step runs are reused only by later steps, which run after it)."""
+        launch.started = started = time.monotonic()
         results = self._contained(rows, lambda part: self.runner.execute(part, self._previous_samples),
                                   lambda row: row.request_id)
         self._previous_samples = {request_id: result[0] for request_id, result in results.items()}
+        launch.seconds = time.monotonic() - started
         return results
 
     @staticmethod
@@ -232,7 +271,7 @@ class EngineCore:
     def _drop_in_flight(self) -> None:
         """Wait for the launched step and drop its tokens (after a failed step, at shutdown)."""
         if self._in_flight is not None:
-            concurrent.futures.wait([self._in_flight[1]])
+            concurrent.futures.wait([self._in_flight.future])
             self._in_flight = None
 
     def fail_running(self, error: LoraplexError) -> list[RequestOutput]:

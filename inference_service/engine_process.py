@@ -42,7 +42,7 @@ from inference_service.heap import freeze_startup_objects
 from inference_service.limits import check_adapter_name
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
-from inference_service.streams import RequestStream, StreamTable
+from inference_service.streams import Delta, RequestStream, StreamTable
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,6 @@ T = TypeVar("T")
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 ORPHAN_EXIT_S = 10.0  # a core whose front end died exits at most this long after
 
-# A plain token delta on the wire: (request id, token ids, text or None, generated tokens).
-Delta = tuple[str, list[int], str | None, int]
 
 
 @dataclasses.dataclass
@@ -378,9 +376,7 @@ class ProcessEngine:
         if update.stats is not None:
             self._stats = update.stats
         replay(self._metrics, update.recorded_metrics)
-        outputs = [RequestOutput(rid, ids, text=text, generated_tokens=generated)
-                   for rid, ids, text, generated in update.deltas]
-        self.streams.deliver(outputs + update.outputs)
+        self.streams.deliver(update.outputs, update.deltas)
         for call_id, ok, value in update.results:
             future = self._calls.pop(call_id, None)
             if future is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -114,9 +115,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
-    @property
+    @functools.cached_property
     def processes_logits(self) -> bool:
-        """True when process_logits has work for this request (the common case skips it)."""
+        """True when process_logits has work for this request (the common case skips it). Cached:
+        the scheduler asks for every row of every step, and the params never change."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
                 or bool(self.logit_bias) or self.min_tokens > 0)
 

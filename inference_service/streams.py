@@ -32,6 +32,10 @@ _COMPLETE = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP)
 # and new calls get their turn; the same work is done.
 WAKE_CHUNK = 16
 
+# A plain token delta (no finish, logprobs or logits): request id, token ids, text or None, tokens
+# generated so far. The engine core process sends most of a step's outputs as these.
+Delta = tuple[str, list[int], str | None, int]
+
 
 class StreamText:
     """Text deltas for outputs the core left undecoded (`RequestOutput.text is None`)."""
@@ -65,8 +69,10 @@ class RequestStream:
         self._sent = False  # the first output was taken
         self._done = False
         # Async streams are fed on their loop (one call_soon_threadsafe per step); sync ones from
-        # the delivering thread, so they need a lock.
-        self._ready: asyncio.Event | None = asyncio.Event() if loop else None
+        # the delivering thread, so they need a lock. An async consumer waits on a bare future made
+        # when it has nothing to take (an asyncio.Event costs a deque and a loop lookup per wait,
+        # several microseconds a message at thousands of messages a second).
+        self._waiter: asyncio.Future[None] | None = None
         self._cond: threading.Condition | None = None if loop else threading.Condition()
 
     @property
@@ -84,14 +90,31 @@ class RequestStream:
     def put(self, output: RequestOutput) -> None:
         if self._cond is None:
             self._merge(output)
-            assert self._ready is not None
-            if self._takeable():
-                self._ready.set()
+            self._wake()
             return
         with self._cond:
             self._merge(output)
             if self._takeable():
                 self._cond.notify()
+
+    def put_tokens(self, token_ids: list[int], text: str | None, generated_tokens: int) -> None:
+        """On the stream's loop: a plain token delta (no finish, logprobs or logits), merged into
+        the pending output without a RequestOutput of its own (one is made per message, not per
+        token, for a consumer that lags or waits for --stream-interval tokens)."""
+        pending = self._pending
+        if pending is None:
+            self._pending = RequestOutput(self.request_id, token_ids, text=text, generated_tokens=generated_tokens)
+        else:
+            pending.new_token_ids += token_ids
+            if pending.text is not None and text is not None:
+                pending.text += text
+            pending.generated_tokens = generated_tokens or pending.generated_tokens
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and self._takeable():
+            waiter.set_result(None)
 
     def _merge(self, output: RequestOutput) -> None:
         if self._pending is None:
@@ -117,11 +140,14 @@ class RequestStream:
             yield output
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        assert self._ready is not None, "create the stream inside a running event loop to iterate async"
+        assert self.loop is not None, "create the stream inside a running event loop to iterate async"
         while not self._done:
             if not self._takeable():
-                self._ready.clear()
-                await self._ready.wait()
+                self._waiter = self.loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
                 continue
             output = self._take()
             self._done = output.finished
@@ -136,7 +162,8 @@ class StreamTable:
         self._capacity = capacity  # waiting + running requests the engine accepts
         self._interval = stream_interval
         self._streams: dict[str, RequestStream] = {}
-        self._backlogs: dict[asyncio.AbstractEventLoop, collections.deque[tuple[RequestStream, RequestOutput]]] = {}
+        self._backlogs: dict[asyncio.AbstractEventLoop,
+                             collections.deque[tuple[RequestStream, RequestOutput | Delta]]] = {}
         self._draining: set[asyncio.AbstractEventLoop] = set()  # loops with a _drain scheduled
         self._lock = threading.Lock()
 
@@ -162,23 +189,23 @@ class StreamTable:
         with self._lock:
             self._streams.pop(request_id, None)
 
-    def deliver(self, outputs: Iterable[RequestOutput]) -> None:
-        """Any thread: route one step's outputs; one hand-off per event loop, not per token."""
+    def deliver(self, outputs: Iterable[RequestOutput], deltas: Iterable[Delta] = ()) -> None:
+        """Any thread: route one step's outputs (plain token deltas first, then whole outputs);
+        one hand-off per event loop, not per token."""
         woken: list[asyncio.AbstractEventLoop] = []
+        streams = self._streams
         with self._lock:
+            for delta in deltas:
+                stream = streams.get(delta[0])
+                if stream is not None:
+                    self._route(stream, delta, woken)
             for output in outputs:
-                stream = self._streams.get(output.request_id)
+                stream = streams.get(output.request_id)
                 if stream is None:
                     continue
                 if output.finished:
-                    del self._streams[output.request_id]
-                if stream.loop is None:
-                    stream.put(output)
-                    continue
-                self._backlogs.setdefault(stream.loop, collections.deque()).append((stream, output))
-                if stream.loop not in self._draining:  # else the scheduled _drain takes it in order
-                    self._draining.add(stream.loop)
-                    woken.append(stream.loop)
+                    del streams[output.request_id]
+                self._route(stream, output, woken)
         for loop in woken:
             try:
                 loop.call_soon_threadsafe(self._drain, loop)
@@ -186,6 +213,18 @@ class StreamTable:
                 with self._lock:
                     self._backlogs.pop(loop, None)
                     self._draining.discard(loop)
+
+    def _route(self, stream: RequestStream, item: RequestOutput | Delta,
+               woken: list[asyncio.AbstractEventLoop]) -> None:
+        """Under the lock: a sync stream takes `item` now, an async one on its loop."""
+        loop = stream.loop
+        if loop is None:
+            stream.put(_output(item))
+            return
+        self._backlogs.setdefault(loop, collections.deque()).append((stream, item))
+        if loop not in self._draining:  # else the scheduled _drain takes it in order
+            self._draining.add(loop)
+            woken.append(loop)
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """On `loop`: hand WAKE_CHUNK outputs to their streams, then yield the loop if more wait.
@@ -197,8 +236,11 @@ class StreamTable:
             more = bool(backlog)
             if not more:
                 self._draining.discard(loop)
-        for stream, output in items:
-            stream.put(output)
+        for stream, item in items:
+            if type(item) is tuple:
+                stream.put_tokens(item[1], item[2], item[3])
+            else:
+                stream.put(item)  # type: ignore[arg-type]
         if more:
             loop.call_soon(self._drain, loop)
 
@@ -208,3 +250,10 @@ class StreamTable:
             ids = list(self._streams)
         self.deliver(RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR, error=error)
                      for rid in ids)
+
+
+def _output(item: RequestOutput | Delta) -> RequestOutput:
+    if isinstance(item, RequestOutput):
+        return item
+    request_id, token_ids, text, generated = item
+    return RequestOutput(request_id, token_ids, text=text, generated_tokens=generated)

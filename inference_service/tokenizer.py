@@ -33,6 +33,8 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
+            if max(token_ids, default=0) < 256:  # the common case, without a generator per call
+                return bytes(token_ids).decode("utf-8", errors="replace")
             return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
         special = {self.BOS: b"<s>", self.EOS: b"</s>"}
         return b"".join(special.get(t, b"") if t >= 256 else bytes((t,)) for t in token_ids).decode(

@@ -9,6 +9,7 @@ scheduler plans the next one (inference_service/engine_core.py).
   adapter reference are released exactly once; a request whose previous step sampled no token
   (non-finite logits) ends alone even though its next step was already launched.
 - A forward pass that fails for one request on the device worker ends only that request.
+- The next step is planned late in the running one, so a request that arrives meanwhile joins it.
 
 The faults are patches of the model runner's `execute` (a kernel bug cannot be caused for real);
 the real-input fault (an overflowing adapter) is tests/test_isolation_engine.py's, and
@@ -17,6 +18,7 @@ tests/test_scheduler.py runs its preemption and abort-storm tests in both modes.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -27,13 +29,16 @@ import torch
 from adapter_cache.errors import LoraplexError
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import generate, load_adapters, run_to_completion
-from inference_service import model_runner
+from inference_service import engine_core, model_runner
 from inference_service.config import EngineConfig
+from inference_service.engine import Engine
 from inference_service.engine_core import EngineCore
 from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.sampling import NON_FINITE
+
+STEP_S = 0.08  # the patched device step of the late-planning test
 
 
 @pytest.fixture(scope="module")
@@ -303,3 +308,41 @@ def test_a_batch_that_fails_once_and_runs_again_row_by_row_serves_the_same_token
     assert calls["n"] >= 8
     # Every row's penalties saw exactly the outputs before its token: never one twice.
     assert histories and all(seen == before for seen, before in histories), histories
+
+
+@pytest.mark.parametrize("late_planning", [True, False], ids=["planned-late", "planned-at-once"])
+def test_a_request_arriving_while_a_step_runs_joins_the_next_step(monkeypatch, late_planning):
+    """The scheduler thread plans the next step only once PLAN_AT_FRACTION of the running one has
+    passed (taking commands meanwhile), so a request that arrives early in step i joins step i+1,
+    not i+2 (planned at once, i+1 was planned before it came). The device never waits for it."""
+    if not late_planning:
+        monkeypatch.setattr(engine_core, "PLAN_AT_FRACTION", 0.0)
+    engine = Engine(EngineConfig(model="builtin:tiny", device="cpu", async_scheduling="on", kv_cache_bytes=4 << 20))
+    real_execute = engine.core.runner.execute
+    steps: list[tuple[float, float, list[str]]] = []  # device start, end, request ids of its rows
+
+    def execute(rows, previous):  # patch: a device step of a fixed STEP_S, as an accelerator's
+        start = time.monotonic()
+        results = real_execute(rows, previous)
+        time.sleep(max(0.0, start + STEP_S - time.monotonic()))
+        steps.append((start, time.monotonic(), [row.request_id for row in rows]))
+        return results
+
+    monkeypatch.setattr(engine.core.runner, "execute", execute)
+    engine.start()
+    try:
+        first = engine.add_request(_prompt(0), SamplingParams(max_new_tokens=10, ignore_eos=True), request_id="a")
+        outputs = iter(first)
+        for _ in range(4):  # a few steps measured, then right after a step's hand-off:
+            next(outputs)
+        added = time.monotonic()
+        second = engine.add_request(_prompt(1), SamplingParams(max_new_tokens=2, ignore_eos=True), request_id="b")
+        assert sum(len(o.new_token_ids) for o in second) == 2
+        assert sum(len(o.new_token_ids) for o in outputs) == 6
+    finally:
+        engine.shutdown()
+    running = max(i for i, (start, _, _) in enumerate(steps) if start <= added)
+    joined = next(i for i, (_, _, ids) in enumerate(steps) if "b" in ids)
+    assert joined == running + (1 if late_planning else 2), (running, joined, steps)
+    gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(steps)]
+    assert max(gaps) < STEP_S / 2, gaps  # each step was launched before the one before it ended
