@@ -51,7 +51,6 @@ START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 ORPHAN_EXIT_S = 10.0  # a core whose front end died exits at most this long after
 
 
-
 @dataclasses.dataclass
 class _Update:
     """Everything one turn of the core's loop tells the front end, in one message."""

@@ -169,18 +169,22 @@ class RequestOutput:
     def absorb(self, later: RequestOutput) -> None:
         """Take the next delta of the same request into this one, in place (a consumer that fell
         behind gets one message; in place, so a stream that is never read costs O(tokens))."""
-        self.new_token_ids += later.new_token_ids
-        if self.text is not None and later.text is not None:
-            self.text += later.text
+        self.absorb_tokens(later.new_token_ids, later.text, later.generated_tokens)
         if later.logits is not None:
             self.logits = (self.logits or []) + later.logits
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
         self.prompt_tokens = later.prompt_tokens or self.prompt_tokens
-        self.generated_tokens = later.generated_tokens or self.generated_tokens
         self.timings = later.timings or self.timings
         self.stop_reason = later.stop_reason
+
+    def absorb_tokens(self, token_ids: list[int], text: str | None, generated_tokens: int) -> None:
+        """The token part of `absorb`: a later delta's tokens, text and count (0: unknown)."""
+        self.new_token_ids += token_ids
+        if self.text is not None and text is not None:
+            self.text += text
+        self.generated_tokens = generated_tokens or self.generated_tokens
 
 
 class Request:

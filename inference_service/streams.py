@@ -105,10 +105,7 @@ class RequestStream:
         if pending is None:
             self._pending = RequestOutput(self.request_id, token_ids, text=text, generated_tokens=generated_tokens)
         else:
-            pending.new_token_ids += token_ids
-            if pending.text is not None and text is not None:
-                pending.text += text
-            pending.generated_tokens = generated_tokens or pending.generated_tokens
+            pending.absorb_tokens(token_ids, text, generated_tokens)
         self._wake()
 
     def _wake(self) -> None:
