@@ -299,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # has touched CUDA or torch's thread pool (a child forked after either cannot use them). With
     # this, torch answers cuda.is_available() from NVML, which leaves CUDA uninitialized.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    engine = (ProcessEngine if args.engine_core == "process" else Engine)(engine_cfg, metrics=sink)
+    if args.engine_core == "process":
+        engine: Engine | ProcessEngine = ProcessEngine(engine_cfg, metrics=sink, start_method="fork")
+    else:
+        engine = Engine(engine_cfg, metrics=sink)
     registry.register(EngineCollector(engine.stats))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     engine.start()

@@ -13,8 +13,11 @@ and the set of adapter names when they changed, and the results of admin calls. 
 (`ProcessEngine`) keeps the request streams, detokenizes, replays the metric events into the real
 metrics sink and mirrors the snapshot, so `stats()` and admission never wait for the core.
 
-The core process is forked before the server starts any thread, and exits when the pipe closes:
-a parent that dies takes its core with it.
+How the core process starts: `loraplex-inference` forks it at start-up, before the server starts
+any thread or touches torch's thread pool, which is fast (the child inherits the imported modules).
+Any other caller gets a spawned one: a child forked after its parent ran a parallel torch op
+hangs in the first op of its own (the OpenMP pool does not survive a fork). It exits when the pipe
+closes: a parent that dies takes its core with it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from adapter_cache.errors import LoraplexError, NotFoundError, UnavailableError
 from inference_service.config import EngineConfig
@@ -47,6 +50,7 @@ from inference_service.streams import Delta, RequestStream, StreamTable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+StartMethod = Literal["fork", "spawn", "forkserver"]
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 ORPHAN_EXIT_S = 10.0  # a core whose front end died exits at most this long after
 
@@ -232,10 +236,12 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
 class ProcessEngine:
     """The Engine interface (add_request, abort, admin calls, stats) over a core process."""
 
-    def __init__(self, config: EngineConfig, metrics: MetricsSink | None = None) -> None:
+    def __init__(self, config: EngineConfig, metrics: MetricsSink | None = None,
+                 start_method: StartMethod = "spawn") -> None:
         self.config = config
+        self.start_method = start_method
         self._metrics = metrics or NullMetrics()
-        context = multiprocessing.get_context("fork")  # before any server thread exists (see module doc)
+        context = multiprocessing.get_context(start_method)  # "fork" only from a fresh process (module doc)
         self._conn, child = context.Pipe(duplex=True)
         self._process = context.Process(target=_core_main, args=(child, self._conn, config),
                                         name="loraplex-engine-core", daemon=True)
