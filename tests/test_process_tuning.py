@@ -50,8 +50,12 @@ def test_the_core_process_freezes_its_start_up_objects(async_scheduling: str) ->
 def test_a_core_process_started_after_a_parallel_torch_op_serves() -> None:
     # A forked child of this process would hang in its first torch op: the parallel matmul below
     # starts the OpenMP pool, which a fork does not carry over.
-    torch.set_num_threads(2)
-    torch.randn(512, 512) @ torch.randn(512, 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a pool even on one core; restored for the tests after this one
+    try:
+        torch.randn(512, 512) @ torch.randn(512, 512)
+    finally:
+        torch.set_num_threads(threads)
     engine = ProcessEngine(EngineConfig(model="builtin:tiny", device="cpu"))
     assert engine.start_method == "spawn"
     engine.start()
