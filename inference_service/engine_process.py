@@ -22,6 +22,7 @@ closes: a parent that dies takes its core with it.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
@@ -34,6 +35,7 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -53,6 +55,7 @@ T = TypeVar("T")
 StartMethod = Literal["fork", "spawn", "forkserver"]
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 ORPHAN_EXIT_S = 10.0  # a core whose front end died exits at most this long after
+STOP_TIMEOUT_S = 30.0  # a core asked to stop is killed after this long
 
 
 @dataclasses.dataclass
@@ -233,6 +236,24 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
 
 # ---- the front end's side ----------------------------------------------------------------------------------
 
+def _stop_core(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection,
+               send_lock: threading.Lock) -> None:
+    """Asks the core to stop, waits for it, kills it if it does not. The core ignores SIGTERM (its
+    front end decides when to stop), so multiprocessing's own exit hook, which terminates and then
+    joins every daemon child, would wait forever for a core nobody stopped: this runs before it."""
+    try:
+        with send_lock:
+            conn.send(("stop",))
+    except (OSError, ValueError):
+        pass  # gone already, or never got to read commands
+    process.join(STOP_TIMEOUT_S)
+    if process.is_alive():
+        log.error("the engine core process did not stop: killing it")
+        process.kill()
+        process.join(5)
+    conn.close()
+
+
 class ProcessEngine:
     """The Engine interface (add_request, abort, admin calls, stats) over a core process."""
 
@@ -247,16 +268,26 @@ class ProcessEngine:
                                         name="loraplex-engine-core", daemon=True)
         self._process.start()
         child.close()
-        hello = self._hello()
+        self._send_lock = threading.Lock()
+        # Runs once: from shutdown(), from a start that fails, or at exit for an engine never shut
+        # down (registered after multiprocessing's exit hook, so it runs before it).
+        self._stop_core = weakref.finalize(self, _stop_core, self._process, self._conn, self._send_lock)
+        self._stop_core.atexit = False
+        atexit.register(self._stop_core)
+        try:
+            hello = self._hello()
+        except BaseException:  # a start-up timeout, or the caller interrupted: leave no core behind
+            self._process.kill()
+            self.shutdown()
+            raise
         if hello[0] == "failed":
-            self._process.join(10)
+            self.shutdown()
             raise hello[1]
         _, self.model_info, self.tokenizer, self._stats = hello
         self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs, config.stream_interval)
         self._adapter_names: frozenset[str] = frozenset()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._send_lock = threading.Lock()
         self._dead = False
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         log.info("engine core process %d started", self._process.pid)
@@ -265,7 +296,6 @@ class ProcessEngine:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._conn.poll(0.2):
             if not self._process.is_alive() or time.monotonic() > deadline:
-                self._process.kill()
                 raise LoraplexError(f"the engine core process did not start (exit code {self._process.exitcode})")
         return self._conn.recv()
 
@@ -273,16 +303,8 @@ class ProcessEngine:
         self._reader.start()
 
     def shutdown(self) -> None:
-        try:
-            self._send(("stop",))
-        except UnavailableError:
-            pass
-        self._process.join(30)
-        if self._process.is_alive():
-            log.error("the engine core process did not stop: killing it")
-            self._process.kill()
-            self._process.join(5)
-        self._conn.close()
+        self._stop_core()
+        atexit.unregister(self._stop_core)
 
     # ---- requests ----
 

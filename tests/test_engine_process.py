@@ -5,6 +5,8 @@
 - The core process dying (the test-only fault hook ends its scheduler) ends the streams in flight
   with UNAVAILABLE, turns health NOT_SERVING and refuses new requests; nothing hangs.
 - A front end killed with SIGKILL takes its core process with it (the pipe closes).
+- A program that embeds a ProcessEngine and exits without shutting it down exits at once, and its core
+  with it (the core ignores SIGTERM, so multiprocessing's exit hook alone would wait for it forever).
 - The thread bridge (`--engine-core thread`) and async scheduling serve the same tokens.
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -134,6 +138,34 @@ def test_a_killed_front_end_takes_its_core_process_with_it(tmp_path: Path) -> No
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
     _wait(lambda: not _alive(core), 15, "the orphaned core process to exit")
+
+
+EMBEDDER_THAT_FAILS = """
+import multiprocessing
+from inference_service.config import EngineConfig
+from inference_service.engine_process import ProcessEngine
+
+if __name__ == "__main__":
+    engine = ProcessEngine(EngineConfig(model="builtin:tiny", device="cpu"))
+    engine.start()
+    print(multiprocessing.active_children()[0].pid, flush=True)
+    raise SystemExit("the embedder failed before its shutdown()")
+"""
+
+
+def test_a_program_that_never_shuts_its_engine_down_still_exits(tmp_path: Path) -> None:
+    script = tmp_path / "embedder.py"
+    script.write_text(EMBEDDER_THAT_FAILS)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the core too: it is in the same session
+        proc.communicate()
+        pytest.fail("the program did not exit: its exit waited for the engine core")
+    assert proc.returncode == 1 and "the embedder failed before its shutdown()" in err, err[-2000:]
+    _wait(lambda: not _alive(int(out.split()[0])), 10, "the core process to exit")
 
 
 def test_stream_interval_groups_the_tokens_of_each_message(tmp_path: Path) -> None:
