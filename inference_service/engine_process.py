@@ -15,9 +15,10 @@ metrics sink and mirrors the snapshot, so `stats()` and admission never wait for
 
 How the core process starts: `loraplex-inference` forks it at start-up, before the server starts
 any thread or touches torch's thread pool, which is fast (the child inherits the imported modules).
-Any other caller gets a spawned one: a child forked after its parent ran a parallel torch op
-hangs in the first op of its own (the OpenMP pool does not survive a fork). It exits when the pipe
-closes: a parent that dies takes its core with it.
+Any other caller gets a spawned one (so a script that makes one needs spawn's `if __name__ ==
+"__main__":` guard): a child forked after its parent ran a parallel torch op hangs in the first op
+of its own (the OpenMP pool does not survive a fork). It exits when the pipe closes: a parent that
+dies takes its core with it, and one that exits without `shutdown()` stops it on the way out.
 """
 
 from __future__ import annotations
