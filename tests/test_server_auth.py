@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, PermissionDeniedError, UnauthenticatedError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.auth import AdminAuth, is_loopback_listen
 
@@ -55,10 +55,24 @@ def test_traversal_denied_with_and_without_allow_list(uri):
             policy.check(uri)
 
 
-@pytest.mark.parametrize("uri", ["", "/srv/adapters/x", "file://remotehost/x", "file://rel\x00"])
-def test_malformed_uris_are_invalid(uri):
-    with pytest.raises((InvalidArgumentError, PermissionDeniedError)):
-        UriPolicy().check(uri)
+@pytest.mark.parametrize("uri, match", [
+    ("", "is empty"),
+    ("/srv/adapters/x", "has no scheme"),
+    ("file://remotehost/srv/adapters/x", "must name a local path"),
+    ("file:srv/adapters/x", "need an absolute path"),
+    ("file:///srv/adapters/x\x00", "control characters"),
+    ("s3://user:pw@bucket/team-a/x", "carries credentials"),
+    ("s3://bucket/team-a/x#v2", "query or fragment"),
+    ("ftp://bucket/team-a/x", "unsupported scheme"),
+])
+def test_malformed_uris_are_invalid(uri, match):
+    """Each URI would be allowed by a prefix if it were read leniently (the path under the allowed
+    directory, the key under the allowed prefix): INVALID_ARGUMENT for its own defect, not the
+    PERMISSION_DENIED every URI gets from a policy that allows nothing."""
+    policy = UriPolicy(["file:///srv/adapters", "s3://bucket/team-a/"])
+    with pytest.raises(LoraplexError, match=match) as refused:
+        policy.check(uri)
+    assert type(refused.value) is InvalidArgumentError
 
 
 def test_no_allow_list_allows_nothing_and_names_the_flag():
