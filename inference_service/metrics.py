@@ -194,6 +194,13 @@ class EngineCollector(Collector):
             s.slots_referenced,
         )
         yield _gauge("loraplex_lora_slots_pinned", "Slots holding a pinned adapter.", s.slots_pinned)
+        # The slot gauges see a reference only on an adapter in a slot; this one also sees those on
+        # adapters still staging, loading or failed: the leak check "zero references" reads it.
+        yield _gauge(
+            "loraplex_lora_adapter_references",
+            "Request references held on adapter versions (queued and running requests), in a slot or not.",
+            s.adapter_references,
+        )
         yield _gauge(
             "loraplex_lora_pending_load_events",
             "Host-to-slot adapter copies in flight.",

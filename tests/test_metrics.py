@@ -31,6 +31,7 @@ REQUIRED = {
     "loraplex_lora_slots_occupied",
     "loraplex_lora_slots_referenced",
     "loraplex_lora_slots_pinned",
+    "loraplex_lora_adapter_references",
     "loraplex_lora_pending_load_events",
     "loraplex_lora_loads_total",
     "loraplex_lora_evictions_total",
@@ -55,6 +56,7 @@ class FakeStats:
     slots_referenced: int = 2
     slots_pinned: int = 1
     pending_load_events: int = 1
+    adapter_references: int = 7  # more than the slots see: references on adapters not in a slot too
     requests_running: int = 5
     requests_waiting: dict[str, int] = field(default_factory=lambda: {"adapter": 2, "capacity": 1})
     kv_cache_usage: float = 0.25
@@ -110,6 +112,7 @@ def test_exposition_has_every_required_series_with_values():
     s = _samples(text)
     assert s[("loraplex_lora_slots_total", ())] == 4
     assert s[("loraplex_lora_slots_referenced", ())] == 2
+    assert s[("loraplex_lora_adapter_references", ())] == 7
     assert s[("loraplex_requests_waiting", (("reason", "adapter"),))] == 2
     assert s[("loraplex_kv_cache_usage_ratio", ())] == 0.25
     assert s[("loraplex_lora_loads_total", (("tier", "store"),))] == 1

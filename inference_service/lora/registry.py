@@ -62,7 +62,6 @@ class AdapterRegistry:
         self.draining: set[str] = set()  # uids marked draining, not yet removed
         self.referenced: set[str] = set()  # uids with at least one request reference
         self._next_version: dict[str, int] = {}
-        self._refs_total = 0
         self.current_changes = 0  # bumped whenever `current` changes: mirrors of it know when to refresh
 
     def add_version(self, name: str, uri: str, sha256: str | None, pinned: bool) -> AdapterVersion:
@@ -80,7 +79,6 @@ class AdapterRegistry:
     def add_ref(self, entry: AdapterVersion, request_id: str) -> None:
         if request_id not in entry.refs:
             entry.refs.add(request_id)
-            self._refs_total += 1
             self.referenced.add(entry.uid)
 
     def drop_ref(self, uid: str, request_id: str) -> None:
@@ -88,7 +86,6 @@ class AdapterRegistry:
         entry = self.versions.get(uid)
         if entry is not None and request_id in entry.refs:
             entry.refs.discard(request_id)
-            self._refs_total -= 1
             if not entry.refs:
                 self.referenced.discard(uid)
 
@@ -121,4 +118,6 @@ class AdapterRegistry:
         self.current_changes += 1
 
     def total_refs(self) -> int:
-        return self._refs_total
+        """Counted from the references themselves (no second counter that could drift from them),
+        over the referenced versions only: O(adapters with requests), so any step may ask."""
+        return sum(len(self.versions[uid].refs) for uid in self.referenced)
