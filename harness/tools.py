@@ -1,6 +1,11 @@
-"""External tools the tests use (promtool, prometheus, helm, buf, grpcurl, openssl).
+"""External tools the tests use (promtool, prometheus, helm, buf, grpcurl, openssl), and the one
+CI predicate of the suite.
 
-`make test` installs them (scripts/install_test_tools.sh), so under CI (CI set) a missing tool is a
+`in_ci()` is the only place that reads the `CI` variable: every test and harness module that must
+not skip under CI asks it (or calls `skip_or_fail`), so `CI=1`, `CI=yes` and `CI=true` mean the
+same everywhere (tests/test_ci_predicate.py holds that no other module reads `CI`).
+
+`make test` installs the tools (scripts/install_test_tools.sh), so under CI a missing tool is a
 failure, never a silent skip; on a developer's machine it skips with the way to install it. Tests
 say what they need with `@pytest.mark.needs_tool(name)` (or `needs_tool(name, path)` for a tool
 installed outside PATH); tests/conftest.py applies the rule before each such test runs.
@@ -11,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -18,7 +24,16 @@ INSTALL_HINT = "scripts/install_test_tools.sh installs it; make test runs that"
 
 
 def in_ci() -> bool:
+    """CI set to anything but empty, 0, false or no (CI services set "true"; others "1" or "yes")."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """A precondition this machine lacks: a failure under CI (where everything must run), a skip
+    saying why elsewhere."""
+    if in_ci():
+        pytest.fail(f"{reason} (under CI this must run, not skip)", pytrace=False)
+    pytest.skip(reason)
 
 
 def find_tool(name: str, path: Path | None = None) -> str | None:
@@ -32,9 +47,7 @@ def require_tool(name: str, path: Path | None = None) -> str:
     exe = find_tool(name, path)
     if exe is None:
         where = f" (looked in PATH{f' and {path}' if path else ''})"
-        if in_ci():
-            pytest.fail(f"{name} is missing under CI{where}: {INSTALL_HINT}", pytrace=False)
-        pytest.skip(f"{name} not installed{where}: {INSTALL_HINT}")
+        skip_or_fail(f"{name} not installed{where}: {INSTALL_HINT}")
     return exe
 
 

@@ -29,6 +29,7 @@ from adapter_cache.api import adapter_cache_pb2_grpc as cpb_grpc
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import VictimResult, solo_run, status_of, victim_beside
 from harness.sidecar import RangeIgnoringOrigin, Sidecar, write_token
+from harness.tools import skip_or_fail
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
 
@@ -220,9 +221,7 @@ def test_follower_of_a_stuck_flight_times_out(stack):
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_fifo_or_device_in_place_of_weights_is_refused_at_once(stack, kind):
     if kind == "device" and not stack.has_device:
-        if os.environ.get("CI") == "true":
-            raise AssertionError("creating a device node needs CAP_MKNOD (CI runs as root)")
-        pytest.skip("creating a device node needs CAP_MKNOD")
+        skip_or_fail("creating a device node needs CAP_MKNOD (CI runs as root)")
     with victim_beside(stack.server, stack.base):
         code, details, seconds = _load_code(stack, f"file-{kind}", (stack.adapters / kind).as_uri())
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a regular file" in details, details
@@ -286,9 +285,7 @@ def test_socket_and_staged_files_are_the_sidecar_users_alone(stack):
     assert staged and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in staged), \
         {p.name: oct(p.stat().st_mode) for p in staged}
     if os.geteuid() != 0:
-        if os.environ.get("CI") == "true":
-            raise AssertionError("connecting as another user needs root (CI runs as root)")
-        pytest.skip("connecting as another user needs root")
+        skip_or_fail("connecting as another user needs root (CI runs as root)")
     assert _connect_as(65534, sock) == "refused", "another user connected to the sidecar's socket"
     assert _connect_as(os.geteuid(), sock) == "connected"  # the probe itself works
 
