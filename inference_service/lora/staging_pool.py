@@ -8,11 +8,16 @@ source run `workers` wide as before. A task still running at its deadline is aba
 future fails with UNAVAILABLE (retryable) and it no longer counts against `workers`, so the queue
 moves on while its thread is left to finish, or hang, alone. Abandoned threads are bounded too:
 past `max_abandoned`, new tasks fail at once rather than pile up threads.
+
+Queued tasks wait in one queue per source, so starting the next costs O(sources queued), never
+O(tasks queued): a burst of registrations queues thousands, and the scheduler thread submits them
+and calls `expire` every step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -33,6 +38,7 @@ class _Task:
     future: concurrent.futures.Future
     on_orphan: Callable[[Any], None] | None
     key: str
+    seq: int  # arrival order: the oldest startable task starts first
     deadline: float = 0.0
     abandoned: bool = False
 
@@ -44,7 +50,8 @@ class StagingPool:
         self.workers, self.timeout_s = workers, timeout_s
         self.max_abandoned = max_abandoned if max_abandoned is not None else 4 * workers
         self._lock = threading.Lock()
-        self._queue: deque[_Task] = deque()
+        self._queues: dict[str, deque[_Task]] = {}  # source key → its queued tasks, oldest first
+        self._arrivals = itertools.count()
         self._running: set[_Task] = set()
         self._abandoned = 0
         self._closed = False
@@ -54,7 +61,7 @@ class StagingPool:
         """`key`: the task's source; `on_orphan` gets the result of a task that completes after it
         was abandoned (e.g. to release what it holds)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        task = _Task(lambda: fn(*args), future, on_orphan, key)
+        task = _Task(lambda: fn(*args), future, on_orphan, key, next(self._arrivals))
         with self._lock:
             if self._closed:
                 raise RuntimeError("the staging pool is shut down")
@@ -62,7 +69,7 @@ class StagingPool:
                 future.set_exception(UnavailableError(
                     f"{self._abandoned} adapter preparations are stuck past their deadline; try again later"))
                 return future
-            self._queue.append(task)
+            self._queues.setdefault(key, deque()).append(task)
             self._start_queued()
         return future
 
@@ -84,31 +91,32 @@ class StagingPool:
     def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
         with self._lock:
             self._closed = True
-            queued, self._queue = list(self._queue), deque()
+            queued = [task for tasks in self._queues.values() for task in tasks]
+            self._queues = {}
         if cancel_futures:
             for task in queued:
                 task.future.cancel()
 
     def _start_queued(self) -> None:
         """Under the lock: start queued tasks, oldest first, while places are free (or the task's
-        source has none running and the pool is under twice its size)."""
-        if not self._queue:
-            return
+        source has none running and the pool is under twice its size). A source's tasks can all
+        start or none can, so the oldest startable task is the head of some source's queue."""
         held = Counter(t.key for t in self._running)
-        waiting: deque[_Task] = deque()
-        while self._queue:
-            task = self._queue.popleft()
-            running = len(self._running)
-            if running >= self.workers and (held[task.key] or running >= 2 * self.workers):
-                waiting.append(task)
-                continue
+        while self._queues and (running := len(self._running)) < 2 * self.workers:
+            heads = [tasks[0] for key, tasks in self._queues.items() if running < self.workers or not held[key]]
+            if not heads:
+                return
+            task = min(heads, key=lambda t: t.seq)
+            tasks = self._queues[task.key]
+            tasks.popleft()
+            if not tasks:
+                del self._queues[task.key]
             if not task.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             task.deadline = time.monotonic() + self.timeout_s
             self._running.add(task)
             held[task.key] += 1
             threading.Thread(target=self._run, args=(task,), name="lora-host", daemon=True).start()
-        self._queue = waiting
 
     def _run(self, task: _Task) -> None:
         background_worker_thread()
