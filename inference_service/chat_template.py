@@ -4,7 +4,8 @@ Same environment as transformers' `apply_chat_template` (an immutable sandbox wi
 trim_blocks/lstrip_blocks and loop controls, `raise_exception`, a `tojson` that does not escape
 HTML, `strftime_now`), the special tokens as template variables, and `add_generation_prompt`.
 Templates come from the checkpoint (tokenizer_config.json's `chat_template`, or
-chat_template.jinja beside it) or from `--chat-template FILE`; they are untrusted code, hence
+chat_template.jinja beside it, or a GGUF file's `tokenizer.chat_template`) or from
+`--chat-template FILE`; they are untrusted code, hence
 the sandbox.
 """
 
@@ -92,10 +93,19 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def load_chat_template(checkpoint: str | None, override: str | None = None) -> ChatTemplate | None:
-    """The template to serve: `override` (a file) if given, else the checkpoint's, else None."""
+def load_chat_template(checkpoint: str | None, override: str | None = None,
+                       revision: str | None = None) -> ChatTemplate | None:
+    """The template to serve: `override` (a file) if given, else the checkpoint's (a directory's
+    tokenizer_config.json or chat_template.jinja, a GGUF file's tokenizer.chat_template), else None.
+    A Hugging Face model id is found as --model finds it (models/source.py), `revision` pinning it."""
+    root = _checkpoint_path(checkpoint, revision)
+    if root is not None and root.suffix == ".gguf" and root.is_file():
+        from inference_service.models.gguf import GGUFFile
+
+        gguf = GGUFFile(root)
+        source = Path(override).read_text(encoding="utf-8") if override else gguf.chat_template()
+        return ChatTemplate(source, gguf.special_tokens()) if source is not None else None
     config: dict[str, Any] = {}
-    root = Path(checkpoint) if checkpoint and not checkpoint.startswith("builtin:") else None
     if root is not None and (root / "tokenizer_config.json").is_file():
         config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
     special = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
@@ -107,3 +117,20 @@ def load_chat_template(checkpoint: str | None, override: str | None = None) -> C
     if not isinstance(source, str) and root is not None and (root / "chat_template.jinja").is_file():
         source = (root / "chat_template.jinja").read_text(encoding="utf-8")
     return ChatTemplate(source, special) if isinstance(source, str) else None
+
+
+def _checkpoint_path(checkpoint: str | None, revision: str | None) -> Path | None:
+    """A checkpoint directory or GGUF file (None: builtin); a directory that holds one GGUF file
+    and no config.json stands for that file, as in --model."""
+    if not checkpoint or checkpoint.startswith("builtin:"):
+        return None
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        from inference_service.models.source import resolve_model
+
+        path = resolve_model(checkpoint, revision).path or path
+    if path.is_dir() and not (path / "config.json").is_file():
+        from inference_service.models.gguf import find_gguf
+
+        path = find_gguf(path) or path
+    return path

@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every flag can also be set through the environment variable shown with it.",
     )
     g = p.add_argument_group("model and engine")
-    _add(g, "--model", "HF checkpoint directory, or builtin:tiny (a small random LLaMA)", default="builtin:tiny")
+    _add(g, "--model", "HF checkpoint directory, .gguf file (or a directory holding one), Hugging Face model id "
+         "(org/name, from the Hugging Face cache; HF_HOME), or builtin:tiny (a small random LLaMA)",
+         default="builtin:tiny")
+    _add(g, "--revision", "branch, tag or commit of a Hugging Face model id (default: main)")
     _add(g, "--device", "auto | cpu | cuda | cuda:N", default="auto")
     _add(g, "--dtype", "auto | float32 | float16 | bfloat16; auto: the checkpoint's torch_dtype on an "
          "accelerator, on CPU bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
@@ -177,6 +180,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         log.warning("%s", reason)
     engine_cfg = EngineConfig(
         model=args.model,
+        revision=args.revision,
         device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -248,31 +252,17 @@ async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    http_stopped = None
+    front_ends = []
     if http_cfg.port:
         from inference_service.chat_template import load_chat_template
         from inference_service.http.app import build_app
-        from inference_service.http.serving import start_http
+        from inference_service.http.serving import HttpFrontEnd
 
         names = http_cfg.served_model_names or (engine.model_info.name,)
-        template = load_chat_template(engine.config.model, http_cfg.chat_template)
+        template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
         app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}")
-        http = await start_http(app, http_cfg, server_cfg.shutdown_grace_s)
-        print(f"HTTP http://{http_cfg.addr}:{http_cfg.port}", flush=True)
-
-        async def stop_http() -> None:  # drains beside gRPC (same signal, same grace), not after it
-            try:
-                await stop.wait()
-            finally:
-                await http.stop()
-
-        http_stopped = asyncio.create_task(stop_http())
-    try:
-        await serve(engine, server_cfg, sink, stop=stop, collectors=registry)
-    finally:
-        stop.set()
-        if http_stopped is not None:
-            await http_stopped
+        front_ends.append(HttpFrontEnd(app, http_cfg))  # drains beside gRPC: same readiness, delay and grace
+    await serve(engine, server_cfg, sink, stop=stop, collectors=registry, front_ends=front_ends)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from adapter_cache.errors import LoraplexError
 from inference_service.limits import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -17,7 +17,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass
 class EngineConfig:
-    model: str = "builtin:tiny"  # HF checkpoint dir or builtin:tiny
+    # HF checkpoint dir, .gguf file (or a dir holding one), HF model id (org/name) or builtin:tiny
+    model: str = "builtin:tiny"
+    revision: str | None = None  # branch, tag or commit of an HF model id (default: main)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "float32"  # auto | float32 | float16 | bfloat16 (the CLI defaults to auto)
     max_loras: int = 4  # LoRA slots on the device
@@ -72,25 +74,31 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        dtype = auto_dtype(self.model, self.torch_device())
+        dtype = auto_dtype(self.model, self.torch_device(), self.revision)
         log.info("--dtype auto: %s on %s", str(dtype).removeprefix("torch."), self.torch_device())
         return dtype
 
 
-def auto_dtype(model: str, device: torch.device) -> torch.dtype:
+def auto_dtype(model: str, device: torch.device, revision: str | None = None) -> torch.dtype:
     """On an accelerator the checkpoint's own `torch_dtype` (what it was trained and shipped in);
     on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX), else fp32 (emulated bf16
     is slower than fp32 there)."""
     if device.type != "cpu":
-        return _checkpoint_dtype(model) or torch.float32
+        return _checkpoint_dtype(model, revision) or torch.float32
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() \
         else torch.float32
 
 
-def _checkpoint_dtype(model: str) -> torch.dtype | None:
-    config = Path(model) / "config.json"
-    if not config.is_file():
-        return None  # builtin:tiny, or a missing dir (loading reports that)
+def _checkpoint_dtype(model: str, revision: str | None = None) -> torch.dtype | None:
+    from inference_service.models.source import resolve_model
+
+    try:
+        source = resolve_model(model, revision)
+    except LoraplexError:
+        return None  # loading reports it
+    if source.kind != "hf" or source.path is None:
+        return None  # builtin:tiny; a GGUF file names no serving dtype (its weights are dequantized)
+    config = source.path / "config.json"
     fields = json.loads(config.read_text())
     name = fields.get("torch_dtype") or fields.get("dtype")  # transformers 5 writes "dtype"
     return DTYPES.get(str(name).removeprefix("torch.")) if name else None

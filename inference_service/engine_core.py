@@ -141,7 +141,7 @@ class EngineCore:
         self.config = config
         self.metrics = metrics or NullMetrics()
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
-                                           config.tokenizer)
+                                           config.tokenizer, config.revision)
         source = source or default_source(config, model.config.lora_shapes())
         self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
         self.lora = self.runner.lora

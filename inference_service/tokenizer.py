@@ -42,10 +42,11 @@ class ByteTokenizer:
 
 
 class FileTokenizer:
-    """A checkpoint's tokenizer.json (special tokens such as BOS added as the file says)."""
+    """A checkpoint's tokenizer.json, or one built from a GGUF file's metadata (special tokens such
+    as BOS added as the file says)."""
 
-    def __init__(self, path: Path, eos_token_ids: tuple[int, ...]) -> None:
-        self._tok = HFTokenizer.from_file(str(path))
+    def __init__(self, path: Path | HFTokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self._tok = path if isinstance(path, HFTokenizer) else HFTokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_ids = eos_token_ids
 

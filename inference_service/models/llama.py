@@ -8,6 +8,7 @@ LoRA deltas are added per target module into slices of the fused outputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -440,7 +441,7 @@ class LlamaModel(nn.Module):
         x = self.norm(x.index_select(0, batch.logits_rows))
         return dense.linear(x, self.lm_head, None, self.packed.get("lm_head")).float()
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or extra weights are errors."""
         c = self.config
         used: set[str] = set()

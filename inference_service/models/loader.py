@@ -1,9 +1,10 @@
-"""Load a model and tokenizer: a Hugging Face checkpoint directory or the embedded builtin:tiny."""
+"""Load a model and tokenizer: a Hugging Face checkpoint (directory or id), a GGUF file, or builtin:tiny."""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -11,12 +12,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from adapter_cache.errors import FailedPreconditionError
+from inference_service.models.gguf import GGUFFile
 from inference_service.models.llama import LlamaModel, ModelConfig
+from inference_service.models.source import BUILTIN_PREFIX, ModelSource, resolve_model
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-BUILTIN_TINY = "builtin:tiny"
+BUILTIN_TINY = f"{BUILTIN_PREFIX}tiny"
 # Small enough to start in a second on a laptop CPU, big enough to exercise GQA and every LoRA module.
 TINY_CONFIG = {
     "model_type": "llama",
@@ -36,21 +39,39 @@ TINY_SEED = 1234
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype,
-               tokenizer_mode: str = "auto") -> tuple[LlamaModel, Tokenizer]:
-    """`tokenizer_mode` auto: the checkpoint's tokenizer.json, refused when it has none (a byte
-    tokenizer on a real model's ids is garbage text, not an error anyone would notice); byte:
-    the byte-level tokenizer, asked for explicitly."""
+               tokenizer_mode: str = "auto", revision: str | None = None) -> tuple[LlamaModel, Tokenizer]:
+    """`spec`: builtin:tiny, a checkpoint directory, a .gguf file (or a directory holding one), or a
+    Hugging Face id (`revision` pins it) found in the Hugging Face cache (models/source.py).
+    `tokenizer_mode` auto: the checkpoint's tokenizer (tokenizer.json, or the GGUF file's own),
+    refused when it has none (a byte tokenizer on a real model's ids is garbage text, not an error
+    anyone would notice); byte: the byte-level tokenizer, asked for explicitly."""
     if tokenizer_mode not in ("auto", "byte"):
         raise FailedPreconditionError(f"tokenizer must be auto or byte, got {tokenizer_mode!r}")
-    if spec == BUILTIN_TINY:
+    source = resolve_model(spec, revision)
+    if source.kind == "builtin":
+        if spec != BUILTIN_TINY:
+            raise FailedPreconditionError(f"unknown builtin model {spec!r} (there is {BUILTIN_TINY})")
         model = _builtin_tiny(device, dtype)
         model.pack_weights()
         return model, ByteTokenizer()
-    root = Path(spec)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise FailedPreconditionError(f"{spec}: no config.json (expected a Hugging Face checkpoint dir)")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()), name=root.name)
+    assert source.path is not None  # set for every kind but builtin
+    start = time.perf_counter()
+    if source.kind == "gguf":
+        model, tokenizer = _load_gguf(source, device, dtype, tokenizer_mode)
+    else:
+        model, tokenizer = _load_hf_dir(source, device, dtype, tokenizer_mode)
+    model.pack_weights()
+    c = model.config
+    log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, vocab %d", spec, source.path,
+             time.perf_counter() - start, c.num_layers, c.hidden_size, c.vocab_size)
+    return model, tokenizer
+
+
+def _load_hf_dir(source: ModelSource, device: torch.device, dtype: torch.dtype,
+                 tokenizer_mode: str) -> tuple[LlamaModel, Tokenizer]:
+    root = source.path
+    assert root is not None
+    config = ModelConfig.from_hf(json.loads((root / "config.json").read_text()), name=source.name)
     tokenizer_path = root / "tokenizer.json"
     tokenizer: Tokenizer
     if tokenizer_mode == "byte":
@@ -59,13 +80,23 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
         tokenizer = FileTokenizer(tokenizer_path, config.eos_token_ids)
     else:
         raise FailedPreconditionError(
-            f"{spec}: no tokenizer.json; add the model's tokenizer, or pass --tokenizer byte to serve with "
+            f"{root}: no tokenizer.json; add the model's tokenizer, or pass --tokenizer byte to serve with "
             "the byte-level tokenizer (text is UTF-8 bytes as token ids 0-255)")
     model = LlamaModel(config, device, dtype)
     model.load_hf_state_dict(_read_safetensors(root))
-    model.pack_weights()
-    log.info("loaded %s: %d layers, hidden %d, vocab %d", spec, config.num_layers, config.hidden_size,
-             config.vocab_size)
+    return model, tokenizer
+
+
+def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype,
+               tokenizer_mode: str) -> tuple[LlamaModel, Tokenizer]:
+    assert source.path is not None
+    gguf = GGUFFile(source.path)
+    config = ModelConfig.from_hf(gguf.hf_config(), name=source.name)
+    tokenizer: Tokenizer = ByteTokenizer() if tokenizer_mode == "byte" else FileTokenizer(
+        gguf.tokenizer(), config.eos_token_ids)
+    model = LlamaModel(config, device, dtype)
+    # Dequantized one tensor at a time as the model takes it, cast to `dtype` on copy.
+    model.load_hf_state_dict(gguf.state_dict())
     return model, tokenizer
 
 

@@ -1,0 +1,211 @@
+"""GGUF checkpoints (llama.cpp's format): config, weights, tokenizer and chat template from one file.
+
+Weights are dequantized with the `gguf` package as the loader asks for each one (a lazy mapping),
+so a quantized file never sits in memory as a whole fp32 state dict; the model's own parameters
+take the serving dtype on copy. Tensor and metadata names follow llama.cpp
+(gguf-py/gguf/constants.py and tensor_mapping.py); llama.cpp's converter permutes the rows of
+LLaMA's q/k projections for its interleaved RoPE, which `_unpermute` undoes, as transformers does.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from adapter_cache.errors import FailedPreconditionError
+from inference_service.models.gguf_tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
+
+# GGUF architecture → our model_type. Mistral converts to "llama" in GGUF; qwen2 keeps HF's
+# rotate-half RoPE in llama.cpp (NEOX), so its q/k rows are not permuted.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+_PERMUTED_QK = {"llama"}
+
+# Tensor types dequantized here (gguf.quants), each checked against an independent reference in
+# tests/test_gguf_loading.py.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (None: one this model family lacks)."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert_hf_to_gguf `permute` (rows of each head: pairs → halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """One opened .gguf file: its metadata (as Python values) and tensors (memory-mapped)."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader  # imported on use: only GGUF checkpoints need it
+
+        self.path = path
+        try:
+            self._reader = GGUFReader(str(path))
+        except (ValueError, OSError) as exc:
+            raise FailedPreconditionError(f"{path}: not a readable GGUF file: {exc}") from None
+        self.architecture = str(self.get("general.architecture", ""))
+        if self.architecture not in ARCHITECTURES:
+            raise FailedPreconditionError(
+                f"{path}: GGUF architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+        self.tensors = {t.name: t for t in self._reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.architecture}.{key}", default)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The file's hyperparameters as a Hugging Face config.json would give them."""
+        heads = int(self.arch("attention.head_count"))
+        hidden = int(self.arch("embedding_length"))
+        tokens = self.get("tokenizer.ggml.tokens")
+        vocab = self.arch("vocab_size") or (len(tokens) if tokens else None)
+        if vocab is None:
+            vocab = int(self.tensors["token_embd.weight"].shape[-1])
+        eos = [int(self.get(k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if self.get(k) is not None]
+        config: dict[str, Any] = {
+            "model_type": ARCHITECTURES[self.architecture],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self.arch("feed_forward_length")),
+            "num_hidden_layers": int(self.arch("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.arch("attention.head_count_kv", heads)),
+            "head_dim": int(self.arch("attention.key_length") or self.arch("rope.dimension_count")
+                            or hidden // heads),
+            "rms_norm_eps": float(self.arch("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.arch("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.arch("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": list(dict.fromkeys(eos)) or None,
+        }
+        scaling = self.arch("rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise FailedPreconditionError(f"{self.path}: GGUF rope scaling {scaling!r} is not supported")
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(self.arch("rope.scaling.factor"))}
+        if "rope_freqs.weight" in self.tensors:
+            # Llama 3.1's frequency factors, stored as a tensor: serving without them would be wrong.
+            raise FailedPreconditionError(f"{self.path}: GGUF rope frequency factors (rope_freqs) are not supported")
+        return config
+
+    def check_tensor_types(self) -> None:
+        """Fail before any weight is read when a tensor's type cannot be dequantized here."""
+        for tensor in self.tensors.values():
+            if tensor.tensor_type.name not in SUPPORTED_TYPES:
+                raise FailedPreconditionError(
+                    f"{self.path}: tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, which is not "
+                    f"supported (supported: {', '.join(SUPPORTED_TYPES)})")
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """One tensor as float32, in PyTorch's (row-major, HF) shape."""
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        data = dequantize(tensor.data, tensor.tensor_type)
+        # GGUF lists dimensions innermost first.
+        return data.reshape(tuple(int(d) for d in reversed(tensor.shape))).astype(np.float32, copy=False)
+
+    def state_dict(self) -> GGUFStateDict:
+        self.check_tensor_types()
+        return GGUFStateDict(self)
+
+    def tokenizer(self) -> Tokenizer:
+        keys = [k for k in self._reader.fields if k.startswith("tokenizer.ggml.")]
+        return build_tokenizer({k: self.get(k) for k in keys}, str(self.path))
+
+    def chat_template(self) -> str | None:
+        template = self.get("tokenizer.chat_template")
+        return template if isinstance(template, str) else None
+
+    def special_tokens(self) -> dict[str, str]:
+        """bos/eos/unk/pad token texts, as chat templates refer to them."""
+        tokens = self.get("tokenizer.ggml.tokens") or []
+        out: dict[str, str] = {}
+        for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+            token_id = self.get(f"tokenizer.ggml.{key}")
+            if token_id is not None and 0 <= int(token_id) < len(tokens):
+                out[name] = tokens[int(token_id)]
+        return out
+
+
+class GGUFStateDict(Mapping[str, torch.Tensor]):
+    """HF-named float32 weights of a GGUF file, dequantized (and q/k un-permuted) when read."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self._file = file
+        config = file.hf_config()
+        self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        # Tensors without an HF name keep their GGUF name, so the loader's "weights this model does
+        # not use" error names them.
+        self._names = {hf_tensor_name(name) or name: name for name in file.tensors}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        data = self._file.dequantize(self._names[name])
+        if self._file.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _unpermute(data, self._heads[name.split(".")[-2]])
+        # F32 tensors come back as views of the read-only memory map: copy those.
+        return torch.from_numpy(np.array(data, copy=not data.flags.writeable or not data.flags.c_contiguous))
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would dequantize the tensor
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def find_gguf(directory: Path) -> Path | None:
+    """The one .gguf file in a directory without a config.json (None: there is none)."""
+    files = sorted(p for p in directory.glob("*.gguf") if p.is_file())
+    if len(files) > 1:
+        raise FailedPreconditionError(
+            f"{directory}: several GGUF files ({', '.join(p.name for p in files)}); pass --model the one to serve")
+    return files[0] if files else None

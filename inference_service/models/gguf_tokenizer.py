@@ -1,0 +1,82 @@
+"""The tokenizer a GGUF file describes, rebuilt as a `tokenizers.Tokenizer` from its metadata.
+
+A GGUF has no tokenizer.json: it stores the vocabulary, merges, token types and special ids under
+llama.cpp's keys (tokenizer.ggml.*). Byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM, ...) is built
+as transformers' GGUF conversion builds it (GPT2Tokenizer's BPE, control tokens special,
+user-defined tokens added), with the pre-tokenizer split that `tokenizer.ggml.pre` names
+(llama.cpp's llama-vocab.cpp), so text splits the way the vocabulary's merges were learned.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from adapter_cache.errors import FailedPreconditionError
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Splits applied before GPT-2's byte-level regex (None: that regex alone), by tokenizer.ggml.pre.
+_REGEX_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx")}
+_REGEX_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")})
+_DIGIT_SPLITS = {"smollm", "starcoder"}  # each digit on its own, then GPT-2's regex (SmolLM's tokenizer.json)
+
+
+@cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table, which byte-level vocabularies are spelled in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+def build_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
+    """`metadata`: the file's tokenizer.* keys (values as Python objects)."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise FailedPreconditionError(
+            f"{source}: GGUF tokenizer type {kind!r} is not supported (supported: 'gpt2', byte-level BPE); "
+            "serve the model's Hugging Face checkpoint directory, which has a tokenizer.json")
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    alphabet = set(_bytes_to_unicode().values())
+    spell = _bytes_to_unicode()
+    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    pre = metadata.get("tokenizer.ggml.pre")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _REGEX_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in _DIGIT_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) match whole and are skipped on decode; a control token not
+    # spelled in the byte alphabet is a llama.cpp mislabel, left alone as transformers does.
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, kind_ in zip(tokens, types, strict=False)
+                            if kind_ == _CONTROL and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, kind_ in zip(tokens, types, strict=False) if kind_ == _USER_DEFINED])
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+        bos = tokens[int(bos_id)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))])
+    return tok
