@@ -1,15 +1,19 @@
 """The victim client of harness/isolation.py, in a process of its own (a tenant is another client:
 it must not share the attacker's interpreter and GIL).
 
-`python -m harness.isolation_victim ADDRESS SPEC_JSON` runs `runs` greedy Generate calls in a row and
+`python -m harness.isolation_victim ADDRESS SPEC_JSON` runs greedy Generate calls back to back and
 prints one JSON line per event: {"first": true} when the first run's first message arrives, then
-{"tokens": [...], "seconds": s, "finish": name} per run, or {"error": code, "details": text}.
+{"tokens": [...], "seconds": s, "start": t0, "end": t1, "finish": name} per run (t0, t1: this
+machine's monotonic clock, which the harness's time.monotonic() shares), or {"error": code,
+"details": text}. It makes `runs` runs, or with `"loop": true` runs until its stdin is closed
+(the run in flight then finishes first), so it can keep streaming for as long as an attack lasts.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 import grpc
@@ -18,11 +22,25 @@ from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 
 
+def _closed_stdin() -> threading.Event:
+    closed = threading.Event()
+
+    def wait() -> None:
+        sys.stdin.read()  # returns at EOF
+        closed.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    return closed
+
+
 def main() -> None:
     address, spec = sys.argv[1], json.loads(sys.argv[2])
+    stop = _closed_stdin() if spec.get("loop") else None
     first = True
+    runs = 0
     with InferenceClient(address) as client:
-        for _ in range(spec["runs"]):
+        while (stop is None and runs < spec["runs"]) or (stop is not None and not stop.is_set()):
+            runs += 1
             tokens: list[int] = []
             finish = pb.FINISH_REASON_UNSPECIFIED
             t0 = time.monotonic()
@@ -37,9 +55,9 @@ def main() -> None:
             except grpc.RpcError as e:
                 print(json.dumps({"error": e.code().name, "details": e.details()}), flush=True)
                 return
-            seconds = time.monotonic() - t0
-            print(json.dumps({"tokens": tokens, "seconds": seconds, "finish": pb.FinishReason.Name(finish)}),
-                  flush=True)
+            t1 = time.monotonic()
+            print(json.dumps({"tokens": tokens, "seconds": t1 - t0, "start": t0, "end": t1,
+                              "finish": pb.FinishReason.Name(finish)}), flush=True)
 
 
 if __name__ == "__main__":

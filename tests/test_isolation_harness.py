@@ -1,33 +1,93 @@
-"""The isolation harness's own checks can fail: a victim beside no attack passes, and one beside a
-real stall of the server (the front-end process stopped with SIGSTOP for longer than the victim's
-whole solo run) fails on its time, not on its tokens."""
+"""The isolation harness's own checks can fail, each on a real fault:
+
+- a victim beside no attack passes, on the base model and on a resident adapter;
+- it watches the whole attack: the victim streams, run after run, until after an attack that lasts
+  several of its runs has ended;
+- a real stall (the front end stopped with SIGSTOP for longer than the victim's whole solo run)
+  fails on time, not on tokens;
+- a real sustained 1.5x slowdown (the server's whole process group stopped for a third of the wall
+  time) fails on time;
+- a victim on an adapter sees an attack through the slots: with one slot, another tenant's long
+  request on another adapter takes the slot from between the victim's runs;
+- the check itself: a victim that stopped streaming before the attack ended, or paused between runs,
+  fails.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from harness.inference_server import InferenceServer, start_inference_server
-from harness.isolation import SLACK_S, SLOWDOWN_LIMIT, solo_run, victim_beside
+from harness.isolation import (
+    MIN_RUNS,
+    SLACK_S,
+    SLOWDOWN_LIMIT,
+    VictimResult,
+    check_victim,
+    resident_adapter,
+    slowed,
+    solo_run,
+    victim_beside,
+)
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
 
 VICTIM_TOKENS = 384
+LONG_TOKENS = 1000  # nearly builtin:tiny's whole 1024-token context
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[InferenceServer]:
-    s = start_inference_server(["--max-new-tokens-limit", "1024"], log_dir=tmp_path_factory.mktemp("iso-harness"))
+def adapters(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("iso-harness-adapters")
+    write_peft_adapter(root / "victim", rank=8, seed=71)
+    write_peft_adapter(root / "other", rank=8, seed=72)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(adapters, tmp_path_factory) -> Iterator[InferenceServer]:
+    s = start_inference_server(["--max-new-tokens-limit", "1024", "--max-loras", "1",
+                                "--adapter-source-allow", adapters.as_uri()],
+                               log_dir=tmp_path_factory.mktemp("iso-harness"))
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def on_adapter(server, adapters) -> VictimResult:
+    resident_adapter(server, "victim", (adapters / "victim").as_uri())
+    return solo_run(server, adapter="victim", max_new_tokens=VICTIM_TOKENS)
 
 
 def test_a_victim_beside_no_attack_passes(server):
     base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
     with victim_beside(server, base):
         pass
+
+
+def test_a_victim_on_a_resident_adapter_beside_no_attack_passes(server, on_adapter):
+    base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
+    assert on_adapter.tokens != base.tokens  # the adapter is really applied
+    with victim_beside(server, on_adapter):
+        pass
+
+
+def test_the_victim_streams_until_after_a_long_attack_ends(server):
+    base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
+    length = 3 * base.seconds * MIN_RUNS  # far longer than one run and than MIN_RUNS runs
+    with victim_beside(server, base) as runs:
+        start = time.monotonic()
+        time.sleep(length)
+        end = time.monotonic()
+    assert runs[0]["start"] < start and runs[-1]["end"] > end
+    assert len(runs) > MIN_RUNS
 
 
 def test_a_victim_stalled_by_the_server_fails_on_its_time(server):
@@ -39,3 +99,51 @@ def test_a_victim_stalled_by_the_server_fails_on_its_time(server):
             time.sleep(stall)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def test_a_sustained_1_5x_slowdown_fails(server):
+    """The server's processes stopped a third of the time: each victim run takes 1.5x as long."""
+    base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
+    with pytest.raises(AssertionError, match="on average over"), victim_beside(server, base):
+        with slowed(server, 1 / 3) as stopped:
+            time.sleep(1.5 * base.median * (MIN_RUNS + 1))  # every timed run under the slowdown
+    assert 0.30 < stopped[0] < 0.37, stopped  # the slowdown injected was the one intended
+
+
+def test_a_victim_on_an_adapter_sees_another_tenant_take_its_slot(server, adapters, on_adapter):
+    """One slot: a long request on another adapter waits for the slot, then (aged past the
+    victim's next run) takes it from between two victim runs. A victim on the base model would
+    need no slot and not see it."""
+    with InferenceClient(server.address) as c:
+        c.load_adapter("other", (adapters / "other").as_uri(), timeout=60)  # registered, not in the slot
+    errors: list[BaseException] = []
+
+    def attack() -> None:
+        try:
+            with InferenceClient(server.address) as c:
+                list(c.generate("another tenant", adapter="other", max_new_tokens=LONG_TOKENS, ignore_eos=True,
+                                timeout=120))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with pytest.raises(AssertionError, match="beside the attack"), victim_beside(server, on_adapter):
+        thread = threading.Thread(target=attack)
+        thread.start()
+        thread.join(120)
+    assert not errors, errors
+
+
+def _run(start: float, seconds: float, tokens: list[int]) -> dict:
+    return {"tokens": tokens, "seconds": seconds, "start": start, "end": start + seconds,
+            "finish": "FINISH_REASON_LENGTH"}
+
+
+def test_the_check_fails_a_victim_that_stopped_before_the_attack_ended():
+    base = VictimResult([1, 2], 0.5, None, 2, "p", 0.4)
+    runs = [_run(i * 0.4, 0.4, [1, 2]) for i in range(MIN_RUNS)]
+    check_victim(base, runs, 0.1, runs[-1]["end"] - 0.01)  # covered: passes
+    with pytest.raises(AssertionError, match="stopped streaming"):
+        check_victim(base, runs, 0.1, runs[-1]["end"] + 0.01)
+    paused = runs[:2] + [_run(runs[1]["end"] + 1.0, 0.4, [1, 2])]
+    with pytest.raises(AssertionError, match="paused"):
+        check_victim(base, paused, 0.1, 0.2, min_runs=3)
