@@ -252,17 +252,31 @@ async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    front_ends = []
+    http_stopped = None
     if http_cfg.port:
         from inference_service.chat_template import load_chat_template
         from inference_service.http.app import build_app
-        from inference_service.http.serving import HttpFrontEnd
+        from inference_service.http.serving import start_http
 
         names = http_cfg.served_model_names or (engine.model_info.name,)
         template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
         app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}")
-        front_ends.append(HttpFrontEnd(app, http_cfg))  # drains beside gRPC: same readiness, delay and grace
-    await serve(engine, server_cfg, sink, stop=stop, collectors=registry, front_ends=front_ends)
+        http = await start_http(app, http_cfg, server_cfg.shutdown_grace_s)
+        print(f"HTTP http://{http_cfg.addr}:{http_cfg.port}", flush=True)
+
+        async def stop_http() -> None:  # drains beside gRPC (same signal, same grace), not after it
+            try:
+                await stop.wait()
+            finally:
+                await http.stop()
+
+        http_stopped = asyncio.create_task(stop_http())
+    try:
+        await serve(engine, server_cfg, sink, stop=stop, collectors=registry)
+    finally:
+        stop.set()
+        if http_stopped is not None:
+            await http_stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
