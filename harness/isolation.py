@@ -204,13 +204,13 @@ def slowed(server: InferenceServer, fraction: float, period: float = 0.03) -> It
         thread.join()
 
 
-def leak_gauges(server: InferenceServer) -> dict[str, float]:
+def leak_gauges(server: InferenceServer, gauges: Sequence[str] = LEAK_GAUGES) -> dict[str, float]:
     """The leak gauges from one scrape (summed over their labels); each must be in the exposition,
     so a renamed or dropped gauge cannot read as a clean 0."""
     samples = server.samples()
-    missing = [g for g in LEAK_GAUGES if not any(n == g for n, _ in samples)]
+    missing = [g for g in gauges if not any(n == g for n, _ in samples)]
     assert not missing, f"leak gauges missing from /metrics: {missing}"
-    return {g: sum(v for (n, _), v in samples.items() if n == g) for g in LEAK_GAUGES}
+    return {g: sum(v for (n, _), v in samples.items() if n == g) for g in gauges}
 
 
 def assert_clean(server: InferenceServer, timeout: float = 10.0) -> None:
