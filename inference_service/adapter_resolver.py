@@ -60,7 +60,7 @@ class AdapterResolver:
         check_adapter_name(name)
         uri = self.policy.check(self.template.replace(PLACEHOLDER, name))
         log.info("resolving adapter %s from %s", name, uri)
-        await asyncio.wrap_future(self.engine.load_adapter(name, uri, preload=True))
+        await asyncio.wrap_future(self.engine.load_adapter(name, uri, preload=True, on_demand=True))
 
 
 _resolvers: weakref.WeakKeyDictionary[Any, AdapterResolver] = weakref.WeakKeyDictionary()

@@ -45,7 +45,7 @@ class EngineConfig:
     # from its slot is copied back without reading and checking it again; 0 turns this off.
     host_cache_bytes: int = 512 << 20
     overlap_loads: bool = True  # False: blocking slot copies (benchmark baseline only)
-    max_registered_adapters: int = 1024  # adapter names (LoadAdapter past it: RESOURCE_EXHAUSTED)
+    max_registered_adapters: int = 1024  # adapter names (past it: idle resolver adapters make room, LRU)
     # A host preparation (fetch + validation) running longer fails its load (UNAVAILABLE, retryable)
     # and gives up its worker, so a hung source cannot hold the pool.
     adapter_load_timeout_s: float = 120.0

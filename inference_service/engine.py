@@ -91,11 +91,11 @@ class CoreThread:
         return result
 
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
         result: concurrent.futures.Future[AdapterInfo] = concurrent.futures.Future()
 
         def run(core: EngineCore) -> None:
-            inner = core.load_adapter(name, uri, sha256, pinned, preload)
+            inner = core.load_adapter(name, uri, sha256, pinned, preload, on_demand)
             inner.add_done_callback(lambda f: self._resolve_adapter(f, result, name))
 
         self._commands.put(lambda core: self._guarded(core, run, result))
@@ -251,9 +251,10 @@ class Engine:
         self._thread.abort(request_id, reason)
 
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+        """`on_demand`: the adapter resolver's registration (see LoRAManager.load_adapter)."""
         check_adapter_name(name)
-        return self._thread.load_adapter(name, uri, sha256, pinned, preload)
+        return self._thread.load_adapter(name, uri, sha256, pinned, preload, on_demand)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         check_adapter_name(name)

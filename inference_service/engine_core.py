@@ -286,9 +286,10 @@ class EngineCore:
     # ---- adapters (the admin calls of the bridge) ----
 
     def load_adapter(
-        self, name: str, uri: str, sha256: str | None = None, pinned: bool = False, preload: bool = False
+        self, name: str, uri: str, sha256: str | None = None, pinned: bool = False, preload: bool = False,
+        on_demand: bool = False,
     ) -> concurrent.futures.Future[AdapterVersion]:
-        return self.lora.load_adapter(name, uri, sha256, pinned, preload)
+        return self.lora.load_adapter(name, uri, sha256, pinned, preload, on_demand)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         return self.lora.unload_adapter(name)

@@ -130,12 +130,15 @@ class LoRAManager:
         sha256: str | None = None,
         pinned: bool = False,
         preload: bool = False,
+        on_demand: bool = False,
     ) -> concurrent.futures.Future[AdapterVersion]:
         """Register `name` at `uri` (a new version if the name exists); resolves when registered,
-        or once in a slot with preload/pinned. Validation errors surface through the future."""
-        log.info("load adapter %s from %s (pinned=%s preload=%s); %s", name, shown(uri), pinned, preload,
-                 self._memory())
-        return self._load_adapter(name, uri, sha256, pinned, preload)
+        or once in a slot with preload/pinned. Validation errors surface through the future.
+        `on_demand`: the adapter resolver's registration, which the registry may unregister when idle
+        to make room for a new name; an operator's LoadAdapter of the name makes it theirs."""
+        log.info("load adapter %s from %s (pinned=%s preload=%s on_demand=%s); %s", name, shown(uri), pinned,
+                 preload, on_demand, self._memory())
+        return self._load_adapter(name, uri, sha256, pinned, preload, on_demand)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         """Stop new requests at once; in-flight ones finish, then the slot is freed."""
@@ -151,7 +154,7 @@ class LoRAManager:
         return future
 
     def _load_adapter(
-        self, name: str, uri: str, sha256: str | None, pinned: bool, preload: bool
+        self, name: str, uri: str, sha256: str | None, pinned: bool, preload: bool, on_demand: bool
     ) -> concurrent.futures.Future[AdapterVersion]:
         future: concurrent.futures.Future[AdapterVersion] = concurrent.futures.Future()
         existing = self._registry.current.get(name)
@@ -161,19 +164,47 @@ class LoRAManager:
                 if pinned and not current.pinned:
                     self._check_pin_capacity(name)
                 current.pinned = current.pinned or pinned
+                if not on_demand:
+                    self._registry.set_on_demand(name, False)
                 self._admin_ops.append(AdminOp(current, future, preload or current.pinned))
                 return future
-        if name not in self._registry.names and len(self._registry.names) >= self.max_registered:
-            raise ResourceExhaustedError(
-                f"{len(self._registry.names)} adapters are registered, the most this server holds "
-                "(--max-registered-adapters); unload one first"
-            )
+        if name not in self._registry.names:
+            self._make_room()
         if pinned:
             self._check_pin_capacity(name)
         entry = self._registry.add_version(name, uri, sha256, pinned)
+        # A new name from the resolver is its; a new version of a name an operator holds stays theirs.
+        self._registry.set_on_demand(name, on_demand and (existing is None or name in self._registry.on_demand))
         self._start_staging(entry)
         self._admin_ops.append(AdminOp(entry, future, preload or pinned))
         return future
+
+    def _make_room(self) -> None:
+        """Before a new name is registered at the cap: unregister the least recently used idle
+        on-demand adapter, or refuse. Idle: no request references it, no load is in flight for it and
+        no LoadAdapter waits on it. O(registered) at worst, only when a new name arrives at the cap."""
+        registry = self._registry
+        if len(registry.names) < self.max_registered:
+            return
+        waited_on = {op.entry.uid for op in self._admin_ops if not op.future.done()}
+        for name in registry.on_demand:
+            uid = registry.current.get(name)
+            if uid is None or registry.names[name] != 1 or uid in waited_on:
+                continue
+            entry = registry.versions[uid]
+            if entry.refs or entry.pinned or entry.staging is not None or self._loader.is_loading(uid):
+                continue
+            log.info("registry full (%d names): unregistering idle on-demand adapter %s (least recently used)",
+                     len(registry.names), uid)
+            registry.retire(name)
+            registry.mark_draining(entry)
+            self._reap_drained()
+            return
+        held = f"{len(registry.names)} adapters are registered, the most this server holds (--max-registered-adapters)"
+        if registry.on_demand:  # resolver registrations in use now: one becomes idle once its requests end
+            raise ResourceExhaustedError(f"{held}; every on-demand adapter is in use, retry later")
+        # Only an operator can make room (UnloadAdapter): retrying cannot succeed before that.
+        raise FailedPreconditionError(f"{held}, all by LoadAdapter or preload; an operator must unload one")
 
     def _check_pin_capacity(self, name: str) -> None:
         # Another version of the same name is replaced by this one, so it does not count.
@@ -190,6 +221,7 @@ class LoRAManager:
         if entry.failure is not None:
             raise entry.failure
         self._registry.add_ref(entry, request_id)
+        self._registry.used(name)
         return entry.uid
 
     def release(self, uid: str, request_id: str) -> None:
