@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
          default=EngineConfig.host_cache_bytes)
-    _add(g, "--max-registered-adapters", "adapter names held at most (LoadAdapter past it: RESOURCE_EXHAUSTED)",
-         type=int, default=EngineConfig.max_registered_adapters)
+    _add(g, "--max-registered-adapters", "adapter names held at most (past it, idle --adapter-resolver "
+         "adapters make room, least recently used first; docs/adapters.md)", type=int,
+         default=EngineConfig.max_registered_adapters)
     _add(g, "--host-load-workers", "adapter preparations (fetch + validation) running at once", type=int,
          default=EngineConfig.host_load_workers)
     _add(g, "--adapter-load-timeout-s", "deadline of one adapter's preparation; past it the load fails "

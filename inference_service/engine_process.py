@@ -331,9 +331,9 @@ class ProcessEngine:
     # ---- admin ----
 
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
         check_adapter_name(name)
-        return self._call("load_adapter", name, uri, sha256, pinned, preload)
+        return self._call("load_adapter", name, uri, sha256, pinned, preload, on_demand)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         check_adapter_name(name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from adapter_cache.adapter_format import HostAdapter, LoadTier
@@ -61,6 +61,9 @@ class AdapterRegistry:
         self.names: Counter[str] = Counter()  # name → versions held (the registry cap counts names)
         self.draining: set[str] = set()  # uids marked draining, not yet removed
         self.referenced: set[str] = set()  # uids with at least one request reference
+        # Names the adapter resolver registered (a cache, not an operator's intent), least recently
+        # used first: the registry unregisters idle ones of these to make room for new names.
+        self.on_demand: OrderedDict[str, None] = OrderedDict()
         self._next_version: dict[str, int] = {}
         self.current_changes = 0  # bumped whenever `current` changes: mirrors of it know when to refresh
 
@@ -71,6 +74,19 @@ class AdapterRegistry:
         self.versions[entry.uid] = entry
         self.names[name] += 1
         return entry
+
+    def set_on_demand(self, name: str, on_demand: bool) -> None:
+        """Whether `name` is the resolver's (evictable) or an operator's (LoadAdapter, preload)."""
+        if on_demand:
+            self.on_demand[name] = None
+            self.on_demand.move_to_end(name)
+        else:
+            self.on_demand.pop(name, None)
+
+    def used(self, name: str) -> None:
+        """A request named `name`: it becomes the most recently used on-demand name (O(1))."""
+        if name in self.on_demand:
+            self.on_demand.move_to_end(name)
 
     def mark_draining(self, entry: AdapterVersion) -> None:
         entry.draining = True
@@ -109,12 +125,14 @@ class AdapterRegistry:
         self.names[entry.name] -= 1
         if not self.names[entry.name]:
             del self.names[entry.name]
+            self.on_demand.pop(entry.name, None)
         if self.current.get(entry.name) == uid:
             self.retire(entry.name)
 
     def retire(self, name: str) -> None:
         """New requests may no longer use `name` (its versions drain)."""
         del self.current[name]
+        self.on_demand.pop(name, None)
         self.current_changes += 1
 
     def total_refs(self) -> int:
