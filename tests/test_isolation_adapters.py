@@ -1,7 +1,9 @@
 """Tenant isolation, adapter files and sources: hostile adapters and URIs against a real server
 (builtin:tiny, the local no-sidecar source, one server for the module), each beside a victim stream
 that must finish unharmed (harness/isolation.py), with the exact status code of the attack and a
-clean server afterwards (no leak, SERVING, no traceback in its log).
+clean server afterwards (no leak, SERVING, no traceback in its log). The victim runs on an adapter
+resident in a slot, so an attack that reached the slots (an overwritten or evicted slot, a load
+that stalls the loader) would show in its tokens or its time.
 
 What each attack did before: a backtracking regex froze the process; "inf" in alpha_pattern reached
 the sampler; malformed files came back UNAVAILABLE with a traceback; aliased offsets and
@@ -33,7 +35,7 @@ from harness.bad_adapters import (
     write_adapter,
 )
 from harness.inference_server import InferenceServer, start_inference_server
-from harness.isolation import VictimResult, solo_run, status_of, victim_beside
+from harness.isolation import VictimResult, resident_adapter, solo_run, status_of, victim_beside
 from inference_service.client import InferenceClient
 
 VICTIM_TOKENS = 384  # ~0.4 s alone on an idle 2-core box: longer than any attack here, long enough to even out jitter
@@ -60,8 +62,9 @@ def server(dirs, tmp_path_factory) -> Iterator[InferenceServer]:
 
 
 @pytest.fixture(scope="module")
-def base(server) -> VictimResult:
-    return solo_run(server, max_new_tokens=VICTIM_TOKENS)
+def base(server, dirs) -> VictimResult:
+    resident_adapter(server, "victim", (dirs[0] / "good").as_uri())
+    return solo_run(server, adapter="victim", max_new_tokens=VICTIM_TOKENS)
 
 
 @pytest.fixture(scope="module")
