@@ -130,13 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--log-level", "DEBUG | INFO | WARNING | ERROR", default="INFO")
 
     g = p.add_argument_group("health and shutdown")
-    _add(g, "--watchdog-stall-s", "a scheduler step unfinished this long (or a dead scheduler thread) turns "
-         "health NOT_SERVING, the 'liveness' service included (0: off)", type=float,
+    _add(g, "--watchdog-stall-s", "a scheduler step unfinished this long turns health NOT_SERVING, the "
+         "'liveness' service included (0: no stall check; a dead engine turns it NOT_SERVING regardless)", type=float,
          default=ServerConfig.watchdog_stall_s)
     _add(g, "--shutdown-grace-s", "on SIGTERM, in-flight requests get this long to finish; the rest are "
          "cancelled", type=float, default=ServerConfig.shutdown_grace_s)
-    _add(g, "--drain-delay-s", "on SIGTERM, health turns NOT_SERVING at once and new RPCs are still served "
-         "this long (part of --shutdown-grace-s) before they are refused", type=float,
+    _add(g, "--drain-delay-s", "on SIGTERM, health (gRPC and HTTP /health) turns NOT_SERVING at once and new "
+         "requests on both ports are still served this long (part of --shutdown-grace-s) before they are refused",
+         type=float,
          default=ServerConfig.drain_delay_s)
 
     g = p.add_argument_group("OpenAI-compatible HTTP API (docs/http.md)")
@@ -146,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--served-model-name", "name(s) clients give as `model` for the base model (repeatable; default: "
          "the checkpoint directory's name)", action="append", default=[])
     _add(g, "--chat-template", "Jinja chat template file (default: the checkpoint's)")
+    _add(g, "--http-header-timeout-s", "a request's line and headers must arrive within this, counted from the "
+         "connection's opening or the request's first byte; slower or silent connections are closed", type=float,
+         default=HttpConfig.header_timeout_s)
+    _add(g, "--http-max-connections", "open HTTP connections; more are closed as they are accepted (keep it "
+         "under the open-files limit)", type=int, default=HttpConfig.max_connections)
 
     g = p.add_argument_group("security")
     _add(g, "--admin-token-file",
@@ -241,8 +247,11 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
         raise ValueError("--max-model-len must be >= 2")
     if args.chat_template and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template {args.chat_template}: no such file")
+    if args.http_header_timeout_s <= 0 or args.http_max_connections < 1:
+        raise ValueError("--http-header-timeout-s must be > 0 and --http-max-connections >= 1")
     return HttpConfig(port=args.http_port, addr=args.http_addr,
-                      served_model_names=tuple(args.served_model_name), chat_template=args.chat_template)
+                      served_model_names=tuple(args.served_model_name), chat_template=args.chat_template,
+                      header_timeout_s=args.http_header_timeout_s, max_connections=args.http_max_connections)
 
 
 async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
@@ -253,31 +262,17 @@ async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    http_stopped = None
+    front_ends = []
     if http_cfg.port:
         from inference_service.chat_template import load_chat_template
         from inference_service.http.app import build_app
-        from inference_service.http.serving import start_http
+        from inference_service.http.serving import HttpFrontEnd
 
         names = http_cfg.served_model_names or (engine.model_info.name,)
         template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
         app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}")
-        http = await start_http(app, http_cfg, server_cfg.shutdown_grace_s)
-        print(f"HTTP http://{http_cfg.addr}:{http_cfg.port}", flush=True)
-
-        async def stop_http() -> None:  # drains beside gRPC (same signal, same grace), not after it
-            try:
-                await stop.wait()
-            finally:
-                await http.stop()
-
-        http_stopped = asyncio.create_task(stop_http())
-    try:
-        await serve(engine, server_cfg, sink, stop=stop, collectors=registry)
-    finally:
-        stop.set()
-        if http_stopped is not None:
-            await http_stopped
+        front_ends.append(HttpFrontEnd(app, http_cfg))  # drains beside gRPC: same readiness, delay and grace
+    await serve(engine, server_cfg, sink, stop=stop, collectors=registry, front_ends=front_ends)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,6 +57,7 @@ StartMethod = Literal["fork", "spawn", "forkserver"]
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 ORPHAN_EXIT_S = 10.0  # a core whose front end died exits at most this long after
 STOP_TIMEOUT_S = 30.0  # a core asked to stop is killed after this long
+REAP_TIMEOUT_S = 5.0  # a core whose pipe closed is killed if it has not exited after this long
 
 
 @dataclasses.dataclass
@@ -238,7 +239,7 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
 # ---- the front end's side ----------------------------------------------------------------------------------
 
 def _stop_core(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection,
-               send_lock: threading.Lock) -> None:
+               send_lock: threading.Lock, reap_lock: threading.Lock) -> None:
     """Asks the core to stop, waits for it, kills it if it does not. The core ignores SIGTERM (its
     front end decides when to stop), so multiprocessing's own exit hook, which terminates and then
     joins every daemon child, would wait forever for a core nobody stopped: this runs before it."""
@@ -247,12 +248,30 @@ def _stop_core(process: multiprocessing.process.BaseProcess, conn: multiprocessi
             conn.send(("stop",))
     except (OSError, ValueError):
         pass  # gone already, or never got to read commands
-    process.join(STOP_TIMEOUT_S)
-    if process.is_alive():
-        log.error("the engine core process did not stop: killing it")
-        process.kill()
-        process.join(5)
+    _reap(process, reap_lock, STOP_TIMEOUT_S, "did not stop")
     conn.close()
+
+
+def _reap(process: multiprocessing.process.BaseProcess, lock: threading.Lock, timeout: float, why: str) -> None:
+    """Waits for the core to exit (reaping it: no zombie), killing it after `timeout`. One waiter at
+    a time: two threads in waitpid for one child can each see it running after the other reaped it."""
+    with lock:
+        process.join(timeout)
+        if process.is_alive():
+            log.error("the engine core process %s %s: killing it", process.pid, why)
+            process.kill()
+            process.join(5)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        try:
+            return f"code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
 
 
 class ProcessEngine:
@@ -270,9 +289,11 @@ class ProcessEngine:
         self._process.start()
         child.close()
         self._send_lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         # Runs once: from shutdown(), from a start that fails, or at exit for an engine never shut
         # down (registered after multiprocessing's exit hook, so it runs before it).
-        self._stop_core = weakref.finalize(self, _stop_core, self._process, self._conn, self._send_lock)
+        self._stop_core = weakref.finalize(self, _stop_core, self._process, self._conn, self._send_lock,
+                                           self._reap_lock)
         self._stop_core.atexit = False
         atexit.register(self._stop_core)
         try:
@@ -388,14 +409,22 @@ class ProcessEngine:
             pass
         finally:
             self._dead = True
-            if self._process.exitcode not in (None, 0):
-                log.error("the engine core process exited with code %s", self._process.exitcode)
             gone = UnavailableError("the engine core process has exited")
             self.streams.fail_all(gone)
             for call_id in list(self._calls):
                 future = self._calls.pop(call_id, None)
                 if future is not None and not future.done():
                     future.set_exception(gone)
+            self._reap_and_log()
+
+    def _reap_and_log(self) -> None:
+        """The pipe has closed (the core exited, or this side can read no more from it): reap the
+        process, which nothing else would do once `alive` answers from `_dead`, and say how it ended."""
+        stopping = not self._stop_core.alive  # shutdown() asked it to stop
+        _reap(self._process, self._reap_lock, REAP_TIMEOUT_S, "closed its pipe but is still running")
+        code = self._process.exitcode
+        log.log(logging.INFO if stopping and code == 0 else logging.ERROR,
+                "the engine core process %d exited with %s", self._process.pid, _exit_status(code))
 
     def _apply(self, update: _Update) -> None:
         # Names and stats first: a LoadAdapter that returns must find its adapter admissible.

@@ -6,8 +6,10 @@ Two answers, for the two kubelet probes:
 - liveness (service "liveness"): SERVING while the scheduler thread is alive and makes progress.
   NOT_SERVING makes the kubelet restart the container, so draining leaves it SERVING.
 
-The watchdog proves progress end to end: it hands the scheduler thread a no-op between steps and
-expects it back within `stall_s`; a dead thread or an unanswered heartbeat is a stuck engine.
+The watcher always checks that the engine is alive (its scheduler thread, or its core process):
+a dead engine serves nothing, whatever the watchdog's setting. With `stall_s` > 0 it also proves
+progress end to end: it hands the scheduler thread a no-op between steps and expects it back
+within `stall_s`; an unanswered heartbeat is a stuck engine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # second makes every scheduler step this many seconds slower (a big model's pace on a toy model).
 TEST_FAULT_ENV = "LORAPLEX_TEST_FAULT_SCHEDULER"
 TEST_STEP_DELAY_ENV = "LORAPLEX_TEST_FAULT_STEP_DELAY_S"
+ALIVE_POLL_S = 1.0  # how often the watcher looks at the engine (more often with a short stall limit)
 
 
 class HealthReporter:
@@ -98,22 +101,24 @@ def _word(serving: bool) -> str:
 
 
 async def watch_engine(engine: Any, reporter: HealthReporter, stall_s: float) -> None:
-    """Runs until cancelled: marks the engine dead or stuck (and healthy again if a slow step ends)."""
-    interval = min(1.0, stall_s / 4)
+    """Runs until cancelled: marks the engine dead, or stuck when `stall_s` > 0 (and healthy again
+    if a slow step ends). `stall_s` 0 turns off only the stall check, never the liveness one."""
+    interval = min(ALIVE_POLL_S, stall_s / 4) if stall_s > 0 else ALIVE_POLL_S
     beat: Any = None
     sent = 0.0
     while True:
         if not engine.alive:
-            reporter.engine_problem = "the scheduler thread has died"
-        elif beat is not None and not beat.done():
-            waited = time.monotonic() - sent
-            if waited > stall_s:
-                reporter.engine_problem = f"the scheduler has not finished a step for {waited:.0f}s " \
-                                          f"(limit {stall_s:g}s, --watchdog-stall-s)"
-        else:
-            if beat is not None:
-                reporter.engine_problem = None  # the last heartbeat came back: the loop moves
-            beat, sent = engine.call(heartbeat), time.monotonic()
+            reporter.engine_problem = "the scheduler thread has died (or the engine core process has exited)"
+        elif stall_s > 0:
+            if beat is not None and not beat.done():
+                waited = time.monotonic() - sent
+                if waited > stall_s:
+                    reporter.engine_problem = f"the scheduler has not finished a step for {waited:.0f}s " \
+                                              f"(limit {stall_s:g}s, --watchdog-stall-s)"
+            else:
+                if beat is not None:
+                    reporter.engine_problem = None  # the last heartbeat came back: the loop moves
+                beat, sent = engine.call(heartbeat), time.monotonic()
         await reporter.update()
         await asyncio.sleep(interval)
 

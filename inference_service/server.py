@@ -18,9 +18,9 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -78,7 +78,7 @@ class ServerConfig:
     # get what is left of shutdown_grace_s before they are cancelled.
     shutdown_grace_s: float = 30.0
     drain_delay_s: float = 0.0
-    watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: off)
+    watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: no stall check)
     adapter_resolver: str = ""  # URI template with {name}: unregistered adapters load on first use
 
 
@@ -535,8 +535,17 @@ async def build_server(engine: Any, config: ServerConfig, metrics: Any = None,
     return RunningServer(server, port, health_servicer, servicer)
 
 
+class FrontEnd(Protocol):
+    """A front end served beside gRPC (the HTTP API): it starts once gRPC listens, reports the
+    same readiness, and drains with it (see `drain`)."""
+
+    async def start(self, ready: Callable[[], bool]) -> None: ...
+
+    async def stop(self, grace_s: float) -> None: ...
+
+
 async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
-                stop: asyncio.Event | None = None, collectors: Any = None) -> None:
+                stop: asyncio.Event | None = None, collectors: Any = None, front_ends: Sequence[FrontEnd] = ()) -> None:
     """Serves until `stop` is set (or the task is cancelled), then drains (see ServerConfig).
 
     Health: the liveness service is SERVING from the start; readiness once the required preloads
@@ -544,6 +553,12 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
     to register the health and preload metrics on."""
     running = await build_server(engine, config, metrics, serving=False)
     reporter = HealthReporter(running.health, ("", SERVICE_NAME))
+    try:  # before the preloads can make readiness SERVING: a ready server serves on every port
+        for front_end in front_ends:
+            await front_end.start(lambda: reporter.ready)
+    except BaseException:
+        await running.server.stop(0)
+        raise
     preloader = Preloader(engine, running.servicer.uri_policy, check_adapter_name, config.preload_file, config.preload,
                           config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
     running.servicer.preloader = preloader
@@ -552,9 +567,10 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
         collectors.register(reporter.collector())
         collectors.register(preloader.collector())
     install_test_fault(engine)
-    tasks = [asyncio.create_task(preloader.run())]
-    if config.watchdog_stall_s > 0:
-        tasks.append(asyncio.create_task(watch_engine(engine, reporter, config.watchdog_stall_s)))
+    # The watcher runs whatever --watchdog-stall-s says: 0 turns off the stall check, not the
+    # check that the engine is alive at all.
+    tasks = [asyncio.create_task(preloader.run()),
+             asyncio.create_task(watch_engine(engine, reporter, config.watchdog_stall_s))]
     shown = config.listen
     if not config.listen.startswith("unix"):
         shown = f"{config.listen.rsplit(':', 1)[0]}:{running.port}"
@@ -566,7 +582,7 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
         else:
             await stop.wait()
     finally:
-        await drain(running, reporter, engine, config)
+        await drain(running, reporter, engine, config, front_ends)
         preloader.stop()
         for task in tasks:
             task.cancel()
@@ -578,9 +594,11 @@ async def _preloads_changed(reporter: HealthReporter, preloader: Preloader) -> N
     await reporter.update()
 
 
-async def drain(running: RunningServer, reporter: HealthReporter, engine: Any, config: ServerConfig) -> None:
-    """Readiness NOT_SERVING first; after drain_delay_s new RPCs are refused; in-flight ones finish
-    within what is left of shutdown_grace_s; the rest are cancelled and counted."""
+async def drain(running: RunningServer, reporter: HealthReporter, engine: Any, config: ServerConfig,
+                front_ends: Sequence[FrontEnd] = ()) -> None:
+    """Readiness NOT_SERVING first (on every front end); after drain_delay_s new requests are
+    refused on every port at once; in-flight ones finish within what is left of shutdown_grace_s;
+    the rest are cancelled and counted."""
     started = time.monotonic()
     reporter.draining = True
     await reporter.update()
@@ -588,7 +606,8 @@ async def drain(running: RunningServer, reporter: HealthReporter, engine: Any, c
              config.drain_delay_s, config.shutdown_grace_s)
     await asyncio.sleep(max(0.0, min(config.drain_delay_s, config.shutdown_grace_s)))
     left = max(0.0, config.shutdown_grace_s - (time.monotonic() - started))
-    stopping = asyncio.create_task(running.server.stop(left))
+    stopping = asyncio.ensure_future(asyncio.gather(running.server.stop(left),
+                                                    *(front_end.stop(left) for front_end in front_ends)))
     done, _ = await asyncio.wait({stopping}, timeout=max(0.0, left - 0.1))
     cancelled = 0
     if not done:

@@ -11,3 +11,5 @@ class HttpConfig:
     addr: str = "127.0.0.1"
     served_model_names: tuple[str, ...] = ()  # empty: the checkpoint's name
     chat_template: str | None = None  # a Jinja file overriding the checkpoint's chat template
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this (slow or idle clients)
+    max_connections: int = 2048  # open connections; more are closed as they are accepted

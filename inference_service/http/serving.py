@@ -1,19 +1,32 @@
 """Runs the HTTP app with uvicorn inside the gRPC server's asyncio loop (one process, one
-engine): uvicorn's own signal handling is off, the CLI's SIGTERM handler stops both."""
+engine): uvicorn's own signal handling is off; `serve()` starts this front end once gRPC listens
+and drains it beside gRPC (same readiness, same drain delay, same grace).
+
+What uvicorn lacks against slow or idle clients is added here: each request's headers must arrive
+within `header_timeout_s` (a connection that sends nothing, or dribbles its headers, is closed),
+and connections past `max_connections` are closed as they are accepted, so a flood of them cannot
+take every file descriptor or hold the port.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from inference_service.http.config import HttpConfig
 
 log = logging.getLogger("loraplex.http")
+BACKLOG = 2048  # uvicorn's default
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -22,26 +35,128 @@ class _EmbeddedServer(uvicorn.Server):
         yield  # the gRPC side owns SIGINT/SIGTERM and stops us
 
 
-class RunningHttp:
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task) -> None:
-        self.server, self.task = server, task
+class _GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on each request's headers and a connection cap.
 
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await self.task
+    The header clock starts when the connection opens (its first request) or at the first byte
+    after a keep-alive pause (the pause itself is uvicorn's keep-alive timeout), and stops when
+    the headers are complete: uvicorn cancels its keep-alive timer on any byte and arms nothing
+    until a response is done, so without this a client sending a byte a second holds the
+    connection forever."""
+
+    def __init__(self, *args: Any, header_timeout_s: float, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._max_connections = max_connections
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._max_connections:
+            log.warning("HTTP connection from %s closed: %d connections open (--http-max-connections)",
+                        _peer(self.client), self._max_connections)
+            transport.close()
+            return
+        self._start_header_clock()
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._start_header_clock()  # the next request's first bytes (stopped below if complete)
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._stop_header_clock()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_clock()
+        super().connection_lost(exc)
+
+    def _start_header_clock(self) -> None:
+        self._header_timer = self.loop.call_later(self._header_timeout_s, self._headers_late)
+
+    def _stop_header_clock(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            log.debug("HTTP connection from %s closed: no complete request headers within %gs",
+                      _peer(self.client), self._header_timeout_s)
+            self.transport.close()
 
 
-async def start_http(app: ASGIApp, config: HttpConfig, grace_s: float) -> RunningHttp:
-    """Serving once this returns; raises RuntimeError when the port cannot be bound."""
-    server = _EmbeddedServer(uvicorn.Config(
-        app, host=config.addr, port=config.port, log_level="warning", access_log=False, lifespan="off",
-        http="httptools",  # chosen by measurement over h11: docs/http.md
-        timeout_graceful_shutdown=max(1, int(grace_s)),
-    ))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():  # uvicorn logs the bind error and exits
-            raise RuntimeError(f"HTTP front end could not listen on {config.addr}:{config.port}")
-        await asyncio.sleep(0.01)
-    log.info("OpenAI-compatible HTTP API listening on %s:%d", config.addr, config.port)
-    return RunningHttp(server, task)
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+class _ReadinessGate:
+    """`GET /health` answers 503 while the server should get no traffic (draining, required preloads
+    missing, engine stuck or dead: what gRPC readiness says), so a gateway routing this port moves
+    away when gRPC clients do; otherwise the app answers it."""
+
+    def __init__(self, app: ASGIApp, ready: Callable[[], bool]) -> None:
+        self.app, self.ready = app, ready
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/health" and not self.ready():
+            await Response(status_code=503)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _listen(config: HttpConfig) -> socket.socket:
+    """The listening socket, bound here so that a bind error is one clear RuntimeError (uvicorn
+    would log it and raise SystemExit from inside its task)."""
+    family = socket.AF_INET6 if ":" in config.addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and asyncio do
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((config.addr, config.port))
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"HTTP front end could not listen on {config.addr}:{config.port}: "
+                           f"{e.strerror or e}") from None
+    return sock
+
+
+class HttpFrontEnd:
+    """The OpenAI-compatible API as one of `serve()`'s front ends (server.FrontEnd)."""
+
+    def __init__(self, app: ASGIApp, config: HttpConfig) -> None:
+        self.app, self.config = app, config
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, ready: Callable[[], bool]) -> None:
+        """Serving once this returns; raises RuntimeError when the port cannot be bound."""
+        sock = _listen(self.config)
+        protocol = functools.partial(_GuardedProtocol, header_timeout_s=self.config.header_timeout_s,
+                                     max_connections=self.config.max_connections)
+        self._server = _EmbeddedServer(uvicorn.Config(
+            _ReadinessGate(self.app, ready), log_level="warning", access_log=False, lifespan="off",
+            http=protocol,  # type: ignore[arg-type]  # httptools, chosen by measurement over h11: docs/http.md
+            backlog=BACKLOG,
+        ))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                sock.close()
+                self._task.result()  # its exception
+                raise RuntimeError("HTTP front end stopped while starting")
+            await asyncio.sleep(0.01)
+        log.info("OpenAI-compatible HTTP API listening on %s:%d", self.config.addr, self.config.port)
+        print(f"HTTP http://{self.config.addr}:{self.config.port}", flush=True)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops accepting, closes idle connections, gives requests in flight `grace_s`, cancels the rest."""
+        if self._server is None or self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = grace_s  # type: ignore[assignment]  # a float works
+        self._server.should_exit = True
+        await self._task
