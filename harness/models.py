@@ -5,7 +5,7 @@ transformers and peft are dev dependencies: only tests and benchmarks import thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,6 +69,8 @@ class AdapterSpec:
     target_modules: tuple[str, ...] = tuple(ALL_MODULES)
     use_rslora: bool = False
     seed: int = 0
+    # More LoraConfig fields (rank_pattern, alpha_pattern, layers_to_transform, ...), as PEFT takes them.
+    options: dict = field(default_factory=dict)
 
 
 def make_adapter(checkpoint: Path, out: Path, spec: AdapterSpec) -> Path:
@@ -79,7 +81,7 @@ def make_adapter(checkpoint: Path, out: Path, spec: AdapterSpec) -> Path:
     base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules), use_rslora=spec.use_rslora,
-        init_lora_weights=False, lora_dropout=0.0,
+        init_lora_weights=False, lora_dropout=0.0, **spec.options,
     )
     torch.manual_seed(spec.seed)
     model = get_peft_model(base, config)

@@ -241,3 +241,65 @@ def test_mistral_sliding_window_bounds_the_context_and_matches_peft(tmp_path):
     ref = _reference_logits(checkpoint, {"a": adapter}, prompts)
     for rid, _, _ in prompts:
         assert (ours[rid][0] - ref[rid]).abs().max().item() < TOL, rid
+
+
+# rank_pattern, alpha_pattern and layers_to_transform, as PEFT saves and applies them. The keys test
+# PEFT's matching rule (`re.match(rf"(.*\.)?({key})$", module path)`, first key in file order wins):
+# "self_attn" is a substring of every attention path but never a dotted suffix (a search would take
+# it); "mlp.up_proj" is a suffix, not the whole path; overlapping keys appear in both orders (PEFT
+# saves them sorted: in "first-match-rslora" the general rank key and the specific alpha key come first).
+PATTERN_ADAPTERS = [
+    AdapterSpec("patterns", 8, 16, seed=21, options=dict(
+        rank_pattern={"q_proj": 4, "model.layers.1.mlp.down_proj": 16, r"layers\.0\.self_attn\.(k|o)_proj": 2},
+        alpha_pattern={"self_attn": 77.0, "model.layers.1.self_attn.v_proj": 5.0, "v_proj": 3.0,
+                       "mlp.up_proj": 40.0})),
+    AdapterSpec("first-match-rslora", 8, 8, use_rslora=True, seed=22, options=dict(
+        rank_pattern={r".*\.mlp\..*": 2, "down_proj": 12},
+        alpha_pattern={"v_proj": 3.0, "model.layers.1.self_attn.v_proj": 50.0})),
+    AdapterSpec("layer-1", 8, 8, seed=23, options=dict(layers_to_transform=[1])),
+    AdapterSpec("layer-0-int", 16, 16, ("q_proj", "v_proj"), seed=24, options=dict(
+        layers_to_transform=0, rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 2.0})),
+]
+
+
+@pytest.fixture(scope="module")
+def pattern_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("patterns")
+    checkpoint = make_checkpoint(root / "model", "llama", seed=8)
+    adapters = {s.name: make_adapter(checkpoint, root / s.name, s) for s in PATTERN_ADAPTERS}
+    gen = torch.Generator().manual_seed(9)
+    names: list[str | None] = [*adapters, None, "patterns", "layer-1"]
+    prompts = [(f"p{i}", torch.randint(3, 160, (n,), generator=gen).tolist(), names[i])
+               for i, n in enumerate([6, 12, 4, 15, 9, 2, 10])]
+    return checkpoint, adapters, prompts
+
+
+def test_peft_saved_the_patterns_as_meant(pattern_setup):
+    """Guards the comparison below: PEFT itself gave the modules these ranks, scalings and layers."""
+    checkpoint, adapters, _ = pattern_setup
+    layers = peft_reference(checkpoint, adapters).base_model.model.model.layers
+    attn0, attn1, mlp0, mlp1 = layers[0].self_attn, layers[1].self_attn, layers[0].mlp, layers[1].mlp
+    assert attn0.q_proj.r["patterns"] == 4 and attn0.k_proj.r["patterns"] == 2 and attn1.k_proj.r["patterns"] == 8
+    assert mlp1.down_proj.r["patterns"] == 16 and mlp0.down_proj.r["patterns"] == 8
+    assert attn1.v_proj.scaling["patterns"] == 5.0 / 8 and attn0.v_proj.scaling["patterns"] == 3.0 / 8
+    assert attn0.q_proj.scaling["patterns"] == 16 / 4 and mlp0.up_proj.scaling["patterns"] == 40.0 / 8
+    assert mlp0.down_proj.r["first-match-rslora"] == mlp1.down_proj.r["first-match-rslora"] == 2
+    assert attn1.v_proj.scaling["first-match-rslora"] == 50.0 / 8**0.5
+    assert attn0.v_proj.scaling["first-match-rslora"] == 3.0 / 8**0.5
+    assert "layer-1" not in attn0.q_proj.r and attn1.q_proj.r["layer-1"] == 8
+    assert attn0.v_proj.r["layer-0-int"] == 2 and attn0.q_proj.scaling["layer-0-int"] == 2.0 / 16
+    assert "layer-0-int" not in attn1.q_proj.r
+
+
+def test_patterns_and_layers_to_transform_match_peft(pattern_setup, op_path):
+    checkpoint, adapters, prompts = pattern_setup
+    ours = _engine_logits(checkpoint, adapters, prompts, *op_path)
+    reference = _reference_logits(checkpoint, adapters, prompts)
+    base = _engine_logits(checkpoint, {}, [(rid, t, None) for rid, t, _ in prompts])
+    for rid, _, adapter in prompts:
+        logits, tokens = ours[rid]
+        diff = (logits - reference[rid]).abs().max().item()
+        assert diff < TOL, f"{rid} ({adapter}, {op_path}): max |logit diff| {diff}"
+        assert tokens == reference[rid].argmax(-1).tolist(), f"{rid}: greedy tokens differ"
+        if adapter is not None:  # the adapter matters, so a pattern taken wrongly would show
+            assert (base[rid][0][0] - logits[0]).abs().max() > 1e-2, rid
