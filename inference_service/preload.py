@@ -1,10 +1,15 @@
-"""Adapters named in --preload-file, kept loaded in the background.
+"""Adapters named in --preload-file, loaded in the background.
 
 A failing entry never stops the server: it shows as FAILED (LOADING while an attempt runs) in
 ListAdapters and in `loraplex_preload_adapters{state}`, and is retried with capped exponential
-backoff. Entries with `required: true` gate readiness instead. The file is read again every
+backoff. Entries with `required: true` gate readiness until they are in. The file is read again every
 `reload_s` (a Kubernetes ConfigMap mount is updated in place), so added, changed and removed entries
 reach a running server without a restart.
+
+Once an entry is in, it is an ordinary registered adapter and the engine alone says what state it is
+in. An operator's UnloadAdapter of it (or one during a reload of it) wins: the entry reads UNLOADED,
+is not listed, no longer gates readiness, and is not loaded again until its line in the file changes
+(or the server restarts).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapter_cache.errors import LoraplexError
 from adapter_cache.uri_policy import UriPolicy
+from inference_service.lora.registry import UnloadedWhileLoadingError
 
 log = logging.getLogger("loraplex.preload")
-STATES = ("LOADING", "LOADED", "FAILED")
+STATES = ("LOADING", "LOADED", "FAILED", "UNLOADED")
 _KEYS = {"name": str, "uri": str, "pinned": bool, "required": bool, "sha256": str}
 
 
@@ -71,15 +77,19 @@ def read_preload_file(path: str) -> list[PreloadEntry]:
 
 @dataclass
 class _Slot:
+    """What only the preloader knows about an entry; its state once in comes from the engine."""
+
     entry: PreloadEntry
     task: asyncio.Task
-    state: str = "LOADING"
+    failed: bool = False  # the last attempt failed (an attempt may be running again)
     error: str = ""
     attempts: int = 0
+    settled: bool = False  # done: loaded, or an operator unloaded or replaced it while it loaded
 
 
 class Preloader:
-    """Keeps every entry loaded; `on_change` runs after every state change (health recomputes)."""
+    """Loads every entry (retrying failures); `on_change` runs after every change of what it knows
+    (health recomputes)."""
 
     def __init__(self, engine: Any, policy: UriPolicy, check_name: Callable[[str], None],
                  path: str | None, entries: list[PreloadEntry], reload_s: float = 10.0,
@@ -96,14 +106,24 @@ class Preloader:
     # ---- views ----
     @property
     def required_ready(self) -> bool:
-        return all(s.state == "LOADED" for s in self._slots.values() if s.entry.required)
+        return all(s.settled for s in self._slots.values() if s.entry.required)
+
+    def state(self, name: str) -> str:
+        """LOADING / FAILED until the entry is in; then LOADED while the engine serves the name, and
+        UNLOADED once an operator unloaded it (the engine's name set is the one truth for that)."""
+        slot = self._slots[name]
+        if slot.settled:
+            return "LOADED" if self._engine.adapter_is_current(name) else "UNLOADED"
+        return "FAILED" if slot.failed else "LOADING"
 
     def states(self) -> dict[str, str]:
-        return {name: s.state for name, s in self._slots.items()}
+        return {name: self.state(name) for name in self._slots}
 
     def unregistered(self, registered: set[str]) -> list[tuple[PreloadEntry, str]]:
-        """(entry, state) of entries the engine does not list (a load that never registered)."""
-        return [(s.entry, s.state) for name, s in sorted(self._slots.items()) if name not in registered]
+        """(entry, state) of entries still loading or failing that the engine does not list; an entry
+        an operator unloaded is not listed (the engine has no such adapter)."""
+        return [(s.entry, state) for name, s in sorted(self._slots.items())
+                if name not in registered and (state := self.state(name)) in ("LOADING", "FAILED")]
 
     def collector(self) -> Any:
         preloader = self
@@ -163,9 +183,10 @@ class Preloader:
     async def _unload_removed(self, entries: list[PreloadEntry]) -> None:
         keep = {e.name for e in entries}
         for name in [n for n in self._slots if n not in keep]:
+            state = self.state(name)
             slot = self._slots.pop(name)
             slot.task.cancel()
-            if slot.state == "LOADED":
+            if state == "LOADED":
                 try:
                     await asyncio.wrap_future(self._engine.unload_adapter(name))
                     log.info("preload entry %s removed: adapter unloaded", name)
@@ -179,33 +200,37 @@ class Preloader:
             self._check_name(entry.name)
             uri = self._policy.check(entry.uri)
         except LoraplexError as e:  # a configuration error: retrying cannot fix it
-            await self._set(entry.name, "FAILED", f"{e} (not retried: fix the preload file)")
+            await self._set(entry.name, failed=True, error=f"{e} (not retried: fix the preload file)")
             self.failures_total += 1
             return
         while True:
             slot = self._slots[entry.name]
             slot.attempts += 1
-            await self._set(entry.name, "LOADING")
+            await self._set(entry.name, failed=False)
             try:
                 await asyncio.wrap_future(self._engine.load_adapter(
                     entry.name, uri, sha256=entry.sha256, pinned=entry.pinned, preload=True))
+            except UnloadedWhileLoadingError as e:  # an operator's UnloadAdapter (or newer version) wins
+                log.warning("preload %s: %s; not loading it again until its entry changes", entry.name, e)
+                await self._set(entry.name, settled=True)
+                return
             except Exception as e:  # noqa: BLE001 - whatever it is, the server goes on and retries
                 self.failures_total += 1
                 delay = min(cap, initial * 2 ** (slot.attempts - 1)) * random.uniform(0.8, 1.0)
-                await self._set(entry.name, "FAILED", f"{e}")
+                await self._set(entry.name, failed=True, error=f"{e}")
                 log.warning("preload %s from %s failed (attempt %d, %s); retrying in %.1fs", entry.name,
                             entry.uri, slot.attempts, getattr(e, "code", type(e).__name__), delay)
                 await asyncio.sleep(delay)
                 continue
-            await self._set(entry.name, "LOADED")
+            await self._set(entry.name, settled=True)
             log.info("preloaded adapter %s from %s (attempt %d)", entry.name, entry.uri, slot.attempts)
             return
 
-    async def _set(self, name: str, state: str, error: str = "") -> None:
+    async def _set(self, name: str, failed: bool = False, error: str = "", settled: bool = False) -> None:
         slot = self._slots.get(name)
         if slot is None:
             return
-        slot.state, slot.error = state, error
+        slot.failed, slot.error, slot.settled = failed, error, settled
         await self._changed()
 
     async def _changed(self) -> None:

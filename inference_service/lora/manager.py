@@ -21,7 +21,6 @@ from adapter_cache.adapter_format import BaseModelShapes, HostAdapter, LoadTier
 from adapter_cache.errors import (
     FailedPreconditionError,
     LoraplexError,
-    NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -29,7 +28,7 @@ from inference_service.device import CopyEngine
 from inference_service.limits import shown
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.lora.overlap_loader import OverlapLoader
-from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion
+from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion, UnloadedWhileLoadingError
 from inference_service.lora.source import AdapterSource
 from inference_service.lora.staging_pool import StagingPool
 from inference_service.metrics_sink import MetricsSink, NullMetrics
@@ -496,7 +495,8 @@ class LoRAManager:
             if op.future.done():
                 continue
             if entry.draining or entry.uid not in self._registry.versions:
-                op.future.set_exception(NotFoundError(f"adapter {entry.name} was unloaded or replaced while loading"))
+                op.future.set_exception(
+                    UnloadedWhileLoadingError(f"adapter {entry.name} was unloaded or replaced while loading"))
                 continue
             error = result.failed.get(entry.uid) or entry.failure
             if error is not None:

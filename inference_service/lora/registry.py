@@ -17,6 +17,11 @@ from adapter_cache.adapter_format import HostAdapter, LoadTier
 from adapter_cache.errors import LoraplexError, NotFoundError
 
 
+class UnloadedWhileLoadingError(NotFoundError):
+    """A LoadAdapter whose version an UnloadAdapter (or a newer version) retired before it was ready:
+    an operator's decision, which a retrying loader (the preloader) must not undo."""
+
+
 class AdapterState(enum.Enum):
     REGISTERED = "REGISTERED"
     STAGING = "STAGING"

@@ -1,0 +1,98 @@
+"""An operator's UnloadAdapter of a preloaded adapter: one truth for its state, whichever path changed
+it. It is gone from ListAdapters (not LOADED at slot -1), Generate answers NOT_FOUND, /v1/models omits
+it, `loraplex_preload_adapters` counts it as unloaded, readiness stays SERVING (the operator's
+decision), and the preloader does not load it again until its line in the preload file changes.
+
+Real server subprocess, real adapter files, the preload file re-read every 0.2 s."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from harness.inference_server import InferenceServer, start_inference_server
+from inference_service.api import inference_pb2 as pb
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
+
+RELOADS = "loraplex_preload_reloads_total"
+
+
+def _entries(root: Path, p_pinned: bool, q_pinned: bool) -> str:
+    return json.dumps([
+        {"name": "p", "uri": (root / "p").as_uri(), "pinned": p_pinned, "required": True},
+        {"name": "q", "uri": (root / "q").as_uri(), "pinned": q_pinned},
+    ])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[InferenceServer]:
+    for i, name in enumerate(("p", "q")):
+        write_peft_adapter(tmp_path / name, rank=4, seed=40 + i)
+    (tmp_path / "preload.json").write_text(_entries(tmp_path, p_pinned=True, q_pinned=False))
+    s = start_inference_server(["--model", "builtin:tiny", "--max-loras", "3", "--adapter-source-allow",
+                                tmp_path.as_uri() + "/", "--preload-file", str(tmp_path / "preload.json"),
+                                "--preload-reload-s", "0.2"], log_dir=tmp_path, http=True)
+    yield s
+    s.stop()
+
+
+def _states(server: InferenceServer) -> dict[str, tuple[str, int]]:
+    with InferenceClient(server.address) as client:
+        return {a.name: (pb.AdapterState.Name(a.state), a.slot) for a in client.list_adapters(timeout=30)}
+
+
+def _models(server: InferenceServer) -> set[str]:
+    with urllib.request.urlopen(server.http_url + "/v1/models", timeout=30) as r:
+        return {m["id"] for m in json.loads(r.read())["data"]}
+
+
+def _readiness(server: InferenceServer) -> str:
+    with server.channel() as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.05)
+
+
+def test_an_unloaded_preload_stays_unloaded_and_reads_so_everywhere(server: InferenceServer, tmp_path: Path) -> None:
+    _wait(lambda: _states(server).get("q", ("",))[0] == "ADAPTER_STATE_LOADED", "q loaded")
+    assert _states(server)["p"][0] == "ADAPTER_STATE_LOADED"
+    with InferenceClient(server.address) as client:
+        client.unload_adapter("p", timeout=30)
+        assert "p" not in _states(server)
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_text("Hello", adapter="p", max_new_tokens=2, timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "p" not in _models(server) and "q" in _models(server)
+    assert server.value("loraplex_preload_adapters", state="unloaded") == 1
+    assert server.value("loraplex_preload_adapters", state="loaded") == 1
+    assert _readiness(server) == "SERVING"
+
+    # Another entry changes: the file is applied again, and p is still not loaded back.
+    reloads = server.value(RELOADS)
+    (tmp_path / "preload.json").write_text(_entries(tmp_path, p_pinned=True, q_pinned=True))
+    _wait(lambda: server.value(RELOADS) > reloads, "the changed preload file applied")
+    _wait(lambda: _states(server).get("q", ("", -1))[1] >= 0 and
+          server.value("loraplex_preload_adapters", state="loading") == 0, "q reloaded")
+    assert "p" not in _states(server)
+    assert server.value("loraplex_preload_adapters", state="unloaded") == 1
+
+    # Its own line changes: that is the operator asking for it again.
+    (tmp_path / "preload.json").write_text(_entries(tmp_path, p_pinned=False, q_pinned=True))
+    _wait(lambda: _states(server).get("p", ("",))[0] == "ADAPTER_STATE_LOADED", "p loaded again")
+    assert server.value("loraplex_preload_adapters", state="unloaded") == 0
+    with InferenceClient(server.address) as client:
+        assert client.generate_text("Hello", adapter="p", max_new_tokens=2, timeout=30)
