@@ -221,3 +221,50 @@ def test_corrupt_weight_file(copy):
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(FailedPreconditionError, match="safetensors"):
         load_model(str(root), CPU, torch.float32)
+
+
+# ---- memory: LoRA slot buffers first, the KV cache from what is left -------------------------------
+
+def _allocated(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views share one), as allocated."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _sizes(**config: object) -> tuple[int, int, int]:
+    """(LoRA slot bytes, KV cache bytes, KV bytes per block) of an engine sized automatically: no
+    kv_cache_bytes, so the KV cache gets the budget less the LoRA slots."""
+    core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu", **config))
+    try:
+        runner = core.runner
+        lora = _allocated([t for a, b in runner.lora._pool.buffers.values() for t in (a, b)])
+        kv = _allocated([t for pair in runner.kv.layers for t in pair])
+        assert lora == runner.lora.slots_nbytes and kv == runner.kv.nbytes  # what the runner sized with
+        return lora, kv, runner.kv.nbytes // runner.kv.num_blocks
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("budget", [None, 24 << 20], ids=["cpu-default-budget", "explicit-budget"])
+def test_kv_cache_gets_the_budget_less_the_lora_slots(budget):
+    """More slots or a larger max rank take their bytes from the KV cache, block for block."""
+    total = budget if budget is not None else 256 << 20  # the CPU default (model_runner._CPU_DEFAULT_BUDGET)
+    sizes = {(slots, rank): _sizes(max_loras=slots, max_lora_rank=rank, memory_budget_bytes=budget)
+             for slots, rank in [(1, 8), (4, 8), (4, 64), (16, 64)]}
+    for (slots, rank), (lora, kv, per_block) in sizes.items():
+        left = total - lora - kv
+        assert 0 <= left < per_block, f"{slots} x rank {rank}: {lora} B LoRA + {kv} B KV of {total} B"
+    small_lora, small_kv, per_block = sizes[(1, 8)]
+    for lora, kv, _ in sizes.values():
+        if lora > small_lora:
+            assert kv < small_kv
+        # within one block's rounding of each: the KV cache lost exactly what the slots took
+        assert abs((small_kv - kv) - (lora - small_lora)) < per_block
+    assert sizes[(16, 64)][0] > 8 * sizes[(1, 8)][0]  # the comparison spans a real difference
+
+
+def test_lora_slots_that_leave_no_kv_block_are_refused():
+    lora, _, per_block = _sizes(max_loras=4, max_lora_rank=64, memory_budget_bytes=64 << 20)
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        _sizes(max_loras=4, max_lora_rank=64, memory_budget_bytes=lora + per_block - 1)
+    assert _sizes(max_loras=4, max_lora_rank=64, memory_budget_bytes=lora + per_block)[1] == per_block
