@@ -48,4 +48,4 @@ def resolve_repo(repo_id: str, revision: str | None = None) -> Path:
     except Exception as exc:  # noqa: BLE001 - any hub failure gets the same actionable message
         raise FailedPreconditionError(
             f"{repo_id}@{rev} is not in the Hugging Face cache and could not be downloaded "
-            f"({type(exc).__name__}: {exc}); fetch it with: {fetch}") from None
+            f"({type(exc).__name__}: {' '.join(str(exc).split())}); fetch it with: {fetch}") from None
