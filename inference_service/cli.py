@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("serving")
     _add(g, "--listen", "HOST:PORT or unix:///path", default=ServerConfig.listen)
+    _add(g, "--health-listen", "HOST:PORT serving grpc.health.v1 alone in plaintext, for the kubelet's gRPC "
+         "probe when --listen has TLS (empty: off)", default=ServerConfig.health_listen)
     _add(g, "--metrics-port", "Prometheus /metrics port (0: off)", type=int, default=0)
     _add(g, "--metrics-addr", "address the /metrics endpoint binds", default=ServerConfig.metrics_addr)
     _add(g, "--adapter-metrics-top-k",
@@ -222,6 +224,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
         admin_token=token,
+        health_listen=args.health_listen,
         insecure_admin=args.insecure_admin,
         adapter_source_allow=allow,
         tls_cert=args.tls_cert,

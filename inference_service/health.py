@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Any
 
-from grpc_health.v1 import health, health_pb2
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("loraplex.health")
@@ -94,6 +95,20 @@ class HealthReporter:
                                           value=reporter.drain_cancelled)
 
         return _Collector()
+
+
+async def start_health_listener(servicer: health.aio.HealthServicer, address: str) -> grpc.aio.Server:
+    """grpc.health.v1 alone, in plaintext, on `address` (HOST:PORT), from the same servicer as the
+    serving port. The kubelet's gRPC probe speaks no TLS: with TLS on the serving port, a probe here
+    still asks readiness (required preloads in) and liveness (the watchdog), where a TCP connect to
+    the serving port passes as soon as it listens. Nothing but health is served on it."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"could not bind --health-listen {address}")
+    await server.start()
+    log.info("grpc.health.v1 (plaintext, health only) listening on %s", address)
+    return server
 
 
 def _word(serving: bool) -> str:

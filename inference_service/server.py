@@ -33,7 +33,7 @@ from inference_service.adapter_resolver import resolve_adapter
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.auth import AdminAuth, admin_disabled_reason
-from inference_service.health import HealthReporter, install_test_fault, watch_engine
+from inference_service.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.limits import ADAPTER_NAME_PATTERN, check_adapter_name, check_request_id, check_stop, shown
 from inference_service.preload import PreloadEntry, Preloader
 from inference_service.request import FinishReason, RequestOutput, SamplingParams
@@ -80,6 +80,7 @@ class ServerConfig:
     drain_delay_s: float = 0.0
     watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: no stall check)
     adapter_resolver: str = ""  # URI template with {name}: unregistered adapters load on first use
+    health_listen: str = ""  # HOST:PORT: grpc.health.v1 alone, plaintext (kubelet probes when --listen has TLS)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -559,6 +560,7 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
     except BaseException:
         await running.server.stop(0)
         raise
+    health_only = await start_health_listener(running.health, config.health_listen) if config.health_listen else None
     preloader = Preloader(engine, running.servicer.uri_policy, check_adapter_name, config.preload_file, config.preload,
                           config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
     running.servicer.preloader = preloader
@@ -587,6 +589,8 @@ async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if health_only is not None:  # last: the probes saw readiness NOT_SERVING through the drain
+            await health_only.stop(None)
 
 
 async def _preloads_changed(reporter: HealthReporter, preloader: Preloader) -> None:

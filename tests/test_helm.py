@@ -216,7 +216,9 @@ def test_pod_shape_all_features(all_docs: list[dict]) -> None:
     assert cache["startupProbe"]["periodSeconds"] == 1 and cache["startupProbe"]["failureThreshold"] == 60
     assert "--allow-prefix=file:///adapters/" in cache["args"]
     assert inf["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert inf["startupProbe"]["tcpSocket"] == {"port": "grpc"}  # kubelet gRPC probes are plaintext only
+    # kubelet gRPC probes are plaintext only: with TLS they ask the plaintext health-only port
+    assert inf["startupProbe"]["grpc"] == {"port": 50052, "service": "liveness"}
+    assert inf["readinessProbe"]["grpc"] == {"port": 50052} and "--health-listen=0.0.0.0:50052" in inf["args"]
     env = {e["name"]: e for e in cache["env"]}
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "loraplex-s3"
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://rgw.storage.svc:8080"

@@ -292,11 +292,11 @@ def test_every_option_install(tmp_path: Path) -> None:
 def _every_option_checks(pod: Pod, docs: list[dict], pki: dict[str, str], token: str, adapters: Path) -> None:
     inf = pod.containers[INFERENCE]
     pid = inf.proc.pid
-    # Ready means the required preload is in; the missing one is FAILED and does not stop the pod.
+    # Ready means the required preload is in (the readiness probe asks grpc.health.v1 on the plaintext
+    # health port: with TLS it was a TCP connect, Ready while req still loaded); the missing one is FAILED
+    # and does not stop the pod.
     with _client(pod, pki) as client:
-        # Open question (see the session note): right after readiness, ListAdapters has now and then shown
-        # the required (pinned) preload as LOADING for a moment; it must be LOADED within seconds.
-        _wait(lambda: _states(client)["req"] == "ADAPTER_STATE_LOADED", timeout=10, what="req LOADED")
+        assert _states(client)["req"] == "ADAPTER_STATE_LOADED"
         # Between attempts (a retry in flight shows the engine's own state, e.g. STAGING).
         _wait(lambda: _states(client)["ghost"] == "ADAPTER_STATE_FAILED", timeout=30, what="ghost FAILED")
     targets = _scrape_targets_from_monitors(pod, docs)
@@ -339,8 +339,8 @@ def _every_option_checks(pod: Pod, docs: list[dict], pki: dict[str, str], token:
         assert len(queries) > 20
         empty = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries if not prom.query(q.expr)]
         assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
-    # TLS: the kubelet's probes are TCP connects there (its gRPC probe is plaintext only).
-    assert inf.spec["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    # TLS: the kubelet's gRPC probe is plaintext only, so the probes ask the plaintext health-only port.
+    assert inf.spec["livenessProbe"]["grpc"] == {"port": pod.container_port(INFERENCE, "health"), "service": "liveness"}
     assert pod.probe(INFERENCE, "livenessProbe")[0]
 
 

@@ -114,21 +114,17 @@ periods in values.cache.probes.
 {{- end }}
 
 {{/*
-Inference probe handler; pass (dict "root" $ "service" NAME): native gRPC (grpc.health.v1) on the
-serving port. Service "liveness" is SERVING while the scheduler makes progress (startup, liveness);
-service "" is SERVING while the pod should get traffic (readiness: required preloads in, not
-draining, engine healthy). The kubelet's gRPC probe speaks plaintext only, so with TLS on we fall
-back to a TCP connect on the same port (which cannot see the watchdog).
+Inference probe handler; pass (dict "root" $ "service" NAME): native gRPC (grpc.health.v1). Service
+"liveness" is SERVING while the scheduler makes progress (startup, liveness); service "" is SERVING
+while the pod should get traffic (readiness: required preloads in, not draining, engine healthy).
+The kubelet's gRPC probe speaks plaintext only, so with TLS on it asks the plaintext health-only
+port (inference.tls.healthPort, --health-listen) instead of the serving port: a TCP connect there
+would pass as soon as the port listens, before the required preloads are in.
 */}}
 {{- define "loraplex.inferenceProbeHandler" -}}
-{{- if .root.Values.inference.tls.enabled }}
-tcpSocket:
-  port: grpc
-{{- else }}
 grpc:
-  port: {{ .root.Values.inference.grpcPort }}
+  port: {{ ternary .root.Values.inference.tls.healthPort .root.Values.inference.grpcPort .root.Values.inference.tls.enabled }}
   {{- with .service }}
   service: {{ . }}
   {{- end }}
-{{- end }}
 {{- end }}
