@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--http-header-timeout-s", "a request's line and headers must arrive within this, counted from the "
          "connection's opening or the request's first byte; slower or silent connections are closed", type=float,
          default=HttpConfig.header_timeout_s)
+    _add(g, "--http-body-timeout-s", "a request's body must arrive within this after its headers; a slower "
+         "connection is closed (bodies are at most --max-message-bytes)", type=float,
+         default=HttpConfig.body_timeout_s)
     _add(g, "--http-max-connections", "open HTTP connections; more are closed as they are accepted (keep it "
          "under the open-files limit)", type=int, default=HttpConfig.max_connections)
 
@@ -250,11 +253,13 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
         raise ValueError("--max-model-len must be >= 2")
     if args.chat_template and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template {args.chat_template}: no such file")
-    if args.http_header_timeout_s <= 0 or args.http_max_connections < 1:
-        raise ValueError("--http-header-timeout-s must be > 0 and --http-max-connections >= 1")
+    if args.http_header_timeout_s <= 0 or args.http_body_timeout_s <= 0 or args.http_max_connections < 1:
+        raise ValueError("--http-header-timeout-s and --http-body-timeout-s must be > 0, "
+                         "--http-max-connections >= 1")
     return HttpConfig(port=args.http_port, addr=args.http_addr,
                       served_model_names=tuple(args.served_model_name), chat_template=args.chat_template,
-                      header_timeout_s=args.http_header_timeout_s, max_connections=args.http_max_connections)
+                      header_timeout_s=args.http_header_timeout_s, body_timeout_s=args.http_body_timeout_s,
+                      max_connections=args.http_max_connections)
 
 
 async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,

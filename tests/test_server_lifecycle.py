@@ -7,9 +7,9 @@
   delay, with /health 503 as gRPC readiness is NOT_SERVING; then it refuses them and the process
   exits 0.
 - Slow clients: connections that send nothing, dribble their headers a byte at a time, or dribble
-  the next request on a keep-alive connection are closed once --http-header-timeout-s passes, while
-  a victim request is served meanwhile; connections past --http-max-connections are closed as they
-  are accepted.
+  the next request on a keep-alive connection are closed once --http-header-timeout-s passes, those
+  that dribble a body once --http-body-timeout-s passes after its headers, while a victim request
+  is served meanwhile; connections past --http-max-connections are closed as they are accepted.
 - A port in use (HTTP or gRPC) is one error line and exit code 1, without a traceback.
 """
 
@@ -41,10 +41,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 BASE = "builtin:tiny"
 
 
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+def _wait(cond: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out: {what}"
+        assert time.monotonic() < deadline, f"timed out: {what() if callable(what) else what}"
         time.sleep(0.05)
 
 
@@ -131,22 +131,29 @@ def test_the_http_port_serves_new_connections_through_the_drain_delay(tmp_path: 
 class _SlowClients:
     """Raw sockets that never finish a request: `idle` send nothing, `dribbling` send a request's
     first line and then a header byte every `period_s`, `keep_alive` complete one request and then
-    dribble the next one. Records when the server closed each (EOF or reset)."""
+    dribble the next one's headers, `slow_body` send whole headers and dribble the body. Records
+    when the server closed each (EOF or reset)."""
 
-    def __init__(self, port: int, idle: int, dribbling: int, keep_alive: int, period_s: float = 0.25) -> None:
+    def __init__(self, port: int, idle: int, dribbling: int, keep_alive: int, slow_body: int = 0,
+                 period_s: float = 0.25) -> None:
         self.period_s = period_s
         self.socks: list[socket.socket] = []
         self.opened: dict[socket.socket, float] = {}
         self.closed: dict[socket.socket, float] = {}
         self.dribbling: list[socket.socket] = []
-        for kind, n in (("idle", idle), ("dribbling", dribbling), ("keep_alive", keep_alive)):
+        for kind, n in (("idle", idle), ("dribbling", dribbling), ("keep_alive", keep_alive),
+                        ("slow_body", slow_body)):
             for _ in range(n):
                 s = socket.create_connection(("127.0.0.1", port), timeout=10)
                 if kind == "keep_alive":
                     s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                     assert s.recv(4096).startswith(b"HTTP/1.1 200")
-                if kind != "idle":
+                if kind == "slow_body":
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 100000\r\n\r\n{")
+                elif kind != "idle":
                     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                if kind != "idle":
                     self.dribbling.append(s)
                 s.setblocking(False)
                 self.socks.append(s)
@@ -187,13 +194,14 @@ class _SlowClients:
 
 def test_slow_clients_are_closed_after_the_header_timeout_while_others_are_served(tmp_path: Path) -> None:
     timeout = 4.0
-    server = start_inference_server(["--http-header-timeout-s", str(timeout)], log_dir=tmp_path, http=True)
+    server = start_inference_server(["--http-header-timeout-s", str(timeout), "--http-body-timeout-s", str(timeout)],
+                                    log_dir=tmp_path, http=True)
     port = int(server.http_url.rsplit(":", 1)[1])
-    clients = _SlowClients(port, idle=20, dribbling=260, keep_alive=20)
+    clients = _SlowClients(port, idle=20, dribbling=240, keep_alive=20, slow_body=20)
     try:
         _victim(server)
         assert clients.open() == 300, "the victim was not served while the 300 slow connections were held"
-        _wait(lambda: clients.open() == 0, timeout + 10, f"{clients.open()} slow connections still open")
+        _wait(lambda: clients.open() == 0, timeout + 10, lambda: f"{clients.open()} slow connections still open")
         late = {s: clients.closed[s] - clients.opened[s] for s in clients.socks}
         assert all(timeout - 0.5 <= t <= timeout + 2.0 for t in late.values()), sorted(late.values())
         _victim(server)
@@ -208,7 +216,7 @@ def test_connections_past_the_cap_are_closed_as_they_are_accepted(tmp_path: Path
     port = int(server.http_url.rsplit(":", 1)[1])
     clients = _SlowClients(port, idle=30, dribbling=0, keep_alive=0)
     try:
-        _wait(lambda: clients.open() == 20, 5, f"{clients.open()} connections open, expected the cap of 20")
+        _wait(lambda: clients.open() == 20, 5, lambda: f"{clients.open()} connections open, expected the cap of 20")
         assert set(clients.closed) == set(clients.socks[20:])  # the first 20 were kept
         time.sleep(1.0)
         assert clients.open() == 20

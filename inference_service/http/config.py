@@ -12,4 +12,5 @@ class HttpConfig:
     served_model_names: tuple[str, ...] = ()  # empty: the checkpoint's name
     chat_template: str | None = None  # a Jinja file overriding the checkpoint's chat template
     header_timeout_s: float = 10.0  # a request's headers must arrive within this (slow or idle clients)
+    body_timeout_s: float = 30.0  # and its body within this after them
     max_connections: int = 2048  # open connections; more are closed as they are accepted

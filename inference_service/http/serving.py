@@ -3,9 +3,9 @@ engine): uvicorn's own signal handling is off; `serve()` starts this front end o
 and drains it beside gRPC (same readiness, same drain delay, same grace).
 
 What uvicorn lacks against slow or idle clients is added here: each request's headers must arrive
-within `header_timeout_s` (a connection that sends nothing, or dribbles its headers, is closed),
-and connections past `max_connections` are closed as they are accepted, so a flood of them cannot
-take every file descriptor or hold the port.
+within `header_timeout_s` and its body within `body_timeout_s` after them (a connection that sends
+nothing, or dribbles its request, is closed), and connections past `max_connections` are closed as
+they are accepted, so a flood of them cannot take every file descriptor or hold the port.
 """
 
 from __future__ import annotations
@@ -36,19 +36,22 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class _GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on each request's headers and a connection cap.
+    """uvicorn's httptools protocol with deadlines on each request's headers and body, and a
+    connection cap.
 
     The header clock starts when the connection opens (its first request) or at the first byte
-    after a keep-alive pause (the pause itself is uvicorn's keep-alive timeout), and stops when
-    the headers are complete: uvicorn cancels its keep-alive timer on any byte and arms nothing
-    until a response is done, so without this a client sending a byte a second holds the
-    connection forever."""
+    after a keep-alive pause (the pause itself is uvicorn's keep-alive timeout) and stops when the
+    headers are complete; the body clock runs from there to the request's end. uvicorn cancels its
+    keep-alive timer on any byte and arms nothing until a response is done, so without these a
+    client sending a byte a second holds the connection forever."""
 
-    def __init__(self, *args: Any, header_timeout_s: float, max_connections: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float, max_connections: int,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._body_timeout_s = body_timeout_s
         self._max_connections = max_connections
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the header or the body clock
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -57,34 +60,40 @@ class _GuardedProtocol(HttpToolsProtocol):
                         _peer(self.client), self._max_connections)
             transport.close()
             return
-        self._start_header_clock()
+        self._start_clock(self._header_timeout_s, "request headers")
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._start_header_clock()  # the next request's first bytes (stopped below if complete)
+        if self._timer is None and (self.cycle is None or self.cycle.response_complete):
+            # The next request's first bytes (the clock stops below if they complete it).
+            self._start_clock(self._header_timeout_s, "request headers")
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
-        self._stop_header_clock()
+        self._stop_clock()
         super().on_headers_complete()
+        self._start_clock(self._body_timeout_s, "request body")
+
+    def on_message_complete(self) -> None:
+        self._stop_clock()
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_header_clock()
+        self._stop_clock()
         super().connection_lost(exc)
 
-    def _start_header_clock(self) -> None:
-        self._header_timer = self.loop.call_later(self._header_timeout_s, self._headers_late)
+    def _start_clock(self, seconds: float, what: str) -> None:
+        self._timer = self.loop.call_later(seconds, self._late, seconds, what)
 
-    def _stop_header_clock(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+    def _stop_clock(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
-    def _headers_late(self) -> None:
-        self._header_timer = None
+    def _late(self, seconds: float, what: str) -> None:
+        self._timer = None
         if not self.transport.is_closing():
-            log.debug("HTTP connection from %s closed: no complete request headers within %gs",
-                      _peer(self.client), self._header_timeout_s)
+            log.debug("HTTP connection from %s closed: %s not complete within %gs", _peer(self.client), what,
+                      seconds)
             self.transport.close()
 
 
@@ -137,9 +146,10 @@ class HttpFrontEnd:
         """Serving once this returns; raises RuntimeError when the port cannot be bound."""
         sock = _listen(self.config)
         protocol = functools.partial(_GuardedProtocol, header_timeout_s=self.config.header_timeout_s,
+                                     body_timeout_s=self.config.body_timeout_s,
                                      max_connections=self.config.max_connections)
         self._server = _EmbeddedServer(uvicorn.Config(
-            _ReadinessGate(self.app, ready), log_level="warning", access_log=False, lifespan="off",
+            _ReadinessGate(self.app, ready), log_level="warning", access_log=False, lifespan="off", ws="none",
             http=protocol,  # type: ignore[arg-type]  # httptools, chosen by measurement over h11: docs/http.md
             backlog=BACKLOG,
         ))
