@@ -96,3 +96,55 @@ def test_an_unloaded_preload_stays_unloaded_and_reads_so_everywhere(server: Infe
     assert server.value("loraplex_preload_adapters", state="unloaded") == 0
     with InferenceClient(server.address) as client:
         assert client.generate_text("Hello", adapter="p", max_new_tokens=2, timeout=30)
+
+
+@pytest.fixture
+def slow_server(tmp_path: Path) -> Iterator[InferenceServer]:
+    """Two slots; every step 20 ms slower (the test-only hook), so long requests hold both slots."""
+    for i, name in enumerate(("p", "q", "p2")):
+        write_peft_adapter(tmp_path / name, rank=4, seed=50 + i)
+    (tmp_path / "preload.json").write_text(_entries(tmp_path, p_pinned=False, q_pinned=False))
+    s = start_inference_server(["--model", "builtin:tiny", "--max-loras", "2", "--adapter-source-allow",
+                                tmp_path.as_uri() + "/", "--preload-file", str(tmp_path / "preload.json"),
+                                "--preload-reload-s", "0.2"], env={"LORAPLEX_TEST_FAULT_STEP_DELAY_S": "0.02"},
+                               log_dir=tmp_path)
+    yield s
+    s.stop()
+
+
+def test_an_unload_during_a_preload_reload_is_not_undone(slow_server: InferenceServer, tmp_path: Path) -> None:
+    """The preload file moves p to a new URI while both slots are held by requests (p's old version and
+    q): the new version registers and waits for a slot; an UnloadAdapter then retires it. The
+    preloader must take that as the operator's decision, not as a failure to retry."""
+    server = slow_server
+    _wait(lambda: {n for n, (s, _) in _states(server).items() if s == "ADAPTER_STATE_LOADED"} == {"p", "q"},
+          "p and q loaded")
+    with InferenceClient(server.address) as client:
+        info = client.model_info()
+        tokens = min(info.max_new_tokens_limit, info.max_context - 16)
+        holds = [client.generate("Hello", adapter=name, max_new_tokens=tokens, ignore_eos=True, timeout=120)
+                 for name in ("p", "q")]
+        for stream in holds:
+            next(stream)
+        entries = json.loads(_entries(tmp_path, p_pinned=False, q_pinned=False))
+        entries[0]["uri"] = (tmp_path / "p2").as_uri()
+        (tmp_path / "preload.json").write_text(json.dumps(entries))
+
+        def versions() -> dict[int, str]:
+            return {a.version: pb.AdapterState.Name(a.state) for a in client.list_adapters(timeout=30) if a.name == "p"}
+
+        # Version 2 is current (version 1 drains under its request) and waits for a slot.
+        _wait(lambda: versions() == {1: "ADAPTER_STATE_DRAINING", 2: "ADAPTER_STATE_HOST_READY"}, "p@2 waiting")
+        client.unload_adapter("p", timeout=30)
+        _wait(lambda: "preload p: adapter p was unloaded or replaced while loading" in server.log(),
+              "the preloader saw the unload")
+        time.sleep(2.5)  # longer than the preloader's first retry backoff (1 s): a retry would be in by now
+        assert versions() == {1: "ADAPTER_STATE_DRAINING"}
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate_text("Hello", adapter="p", max_new_tokens=2, timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert server.value("loraplex_preload_adapters", state="unloaded") == 1
+        assert _readiness(server) == "SERVING"
+        for stream in holds:
+            stream.cancel()
+        _wait(lambda: not versions(), "p@1 drained once its request ended")
