@@ -220,6 +220,7 @@ def test_connections_past_the_cap_are_closed_as_they_are_accepted(tmp_path: Path
         assert set(clients.closed) == set(clients.socks[20:])  # the first 20 were kept
         time.sleep(1.0)
         assert clients.open() == 20
+        assert server.log().count("HTTP connections closed at the cap of 20 open") == 1  # one line, not ten
         clients.stop()  # frees the cap
         _victim(server)
     finally:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,12 +28,29 @@ from inference_service.http.config import HttpConfig
 
 log = logging.getLogger("loraplex.http")
 BACKLOG = 2048  # uvicorn's default
+REFUSAL_LOG_EVERY_S = 10.0  # connections refused at the cap: one warning per this long, with the count
 
 
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # the gRPC side owns SIGINT/SIGTERM and stops us
+
+
+class _Refusals:
+    """Counts connections closed at the cap and says so at most every REFUSAL_LOG_EVERY_S: a flood
+    must not turn into a log line per connection."""
+
+    def __init__(self) -> None:
+        self.count, self._logged_at = 0, -REFUSAL_LOG_EVERY_S
+
+    def add(self, cap: int) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REFUSAL_LOG_EVERY_S:
+            log.warning("HTTP connections closed at the cap of %d open (--http-max-connections): %d so far",
+                        cap, self.count)
+            self._logged_at = now
 
 
 class _GuardedProtocol(HttpToolsProtocol):
@@ -46,18 +64,18 @@ class _GuardedProtocol(HttpToolsProtocol):
     client sending a byte a second holds the connection forever."""
 
     def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float, max_connections: int,
-                 **kwargs: Any) -> None:
+                 refusals: _Refusals, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._body_timeout_s = body_timeout_s
         self._max_connections = max_connections
+        self._refusals = refusals
         self._timer: asyncio.TimerHandle | None = None  # the header or the body clock
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self._max_connections:
-            log.warning("HTTP connection from %s closed: %d connections open (--http-max-connections)",
-                        _peer(self.client), self._max_connections)
+            self._refusals.add(self._max_connections)
             transport.close()
             return
         self._start_clock(self._header_timeout_s, "request headers")
@@ -147,7 +165,7 @@ class HttpFrontEnd:
         sock = _listen(self.config)
         protocol = functools.partial(_GuardedProtocol, header_timeout_s=self.config.header_timeout_s,
                                      body_timeout_s=self.config.body_timeout_s,
-                                     max_connections=self.config.max_connections)
+                                     max_connections=self.config.max_connections, refusals=_Refusals())
         self._server = _EmbeddedServer(uvicorn.Config(
             _ReadinessGate(self.app, ready), log_level="warning", access_log=False, lifespan="off", ws="none",
             http=protocol,  # type: ignore[arg-type]  # httptools, chosen by measurement over h11: docs/http.md
