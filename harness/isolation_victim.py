@@ -2,8 +2,8 @@
 it must not share the attacker's interpreter and GIL).
 
 `python -m harness.isolation_victim ADDRESS SPEC_JSON` runs greedy Generate calls back to back and
-prints one JSON line per event: {"first": true} when the first run's first message arrives, then
-{"tokens": [...], "seconds": s, "start": t0, "end": t1, "finish": name} per run (t0, t1: this
+prints one JSON line per event: {"first": true} when a run's first message arrives, then
+{"tokens": [...], "seconds": s, "start": t0, "end": t1, "finish": name} as it ends (t0, t1: this
 machine's monotonic clock, which the harness's time.monotonic() shares), or {"error": code,
 "details": text}. It makes `runs` runs, or with `"loop": true` runs until its stdin is closed
 (the run in flight then finishes first), so it can keep streaming for as long as an attack lasts.
@@ -36,12 +36,12 @@ def _closed_stdin() -> threading.Event:
 def main() -> None:
     address, spec = sys.argv[1], json.loads(sys.argv[2])
     stop = _closed_stdin() if spec.get("loop") else None
-    first = True
     runs = 0
     with InferenceClient(address) as client:
         while (stop is None and runs < spec["runs"]) or (stop is not None and not stop.is_set()):
             runs += 1
             tokens: list[int] = []
+            first = True
             finish = pb.FINISH_REASON_UNSPECIFIED
             t0 = time.monotonic()
             try:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -29,18 +30,23 @@ from harness.isolation import (
     MIN_RUNS,
     SLACK_S,
     SLOWDOWN_LIMIT,
+    SUSTAINED_LIMIT,
     VictimResult,
     check_victim,
     resident_adapter,
+    slowdown_during,
     slowed,
     solo_run,
     victim_beside,
 )
+from harness.tools import skip_or_fail
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
 
 VICTIM_TOKENS = 384
 LONG_TOKENS = 1000  # nearly builtin:tiny's whole 1024-token context
+ACHIEVED = 1.4  # the injected slowdown must reach the victim at least this much, above SUSTAINED_LIMIT
+assert ACHIEVED > SUSTAINED_LIMIT
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +86,10 @@ def test_a_victim_on_a_resident_adapter_beside_no_attack_passes(server, on_adapt
 
 
 def test_the_victim_streams_until_after_a_long_attack_ends(server):
+    """Coverage only (no time limits here: a 10 s window on a shared machine is not what is tested)."""
     base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
-    length = 3 * base.seconds * MIN_RUNS  # far longer than one run and than MIN_RUNS runs
-    with victim_beside(server, base) as runs:
+    length = 3 * base.median * MIN_RUNS  # far longer than one run and than MIN_RUNS runs
+    with victim_beside(server, base, slowdown=math.inf, sustained=math.inf) as runs:
         start = time.monotonic()
         time.sleep(length)
         end = time.monotonic()
@@ -102,12 +109,28 @@ def test_a_victim_stalled_by_the_server_fails_on_its_time(server):
 
 
 def test_a_sustained_1_5x_slowdown_fails(server):
-    """The server's processes stopped a third of the time: each victim run takes 1.5x as long."""
+    """The server's processes stopped a third of the time: each victim run takes 1.5x as long, and
+    the check fails on its average. On a saturated machine the victim client, not the server, can be
+    what paces the victim (the server runs ahead, coalescing tokens), and the stops then reach it
+    only in part: at load average 14 on 2 cores they made it 1.25x slower. The test needs the
+    slowdown to have arrived (at least ACHIEVED x): a failure under CI if not, a skip elsewhere."""
     base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
-    with pytest.raises(AssertionError, match="on average over"), victim_beside(server, base):
-        with slowed(server, 1 / 3) as stopped:
-            time.sleep(1.5 * base.median * (MIN_RUNS + 1))  # every timed run under the slowdown
-    assert 0.30 < stopped[0] < 0.37, stopped  # the slowdown injected was the one intended
+    failure = None
+    try:
+        with victim_beside(server, base) as runs:
+            start = time.monotonic()
+            with slowed(server, 1 / 3) as stopped:
+                time.sleep(1.5 * base.median * (MIN_RUNS + 1))  # every timed run under the slowdown
+            end = time.monotonic()
+    except AssertionError as e:
+        failure = str(e)
+    assert 0.30 < stopped[0] < 0.37, stopped  # the server was stopped for the third intended
+    if failure is not None and "on average over" in failure:
+        return
+    mean, reference, _ = slowdown_during(base, runs, start, end)
+    if mean < ACHIEVED * reference:
+        skip_or_fail(f"the stops slowed the victim only {mean / reference:.2f}x (a saturated machine)")
+    raise AssertionError(f"a {mean / reference:.2f}x slowdown passed the check ({failure})")
 
 
 def test_a_victim_on_an_adapter_sees_another_tenant_take_its_slot(server, adapters, on_adapter):
