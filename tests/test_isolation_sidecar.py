@@ -4,9 +4,9 @@ A real `loraplex-cache` subprocess (token-authenticated, 1 MiB adapter cap, 4 s 
 4 leases per caller) and a real `loraplex-inference` subprocess staging through it with
 `--cache-token-file`; hostile origins are real HTTP servers on loopback that ignore Range
 (harness/sidecar.RangeIgnoringOrigin); hostile files are real FIFOs and device nodes.
-Each attack runs beside a victim stream (harness/isolation.py): the victim must finish with
-its solo tokens within 1.5x its solo time (measured just before), and the server must be clean
-afterwards. The sidecar's
+Each attack runs beside a victim stream (harness/isolation.py) on an adapter staged through the
+same sidecar and resident in a slot: the victim must keep its solo tokens and time (measured just
+before) across the whole attack, and the server must be clean afterwards. The sidecar's
 memory is measured as the growth of its peak RSS (VmHWM).
 """
 
@@ -27,7 +27,7 @@ import pytest
 from adapter_cache.api import adapter_cache_pb2 as cpb
 from adapter_cache.api import adapter_cache_pb2_grpc as cpb_grpc
 from harness.inference_server import InferenceServer, start_inference_server
-from harness.isolation import VictimResult, solo_run, status_of, victim_beside
+from harness.isolation import VictimResult, resident_adapter, solo_run, status_of, victim_beside
 from harness.sidecar import RangeIgnoringOrigin, Sidecar, write_token
 from harness.tools import skip_or_fail
 from inference_service.client import InferenceClient
@@ -49,6 +49,7 @@ class Stack:
         self.adapters = root / "adapters"
         for i in range(6):
             write_peft_adapter(self.adapters / f"good{i}", rank=4, seed=900 + i)
+        write_peft_adapter(self.adapters / "victim", rank=4, seed=899)
         self._hostile_files()
         self.origin = RangeIgnoringOrigin()
         good = self.adapters / "good0"
@@ -76,12 +77,13 @@ class Stack:
              str(server_token_file), "--max-new-tokens-limit", "1024",
              *(a for prefix in allow for a in ("--adapter-source-allow", prefix))],
             log_dir=root)
+        resident_adapter(self.server, "victim", (self.adapters / "victim").as_uri())
 
     @property
     def base(self) -> VictimResult:
         """The victim's solo tokens and time, measured just before each attack: on a shared
         machine the background load drifts over the minute this file takes."""
-        return solo_run(self.server, max_new_tokens=VICTIM_TOKENS)
+        return solo_run(self.server, adapter="victim", max_new_tokens=VICTIM_TOKENS)
 
     def _hostile_files(self) -> None:
         good = self.adapters / "good0"
