@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -16,6 +17,10 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, which need not be whole UTF-8 characters (for logprobs)."""
+        ...
 
 
 class ByteTokenizer:
@@ -36,9 +41,10 @@ class ByteTokenizer:
             if max(token_ids, default=0) < 256:  # the common case, without a generator per call
                 return bytes(token_ids).decode("utf-8", errors="replace")
             return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
-        special = {self.BOS: b"<s>", self.EOS: b"</s>"}
-        return b"".join(special.get(t, b"") if t >= 256 else bytes((t,)) for t in token_ids).decode(
-            "utf-8", errors="replace")
+        return b"".join(map(self.token_bytes, token_ids)).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes((token_id,)) if token_id < 256 else {self.BOS: b"<s>", self.EOS: b"</s>"}.get(token_id, b"")
 
 
 class FileTokenizer:
@@ -55,6 +61,37 @@ class FileTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return hf_token_bytes(self._tok, token_id)
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode, which byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {chr(b if b in printable else next(extra)): b for b in range(256)}
+
+
+_UNICODE_TO_BYTE = _unicode_to_byte()
+
+
+def hf_token_bytes(tok: HFTokenizer, token_id: int) -> bytes:
+    """A token's bytes: its decode when that is whole characters, else read from the vocabulary
+    entry (a byte-level BPE piece, or a `<0xNN>` byte-fallback piece), where decode([id]) would
+    give U+FFFD for every partial character alike."""
+    text = tok.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tok.id_to_token(token_id) or ""
+    if match := _BYTE_FALLBACK.fullmatch(piece):
+        return bytes((int(match.group(1), 16),))
+    if piece and all(c in _UNICODE_TO_BYTE for c in piece):
+        return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+    return text.encode()
 
 
 class IncrementalDetokenizer:

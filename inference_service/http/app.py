@@ -1,7 +1,9 @@
 """The ASGI app: OpenAI routes, vLLM's adapter routes, tokenize, health and /metrics.
 
 Errors take one shape (OpenAI's `{"error": {...}}`) with the HTTP status mapped from the
-LoraplexError class (http/errors.py), so a bad input means the same on both front ends.
+LoraplexError class (http/errors.py), so a bad input means the same on both front ends; so do
+unknown routes, wrong methods and bodies that are not JSON. Bodies are parsed, and prompts built
+and tokenized, off the event loop that gRPC shares (http/body.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -24,7 +26,8 @@ from adapter_cache.uri_policy import UriPolicy
 from inference_service.adapter_resolver import resolve_adapter
 from inference_service.auth import AdminAuth, admin_disabled_reason
 from inference_service.chat_template import ChatTemplate
-from inference_service.http.errors import error_response, loraplex_error_response, status_of
+from inference_service.http.body import BodyLimit, BodyTooLarge, Offload, max_values, too_large
+from inference_service.http.errors import HTTP_STATUS, error_response, loraplex_error_response, status_of
 from inference_service.http.generation import Generation, OpenAIGeneration
 from inference_service.http.protocol import (
     ChatCompletionRequest,
@@ -34,10 +37,12 @@ from inference_service.http.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
-from inference_service.limits import check_adapter_name
+from inference_service.limits import check_adapter_name, shown
 from inference_service.server import ServerConfig
 
 log = logging.getLogger("loraplex.http")
+# The gRPC status name (`error.code`) of the errors Starlette raises itself: 404 and 405 routes.
+ROUTE_CODES = {**{status: code for code, status in HTTP_STATUS.items()}, 405: "UNIMPLEMENTED"}
 
 
 class _GenerationResponse(StreamingResponse):
@@ -54,44 +59,6 @@ class _GenerationResponse(StreamingResponse):
             self.gen.close()
 
 
-class BodyLimit:
-    """Refuses request bodies over `limit` bytes with a 413 before the app reads them whole."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _too_large(self.limit)(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            await _too_large(self.limit)(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-def _too_large(limit: int) -> Response:
-    return error_response(f"request body over {limit} bytes", 413, "RESOURCE_EXHAUSTED")
-
-
 def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, ...],
               chat_template: ChatTemplate | None, registry: CollectorRegistry | None, listen: str) -> ASGIApp:
     """The HTTP front end over `engine` on `listen` (host:port); `registry` is the one the gRPC
@@ -102,37 +69,35 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
     uri_policy = UriPolicy(config.adapter_source_allow)
     started = int(time.time())
     base = served_model_names[0]
+    offload = Offload(max_values(engine.model_info.max_context))
 
     @app.exception_handler(LoraplexError)
     async def _loraplex_error(http: HttpRequest, exc: LoraplexError) -> JSONResponse:
         log.info("%s %s refused: %s %s", http.method, http.url.path, exc.code, exc)  # as gRPC logs each outcome
         return loraplex_error_response(exc)
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(http: HttpRequest, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = str(first.get("msg", "invalid request body"))
-        log.info("%s %s refused: INVALID_ARGUMENT %s %s", http.method, http.url.path, where, message)
-        return error_response(f"{where}: {message}" if where else message, 400, "INVALID_ARGUMENT",
-                              param=where or None)
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(http: HttpRequest, exc: BodyTooLarge) -> JSONResponse:
+        log.info("%s %s refused: %s", http.method, http.url.path, exc)
+        return too_large(config.max_message_bytes)
+
+    @app.exception_handler(HTTPException)
+    async def _route_error(http: HttpRequest, exc: HTTPException) -> JSONResponse:
+        """Starlette's own answers (no such route, a wrong method) in OpenAI's shape, not `{"detail"}`."""
+        response = error_response(f"{http.method} {shown(http.url.path)}: {exc.detail}", exc.status_code,
+                                  ROUTE_CODES.get(exc.status_code))
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _bug(_: HttpRequest, exc: Exception) -> JSONResponse:
         log.error("HTTP request failed", exc_info=exc)
         return error_response("internal error", 500, "INTERNAL")
 
-    async def generate(body: CompletionRequest | ChatCompletionRequest, http: HttpRequest, chat: bool) -> Response:
+    async def generate(http: HttpRequest, chat: bool) -> Response:
+        body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
-        if chat:
-            assert isinstance(body, ChatCompletionRequest)
-            prompt_ids = openai.chat_prompt(body)
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        else:
-            assert isinstance(body, CompletionRequest)
-            prompt_ids = openai.completion_prompt(body)
-            max_tokens = body.max_tokens
-        params = openai.sampling(body, max_tokens, len(prompt_ids))
+        prompt_ids, params = await offload.run(openai.prepare, body)
         await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl")
         if body.stream:
@@ -152,12 +117,12 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
         return JSONResponse(build(gen, body.model, text, last))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
-        return await generate(body, http, chat=False)
+    async def completions(http: HttpRequest) -> Response:
+        return await generate(http, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
-        return await generate(body, http, chat=True)
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await generate(http, chat=True)
 
     async def adapters() -> list[Any]:
         return await asyncio.wrap_future(engine.list_adapters())
@@ -180,8 +145,9 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraAdapterRequest, http: HttpRequest) -> Response:
+    async def load_lora_adapter(http: HttpRequest) -> Response:
         auth.check(http.headers.items())
+        body = await offload.parse(http, LoadLoraAdapterRequest)
         check_adapter_name(body.lora_name)
         if body.lora_name in served_model_names:
             raise InvalidArgumentError(f"{body.lora_name!r} is the base model's name")
@@ -198,36 +164,30 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, http: HttpRequest) -> Response:
+    async def unload_lora_adapter(http: HttpRequest) -> Response:
         auth.check(http.headers.items())
+        body = await offload.parse(http, UnloadLoraAdapterRequest)
         check_adapter_name(body.lora_name)
         await asyncio.wrap_future(engine.unload_adapter(body.lora_name))
         log.info("adapter %s unloaded (HTTP)", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+    async def tokenize(http: HttpRequest) -> JSONResponse:
+        body = await offload.parse(http, TokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
             await _known_adapter(engine, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidArgumentError("give exactly one of prompt and messages")
-        if body.messages is not None:
-            ids = openai.chat_prompt_ids(body.messages, body.add_generation_prompt)
-        else:
-            limit = engine.model_info.limits.max_prompt_chars
-            if len(body.prompt) > limit:
-                raise InvalidArgumentError(f"prompt is longer than {limit} characters (--max-prompt-chars)")
-            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        ids = await offload.run(openai.tokenize, body)
         return JSONResponse({"count": len(ids), "max_model_len": engine.model_info.max_context, "tokens": ids})
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+    async def detokenize(http: HttpRequest) -> JSONResponse:
+        body = await offload.parse(http, DetokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
             await _known_adapter(engine, body.model)
-        vocab = engine.model_info.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await offload.run(openai.detokenize, body.tokens)})
 
     @app.get("/health")
     async def health() -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from adapter_cache.errors import LoraplexError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -33,6 +33,7 @@ ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -42,6 +43,14 @@ ERROR_TYPE = {
     504: "timeout",
 }
 CONTEXT_TOO_LONG = "does not fit the context"  # the engine's message for a prompt that cannot fit
+
+
+class BadField(InvalidArgumentError):
+    """An INVALID_ARGUMENT that names the request field it is about (OpenAI's `error.param`)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def status_of(error: LoraplexError) -> int:
@@ -60,4 +69,4 @@ def error_response(message: str, status: int, code: str | None = None, param: st
 
 
 def loraplex_error_response(error: LoraplexError) -> JSONResponse:
-    return error_response(str(error), status_of(error), error.code)
+    return error_response(str(error), status_of(error), error.code, getattr(error, "param", None))

@@ -9,6 +9,7 @@ as the gRPC handler's `finally`.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import time
@@ -21,8 +22,15 @@ from starlette.requests import Request as HttpRequest
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from inference_service.chat_template import ChatTemplate
-from inference_service.http.errors import error_body, status_of
-from inference_service.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from inference_service.engine_core import validate_request
+from inference_service.http.errors import BadField, error_body, status_of
+from inference_service.http.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+    _Sampling,
+)
 from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
 log = logging.getLogger("loraplex.http")
@@ -86,7 +94,34 @@ class OpenAIGeneration:
         self.default_max_new_tokens = default_max_new_tokens
         self.chat_template = chat_template
 
-    # ---- request → engine ----
+    # ---- request → engine (prepare, tokenize and detokenize run off the event loop: http/body.py) ----
+
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling params of a generation request."""
+        if isinstance(body, ChatCompletionRequest):
+            prompt_ids = self.chat_prompt(body)
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        else:
+            prompt_ids = self.completion_prompt(body)
+            max_tokens = body.max_tokens
+        params = self.sampling(body, max_tokens, len(prompt_ids))
+        validate_request(self.engine.model_info, prompt_ids, params)  # here, not on the loop at submit
+        return prompt_ids, params
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        if body.messages is not None:
+            return self.chat_prompt_ids(body.messages, body.add_generation_prompt)
+        assert body.prompt is not None
+        special = body.add_special_tokens
+        return list(self.engine.tokenizer.encode(self._bounded(body.prompt), add_special_tokens=special))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        info = self.engine.model_info
+        if len(tokens) > info.max_context:  # counted first: the range check and decode grow with it
+            raise InvalidArgumentError(f"at most {info.max_context} token ids (the model's context), got {len(tokens)}")
+        if tokens and (min(tokens) < 0 or max(tokens) >= info.vocab_size):
+            raise InvalidArgumentError(f"token ids must be in [0, {info.vocab_size})")
+        return self.engine.tokenizer.decode(tokens)
 
     def adapter_of(self, model: str) -> str | None:
         """None for the base model; otherwise the adapter name (the engine answers NOT_FOUND)."""
@@ -104,7 +139,7 @@ class OpenAIGeneration:
             return list(self.engine.tokenizer.encode(self._bounded(prompt)))
         if not prompt:
             raise InvalidArgumentError("prompt is empty")
-        return list(prompt)  # type: ignore[arg-type]
+        return prompt  # type: ignore[return-value]  # pydantic's own fresh list
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         return self.chat_prompt_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
@@ -132,9 +167,10 @@ class OpenAIGeneration:
         refuse = [name for name, bad in (("n", body.n != 1), ("echo", getattr(body, "echo", False)),
                                          ("suffix", getattr(body, "suffix", None) is not None),
                                          ("best_of", (getattr(body, "best_of", None) or 1) != 1),
-                                         ("tools", bool(getattr(body, "tools", None)))) if bad]
+                                         ("tools", bool(getattr(body, "tools", None))),
+                                         ("response_format", _structured(body))) if bad]
         if refuse:
-            raise InvalidArgumentError(f"not supported: {', '.join(refuse)}")
+            raise BadField(f"not supported: {', '.join(refuse)}", refuse[0])
         info = self.engine.model_info
         if max_tokens is None:
             room = max(1, info.max_context - prompt_len)
@@ -213,6 +249,7 @@ class OpenAIGeneration:
 
         if chat:
             yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        offsets = TextOffsets()  # text_offset counts from the start of the completion, across chunks
         last: RequestOutput | None = None
         async for out in gen.stream:
             gen.observe(out)
@@ -225,7 +262,8 @@ class OpenAIGeneration:
             finish = OPENAI_FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
             if out.text or finish or out.logprobs:
                 content = {"delta": {"content": out.text}} if chat else {"text": out.text}
-                yield chunk({**content, "logprobs": self.logprobs_body(out.logprobs, chat), "finish_reason": finish,
+                yield chunk({**content, "logprobs": self.logprobs_body(out.logprobs, chat, offsets),
+                             "finish_reason": finish,
                              **({"stop_reason": out.stop_reason} if finish else {})})
             if out.finished:
                 break
@@ -248,24 +286,55 @@ class OpenAIGeneration:
                              "stop_reason": last.stop_reason}],
                 "usage": usage(gen.prompt_tokens, last.generated_tokens)}
 
-    def logprobs_body(self, logprobs: list[TokenLogprobs] | None, chat: bool) -> dict[str, Any] | None:
-        """OpenAI's logprobs shapes: chat's `content` list, or completions' parallel lists."""
+    def logprobs_body(self, logprobs: list[TokenLogprobs] | None, chat: bool,
+                      offsets: TextOffsets | None = None) -> dict[str, Any] | None:
+        """OpenAI's logprobs shapes: chat's `content` list, or completions' parallel lists. Each token
+        is rendered from its own bytes (token_text), so the parts of one character stay distinct."""
         if logprobs is None:
             return None
-        piece = self._piece
+        raw = self.engine.tokenizer.token_bytes
         if chat:
-            return {"content": [
-                {"token": piece(lp.token_id), "logprob": lp.logprob, "bytes": list(piece(lp.token_id).encode()),
-                 "top_logprobs": [{"token": piece(t), "logprob": v, "bytes": list(piece(t).encode())}
-                                  for t, v in lp.top]}
-                for lp in logprobs]}
-        tokens = [piece(lp.token_id) for lp in logprobs]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{piece(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                data = raw(token_id)
+                return {"token": token_text(data), "logprob": logprob, "bytes": list(data)}
 
-    def _piece(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in logprobs]}
+        offsets = offsets or TextOffsets()
+        pieces = [raw(lp.token_id) for lp in logprobs]
+        return {"tokens": [token_text(b) for b in pieces], "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{token_text(raw(t)): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": [offsets.advance(b) for b in pieces]}
+
+
+def token_text(data: bytes) -> str:
+    """A token as text: itself when it is whole UTF-8 characters, else vLLM's (and OpenAI's)
+    `bytes:\\xe2\\x80` spelling, so that the parts of different characters do not all read U+FFFD
+    (and collide as keys of completions' top_logprobs)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class TextOffsets:
+    """Completions' text_offset: where each token starts in the completion's text, in characters. A
+    token that continues a character split across tokens starts where that character does."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def advance(self, token: bytes) -> int:
+        start = self._chars
+        self._chars += len(self._decoder.decode(token))
+        return start
+
+
+def _structured(body: _Sampling) -> bool:
+    """A response_format other than plain text (structured output is not implemented yet)."""
+    response_format = getattr(body, "response_format", None)
+    return response_format is not None and response_format.type != "text"
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

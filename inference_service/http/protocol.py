@@ -1,8 +1,10 @@
 """OpenAI (and vLLM-extension) request bodies, validated by pydantic at the edge.
 
-Only fields that map onto our sampling are accepted with non-default values; the rest of the
-OpenAI schema is accepted and ignored (`user`, `metadata`) or refused with a clear message
-(`n` > 1, `echo`, `suffix`, `best_of`, `tools`), never silently dropped.
+No field is silently dropped: a field these models do not declare is refused with a 400 that names
+it (`extra="forbid"`: `response_format`, `tools`, vLLM's `guided_json`, a typo...). Declared fields
+either map onto our sampling, are refused unless at their default (`n` > 1, `echo`, `suffix`,
+`best_of`, `tools`, a non-text `response_format`), or are OpenAI's fields that cannot change the
+output and are accepted and ignored (IGNORED_FIELDS, listed in docs/http.md).
 """
 
 from __future__ import annotations
@@ -11,15 +13,28 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from inference_service.request import MAX_LOGIT_BIAS
 
-class StreamOptions(BaseModel):
+# OpenAI's optional fields that do not change what is generated: accepted, and ignored.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "prompt_cache_options")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: it only pads OpenAI's own chunks
 
 
-class _Sampling(BaseModel):
+class ResponseFormat(_Strict):
+    type: str  # only "text" (the default behaviour) until structured output lands
+
+
+class _Sampling(_Strict):
     """Fields common to completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     temperature: float | None = None
@@ -32,14 +47,23 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
+    # token id (as a string, OpenAI's shape) -> bias; the count bounded while parsing
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     repetition_penalty: float | None = None  # vLLM extension
     min_p: float = 0.0  # vLLM extension
     min_tokens: int = 0  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
+    # IGNORED_FIELDS
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -66,6 +90,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
     tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
@@ -84,7 +109,7 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -92,7 +117,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
 
