@@ -6,6 +6,8 @@ LoadAdapter (PERMISSION_DENIED outside it). LoadAdapter with `preload` stays the
 
 Concurrent first requests for one name share one load (single-flight per name, on the event loop
 both front ends run on); a failed load leaves nothing registered, so the next request tries again.
+Its registrations are a cache: at --max-registered-adapters the least recently used idle one makes
+room for a new name (LoRAManager; docs/adapters.md), so no client can fill the registry for good.
 """
 
 from __future__ import annotations

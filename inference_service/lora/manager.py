@@ -527,6 +527,8 @@ class LoRAManager:
                 continue
             if not op.preload and entry.host is not None and not entry.refs:
                 self._drop_host(entry)  # registered without preload: keep no host copy around
+            # Most recently used once ready: the resolver's request follows, and must find it registered.
+            self._registry.used(entry.name)
             op.future.set_result(entry)
             log.info("adapter %s ready as %s (%s) in %.1f ms; %s", entry.name, entry.uid, self.state(entry.uid).value,
                      (time.monotonic() - op.started) * 1e3, self._memory())
