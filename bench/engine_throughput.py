@@ -4,10 +4,16 @@ Workload (the same for all three, one process run): 64 requests over 16 adapters
 and 16 on all 7 modules, 16 slots, 32-token prompts, 128 new tokens each, greedy, EOS ignored,
 a 4-layer hidden-512 LLaMA. PEFT runs its mixed-adapter batch `generate(adapter_names=...)`.
 The three runs are interleaved over `--rounds` rounds and each is judged by its best round.
-Every run must produce exactly `--new-tokens` tokens for each request, and the engine's tokens must
-equal PEFT's (the measured runs' own outputs) on every 8th request, identical in float32; in
-bfloat16 two implementations may break a near-tie differently after a few tokens, so there the
-first token must agree. Otherwise no RESULT is printed and the exit status is 1.
+Every run must produce exactly `--new-tokens` tokens for each request, and every request's tokens
+(so every adapter: ranks 8 and 16, scalings 1 to 3) are judged by PEFT in float32, teacher-forced on
+them: a token's shortfall is how far its logit lies below PEFT's best given the same context. In
+float32 each of the engine's tokens must fall short by at most 2 x 1e-4 (a near-tie either way:
+were its logits within 1e-4 of PEFT's, as tests/test_engine_vs_peft.py holds, its argmax would be).
+In bfloat16 single logits move by up to ~1 (random weights, flat logits), so single tokens tell
+nothing; each request's mean shortfall must be at most HALF_FACTOR x the largest of PEFT's own in
+bfloat16 (the measured PEFT run's tokens): measured, the engine's 0.04 against PEFT's 0.09, while
+wrong adapters or none fall short by 1.6 or more. Otherwise no RESULT is printed and the exit
+status is 1.
 Last line: RESULT engine_vs_peft_tokens_per_s=<ratio>.
 """
 
@@ -74,14 +80,41 @@ def check_outputs(label: str, tokens: list[list[int]], new_tokens: int) -> list[
     return [f"{label}: requests {wrong[:8]} did not produce {new_tokens} tokens"] if wrong else []
 
 
-def compare_with_peft(ours: list[list[int]], peft: list[list[int]], dtype: str) -> list[str]:
-    """Problems found comparing our tokens with PEFT's on every 8th request (see the docstring)."""
-    sample = range(0, len(ours), 8)
+FP32_TOL = 1e-4
+HALF_FACTOR = 2.5  # tests/test_engine_vs_peft.py's factor over PEFT's own half-precision error
+
+
+def shortfalls(reference, prompts: list[list[int]], names: list[str], generated: list[list[int]],
+               device: str, chunk: int = 8) -> list[torch.Tensor]:
+    """Per request and generated token: how far its logit lies below the best of `reference`'s
+    (PEFT, float32) given the prompt and the tokens before it. Requests are all one length: batched."""
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for at in range(0, len(prompts), chunk):
+            tokens = generated[at:at + chunk]
+            ids = torch.tensor([p + g[:-1] for p, g in zip(prompts[at:at + chunk], tokens, strict=True)],
+                               device=device)
+            logits = reference(input_ids=ids, adapter_names=names[at:at + chunk]).logits.float()
+            logits = logits[:, len(prompts[0]) - 1:]
+            chosen = logits.gather(2, torch.tensor(tokens, device=device).unsqueeze(2)).squeeze(2)
+            out += list((logits.max(dim=2).values - chosen).cpu())
+    return out
+
+
+def compare_with_peft(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str],
+                      ours: list[list[int]], peft: list[list[int]], dtype: str, device: str) -> list[str]:
+    """Problems found judging every request's tokens by PEFT's float32 logits (see the docstring)."""
+    reference = peft_reference(checkpoint, adapters).to(device=device)
+    ours_short = shortfalls(reference, prompts, names, ours, device)
     if dtype == "float32":
-        differ = [i for i in sample if ours[i] != peft[i]]
-    else:
-        differ = [i for i in sample if ours[i][:1] != peft[i][:1]]
-    return [f"engine tokens differ from PEFT's ({dtype}) for requests {differ}"] if differ else []
+        return [f"request {i} ({names[i]}): token {int(s.argmax())} is {s.max():.2e} below PEFT's best logit "
+                f"given the same context (allowed {2 * FP32_TOL:.0e})"
+                for i, s in enumerate(ours_short) if s.max() > 2 * FP32_TOL]
+    bound = HALF_FACTOR * max(s.mean().item() for s in shortfalls(reference, prompts, names, peft, device))
+    print(f"mean shortfall per request ({dtype}): engine at most {max(s.mean().item() for s in ours_short):.4f}, "
+          f"bound {bound:.4f} ({HALF_FACTOR} x PEFT's own largest)")
+    return [f"request {i} ({names[i]}): its tokens fall {s.mean():.4f} below PEFT's best logit on average "
+            f"(allowed {bound:.4f}, {dtype})" for i, s in enumerate(ours_short) if s.mean() > bound]
 
 
 def main() -> None:
@@ -100,7 +133,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         checkpoint = make_checkpoint(root / "model", "llama", **MODEL)
-        specs = [AdapterSpec(f"ad{i}", 8 if i % 2 else 16, 16, seed=i) for i in range(args.adapters)]
+        # ranks 8 and 16, alphas 16 and 24: scalings 1, 1.5, 2 and 3
+        specs = [AdapterSpec(f"ad{i}", 8 if i % 2 else 16, 16 if i % 4 < 2 else 24, seed=i)
+                 for i in range(args.adapters)]
         adapters = {s.name: make_adapter(checkpoint, root / s.name, s) for s in specs}
         gen = torch.Generator().manual_seed(1)
         prompts = torch.randint(3, MODEL["vocab_size"], (args.requests, args.prompt_tokens), generator=gen).tolist()
@@ -118,7 +153,9 @@ def main() -> None:
             for label, tokens in [("engine", mixed_tokens), ("engine, base model", base_tokens),
                                   ("peft", peft_tokens)]:
                 problems += check_outputs(f"round {r}, {label}", tokens, args.new_tokens)
-            problems += compare_with_peft(mixed_tokens, peft_tokens, args.dtype)
+            problems += compare_with_peft(checkpoint, adapters, prompts, names, mixed_tokens, peft_tokens, *same[1:])
+            same_as_generate = sum(a == b for a, b in zip(mixed_tokens, peft_tokens, strict=True))
+            print(f"round {r}: {same_as_generate} of {args.requests} requests generated exactly PEFT's tokens")
             print(f"round {r}: engine with {args.adapters} adapters {mixed_r:7.1f}, engine on the base model "
                   f"{base_r:7.1f}, peft generate {peft_r:7.1f} tokens/s", flush=True)
             ours, base, peft = max(ours, mixed_r), max(base, base_r), max(peft, peft_r)
@@ -127,8 +164,8 @@ def main() -> None:
     print(f"mixed-adapter / base-model throughput: {ours / base:.3f} (target >= 0.8)")
     if problems:
         sys.exit("no RESULT: the runs' outputs are wrong:\n" + "\n".join(problems))
-    print(f"outputs checked: {args.requests} x {args.new_tokens} tokens in each run; the engine's equal PEFT's "
-          f"on {len(range(0, args.requests, 8))} sampled requests per round")
+    print(f"outputs checked: {args.requests} x {args.new_tokens} tokens in each run; every request's tokens "
+          f"judged by PEFT's logits given the same context ({args.dtype})")
     print(f"RESULT engine_vs_peft_tokens_per_s={ours / peft:.3f}")
 
 
