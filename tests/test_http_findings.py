@@ -370,3 +370,32 @@ def test_hostile_request_sized_bodies_do_not_stall_grpc_or_http_streams(server):
     print(f"\n{sum(seen.values())} hostile requests; {figures}")
     assert all(beside[m]["max_gap"] < max(MAX_GAP_S, SOLO_GAP_FACTOR * solo[m]["max_gap"]) for m in beside), figures
     assert_clean(server)
+
+
+def _value_counters(server: InferenceServer) -> list[int]:
+    """The pids of the server's value-counter children (http/value_count.py)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server.proc.pid and b"inference_service.http.value_count" in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_value_counter_child_killed_is_started_again(server):
+    """The counter is a process of its own: killed (out of memory, an operator), the next body that
+    needs counting starts another, and nothing else notices."""
+    body = {"model": BASE, "prompt": [0] * 100_000, "max_tokens": 1}
+    r = httpx.post(server.http_url + "/v1/completions", json=body, timeout=60)
+    assert _openai_error(r, 400)["param"] == "prompt"
+    (pid,) = _value_counters(server)
+    os.kill(pid, 9)
+    r = httpx.post(server.http_url + "/v1/completions", json=body, timeout=60)
+    assert _openai_error(r, 400)["param"] == "prompt"
+    assert _value_counters(server) not in ([], [pid])
+    ok = _client(server).completions.create(model=BASE, prompt="still fine", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
