@@ -40,8 +40,9 @@ from inference_service.api import inference_pb2 as pb  # noqa: E402
 from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
 
-LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_pending_load_events", "loraplex_requests_running",
-               "loraplex_requests_waiting", "loraplex_kv_cache_usage_ratio")
+LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_adapter_references",
+               "loraplex_lora_pending_load_events", "loraplex_requests_running", "loraplex_requests_waiting",
+               "loraplex_kv_cache_usage_ratio")
 REFUSED = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
 ALLOWED = {
     "complete": {"OK"},

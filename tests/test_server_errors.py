@@ -18,8 +18,9 @@ pytestmark = pytest.mark.slow
 TOKEN = "errors-admin-token"
 LIMIT = 64
 MAX_MESSAGE = 64 * 1024
-LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_pending_load_events", "loraplex_requests_running",
-               "loraplex_requests_waiting", "loraplex_kv_cache_usage_ratio")
+LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_adapter_references",
+               "loraplex_lora_pending_load_events", "loraplex_requests_running", "loraplex_requests_waiting",
+               "loraplex_kv_cache_usage_ratio")
 S = grpc.StatusCode
 
 
