@@ -102,3 +102,30 @@ def test_load_bound_spills_a_hot_pod_but_keeps_affinity_otherwise() -> None:
     assert routing.within_load_bound(pods, 1.25, 2) == pods
     hot.in_flight, idle.in_flight = 6, 0
     assert routing.within_load_bound(pods, 1.25, 2) == [idle]  # ceil(1.25 * 7 / 2) = 5 <= 6
+
+
+HALVES = ("adapter loads", "TTFT p99")
+
+
+def _result(loads: float, ttft_s: float) -> object:
+    return routing.Result([ttft_s] * 10, 320, 1.0, loads, [5, 5])
+
+
+def test_report_prints_both_halves_and_no_result_when_either_fails(capsys) -> None:
+    cases = [  # (affinity's loads, its TTFT) against round-robin's 100 loads and 1 s: exit status, failed halves
+        ((30, 0.9), 0, []),
+        ((30, 1.2), 1, ["TTFT p99"]),  # fewer loads bought with a worse tail: no RESULT
+        ((60, 0.9), 1, ["adapter loads"]),
+        ((60, 1.2), 1, ["adapter loads", "TTFT p99"]),
+    ]
+    for (loads, ttft), status, failed in cases:
+        total = {"round-robin": _result(100, 1.0), "affinity": _result(loads, ttft)}
+        assert routing.report(total, ["round-robin", "affinity"]) == status
+        lines = capsys.readouterr().out.splitlines()
+        stated = [ln for ln in lines if ln.startswith("affinity: ")]  # both halves, always, each judged
+        assert [ln.startswith(f"affinity: {h}") for h, ln in zip(HALVES, stated, strict=True)] == [True, True]
+        assert all(ln.endswith(("held", "FAILED")) for ln in stated)
+        assert [h for h, ln in zip(HALVES, stated, strict=True) if ln.endswith("FAILED")] == failed
+        assert lines[-1].startswith("RESULT affinity_loads_vs_roundrobin=") == (status == 0)
+        if failed:
+            assert lines[-1].startswith("no RESULT: affinity failed") and all(h in lines[-1] for h in failed)
