@@ -44,7 +44,9 @@ from inference_service.client import InferenceClient
 # follows the machine's drifting background load; a baseline from the start of a test module was
 # 2x off on the shared box). An average over MIN_RUNS or more runs: on the shared 2-core box the
 # mean of 11 runs stayed within 1.07x of the median of the same 11, so a sustained 1.5x slowdown
-# (tests/test_isolation_harness.py injects one) is caught with margin.
+# (tests/test_isolation_harness.py injects one) is caught with margin. Not on a saturated machine:
+# at load average 10-13 (other sessions) 8 of 54 victims in the isolation files exceeded it (1.4-1.8x),
+# as ~5 of the same exceeded the per-run bound below.
 SUSTAINED_LIMIT = 1.3
 MIN_RUNS = 4  # the victim's runs averaged, at least (more when the attack outlasts them)
 WARM_RUNS = 1  # a new victim process's first run (it connects) is not timed
@@ -57,7 +59,7 @@ SLACK_S = 0.1
 # The victim's own pause between runs is a print and a new call (milliseconds); a longer one would
 # leave part of the attack unwatched.
 MAX_GAP_S = 0.25
-SOLO_REPEATS = 5
+SOLO_REPEATS = 3
 LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_adapter_references",
                "loraplex_lora_pending_load_events", "loraplex_requests_running", "loraplex_requests_waiting",
                "loraplex_kv_cache_usage_ratio")
