@@ -399,3 +399,46 @@ def test_value_counter_child_killed_is_started_again(server):
     assert _value_counters(server) not in ([], [pid])
     ok = _client(server).completions.create(model=BASE, prompt="still fine", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def _trained_byte_level(path: Path) -> Path:
+    """A byte-level BPE trained on non-ASCII text: its merges make tokens that hold parts of characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([NON_ASCII * 20, "東京都 京都 東 ünïcödé ça"] * 50, trainer)
+    tok.save(str(path))
+    return path
+
+
+def _byte_fallback(path: Path) -> Path:
+    """A SentencePiece-style BPE (Metaspace, byte fallback) whose vocabulary lacks '東': it is
+    spelt with <0xNN> byte pieces, each of which decodes alone to U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("make", [_trained_byte_level, _byte_fallback], ids=["byte-level", "byte-fallback"])
+def test_token_bytes_spell_the_text_on_real_tokenizers(tmp_path, make):
+    """Each token's bytes, joined, are the text's bytes, on tokenizers whose pieces split characters;
+    decode([id]) of those pieces is U+FFFD (what logprobs showed before)."""
+    from inference_service.tokenizer import FileTokenizer
+
+    tok = FileTokenizer(make(tmp_path / "tokenizer.json"), eos_token_ids=())
+    # Byte-level: characters it learnt whole or in part, and ones it never saw (single bytes).
+    # Byte fallback: no spaces, whose '▁' a single-token decode strips (a SentencePiece limit apart).
+    text = "東京" if make is _byte_fallback else f"{NON_ASCII} 北海道"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([i], skip_special_tokens=False) == "\ufffd" for i in ids), "no partial-character token"
+    spelt = b"".join(tok.token_bytes(i) for i in ids)
+    assert spelt == text.encode(), (spelt, text)
