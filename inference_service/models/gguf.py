@@ -1,10 +1,11 @@
 """GGUF checkpoints (llama.cpp's format): config, weights, tokenizer and chat template from one file.
 
-Weights are dequantized with the `gguf` package as the loader asks for each one (a lazy mapping),
-so a quantized file never sits in memory as a whole fp32 state dict; the model's own parameters
-take the serving dtype on copy. Tensor and metadata names follow llama.cpp
-(gguf-py/gguf/constants.py and tensor_mapping.py); llama.cpp's converter permutes the rows of
-LLaMA's q/k projections for its interleaved RoPE, which `_unpermute` undoes, as transformers does.
+The file is read by gguf_reader.py (memory-mapped); weights are dequantized with the `gguf`
+package as the loader asks for each one (a lazy mapping), so a quantized file never sits in memory
+as a whole fp32 state dict; the model's own parameters take the serving dtype on copy. Tensor and
+metadata names follow llama.cpp (gguf-py/gguf/constants.py and tensor_mapping.py); llama.cpp's
+converter permutes the rows of LLaMA's q/k projections for its interleaved RoPE, which
+`_unpermute` undoes, as transformers does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from adapter_cache.errors import FailedPreconditionError
+from inference_service.models.gguf_reader import read_gguf
 from inference_service.models.gguf_tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,11 +77,9 @@ class GGUFFile:
     """One opened .gguf file: its metadata (as Python values) and tensors (memory-mapped)."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader  # imported on use: only GGUF checkpoints need it
-
         self.path = path
         try:
-            self._reader = GGUFReader(str(path))
+            self._metadata, self.tensors = read_gguf(path)
         except (ValueError, OSError) as exc:
             raise FailedPreconditionError(f"{path}: not a readable GGUF file: {exc}") from None
         self.architecture = str(self.get("general.architecture", ""))
@@ -87,11 +87,9 @@ class GGUFFile:
             raise FailedPreconditionError(
                 f"{path}: GGUF architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-        self.tensors = {t.name: t for t in self._reader.tensors}
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._metadata.get(key, default)
 
     def arch(self, key: str, default: Any = None) -> Any:
         return self.get(f"{self.architecture}.{key}", default)
@@ -135,18 +133,22 @@ class GGUFFile:
 
     def check_tensor_types(self) -> None:
         """Fail before any weight is read when a tensor's type cannot be dequantized here."""
+        from gguf import GGMLQuantizationType
+
         for tensor in self.tensors.values():
-            if tensor.tensor_type.name not in SUPPORTED_TYPES:
+            type_name = GGMLQuantizationType(tensor.type_id).name
+            if type_name not in SUPPORTED_TYPES:
                 raise FailedPreconditionError(
-                    f"{self.path}: tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, which is not "
+                    f"{self.path}: tensor {tensor.name} has GGUF type {type_name}, which is not "
                     f"supported (supported: {', '.join(SUPPORTED_TYPES)})")
 
     def dequantize(self, name: str) -> np.ndarray:
         """One tensor as float32, in PyTorch's (row-major, HF) shape."""
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         tensor = self.tensors[name]
-        data = dequantize(tensor.data, tensor.tensor_type)
+        data = dequantize(tensor.data, GGMLQuantizationType(tensor.type_id))
         # GGUF lists dimensions innermost first.
         return data.reshape(tuple(int(d) for d in reversed(tensor.shape))).astype(np.float32, copy=False)
 
@@ -155,8 +157,8 @@ class GGUFFile:
         return GGUFStateDict(self)
 
     def tokenizer(self) -> Tokenizer:
-        keys = [k for k in self._reader.fields if k.startswith("tokenizer.ggml.")]
-        return build_tokenizer({k: self.get(k) for k in keys}, str(self.path))
+        return build_tokenizer({k: v for k, v in self._metadata.items() if k.startswith("tokenizer.ggml.")},
+                               str(self.path))
 
     def chat_template(self) -> str | None:
         template = self.get("tokenizer.chat_template")
