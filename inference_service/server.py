@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -340,11 +341,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Detokenize(self, raw: bytes, context: grpc.aio.ServicerContext):
         async def run(r: pb.DetokenizeRequest, _: Any) -> pb.DetokenizeResponse:
-            vocab = self.engine.model_info.vocab_size
-            if any(t >= vocab for t in r.token_ids):
-                raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
+            info = self.engine.model_info
+            if len(r.token_ids) > info.max_context:  # counted first: the range check and decode grow with it
+                raise InvalidArgumentError(
+                    f"at most {info.max_context} token ids (the model's context), got {len(r.token_ids)}")
+            if any(t >= info.vocab_size for t in r.token_ids):
+                raise InvalidArgumentError(f"token ids must be in [0, {info.vocab_size})")
             skip = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
-            return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(list(r.token_ids), skip))
+            # Off the loop: decoding a context's worth of ids would pause every other stream meanwhile.
+            text = await asyncio.to_thread(self.engine.tokenizer.decode, list(r.token_ids), skip)
+            return pb.DetokenizeResponse(text=text)
 
         return await self._unary("Detokenize", context, run, pb.DetokenizeRequest, raw)
 
@@ -413,10 +419,42 @@ async def _write(context: grpc.aio.ServicerContext, response: pb.GenerateRespons
 
 def _parse(message: type[Message], raw: bytes) -> Any:
     try:
-        return message.FromString(raw)
+        parsed = message.FromString(raw)
     except DecodeError as e:
         raise InvalidArgumentError(
             f"malformed {message.DESCRIPTOR.name} (e.g. invalid UTF-8 in a string): {e}") from None
+    unknown = _unknown_field(parsed)
+    if unknown is not None:
+        # protobuf keeps fields it does not know and parses on: a client built from a newer proto
+        # (or a typo'd field number) would get an answer that silently ignored what it asked for.
+        raise InvalidArgumentError(
+            f"{message.DESCRIPTOR.name} has field number {unknown} that this server does not implement "
+            "(a client built from a newer loraplex.v1 proto?)")
+    return parsed
+
+
+def _unknown_field(msg: Message, prefix: str = "") -> str | None:
+    """The first field, as `path.number`, that `msg` (or a message inside it) carried but its type lacks."""
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        return f"{prefix}{unknown[0].field_number}"
+    for fd, value in msg.ListFields():
+        if fd.message_type is None:
+            continue
+        if fd.message_type.GetOptions().map_entry:
+            inner = fd.message_type.fields_by_name["value"]
+            children = list(value.values()) if inner.message_type is not None else []
+        else:
+            children = list(value) if _is_repeated(fd) else [value]
+        for child in children:
+            found = _unknown_field(child, f"{prefix}{fd.name}.")
+            if found is not None:
+                return found
+    return None
+
+
+def _is_repeated(fd: Any) -> bool:
+    return bool(getattr(fd, "is_repeated", False) or getattr(fd, "label", None) == fd.LABEL_REPEATED)
 
 
 def _page_key(token: str) -> tuple[str, int]:

@@ -187,6 +187,28 @@ def test_chunked_body_over_the_limit_is_413(server):
     assert "Traceback" not in server.log(), server.log()[-3000:]
 
 
+def test_a_client_that_leaves_mid_body_is_logged_as_such_not_as_a_failure(server):
+    """Half a body, then the socket closes: starlette's ClientDisconnect is the client's doing, not a
+    server error (no "HTTP request failed" with a traceback), and the port keeps serving."""
+    import socket
+    import time
+
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while "left before its request body arrived" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = server.log()
+    assert "left before its request body arrived" in log
+    assert "HTTP request failed" not in log and "ClientDisconnect" not in log, log[-3000:]
+    ok = _client(server).completions.create(model=BASE, prompt="still fine", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
 # ---- item 6: logprobs of tokens that are parts of characters -----------------------------------
 
 def _grpc_logprobs(server: InferenceServer, prompt: str | list[int], k: int, n: int) -> list:

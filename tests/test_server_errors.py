@@ -132,6 +132,61 @@ def test_admin_errors(env):
     assert names == {"good"}, names  # rejected loads left nothing behind
 
 
+def _raw_call(server, method: str, raw: bytes, stream: bool):
+    """Sends `raw` as the request bytes: fields this proto does not have cannot be built otherwise."""
+    with grpc.insecure_channel(server.address) as ch:
+        kind = ch.unary_stream if stream else ch.unary_unary
+        call = kind(f"/loraplex.v1.Inference/{method}", request_serializer=None, response_deserializer=None)
+        result = call(raw, timeout=30)
+        return list(result) if stream else result
+
+
+def _with_unknown(msg, number: int = 1023) -> bytes:
+    return msg.SerializeToString() + _varint(number << 3) + b"\x01"  # varint field `number` = 1
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def test_unknown_fields_are_refused_not_dropped(env):
+    """protobuf parses on past fields it does not know: a client on a newer proto (say, asking for a
+    constraint) would get an answer that ignored it. Each one, top level or nested, is INVALID_ARGUMENT."""
+    server = env[0]
+    sampling = pb.SamplingParams(temperature=0.0)
+    nested = pb.GenerateRequest(text="hi", max_new_tokens=2).SerializeToString()
+    nested += _varint(5 << 3 | 2) + _varint(len(raw := _with_unknown(sampling, 77))) + raw  # sampling.77
+    cases = {
+        "Generate, top level": ("Generate", _with_unknown(pb.GenerateRequest(text="hi", max_new_tokens=2)), True),
+        "Generate, inside sampling": ("Generate", nested, True),
+        "Detokenize": ("Detokenize", _with_unknown(pb.DetokenizeRequest(token_ids=[104, 105])), False),
+    }
+    for case, (method, raw, stream) in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(server, method, raw, stream)
+        assert e.value.code() == S.INVALID_ARGUMENT, case
+        assert "field number" in e.value.details(), (case, e.value.details())
+    # The same requests without the extra field are served.
+    assert _raw_call(server, "Generate", pb.GenerateRequest(text="hi", max_new_tokens=2).SerializeToString(), True)
+    assert pb.DetokenizeResponse.FromString(
+        _raw_call(server, "Detokenize", pb.DetokenizeRequest(token_ids=[104, 105]).SerializeToString(), False)
+    ).text == "hi"
+
+
+def test_detokenize_is_bounded_by_the_context(env):
+    server = env[0]
+    with InferenceClient(server.address, max_message_bytes=4 * MAX_MESSAGE) as c:
+        context = c.model_info().max_context
+        stub_raw = pb.DetokenizeRequest(token_ids=[104] * (context + 1)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(server, "Detokenize", stub_raw, False)
+    assert e.value.code() == S.INVALID_ARGUMENT and "context" in e.value.details(), e.value.details()
+
+
 def test_server_healthy_and_leak_free_after_errors(env):
     server = env[0]
     # runs after the error cases above (module order); run them again to be independent of ordering

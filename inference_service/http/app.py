@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -88,6 +89,12 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
                                   ROUTE_CODES.get(exc.status_code))
         response.headers.update(exc.headers or {})  # 405's Allow
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(http: HttpRequest, _: ClientDisconnect) -> Response:
+        """A client that leaves (or is closed by the body timeout) before its body arrived is no server fault."""
+        log.info("%s %s: the client left before its request body arrived", http.method, shown(http.url.path))
+        return Response(status_code=400)  # never read: the connection is gone
 
     @app.exception_handler(Exception)
     async def _bug(_: HttpRequest, exc: Exception) -> JSONResponse:
