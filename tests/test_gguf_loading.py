@@ -253,3 +253,34 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(FailedPreconditionError, match="not a readable GGUF file"):
         load_model(str(path), CPU, torch.float32)
+
+
+def test_reader_agrees_with_gguf_reader(checkpoints, gguf_dir):
+    """Our one-pass reader (models/gguf_reader.py) against gguf's GGUFReader: every metadata value
+    and every tensor's type, shape and bytes."""
+    from gguf import GGUFReader
+
+    from inference_service.models.gguf_reader import read_gguf
+
+    for qtype in ("Q4_K", "Q8_0", "F16"):
+        path = _file(checkpoints, gguf_dir, "llama", qtype)
+        metadata, tensors = read_gguf(path)
+        reference = GGUFReader(str(path))
+        fields = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+        assert metadata.keys() == fields.keys()
+        for key, value in fields.items():
+            assert metadata[key] == pytest.approx(value) if isinstance(value, float) else metadata[key] == value, key
+        assert tensors.keys() == {t.name for t in reference.tensors}
+        for t in reference.tensors:
+            ours = tensors[t.name]
+            assert ours.type_id == int(t.tensor_type) and ours.shape == tuple(int(d) for d in t.shape)
+            assert np.array_equal(ours.data, np.asarray(t.data).view(np.uint8).reshape(ours.data.shape)), t.name
+
+
+def test_truncated_file_is_refused(checkpoints, gguf_dir, tmp_path):
+    data = _file(checkpoints, gguf_dir, "llama", "Q8_0").read_bytes()
+    for cut in (16, 2000, len(data) - 100):  # in the metadata, in the token list, in the tensor data
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(FailedPreconditionError, match="not a readable GGUF file"):
+            load_model(str(path), CPU, torch.float32)
