@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from harness.inference_server import InferenceServer, start_inference_server
-from harness.isolation import VictimResult, assert_clean, solo_run, status_of, victim_beside
+from harness.isolation import VictimResult, assert_clean, resident_adapter, solo_run, status_of, victim_beside
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.demo_adapters import write_peft_adapter
@@ -51,8 +51,11 @@ def server(adapters, tmp_path_factory) -> Iterator[InferenceServer]:
 
 
 @pytest.fixture(scope="module")
-def base(server) -> VictimResult:
-    return solo_run(server, max_new_tokens=VICTIM_TOKENS)
+def base(server, adapters) -> VictimResult:
+    """A victim on an adapter resident in a slot: a hostile request that reached the batch's LoRA
+    rows or the slots (the overflowing adapter's inf) would show in its tokens."""
+    resident_adapter(server, "victim", (adapters / "good").as_uri(), token=TOKEN)
+    return solo_run(server, adapter="victim", max_new_tokens=VICTIM_TOKENS)
 
 
 @pytest.fixture
