@@ -1,7 +1,8 @@
 """Tenant isolation of the serving path (issue 13, items 1, 2, 5, 6), on real server subprocesses.
 
-Each case runs one hostile call beside a victim stream (harness/isolation.py): the victim ends OK
-with its exact tokens within 1.5x its solo time, the hostile call gets its documented status code,
+Each case runs one hostile call beside a victim stream (harness/isolation.py, on a resident
+adapter): the victim streams across the whole call, every run with its exact tokens and in about its
+time alone (the harness's limits), the hostile call gets its documented status code,
 and afterwards the server is clean (no leak in /metrics, SERVING, no traceback in its log). One
 server is shared by the cases in sequence (module fixture) to keep the file's runtime down; the
 hung-staging case needs a sidecar and starts its own.
