@@ -50,14 +50,20 @@ class Stack:
             self.origin.put_adapter(prefix, config, weights)
         allow = [adapters.as_uri(), f"{self.origin.url}/"]
         self.sock_dir = Path(tempfile.mkdtemp(prefix="lpx-refs-"))  # a unix socket path must be short
-        self.sidecar = Sidecar(root, allow=allow, socket=self.sock_dir / "cache.sock", extra=[
-            "--fetch-deadline-seconds", str(FETCH_DEADLINE_S), "--part-bytes", str(64 << 10), "--no-mlock"])
-        self.server: InferenceServer = start_inference_server(
-            ["--model", "builtin:tiny", "--cache-address", self.sidecar.target, "--max-new-tokens-limit", "1024",
-             *(a for prefix in allow for a in ("--adapter-source-allow", prefix))], log_dir=root)
-        with InferenceClient(self.server.address) as c:  # registered, no copy kept: a request stages it again
-            for prefix in PREFIXES:
-                c.load_adapter(prefix, f"{self.origin.url}/{prefix}", timeout=60)
+        self.sidecar: Sidecar | None = None
+        self.server: InferenceServer | None = None
+        try:  # a failed setup stops what it started (the fixture's teardown never runs then)
+            self.sidecar = Sidecar(root, allow=allow, socket=self.sock_dir / "cache.sock", extra=[
+                "--fetch-deadline-seconds", str(FETCH_DEADLINE_S), "--part-bytes", str(64 << 10), "--no-mlock"])
+            self.server = start_inference_server(
+                ["--model", "builtin:tiny", "--cache-address", self.sidecar.target, "--max-new-tokens-limit", "1024",
+                 *(a for prefix in allow for a in ("--adapter-source-allow", prefix))], log_dir=root)
+            with InferenceClient(self.server.address) as c:  # registered, no copy kept: a request stages it again
+                for prefix in PREFIXES:
+                    c.load_adapter(prefix, f"{self.origin.url}/{prefix}", timeout=60)
+        except BaseException:
+            self.stop()
+            raise
 
     def spoil(self, prefix: str, weights: bytes | None = None) -> None:
         """From now on the origin sends `prefix`'s weights one byte every 50 ms (or `weights`), and
@@ -67,11 +73,14 @@ class Stack:
             self.origin.behaviour[path] = "drip"
         else:
             self.origin.files[path] = weights
+        assert self.sidecar is not None
         self.sidecar.client.evict(f"{self.origin.url}/{prefix}")
 
     def stop(self) -> None:
-        self.server.stop()
-        self.sidecar.stop()
+        if self.server is not None:
+            self.server.stop()
+        if self.sidecar is not None:
+            self.sidecar.stop()
         self.origin.close()
         shutil.rmtree(self.sock_dir, ignore_errors=True)
 
