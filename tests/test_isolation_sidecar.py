@@ -77,7 +77,11 @@ class Stack:
              str(server_token_file), "--max-new-tokens-limit", "1024",
              *(a for prefix in allow for a in ("--adapter-source-allow", prefix))],
             log_dir=root)
-        resident_adapter(self.server, "victim", (self.adapters / "victim").as_uri())
+        try:
+            resident_adapter(self.server, "victim", (self.adapters / "victim").as_uri())
+        except BaseException:
+            self.stop()  # the fixture's teardown does not run when its setup raises
+            raise
 
     @property
     def base(self) -> VictimResult:
