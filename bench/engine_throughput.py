@@ -14,12 +14,15 @@ nothing; each request's mean shortfall must be at most HALF_FACTOR x the largest
 bfloat16 (the measured PEFT run's tokens): measured, the engine's 0.04 against PEFT's 0.09, while
 wrong adapters or none fall short by 1.6 or more. Otherwise no RESULT is printed and the exit
 status is 1.
+`--model` runs the same on a real model (a .gguf file or a checkpoint directory) with random adapters
+of its shapes; `--max-loras` sets the engine's slots (fewer than adapters: slots are reused).
 Last line: RESULT engine_vs_peft_tokens_per_s=<ratio>.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness pack
 
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
+from harness.real_model import reference_checkpoint
 from inference_service.config import EngineConfig
 from inference_service.engine_core import EngineCore
 from inference_service.request import Request, SamplingParams
@@ -41,9 +45,9 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 
 
 def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str | None],
-               new_tokens: int, dtype: str, device: str) -> tuple[float, list[list[int]]]:
+               new_tokens: int, dtype: str, device: str, max_loras: int = 16) -> tuple[float, list[list[int]]]:
     """Tokens/s, and the generated tokens of each request."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=16, max_lora_rank=16,
+    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=max_loras, max_lora_rank=16,
                                    max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20,
                                    dtype=dtype))
     if adapters:
@@ -117,6 +121,15 @@ def compare_with_peft(checkpoint: Path, adapters: dict[str, Path], prompts: list
             f"(allowed {bound:.4f}, {dtype})" for i, s in enumerate(ours_short) if s.mean() > bound]
 
 
+def bench_checkpoint(model: str, root: Path) -> Path:
+    """The checkpoint directory both sides load: --model's, a .gguf dequantized into one (by
+    transformers, so the engine and PEFT run the same weights), or a random one."""
+    if not model:
+        return make_checkpoint(root / "model", "llama", **MODEL)
+    path = Path(model)
+    return reference_checkpoint(path, root / "model") if path.suffix == ".gguf" else path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=64)
@@ -127,18 +140,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and activations, the same for all three runs")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N, the same for all three runs")
+    parser.add_argument("--model", default="", help="a .gguf file or a Hugging Face checkpoint directory "
+                        "(default: a random 4-layer hidden-512 LLaMA)")
+    parser.add_argument("--max-loras", type=int, default=16, help="the engine's LoRA slots")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        checkpoint = make_checkpoint(root / "model", "llama", **MODEL)
+        checkpoint = bench_checkpoint(args.model, root)
+        vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         # ranks 8 and 16, alphas 16 and 24: scalings 1, 1.5, 2 and 3
         specs = [AdapterSpec(f"ad{i}", 8 if i % 2 else 16, 16 if i % 4 < 2 else 24, seed=i)
                  for i in range(args.adapters)]
         adapters = {s.name: make_adapter(checkpoint, root / s.name, s) for s in specs}
         gen = torch.Generator().manual_seed(1)
-        prompts = torch.randint(3, MODEL["vocab_size"], (args.requests, args.prompt_tokens), generator=gen).tolist()
+        prompts = torch.randint(3, vocab_size, (args.requests, args.prompt_tokens), generator=gen).tolist()
         names = [specs[i % len(specs)].name for i in range(args.requests)]
 
         # Rounds interleave the three runs, so that drift in this machine's load hits all alike;
@@ -147,8 +164,8 @@ def main() -> None:
         problems: list[str] = []
         for r in range(args.rounds):
             same = (args.new_tokens, args.dtype, args.device)
-            mixed_r, mixed_tokens = run_engine(checkpoint, adapters, prompts, list(names), *same)
-            base_r, base_tokens = run_engine(checkpoint, {}, prompts, [None] * args.requests, *same)
+            mixed_r, mixed_tokens = run_engine(checkpoint, adapters, prompts, list(names), *same, args.max_loras)
+            base_r, base_tokens = run_engine(checkpoint, {}, prompts, [None] * args.requests, *same, args.max_loras)
             peft_r, peft_tokens = run_peft(checkpoint, adapters, prompts, names, *same)
             for label, tokens in [("engine", mixed_tokens), ("engine, base model", base_tokens),
                                   ("peft", peft_tokens)]:
