@@ -5,7 +5,7 @@
         ... the attack; assert its exact status code ...
     # here: the victim streamed from before the attack began until after it ended, every run with
     # exactly base.tokens; its runs during the attack took on average at most SUSTAINED_LIMIT x its
-    # median alone just before, and none over SLOWDOWN_LIMIT x its slowest solo run (+ SLACK_S);
+    # median alone just before, and none over SLOWDOWN_LIMIT x its slowest run alone (+ SLACK_S);
     # and assert_clean(server) held (no leak, SERVING, no traceback in the server log)
 
 The victim is greedy with `ignore_eos`, so its tokens are fixed by the prompt and adapter alone: any
@@ -51,8 +51,8 @@ SUSTAINED_LIMIT = 1.3
 MIN_RUNS = 4  # the victim's runs averaged, at least (more when the attack outlasts them)
 WARM_RUNS = 1  # a new victim process's first run (it connects) is not timed
 FRESH_RUNS = 3
-# Any one run may take at most this many times the slowest solo run, plus SLACK_S: the check for a
-# short stall that an average over several runs would dilute. Loose, as one run is noisy: back-to-back
+# Any one run may take at most this many times the victim's slowest run alone, plus SLACK_S: the check
+# for a short stall that an average over several runs would dilute. Loose, as one run is noisy: back-to-back
 # runs of the same 384-token request alone span 1.6x on a 2-core machine (0.56-0.90 s).
 SLOWDOWN_LIMIT = 1.5
 SLACK_S = 0.1
@@ -184,7 +184,8 @@ def check_victim(base: VictimResult, runs: list[dict], attack_start: float, atta
     `attack_end` (monotonic): it streamed across the whole attack, every run made base.tokens, and
     the runs that overlapped the attack (at least `min_runs`) took at most `sustained` x the median
     of its runs alone before the attack (the first WARM_RUNS aside; base.median when there are none)
-    on average, and each at most `slowdown` x the slowest solo run + SLACK_S."""
+    on average, and each at most `slowdown` x its slowest run alone (solo_run's and those before the
+    attack) + SLACK_S."""
     assert runs, "the victim made no run"
     assert any(r["start"] < attack_start < r["end"] for r in runs), "the victim was not streaming when the attack began"
     assert runs[-1]["end"] > attack_end, (
@@ -197,14 +198,17 @@ def check_victim(base: VictimResult, runs: list[dict], attack_start: float, atta
         assert run["tokens"] == base.tokens, "the victim's tokens changed beside the attack"
     mean, reference, timed = slowdown_during(base, runs, attack_start, attack_end, min_runs)
     # On stdout, which pytest shows with a failure (or with -s): how close each check came.
+    # Every timed run is held to the slowest of all its runs alone: a long attack times a dozen runs,
+    # and the tail of a dozen is longer than the tail of the three solo_run makes.
+    alone = max([base.seconds] + [r["seconds"] for r in runs[WARM_RUNS:] if r["end"] <= attack_start])
     print(f"victim: {len(timed)} runs timed; mean {mean / reference:.2f}x its median alone "
-          f"(limit {sustained}x), slowest {max(timed) / base.seconds:.2f}x the slowest solo run")
+          f"(limit {sustained}x), slowest {max(timed) / alone:.2f}x its slowest alone")
     assert mean <= sustained * reference, (
         f"the victim took {mean:.3f}s a run on average over {len(timed)} runs beside the attack, "
         f"{reference:.3f}s alone (median; at most {sustained}x)")
-    limit = slowdown * base.seconds + SLACK_S
     slowest = max(timed)
-    assert slowest <= limit, f"the victim took {slowest:.3f}s beside the attack, solo {base.seconds:.3f}s"
+    assert slowest <= slowdown * alone + SLACK_S, (
+        f"the victim took {slowest:.3f}s beside the attack, {alone:.3f}s alone (slowest)")
 
 
 def slowdown_during(base: VictimResult, runs: list[dict], attack_start: float, attack_end: float,

@@ -31,6 +31,7 @@ from harness.isolation import (
     SLACK_S,
     SLOWDOWN_LIMIT,
     SUSTAINED_LIMIT,
+    WARM_RUNS,
     VictimResult,
     check_victim,
     resident_adapter,
@@ -99,8 +100,10 @@ def test_the_victim_streams_until_after_a_long_attack_ends(server):
 
 def test_a_victim_stalled_by_the_server_fails_on_its_time(server):
     base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
-    stall = SLOWDOWN_LIMIT * base.seconds + SLACK_S  # the whole budget, on top of the victim's own time
-    with pytest.raises(AssertionError, match="beside the attack"), victim_beside(server, base):
+    with pytest.raises(AssertionError, match="beside the attack"), victim_beside(server, base) as runs:
+        # The whole budget, on top of the victim's own time: the budget counts from the slowest run
+        # alone, including those just made (on a busy machine they can be slower than solo_run's).
+        stall = SLOWDOWN_LIMIT * max([base.seconds] + [r["seconds"] for r in runs[WARM_RUNS:]]) + SLACK_S
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(stall)
