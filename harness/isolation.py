@@ -44,9 +44,8 @@ from inference_service.client import InferenceClient
 # follows the machine's drifting background load; a baseline from the start of a test module was
 # 2x off on the shared box). An average over MIN_RUNS or more runs: on the shared 2-core box the
 # mean of 11 runs stayed within 1.07x of the median of the same 11, so a sustained 1.5x slowdown
-# (tests/test_isolation_harness.py injects one) is caught with margin. Not on a saturated machine:
-# at load average 10-13 (other sessions) 8 of 54 victims in the isolation files exceeded it (1.4-1.8x),
-# as ~5 of the same exceeded the per-run bound below.
+# (tests/test_isolation_harness.py injects one) is caught with margin. On a machine busy with other
+# work the runs alone spread out, and their slowest becomes the bound (check_victim).
 SUSTAINED_LIMIT = 1.3
 MIN_RUNS = 4  # the victim's runs averaged, at least (more when the attack outlasts them)
 WARM_RUNS = 1  # a new victim process's first run (it connects) is not timed
@@ -184,8 +183,8 @@ def check_victim(base: VictimResult, runs: list[dict], attack_start: float, atta
     `attack_end` (monotonic): it streamed across the whole attack, every run made base.tokens, and
     the runs that overlapped the attack (at least `min_runs`) took at most `sustained` x the median
     of its runs alone before the attack (the first WARM_RUNS aside; base.median when there are none)
-    on average, and each at most `slowdown` x its slowest run alone (solo_run's and those before the
-    attack) + SLACK_S."""
+    on average (or, if longer, the slowest of those runs alone), and each at most `slowdown` x its
+    slowest run alone (solo_run's and those before the attack) + SLACK_S."""
     assert runs, "the victim made no run"
     assert any(r["start"] < attack_start < r["end"] for r in runs), "the victim was not streaming when the attack began"
     assert runs[-1]["end"] > attack_end, (
@@ -197,15 +196,21 @@ def check_victim(base: VictimResult, runs: list[dict], attack_start: float, atta
         assert run["finish"] == "FINISH_REASON_LENGTH", run["finish"]
         assert run["tokens"] == base.tokens, "the victim's tokens changed beside the attack"
     mean, reference, timed = slowdown_during(base, runs, attack_start, attack_end, min_runs)
+    # The machine's own noise, seen just before the attack: runs during it that are on average no
+    # slower than the slowest run alone have not been shown slowed by it. Quiet, the slowest run alone
+    # is within ~1.1x of the median and `sustained` rules; on the shared box at load 6-8, 7 of 38
+    # victims exceeded 1.3x on average while no run during the attack was slower than one alone.
+    noise = max((r["seconds"] for r in runs[WARM_RUNS:] if r["end"] <= attack_start), default=reference)
+    bound = max(sustained * reference, noise)
     # On stdout, which pytest shows with a failure (or with -s): how close each check came.
     # Every timed run is held to the slowest of all its runs alone: a long attack times a dozen runs,
     # and the tail of a dozen is longer than the tail of the three solo_run makes.
     alone = max([base.seconds] + [r["seconds"] for r in runs[WARM_RUNS:] if r["end"] <= attack_start])
     print(f"victim: {len(timed)} runs timed; mean {mean / reference:.2f}x its median alone "
-          f"(limit {sustained}x), slowest {max(timed) / alone:.2f}x its slowest alone")
-    assert mean <= sustained * reference, (
+          f"(limit {bound / reference:.2f}x), slowest {max(timed) / alone:.2f}x its slowest alone")
+    assert mean <= bound, (
         f"the victim took {mean:.3f}s a run on average over {len(timed)} runs beside the attack, "
-        f"{reference:.3f}s alone (median; at most {sustained}x)")
+        f"{reference:.3f}s alone (median; at most {sustained}x, or its slowest run alone {noise:.3f}s)")
     slowest = max(timed)
     assert slowest <= slowdown * alone + SLACK_S, (
         f"the victim took {slowest:.3f}s beside the attack, {alone:.3f}s alone (slowest)")
