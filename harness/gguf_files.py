@@ -44,9 +44,26 @@ def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, MERGES
 
 
-def make_base_checkpoint(out: Path, family: str = "llama", seed: int = 0, **overrides: object) -> Path:
-    """A random HF checkpoint the GGUF fixtures are converted from (its vocab: byte_level_vocab)."""
-    tokens, _, _ = byte_level_vocab()
+SPM_PIECES = ["▁", "▁t", "he", "▁the", "▁a", "in", "er", "on", "▁w", "is", "an", "▁is", "or", "▁of", "▁in"]
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """(tokens, llama.cpp token types, scores) of a small SentencePiece BPE vocabulary as Llama 2's
+    GGUF files hold one: <unk> <s> </s>, the chat markers, 256 <0xNN> byte tokens, pieces best
+    first, single letters; no merges (they follow from the scores)."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", *(f"<0x{b:02X}>" for b in range(256)),
+              *SPM_PIECES, *letters]
+    types = [2, 3, 3, 3, 3] + [6] * 256 + [1] * (len(SPM_PIECES) + len(letters))
+    scores = [0.0] * 261 + [-float(i) for i in range(len(SPM_PIECES))] + [-100.0 - i for i in range(len(letters))]
+    return tokens, types, scores
+
+
+def make_base_checkpoint(out: Path, family: str = "llama", seed: int = 0, tokenizer_model: str = "gpt2",
+                         **overrides: object) -> Path:
+    """A random HF checkpoint the GGUF fixtures are converted from (its vocab: byte_level_vocab, or
+    sentencepiece_vocab for tokenizer_model "llama")."""
+    tokens = (sentencepiece_vocab() if tokenizer_model == "llama" else byte_level_vocab())[0]
     params: dict[str, object] = dict(SHAPE, vocab_size=len(tokens), tie_word_embeddings=False)
     if family == "llama":
         params["rope_scaling"] = None  # GGUF has no llama3 scaling keys (llama.cpp stores rope_freqs)
@@ -121,15 +138,23 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | N
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     writer.add_rope_dimension_count(config["hidden_size"] // heads)
     writer.add_vocab_size(config["vocab_size"])
-    tokens, types, merges = byte_level_vocab()
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    if tokenizer_model == "llama":
+        tokens, types, scores = sentencepiece_vocab()
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+    else:
+        tokens, types, merges = byte_level_vocab()
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_add_bos_token(False)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML)
     tensors = load_file(str(checkpoint / "model.safetensors"))
     for index, (name, value) in enumerate(sorted(tensors.items())):

@@ -234,8 +234,8 @@ def test_unsupported_architecture_is_named(checkpoints, tmp_path):
 
 
 def test_unsupported_tokenizer_is_named_and_byte_mode_still_serves(checkpoints, tmp_path):
-    path = write_gguf(checkpoints["llama"], tmp_path / "spm.gguf", "Q8_0", tokenizer_model="llama")
-    with pytest.raises(FailedPreconditionError, match="GGUF tokenizer type 'llama' is not supported"):
+    path = write_gguf(checkpoints["llama"], tmp_path / "t5.gguf", "Q8_0", tokenizer_model="t5")
+    with pytest.raises(FailedPreconditionError, match="GGUF tokenizer type 't5' is not supported"):
         load_model(str(path), CPU, torch.float32)
     model, tokenizer = load_model(str(path), CPU, torch.float32, tokenizer_mode="byte")
     assert tokenizer.vocab_size == 258 and model.config.vocab_size == 275
@@ -284,3 +284,27 @@ def test_truncated_file_is_refused(checkpoints, gguf_dir, tmp_path):
         path.write_bytes(data[:cut])
         with pytest.raises(FailedPreconditionError, match="not a readable GGUF file"):
             load_model(str(path), CPU, torch.float32)
+
+
+def test_sentencepiece_tokenizer_equals_transformers(tmp_path):
+    """A SentencePiece BPE vocabulary (Llama 2, Mistral) with scores and no merges: ours encodes and
+    decodes as transformers' GGUF tokenizer, BOS added, unknown characters as <0xNN> bytes."""
+    from transformers import AutoTokenizer
+
+    checkpoint = make_base_checkpoint(tmp_path / "spm-base", "llama", seed=5, tokenizer_model="llama")
+    path = write_gguf(checkpoint, tmp_path / "spm.gguf", "Q8_0", tokenizer_model="llama")
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    _, tokenizer = load_model(str(path), CPU, torch.float32)
+    for text in ["the winter is on", " the  is an orange", "wolf 🐺 in 你好", "<|im_start|>user\nthe<|im_end|>\n"]:
+        ids = tokenizer.encode(text)
+        assert ids == reference(text)["input_ids"], text
+        assert ids[0] == 1  # BOS
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+    assert tokenizer.decode(tokenizer.encode("the wolf 🐺")) == "the wolf 🐺"
+    # streamed after a prompt, the first piece keeps its space as in the decode of prompt + output
+    from inference_service.tokenizer import IncrementalDetokenizer
+
+    prompt, ids = tokenizer.encode("is on"), tokenizer.encode(" the wolf 🐺 is in", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    streamed = "".join(detok.update(ids[: n + 1], final=n == len(ids) - 1) for n in range(len(ids)))
+    assert tokenizer.decode(prompt) + streamed == tokenizer.decode(prompt + ids)

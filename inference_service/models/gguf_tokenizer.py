@@ -44,12 +44,37 @@ def _bytes_to_unicode() -> dict[int, str]:
 def build_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
     """`metadata`: the file's tokenizer.* keys (values as Python objects)."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind == "gpt2":
+        tok = _byte_level_bpe(metadata)
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(metadata)
+    else:
         raise FailedPreconditionError(
-            f"{source}: GGUF tokenizer type {kind!r} is not supported (supported: 'gpt2', byte-level BPE); "
-            "serve the model's Hugging Face checkpoint directory, which has a tokenizer.json")
+            f"{source}: GGUF tokenizer type {kind!r} is not supported (supported: 'gpt2', byte-level BPE; "
+            "'llama', SentencePiece BPE); serve the model's Hugging Face checkpoint directory, which has a "
+            "tokenizer.json")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    # Control tokens (<|im_start|>, <s>, ...) match whole and are skipped on decode; in a byte-level
+    # vocabulary a control token not spelled in its alphabet is a llama.cpp mislabel, left alone as
+    # transformers does. User-defined tokens match whole too, and are text.
+    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, kind_ in zip(tokens, types, strict=False)
+                            if kind_ == _CONTROL and (alphabet is None or set(t) <= alphabet)])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, kind_ in zip(tokens, types, strict=False) if kind_ == _USER_DEFINED])
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+    if metadata.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos_id is not None:
+        bos = tokens[int(bos_id)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))])
+    return tok
+
+
+def _byte_level_bpe(metadata: dict[str, Any]) -> Tokenizer:
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     alphabet = set(_bytes_to_unicode().values())
     spell = _bytes_to_unicode()
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i
@@ -67,16 +92,35 @@ def build_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, ...) match whole and are skipped on decode; a control token not
-    # spelled in the byte alphabet is a llama.cpp mislabel, left alone as transformers does.
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                            for t, kind_ in zip(tokens, types, strict=False)
-                            if kind_ == _CONTROL and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                    for t, kind_ in zip(tokens, types, strict=False) if kind_ == _USER_DEFINED])
-    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[int(bos_id)]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))])
     return tok
+
+
+def _sentencepiece_bpe(metadata: dict[str, Any]) -> Tokenizer:
+    """SentencePiece BPE (Llama 2, Mistral): ▁ for spaces, <0xNN> byte tokens for what the
+    vocabulary lacks; as transformers' LlamaTokenizer builds it. Files without merges (most) get
+    them recovered from the pieces' scores, as transformers' GGUF conversion does."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if metadata.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = _merges_from_scores(vocab, metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary is a merge, ranked by the merged
+    piece's score (transformers' generate_merges, with scores)."""
+    found: list[tuple[str, str, float]] = []
+    for piece, score in zip(vocab, scores, strict=False):
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        found += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
