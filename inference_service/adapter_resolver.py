@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any
 
 from adapter_cache.uri_policy import SCHEMES, UriPolicy
+from inference_service.engine_client import EngineClient
 from inference_service.limits import check_adapter_name
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def check_template(template: str) -> str:
 
 
 class AdapterResolver:
-    def __init__(self, engine: Any, template: str, policy: UriPolicy) -> None:
+    def __init__(self, engine: EngineClient, template: str, policy: UriPolicy) -> None:
         self.engine = engine
         self.template = check_template(template)
         self.policy = policy
@@ -65,10 +65,10 @@ class AdapterResolver:
         await asyncio.wrap_future(self.engine.load_adapter(name, uri, preload=True, on_demand=True))
 
 
-_resolvers: weakref.WeakKeyDictionary[Any, AdapterResolver] = weakref.WeakKeyDictionary()
+_resolvers: weakref.WeakKeyDictionary[EngineClient, AdapterResolver] = weakref.WeakKeyDictionary()
 
 
-async def resolve_adapter(engine: Any, template: str, policy: UriPolicy, name: str | None) -> None:
+async def resolve_adapter(engine: EngineClient, template: str, policy: UriPolicy, name: str | None) -> None:
     """For the front ends, before `engine.add_request`: a no-op without a template or adapter.
     One resolver per engine, so gRPC and HTTP requests share their loads."""
     if not template or name is None:

@@ -4,7 +4,9 @@
 queue; it hands each step's outputs to one callback, once per step (never per token), and
 publishes a stats snapshot after each step. `Engine` is the in-process front end over it (the
 request streams of inference_service/streams.py); `engine_process.ProcessEngine` is the same front
-end over a CoreThread in a process of its own, which is what `loraplex-inference` serves with.
+end over a CoreThread in a process of its own, which is what `loraplex-inference` serves with. Both
+implement engine_client.EngineClient, the one interface the front ends use, and share its code
+(engine_client.EngineClientBase).
 """
 
 from __future__ import annotations
@@ -14,18 +16,23 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from adapter_cache.errors import LoraplexError, NotFoundError
 from inference_service.config import EngineConfig
-from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats, validate_request
-from inference_service.limits import check_adapter_name, check_request_id
+from inference_service.engine_client import (
+    CoreCall,
+    EngineClientBase,
+    LoadAdapter,
+    UnloadAdapter,
+    run_call,
+)
+from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats
 from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
-from inference_service.streams import RequestStream, StreamTable
+from inference_service.streams import StreamTable
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +89,8 @@ class CoreThread:
                 value = fn(core, *args)
             except Exception as exc:  # noqa: BLE001 - the caller gets it (SystemExit still ends the loop)
                 if not isinstance(exc, LoraplexError):
-                    log.exception("engine call %s failed", getattr(fn, "__name__", fn))
+                    what = type(args[0]).__name__ if fn is run_call else getattr(fn, "__name__", fn)
+                    log.exception("engine call %s failed", what)
                 result.set_exception(exc)
             else:
                 result.set_result(value)
@@ -110,10 +118,14 @@ class CoreThread:
         self._commands.put(lambda core: self._guarded(core, run, result))
         return result
 
-    def list_adapters(self, limit: int | None = None,
-                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:
-        """A page of `EngineCore.list_adapters`, computed between steps when asked, never in one."""
-        return self.call(EngineCore.list_adapters, limit, after)
+    def run_call(self, call: CoreCall) -> concurrent.futures.Future[Any]:
+        """A typed call (engine_client.CoreCall) on the scheduler thread, each on a named method
+        of EngineCore; its result (or error) in the future."""
+        if isinstance(call, LoadAdapter):
+            return self.load_adapter(call.name, call.uri, call.sha256, call.pinned, call.preload, call.on_demand)
+        if isinstance(call, UnloadAdapter):
+            return self.unload_adapter(call.name)
+        return self.call(run_call, call)
 
     # ---- the loop (the scheduler thread) ----
 
@@ -201,19 +213,9 @@ def _copy_future(inner: concurrent.futures.Future, result: concurrent.futures.Fu
         result.set_result(inner.result())
 
 
-def checked_request(model_info: Any, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
-                    request_id: str | None) -> str:
-    """The checks both bridges make before a request leaves the caller's thread; its request id."""
-    if request_id is not None:
-        check_request_id(request_id, model_info.limits.max_request_id_length)
-    if adapter:
-        check_adapter_name(adapter)
-    validate_request(model_info, prompt_token_ids, params)
-    return request_id or f"req-{uuid.uuid4().hex[:12]}"
-
-
-class Engine:
-    """EngineCore on a thread of this process, with thread-safe intake, abort and admin calls."""
+class Engine(EngineClientBase):
+    """EngineCore on a thread of this process, with thread-safe intake, abort and admin calls
+    (the EngineClient interface: engine_client.py)."""
 
     def __init__(
         self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None
@@ -232,44 +234,18 @@ class Engine:
         self._thread.stop()
         self.core.shutdown()
 
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        adapter: str | None = None,
-        request_id: str | None = None,
-    ) -> RequestStream:
-        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
-        # A dict lookup from this thread is atomic; the scheduler thread checks again at intake.
-        if adapter and not self.core.adapter_is_current(adapter):
-            raise NotFoundError(f"unknown adapter {adapter!r}")
-        stream = self.streams.open(request_id, prompt_token_ids, params)
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                adapter: str | None) -> None:
         self._thread.add_request(Request(request_id, prompt_token_ids, params), adapter)
-        return stream
+
+    def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:
+        return self._thread.run_call(call)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         self._thread.abort(request_id, reason)
 
-    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
-        """`on_demand`: the adapter resolver's registration (see LoRAManager.load_adapter)."""
-        check_adapter_name(name)
-        return self._thread.load_adapter(name, uri, sha256, pinned, preload, on_demand)
-
-    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
-        check_adapter_name(name)
-        return self._thread.unload_adapter(name)
-
-    def list_adapters(self, limit: int | None = None,
-                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:
-        return self._thread.list_adapters(limit, after)
-
-    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """`fn(core, *args)` on the scheduler thread between steps (the watchdog's heartbeat)."""
-        return self._thread.call(fn, *args)
-
     def adapter_is_current(self, name: str) -> bool:
-        """Whether new requests may use `name` now (atomic from any thread; intake checks again)."""
+        """Whether new requests may use `name` now (a dict lookup, atomic from any thread)."""
         return self.core.adapter_is_current(name)
 
     @property

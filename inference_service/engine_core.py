@@ -10,17 +10,19 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
 from adapter_cache.adapter_format import BaseModelShapes
-from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from adapter_cache.errors import FailedPreconditionError, InvalidArgumentError, LoraplexError, ResourceExhaustedError
 from inference_service.batch import ScheduledBatch
 from inference_service.config import EngineConfig
 from inference_service.device import shorten_gil_switch_interval
@@ -48,6 +50,38 @@ T = TypeVar("T")
 PLAN_AT_FRACTION = 0.6
 PLAN_SLACK_S = 0.003
 RECENT_STEPS = 16
+# The test flag: test-only faults (`EngineCore.inject_fault`) are refused unless one of these is set
+# in the process's environment (tests/test_kubelet_pod.py, test_server_drain.py...). With the first
+# set to "die" or "hang[:SECONDS]", SIGUSR1 kills the scheduler thread or wedges it in a "step" that
+# lasts that long (default: forever); the second makes every scheduler step this many seconds slower
+# (a big model's pace on a toy model). inference_service/health.py arms them.
+TEST_FAULT_ENV = "LORAPLEX_TEST_FAULT_SCHEDULER"
+TEST_STEP_DELAY_ENV = "LORAPLEX_TEST_FAULT_STEP_DELAY_S"
+
+
+def test_faults_enabled() -> bool:
+    """Whether this process may arm test-only faults (see TEST_FAULT_ENV)."""
+    return bool(os.environ.get(TEST_FAULT_ENV) or os.environ.get(TEST_STEP_DELAY_ENV))
+
+
+@dataclass(frozen=True)
+class TestFault:
+    """A test-only fault for the scheduler thread: `die` ends it, `hang` wedges it for `seconds`
+    (None: forever), `slow_steps` makes every later step `seconds` slower."""
+
+    __test__ = False  # not a pytest test class
+
+    kind: Literal["die", "hang", "slow_steps"]
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Adapter names per tier, each tuple sorted by name (inference_service/residency.py exports them)."""
+
+    device: tuple[str, ...] = ()  # LOADED: in a device slot, copy done
+    host: tuple[str, ...] = ()  # HOST_READY: staged tensors in this process's host memory
+    cache: tuple[str, ...] = ()  # was loaded before, evicted; bytes still in the adapter cache
 
 
 @dataclass(slots=True)
@@ -175,6 +209,7 @@ class EngineCore:
         self._in_flight: _Launch | None = None
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)  # device seconds
         self._previous_samples: dict[str, int] = {}  # the device worker's: a pending row's input
+        self._step_delay = 0.0  # a test fault's (TestFault "slow_steps"); 0 in production
 
     # ---- intake ----
 
@@ -219,6 +254,8 @@ class EngineCore:
         """Schedule and run one step; the outputs of the step that completed. With async scheduling
         the step is launched on the device worker and the previous one (launched by the last call)
         is completed here, so the scheduler's work overlaps the device's; without, it runs here."""
+        if self._step_delay:
+            time.sleep(self._step_delay)
         batch = self.scheduler.schedule()
         if self._device_worker is None:
             if batch:
@@ -344,6 +381,33 @@ class EngineCore:
         """Whether new requests may use `name` now: one dict lookup, atomic from any thread (the
         scheduler thread checks again at intake)."""
         return self.lora.is_current(name)
+
+    def adapter_residency(self) -> Residency:
+        """Where each adapter's weights are (O(registered): for a metrics scrape, never per step)."""
+        tiers: dict[str, list[str]] = {"device": [], "host": [], "cache": []}
+        for name, state, tier in self.lora.residency():
+            if state.value == "LOADED":
+                tiers["device"].append(name)
+            elif state.value == "HOST_READY":
+                tiers["host"].append(name)
+            elif state.value == "REGISTERED" and tier == "cache":
+                tiers["cache"].append(name)
+        return Residency(*(tuple(sorted(names)) for names in tiers.values()))
+
+    def heartbeat(self) -> None:
+        """The watchdog's no-op: that it returns proves the scheduler thread runs its commands."""
+
+    def inject_fault(self, fault: TestFault) -> None:
+        """A test-only fault (see TestFault), refused unless the test flag is set (TEST_FAULT_ENV)."""
+        if not test_faults_enabled():
+            raise FailedPreconditionError(f"test faults are off (set {TEST_FAULT_ENV} or {TEST_STEP_DELAY_ENV})")
+        if fault.kind == "slow_steps":
+            self._step_delay = max(0.0, fault.seconds or 0.0)
+            return
+        log.error("TEST FAULT: scheduler thread %s now", "exits" if fault.kind == "die" else "hangs")
+        if fault.kind == "die":
+            raise SystemExit  # not an Exception: leaves the scheduler loop, the thread ends
+        threading.Event().wait(fault.seconds)
 
     def shutdown(self) -> None:
         self._drop_in_flight()

@@ -37,27 +37,86 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from adapter_cache.errors import LoraplexError, NotFoundError, UnavailableError
+from adapter_cache.errors import LoraplexError, UnavailableError
 from inference_service.config import EngineConfig
-from inference_service.engine import CoreThread, checked_request
-from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats
+from inference_service.engine import CoreThread
+from inference_service.engine_client import CoreCall, EngineClientBase
+from inference_service.engine_core import EngineCore, EngineStats, ModelInfo
 from inference_service.heap import freeze_startup_objects
-from inference_service.limits import check_adapter_name
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
-from inference_service.streams import Delta, RequestStream, StreamTable
+from inference_service.streams import Delta, StreamTable
+from inference_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 StartMethod = Literal["fork", "spawn", "forkserver"]
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 ORPHAN_EXIT_S = 10.0  # a core whose front end died exits at most this long after
 STOP_TIMEOUT_S = 30.0  # a core asked to stop is killed after this long
 REAP_TIMEOUT_S = 5.0  # a core whose pipe closed is killed if it has not exited after this long
+
+
+# ---- what crosses the pipe: typed messages -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Front end → core: one checked request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    arrival: float  # the front end's monotonic intake time: TTFT counts from it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+    reason: FinishReason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallCore:
+    """Front end → core: a typed call (engine_client.CoreCall); its answer comes back as a CallResult."""
+
+    call_id: int
+    call: CoreCall
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StopCore:
+    """Front end → core: stop the scheduler loop and exit."""
+
+
+ToCore = AddRequest | AbortRequest | CallCore | StopCore
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreReady:
+    """Core → front end, once: the core is built."""
+
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+    stats: EngineStats
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """Core → front end, once: building the core raised `error` (the front end raises it)."""
+
+    error: BaseException
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallResult:
+    """Core → front end, inside an _Update: a CallCore's value, or its error."""
+
+    call_id: int
+    error: LoraplexError | None
+    value: Any = None
 
 
 @dataclasses.dataclass
@@ -69,7 +128,7 @@ class _Update:
     recorded_metrics: tuple[list[float], list[float], list[tuple[str, tuple[Any, ...]]]]
     stats: EngineStats | None  # when it changed
     adapter_names: frozenset[str] | None  # when it changed
-    results: list[tuple[int, bool, Any]]  # (call id, ok, value or exception)
+    results: list[CallResult]
 
 
 class RecordedMetrics:
@@ -129,7 +188,7 @@ class _Outbox:
     def __init__(self, conn: multiprocessing.connection.Connection, core: EngineCore, sink: RecordedMetrics) -> None:
         self._conn, self._core, self._sink = conn, core, sink
         self._outputs: list[RequestOutput] = []
-        self._results: collections.deque[tuple[int, bool, Any]] = collections.deque()
+        self._results: collections.deque[CallResult] = collections.deque()
         self._sent_stats: EngineStats | None = None
         self._sent_names = -1
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
@@ -144,7 +203,8 @@ class _Outbox:
         if error is not None and not isinstance(error, LoraplexError):
             # Only our errors are known to cross the pipe; anything else is a bug, reported as one.
             error = LoraplexError(f"internal error in the engine core: {type(error).__name__}: {error}")
-        self._results.append((call_id, error is None, error if error is not None else future.result()))
+        self._results.append(CallResult(call_id, error) if error is not None else CallResult(call_id, None,
+                                                                                            future.result()))
 
     def flush(self, stats: EngineStats) -> None:
         """On the scheduler thread, once per loop turn: hands over what changed (cheap)."""
@@ -194,12 +254,12 @@ def _core_main(conn: multiprocessing.connection.Connection, front_end: multiproc
     try:
         core = EngineCore(config, None, sink, detokenize=False)
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, which raises it
-        conn.send(("failed", exc))
+        conn.send(CoreFailed(exc))
         return
     freeze_startup_objects()
     outbox = _Outbox(conn, core, sink)
     thread = CoreThread(core, outbox.add_outputs, outbox.flush)
-    conn.send(("ready", core.model_info, core.tokenizer, thread.stats()))
+    conn.send(CoreReady(core.model_info, core.tokenizer, thread.stats()))
     threading.Thread(target=_read_commands, args=(conn, thread, outbox), name="commands", daemon=True).start()
     try:
         thread.run()  # on this process's main thread; returns on "stop" or a closed pipe
@@ -211,21 +271,20 @@ def _core_main(conn: multiprocessing.connection.Connection, front_end: multiproc
 def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThread, outbox: _Outbox) -> None:
     try:
         while True:
-            command = conn.recv()
-            kind = command[0]
-            if kind == "add":
-                _, request_id, prompt, params, adapter, arrival = command
-                request = Request(request_id, prompt, params)
-                request.timings.arrival = arrival  # TTFT counts from the front end's intake
-                thread.add_request(request, adapter)
-            elif kind == "abort":
-                thread.abort(command[1], command[2])
-            elif kind == "call":
-                _, call_id, what, args = command
-                future = getattr(thread, what)(*args) if isinstance(what, str) else thread.call(what, *args)
-                future.add_done_callback(lambda f, call_id=call_id: outbox.add_result(call_id, f))
-            elif kind == "stop":
+            message: ToCore = conn.recv()
+            if isinstance(message, AddRequest):
+                request = Request(message.request_id, message.prompt_token_ids, message.params)
+                request.timings.arrival = message.arrival  # TTFT counts from the front end's intake
+                thread.add_request(request, message.adapter)
+            elif isinstance(message, AbortRequest):
+                thread.abort(message.request_id, message.reason)
+            elif isinstance(message, CallCore):
+                future = thread.run_call(message.call)
+                future.add_done_callback(lambda f, call_id=message.call_id: outbox.add_result(call_id, f))
+            elif isinstance(message, StopCore):
                 break
+            else:
+                log.error("unknown message on the engine core's pipe: %s", type(message).__name__)
     except (EOFError, OSError):
         log.warning("the front end has gone: stopping the engine core")
         # A scheduler stuck in a step would keep this process alive with nobody to serve.
@@ -245,7 +304,7 @@ def _stop_core(process: multiprocessing.process.BaseProcess, conn: multiprocessi
     joins every daemon child, would wait forever for a core nobody stopped: this runs before it."""
     try:
         with send_lock:
-            conn.send(("stop",))
+            conn.send(StopCore())
     except (OSError, ValueError):
         pass  # gone already, or never got to read commands
     _reap(process, reap_lock, STOP_TIMEOUT_S, "did not stop")
@@ -274,8 +333,9 @@ def _exit_status(code: int | None) -> str:
     return f"code {code}"
 
 
-class ProcessEngine:
-    """The Engine interface (add_request, abort, admin calls, stats) over a core process."""
+class ProcessEngine(EngineClientBase):
+    """The EngineClient interface (engine_client.py: add_request, abort, admin calls, stats) over a
+    core process."""
 
     def __init__(self, config: EngineConfig, metrics: MetricsSink | None = None,
                  start_method: StartMethod = "spawn") -> None:
@@ -302,10 +362,10 @@ class ProcessEngine:
             self._process.kill()
             self.shutdown()
             raise
-        if hello[0] == "failed":
+        if isinstance(hello, CoreFailed):
             self.shutdown()
-            raise hello[1]
-        _, self.model_info, self.tokenizer, self._stats = hello
+            raise hello.error
+        self.model_info, self.tokenizer, self._stats = hello.model_info, hello.tokenizer, hello.stats
         self.streams = StreamTable(self.tokenizer, config.max_queue + config.max_num_seqs, config.stream_interval)
         self._adapter_names: frozenset[str] = frozenset()
         self._calls: dict[int, concurrent.futures.Future] = {}
@@ -314,7 +374,7 @@ class ProcessEngine:
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         log.info("engine core process %d started", self._process.pid)
 
-    def _hello(self) -> tuple:
+    def _hello(self) -> CoreReady | CoreFailed:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._conn.poll(0.2):
             if not self._process.is_alive() or time.monotonic() > deadline:
@@ -328,46 +388,17 @@ class ProcessEngine:
         self._stop_core()
         atexit.unregister(self._stop_core)
 
-    # ---- requests ----
+    # ---- what EngineClientBase asks of an engine ----
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None) -> RequestStream:
-        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
-        if adapter and adapter not in self._adapter_names:  # the core checks again at intake
-            raise NotFoundError(f"unknown adapter {adapter!r}")
-        stream = self.streams.open(request_id, prompt_token_ids, params)
-        try:
-            self._send(("add", request_id, list(prompt_token_ids), params, adapter, time.monotonic()))
-        except UnavailableError:
-            self.streams.close(request_id)
-            raise
-        return stream
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                adapter: str | None) -> None:
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic()))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         try:
-            self._send(("abort", request_id, reason))
+            self._send(AbortRequest(request_id, reason))
         except UnavailableError:
             pass  # no core, no request to abort
-
-    # ---- admin ----
-
-    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
-        check_adapter_name(name)
-        return self._call("load_adapter", name, uri, sha256, pinned, preload, on_demand)
-
-    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
-        check_adapter_name(name)
-        return self._call("unload_adapter", name)
-
-    def list_adapters(self, limit: int | None = None,
-                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:
-        return self._call("list_adapters", limit, after)
-
-    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """`fn(core, *args)` on the core's scheduler thread between steps; `fn` and `args` must
-        pickle (a module-level function)."""
-        return self._call(fn, *args)
 
     def adapter_is_current(self, name: str) -> bool:
         return name in self._adapter_names
@@ -381,23 +412,23 @@ class ProcessEngine:
 
     # ---- the pipe ----
 
-    def _call(self, what: str | Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
         try:
-            self._send(("call", call_id, what, args))
+            self._send(CallCore(call_id, call))
         except UnavailableError as exc:
             self._calls.pop(call_id, None)
             future.set_exception(exc)
         return future
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, message: ToCore) -> None:
         if self._dead:
             raise UnavailableError("the engine core process has exited")
         try:
             with self._send_lock:
-                self._conn.send(command)
+                self._conn.send(message)
         except (OSError, ValueError) as exc:
             raise UnavailableError(f"the engine core process is gone ({exc})") from None
 
@@ -434,11 +465,11 @@ class ProcessEngine:
             self._stats = update.stats
         replay(self._metrics, update.recorded_metrics)
         self.streams.deliver(update.outputs, update.deltas)
-        for call_id, ok, value in update.results:
-            future = self._calls.pop(call_id, None)
+        for result in update.results:
+            future = self._calls.pop(result.call_id, None)
             if future is None:
                 continue
-            if ok:
-                future.set_result(value)
+            if result.error is None:
+                future.set_result(result.value)
             else:
-                future.set_exception(value)
+                future.set_exception(result.error)

@@ -15,10 +15,10 @@ within `stall_s`; an unanswered heartbeat is a stuck engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
-import threading
 import time
 from typing import Any
 
@@ -26,17 +26,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from inference_service.engine_client import EngineClient
+from inference_service.engine_core import TEST_FAULT_ENV, TEST_STEP_DELAY_ENV, TestFault
+
 log = logging.getLogger("loraplex.health")
 
 LIVENESS_SERVICE = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Test-only fault hooks (tests/test_kubelet_pod.py), never set in production: with the first set to
-# "die" or "hang[:SECONDS]", SIGUSR1 kills the scheduler thread or wedges it in a "step" that lasts
-# that long (default: forever); the
-# second makes every scheduler step this many seconds slower (a big model's pace on a toy model).
-TEST_FAULT_ENV = "LORAPLEX_TEST_FAULT_SCHEDULER"
-TEST_STEP_DELAY_ENV = "LORAPLEX_TEST_FAULT_STEP_DELAY_S"
+# Test-only fault hooks (tests/test_kubelet_pod.py), never set in production: TEST_FAULT_ENV set to
+# "die" or "hang[:SECONDS]" makes SIGUSR1 kill the scheduler thread or wedge it in a "step" that lasts
+# that long (default: forever); TEST_STEP_DELAY_ENV makes every scheduler step this many seconds
+# slower (a big model's pace on a toy model). Either is also the test flag that lets the engine arm
+# a fault at all (EngineClient.install_fault, engine_core.test_faults_enabled).
 ALIVE_POLL_S = 1.0  # how often the watcher looks at the engine (more often with a short stall limit)
 
 
@@ -115,11 +117,11 @@ def _word(serving: bool) -> str:
     return "SERVING" if serving else "NOT_SERVING"
 
 
-async def watch_engine(engine: Any, reporter: HealthReporter, stall_s: float) -> None:
+async def watch_engine(engine: EngineClient, reporter: HealthReporter, stall_s: float) -> None:
     """Runs until cancelled: marks the engine dead, or stuck when `stall_s` > 0 (and healthy again
     if a slow step ends). `stall_s` 0 turns off only the stall check, never the liveness one."""
     interval = min(ALIVE_POLL_S, stall_s / 4) if stall_s > 0 else ALIVE_POLL_S
-    beat: Any = None
+    beat: concurrent.futures.Future[None] | None = None
     sent = 0.0
     while True:
         if not engine.alive:
@@ -133,45 +135,24 @@ async def watch_engine(engine: Any, reporter: HealthReporter, stall_s: float) ->
             else:
                 if beat is not None:
                     reporter.engine_problem = None  # the last heartbeat came back: the loop moves
-                beat, sent = engine.call(heartbeat), time.monotonic()
+                beat, sent = engine.heartbeat(), time.monotonic()
         await reporter.update()
         await asyncio.sleep(interval)
 
 
-def install_test_fault(engine: Any) -> None:
-    """Arms the test-only faults named by the LORAPLEX_TEST_FAULT_* variables (see above)."""
+def install_test_fault(engine: EngineClient) -> None:
+    """Arms the test-only faults named by the LORAPLEX_TEST_FAULT_* variables (see above), through
+    the engine's test seam (EngineClient.install_fault)."""
     delay = float(os.environ.get(TEST_STEP_DELAY_ENV) or 0)
     if delay > 0:
         log.warning("TEST FAULT ARMED: every scheduler step %.3fs slower", delay)
-        engine.call(_slow_steps, delay)
+        engine.install_fault(TestFault("slow_steps", delay))
     kind = os.environ.get(TEST_FAULT_ENV)
     if not kind:
         return
     kind, _, seconds = kind.partition(":")
     if kind not in ("die", "hang") or (seconds and (kind == "die" or not seconds.replace(".", "", 1).isdigit())):
         raise ValueError(f"{TEST_FAULT_ENV}={os.environ[TEST_FAULT_ENV]!r}: expected 'die', 'hang' or 'hang:SECONDS'")
+    fault = TestFault("die" if kind == "die" else "hang", float(seconds) if seconds else None)
     log.warning("TEST FAULT ARMED: SIGUSR1 makes the scheduler thread %s", kind)
-    signal.signal(signal.SIGUSR1, lambda *_: engine.call(_scheduler_fault, kind, float(seconds) if seconds else None))
-
-
-def heartbeat(core: Any) -> None:
-    """The watchdog's no-op on the scheduler thread (module level: it crosses to the core process)."""
-
-
-def _scheduler_fault(core: Any, kind: str, seconds: float | None) -> None:
-    log.error("TEST FAULT: scheduler thread %s now", "exits" if kind == "die" else "hangs")
-    if kind == "die":
-        raise SystemExit  # not an Exception: leaves the scheduler loop, the thread ends
-    threading.Event().wait(seconds)
-
-
-def _slow_steps(core: Any, delay: float) -> None:
-    """Makes every step of this core `delay` seconds slower (on the scheduler thread, in whichever
-    process it runs)."""
-    step = core.step
-
-    def slow_step() -> Any:
-        time.sleep(delay)
-        return step()
-
-    core.step = slow_step
+    signal.signal(signal.SIGUSR1, lambda *_: engine.install_fault(fault))

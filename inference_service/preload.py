@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapter_cache.errors import LoraplexError
 from adapter_cache.uri_policy import UriPolicy
+from inference_service.engine_client import EngineClient
 from inference_service.lora.registry import UnloadedWhileLoadingError
 
 log = logging.getLogger("loraplex.preload")
@@ -91,7 +92,7 @@ class Preloader:
     """Loads every entry (retrying failures); `on_change` runs after every change of what it knows
     (health recomputes)."""
 
-    def __init__(self, engine: Any, policy: UriPolicy, check_name: Callable[[str], None],
+    def __init__(self, engine: EngineClient, policy: UriPolicy, check_name: Callable[[str], None],
                  path: str | None, entries: list[PreloadEntry], reload_s: float = 10.0,
                  retry_initial_s: float = 1.0, retry_max_s: float = 60.0,
                  on_change: Callable[[], Any] | None = None) -> None:

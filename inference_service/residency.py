@@ -4,7 +4,8 @@ adapter cache (sidecar / local source cache), exported as bounded Prometheus gau
 Routers (GIE/llm-d LoRA affinity) only see adapters that have requests (vllm:lora_requests_info);
 these gauges add the adapters that are resident without traffic, the cheap places to send the
 next request for them (vLLM #45325, #54830). Computed on the scheduler thread, which owns the
-adapter registry, when Prometheus scrapes (O(registered) per scrape, never per step).
+adapter registry, when Prometheus scrapes (O(registered) per scrape, never per step):
+EngineCore.adapter_residency, through the engine's EngineClient.adapter_residency.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from adapter_cache.errors import LoraplexError
+from inference_service.engine_core import Residency
 
 log = logging.getLogger(__name__)
 
@@ -28,30 +29,10 @@ OTHER_ADAPTER_LABEL = "other"
 SCRAPE_WAIT_S = 2.0  # a scrape waits this long for the scheduler thread, then shows the last snapshot
 
 
-@dataclass(frozen=True)
-class Residency:
-    """Adapter names per tier, each tuple sorted by name."""
-
-    device: tuple[str, ...] = ()  # LOADED: in a device slot, copy done
-    host: tuple[str, ...] = ()  # HOST_READY: staged tensors in this process's host memory
-    cache: tuple[str, ...] = ()  # was loaded before, evicted; bytes still in the adapter cache
-
-
-def residency_of(core: Any) -> Residency:
-    """On the scheduler thread only: the registry is not thread-safe."""
-    tiers: dict[str, list[str]] = {t: [] for t in TIERS}
-    for name, state, tier in core.lora.residency():
-        if state.value == "LOADED":
-            tiers["device"].append(name)
-        elif state.value == "HOST_READY":
-            tiers["host"].append(name)
-        elif state.value == "REGISTERED" and tier == "cache":
-            tiers["cache"].append(name)
-    return Residency(*(tuple(sorted(tiers[t])) for t in TIERS))
-
-
 class _Engine(Protocol):
-    def call(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]: ...
+    """The part of engine_client.EngineClient this collector uses (tests pass a core they step)."""
+
+    def adapter_residency(self) -> concurrent.futures.Future[Residency]: ...
 
 
 class ResidencyCollector(Collector):
@@ -67,7 +48,7 @@ class ResidencyCollector(Collector):
         self._lock = threading.Lock()
 
     def snapshot(self) -> Residency:
-        done = self._engine.call(residency_of)
+        done = self._engine.adapter_residency()
         try:
             now = done.result(timeout=SCRAPE_WAIT_S)
         except (concurrent.futures.TimeoutError, LoraplexError) as e:
@@ -79,7 +60,7 @@ class ResidencyCollector(Collector):
                 self._last = now
             return self._last
 
-    def collect(self) -> Iterable[Any]:
+    def collect(self) -> Iterable[GaugeMetricFamily]:
         r = self.snapshot()
         counts = GaugeMetricFamily(
             "loraplex_lora_adapters_resident",

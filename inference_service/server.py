@@ -34,6 +34,7 @@ from inference_service.adapter_resolver import resolve_adapter
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.auth import AdminAuth, admin_disabled_reason
+from inference_service.engine_client import EngineClient
 from inference_service.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.limits import ADAPTER_NAME_PATTERN, check_adapter_name, check_request_id, check_stop, shown
 from inference_service.preload import PreloadEntry, Preloader
@@ -85,9 +86,9 @@ class ServerConfig:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """loraplex.v1.Inference over an Engine (see inference_service/engine.py)."""
+    """loraplex.v1.Inference over an engine (engine_client.EngineClient)."""
 
-    def __init__(self, engine: Any, config: ServerConfig, metrics: Any = None) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: Any = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics  # PrometheusMetrics or None
@@ -542,7 +543,7 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
-async def build_server(engine: Any, config: ServerConfig, metrics: Any = None,
+async def build_server(engine: EngineClient, config: ServerConfig, metrics: Any = None,
                        serving: bool = True) -> RunningServer:
     """A started grpc.aio server with the Inference service, health and reflection; health starts
     SERVING unless `serving` is False (then the caller's HealthReporter decides)."""
@@ -583,7 +584,7 @@ class FrontEnd(Protocol):
     async def stop(self, grace_s: float) -> None: ...
 
 
-async def serve(engine: Any, config: ServerConfig, metrics: Any = None,
+async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
                 stop: asyncio.Event | None = None, collectors: Any = None, front_ends: Sequence[FrontEnd] = ()) -> None:
     """Serves until `stop` is set (or the task is cancelled), then drains (see ServerConfig).
 
@@ -636,7 +637,7 @@ async def _preloads_changed(reporter: HealthReporter, preloader: Preloader) -> N
     await reporter.update()
 
 
-async def drain(running: RunningServer, reporter: HealthReporter, engine: Any, config: ServerConfig,
+async def drain(running: RunningServer, reporter: HealthReporter, engine: EngineClient, config: ServerConfig,
                 front_ends: Sequence[FrontEnd] = ()) -> None:
     """Readiness NOT_SERVING first (on every front end); after drain_delay_s new requests are
     refused on every port at once; in-flight ones finish within what is left of shutdown_grace_s;

@@ -19,7 +19,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -34,7 +33,7 @@ from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine import EngineCore
 from inference_service.metrics import EngineCollector, build_registry, serve_metrics
 from inference_service.request import Request, SamplingParams
-from inference_service.residency import ResidencyCollector
+from inference_service.residency import Residency, ResidencyCollector
 
 INFO = "vllm:lora_requests_info"
 COUNTS = "loraplex_lora_adapters_resident"
@@ -44,14 +43,15 @@ PROMPT = [1, 2, 3, 4]
 
 
 class InlineEngine:
-    """Engine.call's contract for a core the test steps itself: between steps, so run at once."""
+    """EngineClient.adapter_residency's contract for a core the test steps itself: between steps,
+    so answered at once."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        done.set_result(fn(self.core, *args))
+    def adapter_residency(self) -> concurrent.futures.Future[Residency]:
+        done: concurrent.futures.Future[Residency] = concurrent.futures.Future()
+        done.set_result(self.core.adapter_residency())
         return done
 
 

@@ -27,6 +27,7 @@ from adapter_cache.uri_policy import UriPolicy
 from inference_service.adapter_resolver import resolve_adapter
 from inference_service.auth import AdminAuth, admin_disabled_reason
 from inference_service.chat_template import ChatTemplate
+from inference_service.engine_client import EngineClient
 from inference_service.http.body import BodyLimit, BodyTooLarge, Offload, max_values, too_large
 from inference_service.http.errors import HTTP_STATUS, error_response, loraplex_error_response, status_of
 from inference_service.http.generation import Generation, OpenAIGeneration
@@ -60,7 +61,7 @@ class _GenerationResponse(StreamingResponse):
             self.gen.close()
 
 
-def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, ...],
+def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tuple[str, ...],
               chat_template: ChatTemplate | None, registry: CollectorRegistry | None, listen: str) -> ASGIApp:
     """The HTTP front end over `engine` on `listen` (host:port); `registry` is the one the gRPC
     process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason)."""
@@ -211,6 +212,6 @@ def build_app(engine: Any, config: ServerConfig, served_model_names: tuple[str, 
     return BodyLimit(app, config.max_message_bytes)
 
 
-async def _known_adapter(engine: Any, name: str) -> None:
+async def _known_adapter(engine: EngineClient, name: str) -> None:
     if not any(a.name == name for a in await asyncio.wrap_future(engine.list_adapters())):
         raise NotFoundError(f"model {name!r} does not exist")

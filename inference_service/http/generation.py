@@ -22,6 +22,7 @@ from starlette.requests import Request as HttpRequest
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from inference_service.chat_template import ChatTemplate
+from inference_service.engine_client import EngineClient
 from inference_service.engine_core import validate_request
 from inference_service.http.errors import BadField, error_body, status_of
 from inference_service.http.protocol import (
@@ -32,6 +33,7 @@ from inference_service.http.protocol import (
     _Sampling,
 )
 from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from inference_service.streams import RequestStream
 
 log = logging.getLogger("loraplex.http")
 
@@ -43,11 +45,11 @@ ENGINE_ENDED = (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERRO
 class Generation:
     """One submitted request: its engine stream and the bookkeeping that ends it exactly once."""
 
-    engine: Any
+    engine: EngineClient
     request_id: str
     adapter: str | None
     prompt_tokens: int
-    stream: Any
+    stream: RequestStream
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
     reason: FinishReason | None = None
@@ -87,7 +89,7 @@ def engine_error(out: RequestOutput) -> LoraplexError:
 class OpenAIGeneration:
     """Builds and runs completions / chat completions for the routes in app.py."""
 
-    def __init__(self, engine: Any, base_names: tuple[str, ...], default_max_new_tokens: int,
+    def __init__(self, engine: EngineClient, base_names: tuple[str, ...], default_max_new_tokens: int,
                  chat_template: ChatTemplate | None) -> None:
         self.engine = engine
         self.base_names = base_names

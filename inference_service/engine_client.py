@@ -1,0 +1,257 @@
+"""The one interface the front ends hold an engine by, and the code both engines share.
+
+`EngineClient` is what the gRPC servicer, the HTTP app, health, preload, residency and the adapter
+resolver may use of an engine: requests in, streams out, aborts, admin calls, a stats snapshot and
+named calls to the core (the watchdog's heartbeat, the residency scrape, test faults). Two engines
+implement it: `engine.Engine` (the core on a thread of this process) and
+`engine_process.ProcessEngine` (the core in a process of its own). Both derive from
+`EngineClientBase`, which holds what they share: the checks made before a request leaves the
+caller, the stream it opens, and the admin calls as typed `CoreCall`s, which one engine hands to
+its scheduler thread and the other sends down its pipe (`CoreThread.run_call` runs them on the
+scheduler thread by type, each on a named method of `EngineCore`).
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from adapter_cache.errors import FailedPreconditionError, NotFoundError, UnavailableError
+from inference_service.config import EngineConfig
+from inference_service.engine_core import (
+    TEST_FAULT_ENV,
+    TEST_STEP_DELAY_ENV,
+    AdapterInfo,
+    EngineCore,
+    EngineStats,
+    ModelInfo,
+    Residency,
+    TestFault,
+    test_faults_enabled,
+    validate_request,
+)
+from inference_service.limits import check_adapter_name, check_request_id
+from inference_service.request import FinishReason, SamplingParams
+from inference_service.streams import RequestStream, StreamTable
+from inference_service.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+# ---- calls to the core (typed: they cross the pipe as they are) -------------------------------------------
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    name: str
+    uri: str
+    sha256: str | None = None
+    pinned: bool = False
+    preload: bool = False
+    on_demand: bool = False  # the adapter resolver's registration (see LoRAManager.load_adapter)
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    name: str
+
+
+@dataclass(frozen=True)
+class ListAdapters:
+    limit: int | None = None
+    after: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The watchdog's no-op (EngineCore.heartbeat)."""
+
+
+@dataclass(frozen=True)
+class ReadResidency:
+    """Where each adapter's weights are (EngineCore.adapter_residency)."""
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    """A test-only fault (EngineCore.inject_fault); refused unless the test flag is set."""
+
+    fault: TestFault
+
+
+@dataclass(frozen=True)
+class RunFunction:
+    """`fn(core, *args)` on the scheduler thread: for tests and embedders (`call`), never the front
+    ends. Across the pipe `fn` and `args` must pickle (a module-level function)."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+
+
+CoreCall = LoadAdapter | UnloadAdapter | ListAdapters | Heartbeat | ReadResidency | InjectFault | RunFunction
+
+
+# ---- the interface ----------------------------------------------------------------------------------------
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What a front end may use of an engine (both engines implement it; tests may pass a fake)."""
+
+    config: EngineConfig
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None) -> RequestStream: ...
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None: ...
+
+    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
+                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]: ...
+
+    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]: ...
+
+    def list_adapters(self, limit: int | None = None,
+                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]: ...
+
+    def adapter_is_current(self, name: str) -> bool: ...
+
+    def heartbeat(self) -> concurrent.futures.Future[None]: ...
+
+    def adapter_residency(self) -> concurrent.futures.Future[Residency]: ...
+
+    def install_fault(self, fault: TestFault) -> concurrent.futures.Future[None]: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+def checked_request(model_info: ModelInfo, prompt_token_ids: list[int], params: SamplingParams,
+                    adapter: str | None, request_id: str | None) -> str:
+    """The checks both engines make before a request leaves the caller's thread; its request id."""
+    if request_id is not None:
+        check_request_id(request_id, model_info.limits.max_request_id_length)
+    if adapter:
+        check_adapter_name(adapter)
+    validate_request(model_info, prompt_token_ids, params)
+    return request_id or f"req-{uuid.uuid4().hex[:12]}"
+
+
+class EngineClientBase(abc.ABC):
+    """What `Engine` and `ProcessEngine` share; each supplies how a request and a `CoreCall` reach
+    its scheduler thread, and what it knows of the core from here (names, liveness, stats)."""
+
+    config: EngineConfig
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+    streams: StreamTable
+
+    # ---- supplied by each engine ----
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None: ...
+
+    @abc.abstractmethod
+    def adapter_is_current(self, name: str) -> bool:
+        """Whether new requests may use `name` now (atomic from any thread; intake checks again)."""
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool: ...
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                adapter: str | None) -> None:
+        """Hands a checked request to the scheduler thread; UnavailableError when there is none."""
+
+    @abc.abstractmethod
+    def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:
+        """`call` on the scheduler thread between steps; its result (or error) in the future."""
+
+    # ---- shared ----
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
+        if adapter and not self.adapter_is_current(adapter):  # the core checks again at intake
+            raise NotFoundError(f"unknown adapter {adapter!r}")
+        stream = self.streams.open(request_id, prompt_token_ids, params)
+        try:
+            self._submit(request_id, prompt_token_ids, params, adapter)
+        except UnavailableError:
+            self.streams.close(request_id)
+            raise
+        return stream
+
+    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
+                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+        """`on_demand`: the adapter resolver's registration (see LoRAManager.load_adapter)."""
+        check_adapter_name(name)
+        return self._run(LoadAdapter(name, uri, sha256, pinned, preload, on_demand))
+
+    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
+        check_adapter_name(name)
+        return self._run(UnloadAdapter(name))
+
+    def list_adapters(self, limit: int | None = None,
+                      after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:
+        """A page of adapters by (name, version), computed between steps, never in one."""
+        return self._run(ListAdapters(limit, after))
+
+    def heartbeat(self) -> concurrent.futures.Future[None]:
+        """Done once the scheduler thread has run it: the watchdog's proof of progress."""
+        return self._run(Heartbeat())
+
+    def adapter_residency(self) -> concurrent.futures.Future[Residency]:
+        return self._run(ReadResidency())
+
+    def install_fault(self, fault: TestFault) -> concurrent.futures.Future[None]:
+        """The test seam: arms `fault` on the scheduler thread. Only the test flag enables it (the
+        LORAPLEX_TEST_FAULT_* variables, checked here and again by the core)."""
+        if not test_faults_enabled():
+            raise FailedPreconditionError(f"test faults are off (set {TEST_FAULT_ENV} or {TEST_STEP_DELAY_ENV})")
+        return self._run(InjectFault(fault))
+
+    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """`fn(core, *args)` on the scheduler thread between steps: for tests and embedders (not part
+        of EngineClient). For ProcessEngine `fn` and `args` must pickle (a module-level function)."""
+        return self._run(RunFunction(fn, args))
+
+
+def run_call(core: EngineCore, call: CoreCall) -> Any:
+    """A call that completes on the scheduler thread (not the adapter loads: see CoreThread.run_call)."""
+    if isinstance(call, ListAdapters):
+        return core.list_adapters(call.limit, call.after)
+    if isinstance(call, Heartbeat):
+        return core.heartbeat()
+    if isinstance(call, ReadResidency):
+        return core.adapter_residency()
+    if isinstance(call, InjectFault):
+        return core.inject_fault(call.fault)
+    if isinstance(call, RunFunction):
+        return call.fn(core, *call.args)
+    raise TypeError(f"not a call the core runs at once: {call!r}")
+
+
+__all__ = [
+    "CoreCall", "EngineClient", "EngineClientBase", "Heartbeat", "InjectFault", "ListAdapters", "LoadAdapter",
+    "ReadResidency", "Residency", "RunFunction", "TestFault", "UnloadAdapter", "checked_request", "run_call",
+]
