@@ -23,6 +23,7 @@ from adapter_cache.uri_policy import UriPolicy
 from inference_service.adapter_resolver import check_template
 from inference_service.auth import admin_disabled_reason, read_token_file
 from inference_service.config import EngineConfig
+from inference_service.engine_client import EngineClient
 from inference_service.http.config import HttpConfig
 from inference_service.limits import RequestLimits
 from inference_service.preload import read_preload_file
@@ -262,7 +263,7 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
                       max_connections=args.http_max_connections)
 
 
-async def _serve_until_signal(engine: Any, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
+async def _serve_until_signal(engine: EngineClient, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
                               registry: Any) -> None:
     from inference_service.server import serve
 
