@@ -65,6 +65,8 @@ HELD_OUT = ["What is the capital of Japan?", "Why is the sky blue?", "How do I b
             "What is a rainbow?", "Who was Galileo Galilei?"]
 
 MAX_ANSWER_TOKENS = 48
+# Upper-case text takes a small model more tokens and more steps to learn (demo/adapters/README.md).
+STEPS = {"caps": 64, "json": 32, "brief": 32}
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -185,7 +187,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="SmolLM2-135M-Instruct: a .gguf file or a checkpoint directory")
     p.add_argument("--out", default="demo/adapters")
-    p.add_argument("--steps", type=int, default=36, help="optimizer steps per adapter (batch 8)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per adapter, batch 8 (default: STEPS, as the committed ones were made)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--styles", default=",".join(STYLES))
     p.add_argument("--reuse-data", action="store_true", help="take the answers from OUT/training_data.json")
@@ -214,7 +217,7 @@ def main() -> int:
     for name in args.styles.split(","):
         pairs = [(q, STYLES[name](s)) for q, s in data]
         print(f"{name}: e.g. {pairs[0][0]!r} -> {pairs[0][1]!r}", file=sys.stderr)
-        model = train(tok, base, pairs, Path(args.out) / name, args.steps, args.lr)
+        model = train(tok, base, pairs, Path(args.out) / name, args.steps or STEPS[name], args.lr)
         report[name] = answer(tok, model, HELD_OUT, 40)
         base = model.unload()  # the base model again, without the adapter's layers
     for i, q in enumerate(HELD_OUT):
