@@ -18,7 +18,7 @@ import weakref
 
 from adapter_cache.uri_policy import SCHEMES, UriPolicy
 from inference_service.engine_client import EngineClient
-from inference_service.limits import check_adapter_name
+from inference_service.intake import adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class AdapterResolver:
         await asyncio.shield(pending)  # one caller's cancellation must not cancel the others' load
 
     async def _load(self, name: str) -> None:
-        check_adapter_name(name)
+        adapter_name(name)  # the front ends' intake checked it; this expands it into a URI
         uri = self.policy.check(self.template.replace(PLACEHOLDER, name))
         log.info("resolving adapter %s from %s", name, uri)
         await asyncio.wrap_future(self.engine.load_adapter(name, uri, preload=True, on_demand=True))

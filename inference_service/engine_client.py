@@ -34,7 +34,8 @@ from inference_service.engine_core import (
     test_faults_enabled,
     validate_request,
 )
-from inference_service.limits import check_adapter_name, check_request_id
+from inference_service.intake import adapter_name
+from inference_service.limits import check_request_id
 from inference_service.request import FinishReason, SamplingParams
 from inference_service.streams import RequestStream, StreamTable
 from inference_service.tokenizer import Tokenizer
@@ -141,7 +142,7 @@ def checked_request(model_info: ModelInfo, prompt_token_ids: list[int], params: 
     if request_id is not None:
         check_request_id(request_id, model_info.limits.max_request_id_length)
     if adapter:
-        check_adapter_name(adapter)
+        adapter_name(adapter)
     validate_request(model_info, prompt_token_ids, params)
     return request_id or f"req-{uuid.uuid4().hex[:12]}"
 
@@ -204,12 +205,10 @@ class EngineClientBase(abc.ABC):
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
                      preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
         """`on_demand`: the adapter resolver's registration (see LoRAManager.load_adapter)."""
-        check_adapter_name(name)
-        return self._run(LoadAdapter(name, uri, sha256, pinned, preload, on_demand))
+        return self._run(LoadAdapter(adapter_name(name), uri, sha256, pinned, preload, on_demand))
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
-        check_adapter_name(name)
-        return self._run(UnloadAdapter(name))
+        return self._run(UnloadAdapter(adapter_name(name)))
 
     def list_adapters(self, limit: int | None = None,
                       after: tuple[str, int] | None = None) -> concurrent.futures.Future[list[AdapterInfo]]:

@@ -92,7 +92,7 @@ class Preloader:
     """Loads every entry (retrying failures); `on_change` runs after every change of what it knows
     (health recomputes)."""
 
-    def __init__(self, engine: EngineClient, policy: UriPolicy, check_name: Callable[[str], None],
+    def __init__(self, engine: EngineClient, policy: UriPolicy, check_name: Callable[[str], object],
                  path: str | None, entries: list[PreloadEntry], reload_s: float = 10.0,
                  retry_initial_s: float = 1.0, retry_max_s: float = 60.0,
                  on_change: Callable[[], Any] | None = None) -> None:

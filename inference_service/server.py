@@ -28,7 +28,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.adapter_resolver import resolve_adapter
 from inference_service.api import inference_pb2 as pb
@@ -36,9 +36,10 @@ from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.auth import AdminAuth, admin_disabled_reason
 from inference_service.engine_client import EngineClient
 from inference_service.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
-from inference_service.limits import ADAPTER_NAME_PATTERN, check_adapter_name, check_request_id, check_stop, shown
+from inference_service.intake import Intake, adapter_load, adapter_name
+from inference_service.limits import ADAPTER_NAME_PATTERN, shown
 from inference_service.preload import PreloadEntry, Preloader
-from inference_service.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.request import FinishReason, RequestOutput
 
 log = logging.getLogger("loraplex.server")
 
@@ -95,6 +96,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.auth = AdminAuth(config.admin_token,
                               admin_disabled_reason(config.listen, config.admin_token, config.insecure_admin))
         self.uri_policy = UriPolicy(config.adapter_source_allow)
+        self.intake = Intake(engine.model_info, engine.tokenizer, config.default_max_new_tokens)
         self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
 
     # ---- Generate -------------------------------------------------------------------------
@@ -111,13 +113,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request = _parse(pb.GenerateRequest, raw)
             request_id = request.request_id or uuid.uuid4().hex
             adapter = request.adapter or None
-            check_request_id(request_id, self.engine.model_info.limits.max_request_id_length)
-            if adapter is not None:
-                check_adapter_name(adapter)
-            prompt_ids = self._prompt_ids(request)
-            params = self._sampling_params(request)
-            await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, adapter)
-            stream = self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id)
+            intake = self.intake.from_grpc(request, request_id)
+            await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
+            stream = self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
+                                             request_id=intake.request_id)
             submitted = True
             async for out in stream:
                 generated = out.generated_tokens or generated + len(out.new_token_ids)
@@ -164,62 +163,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 time.monotonic() - started,
             )
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which is None:
-            raise InvalidArgumentError("prompt is required (text or token_ids)")
-        info = self.engine.model_info
-        # Sizes are checked before any tokenization or copying.
-        if which == "text":
-            if not request.text:
-                raise InvalidArgumentError("prompt is empty")
-            if len(request.text) > info.limits.max_prompt_chars:
-                raise InvalidArgumentError(
-                    f"prompt text of {len(request.text)} characters exceeds max_prompt_chars "
-                    f"{info.limits.max_prompt_chars}")
-            ids = list(self.engine.tokenizer.encode(request.text))
-        else:
-            given = request.token_ids.ids
-            if len(given) >= info.max_context:
-                raise ResourceExhaustedError(
-                    f"prompt of {len(given)} tokens does not fit the context of {info.max_context} tokens")
-            if given and max(given) >= info.vocab_size:
-                raise InvalidArgumentError(
-                    f"prompt token id {max(given)} is outside the vocabulary (size {info.vocab_size})")
-            ids = list(given)
-        if not ids:
-            raise InvalidArgumentError("prompt is empty")
-        return ids
-
-    def _sampling_params(self, request: pb.GenerateRequest) -> SamplingParams:
-        s = request.sampling
-        check_stop(request.stop, len(request.stop_token_ids), self.engine.model_info.limits)
-        if request.HasField("max_new_tokens"):
-            max_new = request.max_new_tokens
-        else:
-            max_new = min(self.config.default_max_new_tokens, self.engine.model_info.max_new_tokens_limit)
-        params = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-            max_new_tokens=max_new,
-            stop=tuple(request.stop),
-            stop_token_ids=tuple(request.stop_token_ids),
-            ignore_eos=request.ignore_eos,
-            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            min_p=s.min_p,
-            min_tokens=request.min_tokens,
-            logit_bias=tuple(sorted(s.logit_bias.items())),
-            logprobs=request.logprobs if request.HasField("logprobs") else None,
-            skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
-        )
-        # The engine validates again; checking here too keeps the contract independent of it.
-        params.validate(self.engine.model_info.max_new_tokens_limit)
-        return params
-
     @staticmethod
     def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.text)
@@ -248,16 +191,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._unary("LoadAdapter", context, self._load_adapter, pb.LoadAdapterRequest, raw, admin=True)
 
     async def _load_adapter(self, request: pb.LoadAdapterRequest, context: Any) -> pb.LoadAdapterResponse:
-        check_adapter_name(request.name)
-        uri = self.uri_policy.check(request.uri)
-        sha256 = request.sha256.lower() or None
-        if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
-            raise InvalidArgumentError("sha256 must be 64 hex characters")
-        fut = self.engine.load_adapter(
-            request.name, uri, sha256=sha256, pinned=request.pinned, preload=request.preload
-        )
+        load = adapter_load(request.name, request.uri, request.sha256, self.uri_policy)
+        fut = self.engine.load_adapter(load.name, load.uri, sha256=load.sha256, pinned=request.pinned,
+                                       preload=request.preload)
         info = await asyncio.wrap_future(fut)
-        log.info("adapter %s loaded from %s (pinned=%s preload=%s)", request.name, shown(uri), request.pinned,
+        log.info("adapter %s loaded from %s (pinned=%s preload=%s)", load.name, shown(load.uri), request.pinned,
                  request.preload)
         return pb.LoadAdapterResponse(adapter=_adapter_pb(info))
 
@@ -266,8 +204,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                  admin=True)
 
     async def _unload_adapter(self, request: pb.UnloadAdapterRequest, context: Any) -> pb.UnloadAdapterResponse:
-        check_adapter_name(request.name)
-        await asyncio.wrap_future(self.engine.unload_adapter(request.name))
+        await asyncio.wrap_future(self.engine.unload_adapter(adapter_name(request.name)))
         log.info("adapter %s unloaded", request.name)
         return pb.UnloadAdapterResponse()
 
@@ -332,9 +269,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext):
         async def run(r: pb.TokenizeRequest, _: Any) -> pb.TokenizeResponse:
-            limit = self.engine.model_info.limits.max_prompt_chars
-            if len(r.text) > limit:
-                raise InvalidArgumentError(f"text is longer than {limit} characters (--max-prompt-chars)")
+            self.intake.bounded_text(r.text, "text")
             special = r.add_special_tokens if r.HasField("add_special_tokens") else True
             return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(r.text, add_special_tokens=special))
 
@@ -342,15 +277,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Detokenize(self, raw: bytes, context: grpc.aio.ServicerContext):
         async def run(r: pb.DetokenizeRequest, _: Any) -> pb.DetokenizeResponse:
-            info = self.engine.model_info
-            if len(r.token_ids) > info.max_context:  # counted first: the range check and decode grow with it
-                raise InvalidArgumentError(
-                    f"at most {info.max_context} token ids (the model's context), got {len(r.token_ids)}")
-            if any(t >= info.vocab_size for t in r.token_ids):
-                raise InvalidArgumentError(f"token ids must be in [0, {info.vocab_size})")
+            ids = self.intake.decodable_ids(r.token_ids)  # counted first: the range check and decode grow with it
             skip = r.skip_special_tokens if r.HasField("skip_special_tokens") else True
             # Off the loop: decoding a context's worth of ids would pause every other stream meanwhile.
-            text = await asyncio.to_thread(self.engine.tokenizer.decode, list(r.token_ids), skip)
+            text = await asyncio.to_thread(self.engine.tokenizer.decode, ids, skip)
             return pb.DetokenizeResponse(text=text)
 
         return await self._unary("Detokenize", context, run, pb.DetokenizeRequest, raw)
@@ -600,7 +530,7 @@ async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
         await running.server.stop(0)
         raise
     health_only = await start_health_listener(running.health, config.health_listen) if config.health_listen else None
-    preloader = Preloader(engine, running.servicer.uri_policy, check_adapter_name, config.preload_file, config.preload,
+    preloader = Preloader(engine, running.servicer.uri_policy, adapter_name, config.preload_file, config.preload,
                           config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
     running.servicer.preloader = preloader
     await reporter.update()  # liveness SERVING, readiness NOT_SERVING until the preloads say otherwise

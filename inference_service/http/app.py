@@ -39,7 +39,8 @@ from inference_service.http.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
-from inference_service.limits import check_adapter_name, shown
+from inference_service.intake import adapter_load, adapter_name, optional_adapter
+from inference_service.limits import shown
 from inference_service.server import ServerConfig
 
 log = logging.getLogger("loraplex.http")
@@ -106,6 +107,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
         prompt_ids, params = await offload.run(openai.prepare, body)
+        adapter = optional_adapter(adapter)
         await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl")
         if body.stream:
@@ -156,27 +158,23 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     async def load_lora_adapter(http: HttpRequest) -> Response:
         auth.check(http.headers.items())
         body = await offload.parse(http, LoadLoraAdapterRequest)
-        check_adapter_name(body.lora_name)
-        if body.lora_name in served_model_names:
+        if adapter_name(body.lora_name) in served_model_names:
             raise InvalidArgumentError(f"{body.lora_name!r} is the base model's name")
         path = body.lora_path
-        uri = uri_policy.check(Path(path).absolute().as_uri() if path.startswith("/") else path)
-        sha256 = (body.sha256 or "").lower() or None
-        if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
-            raise InvalidArgumentError("sha256 must be 64 hex characters")
-        if not body.load_inplace and any(a.name == body.lora_name for a in await adapters()):
+        load = adapter_load(body.lora_name, Path(path).absolute().as_uri() if path.startswith("/") else path,
+                            body.sha256, uri_policy)
+        if not body.load_inplace and any(a.name == load.name for a in await adapters()):
             raise InvalidArgumentError(
-                f"adapter {body.lora_name!r} is already loaded (set load_inplace to replace it)")
-        await asyncio.wrap_future(engine.load_adapter(body.lora_name, uri, sha256=sha256, preload=True))
-        log.info("adapter %s loaded from %s (HTTP)", body.lora_name, uri)
+                f"adapter {load.name!r} is already loaded (set load_inplace to replace it)")
+        await asyncio.wrap_future(engine.load_adapter(load.name, load.uri, sha256=load.sha256, preload=True))
+        log.info("adapter %s loaded from %s (HTTP)", load.name, load.uri)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(http: HttpRequest) -> Response:
         auth.check(http.headers.items())
         body = await offload.parse(http, UnloadLoraAdapterRequest)
-        check_adapter_name(body.lora_name)
-        await asyncio.wrap_future(engine.unload_adapter(body.lora_name))
+        await asyncio.wrap_future(engine.unload_adapter(adapter_name(body.lora_name)))
         log.info("adapter %s unloaded (HTTP)", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -23,7 +23,6 @@ from starlette.requests import Request as HttpRequest
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from inference_service.chat_template import ChatTemplate
 from inference_service.engine_client import EngineClient
-from inference_service.engine_core import validate_request
 from inference_service.http.errors import BadField, error_body, status_of
 from inference_service.http.protocol import (
     ChatCompletionRequest,
@@ -32,6 +31,7 @@ from inference_service.http.protocol import (
     TokenizeRequest,
     _Sampling,
 )
+from inference_service.intake import Intake
 from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from inference_service.streams import RequestStream
 
@@ -93,8 +93,8 @@ class OpenAIGeneration:
                  chat_template: ChatTemplate | None) -> None:
         self.engine = engine
         self.base_names = base_names
-        self.default_max_new_tokens = default_max_new_tokens
         self.chat_template = chat_template
+        self.intake = Intake(engine.model_info, engine.tokenizer, default_max_new_tokens)
 
     # ---- request → engine (prepare, tokenize and detokenize run off the event loop: http/body.py) ----
 
@@ -107,8 +107,8 @@ class OpenAIGeneration:
             prompt_ids = self.completion_prompt(body)
             max_tokens = body.max_tokens
         params = self.sampling(body, max_tokens, len(prompt_ids))
-        validate_request(self.engine.model_info, prompt_ids, params)  # here, not on the loop at submit
-        return prompt_ids, params
+        request = self.intake.engine_request(prompt_ids, params, None)  # here, not on the loop at submit
+        return request.prompt_token_ids, request.params
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
@@ -118,12 +118,7 @@ class OpenAIGeneration:
         return list(self.engine.tokenizer.encode(self._bounded(body.prompt), add_special_tokens=special))
 
     def detokenize(self, tokens: list[int]) -> str:
-        info = self.engine.model_info
-        if len(tokens) > info.max_context:  # counted first: the range check and decode grow with it
-            raise InvalidArgumentError(f"at most {info.max_context} token ids (the model's context), got {len(tokens)}")
-        if tokens and (min(tokens) < 0 or max(tokens) >= info.vocab_size):
-            raise InvalidArgumentError(f"token ids must be in [0, {info.vocab_size})")
-        return self.engine.tokenizer.decode(tokens)
+        return self.engine.tokenizer.decode(self.intake.decodable_ids(tokens))
 
     def adapter_of(self, model: str) -> str | None:
         """None for the base model; otherwise the adapter name (the engine answers NOT_FOUND)."""
@@ -136,9 +131,7 @@ class OpenAIGeneration:
                 raise InvalidArgumentError("one prompt per request (send a batch as separate requests)")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidArgumentError("prompt is empty")
-            return list(self.engine.tokenizer.encode(self._bounded(prompt)))
+            return self.intake.text_ids(prompt)
         if not prompt:
             raise InvalidArgumentError("prompt is empty")
         return prompt  # type: ignore[return-value]  # pydantic's own fresh list
@@ -160,10 +153,7 @@ class OpenAIGeneration:
 
     def _bounded(self, text: str) -> str:
         """Checked before tokenizing: that work grows with what the client sent (as gRPC's prompt check)."""
-        limit = self.engine.model_info.limits.max_prompt_chars
-        if len(text) > limit:
-            raise InvalidArgumentError(f"prompt is longer than {limit} characters (--max-prompt-chars)")
-        return text
+        return self.intake.bounded_text(text)
 
     def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         refuse = [name for name, bad in (("n", body.n != 1), ("echo", getattr(body, "echo", False)),
@@ -173,10 +163,7 @@ class OpenAIGeneration:
                                          ("response_format", _structured(body))) if bad]
         if refuse:
             raise BadField(f"not supported: {', '.join(refuse)}", refuse[0])
-        info = self.engine.model_info
-        if max_tokens is None:
-            room = max(1, info.max_context - prompt_len)
-            max_tokens = min(self.default_max_new_tokens, info.max_new_tokens_limit, room)
+        max_tokens = self.intake.max_new_tokens(max_tokens, prompt_len)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -196,8 +183,7 @@ class OpenAIGeneration:
             logprobs=_logprobs(body),
             skip_special_tokens=body.skip_special_tokens,
         )
-        params.validate(info.max_new_tokens_limit)
-        return params
+        return self.intake.sampling(params)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
                prefix: str) -> Generation:

@@ -1,0 +1,188 @@
+"""One intake: what both front ends (gRPC: server.py, HTTP: http/) check of a request before it
+reaches the engine, and how either API's request becomes the engine's (`EngineRequest`).
+
+Every check raises a LoraplexError subclass (adapter_cache/errors.py), whose `code` is a gRPC
+status name: server.py answers `grpc.StatusCode[code]`, http/errors.py maps it to an HTTP status
+in its one table, so a bad input means the same on both front ends. Sizes are checked before the
+work that grows with them (tokenizing, copying, decoding). The engine checks the engine request
+once more where it leaves the caller (engine_client.checked_request, over the same functions), for
+the embedders that call it directly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
+from adapter_cache.uri_policy import UriPolicy
+from inference_service.engine_core import ModelInfo, validate_request
+from inference_service.limits import check_adapter_name, check_request_id, check_stop
+from inference_service.request import SamplingParams
+from inference_service.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from inference_service.api import inference_pb2 as pb
+
+SHA256_HEX_CHARS = 64
+
+
+# ---- adapters: names and digests ---------------------------------------------------------------------------
+
+def adapter_name(name: str) -> str:
+    """`name` if it is a valid adapter name (INVALID_ARGUMENT, without echoing it, otherwise)."""
+    check_adapter_name(name)
+    return name
+
+
+def optional_adapter(name: str | None) -> str | None:
+    """A request's adapter: None (or "") for the base model, else a checked name."""
+    return adapter_name(name) if name else None
+
+
+def sha256_digest(value: str | None) -> str | None:
+    """The expected digest of an adapter's weights: None when not given, else 64 lowercase hex."""
+    digest = (value or "").lower() or None
+    if digest is not None and (len(digest) != SHA256_HEX_CHARS or any(c not in "0123456789abcdef" for c in digest)):
+        raise InvalidArgumentError(f"sha256 must be {SHA256_HEX_CHARS} hex characters")
+    return digest
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """A checked LoadAdapter (gRPC) or /v1/load_lora_adapter (HTTP)."""
+
+    name: str
+    uri: str  # allowed by the URI policy
+    sha256: str | None
+
+
+def adapter_load(name: str, uri: str, sha256: str | None, policy: UriPolicy) -> AdapterLoad:
+    """The name, then the URI against the allow-list (PERMISSION_DENIED), then the digest."""
+    name = adapter_name(name)
+    return AdapterLoad(name, policy.check(uri), sha256_digest(sha256))
+
+
+# ---- generation ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What `EngineClient.add_request` takes, checked."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    request_id: str | None = None  # None: the engine names it
+
+
+class Intake:
+    """The checks that need the model: its limits, its context and vocabulary, its tokenizer.
+    Safe from any thread (no state of its own)."""
+
+    def __init__(self, model_info: ModelInfo, tokenizer: Tokenizer, default_max_new_tokens: int) -> None:
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.default_max_new_tokens = default_max_new_tokens
+
+    # ---- pieces both APIs use ----
+
+    def request_id(self, given: str | None) -> str:
+        """The client's request id, checked, or a fresh one."""
+        request_id = given or uuid.uuid4().hex
+        check_request_id(request_id, self.model_info.limits.max_request_id_length)
+        return request_id
+
+    def bounded_text(self, text: str, what: str = "prompt") -> str:
+        """`text`, checked against --max-prompt-chars before anything tokenizes it."""
+        limit = self.model_info.limits.max_prompt_chars
+        if len(text) > limit:
+            raise InvalidArgumentError(f"{what} is longer than {limit} characters (--max-prompt-chars)")
+        return text
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's text, bounded and tokenized (empty: INVALID_ARGUMENT)."""
+        if not text:
+            raise InvalidArgumentError("prompt is empty")
+        return list(self.tokenizer.encode(self.bounded_text(text), add_special_tokens=add_special_tokens))
+
+    def given_ids(self, ids: Sequence[int]) -> list[int]:
+        """A prompt given as token ids: counted against the context before it is walked or copied."""
+        info = self.model_info
+        if len(ids) >= info.max_context:
+            raise ResourceExhaustedError(
+                f"prompt of {len(ids)} tokens does not fit the context of {info.max_context} tokens")
+        if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
+        if not ids:
+            raise InvalidArgumentError("prompt is empty")
+        return list(ids)
+
+    def decodable_ids(self, ids: Sequence[int]) -> list[int]:
+        """Token ids to detokenize: at most a context's worth (counted first), each in the vocabulary."""
+        info = self.model_info
+        if len(ids) > info.max_context:
+            raise InvalidArgumentError(f"at most {info.max_context} token ids (the model's context), got {len(ids)}")
+        if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
+            raise InvalidArgumentError(f"token ids must be in [0, {info.vocab_size})")
+        return list(ids)
+
+    def max_new_tokens(self, asked: int | None, prompt_len: int | None = None) -> int:
+        """What the client asked for, or the server's default (within the limit and, when the prompt's
+        length is given, the room its context leaves)."""
+        if asked is not None:
+            return asked
+        info = self.model_info
+        default = min(self.default_max_new_tokens, info.max_new_tokens_limit)
+        return default if prompt_len is None else min(default, max(1, info.max_context - prompt_len))
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """Stop conditions bounded (counts first), then every knob in its range."""
+        check_stop(params.stop, len(params.stop_token_ids), self.model_info.limits)
+        params.validate(self.model_info.max_new_tokens_limit)
+        return params
+
+    def engine_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
+                       request_id: str | None = None) -> EngineRequest:
+        """The whole request against the model (context, KV cache, token ranges): what the engine
+        would refuse, refused here, where the caller's thread does the work."""
+        validate_request(self.model_info, prompt_token_ids, params)
+        return EngineRequest(prompt_token_ids, params, optional_adapter(adapter), request_id)
+
+    # ---- the gRPC API ----
+
+    def from_grpc(self, request: pb.GenerateRequest, request_id: str | None = None) -> EngineRequest:
+        """loraplex.v1 GenerateRequest → EngineRequest (the adapter may still need resolving);
+        `request_id`: the one the caller logs under when the request names none."""
+        request_id = self.request_id(request.request_id or request_id)
+        adapter = optional_adapter(request.adapter)
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgumentError("prompt is required (text or token_ids)")
+        prompt_ids = self.text_ids(request.text) if which == "text" else self.given_ids(request.token_ids.ids)
+        s = request.sampling
+        check_stop(request.stop, len(request.stop_token_ids), self.model_info.limits)  # before copying them
+        params = self.sampling(SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            max_new_tokens=self.max_new_tokens(request.max_new_tokens if request.HasField("max_new_tokens") else None),
+            stop=tuple(request.stop),
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            min_p=s.min_p,
+            min_tokens=request.min_tokens,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
+        ))
+        return EngineRequest(prompt_ids, params, adapter, request_id)
+
+
+__all__ = ["AdapterLoad", "EngineRequest", "Intake", "adapter_load", "adapter_name", "optional_adapter",
+           "sha256_digest"]
