@@ -21,6 +21,8 @@ Two regimes and a stalled-reader check, each with the load generator in processe
   ratios (a round is ~1 s and this machine's speed drifts). `--model-threads 0,1`: the model on torch's
   default threads on both sides (every core: the front end and the load generator then take their CPU
   from the model's), then on one thread on both sides (a core left to them, as an accelerator would).
+  `--model` (a .gguf file or a checkpoint directory) runs this regime on that model instead, with its own
+  tokenizer (the default model's is byte-level).
   `--floor` (default on): the in-process engine again, while after each of its steps a bare grpc.aio server
   (no engine, no streams, no detokenizer: a prebuilt message per token) writes that step's tokens to the
   same load generator; its rate over the engine's alone is what the cheapest front end on grpc.aio costs the
@@ -511,11 +513,12 @@ def make_small_checkpoint(out: Path) -> Path:
 class InProcess:
     """The EngineCore stepping requests itself, no transport at all: the real regime's baseline."""
 
-    def __init__(self, model: str, adapters: dict[str, str], streams: int, max_loras: int) -> None:
+    def __init__(self, model: str, adapters: dict[str, str], streams: int, max_loras: int,
+                 tokenizer: str = "byte") -> None:
         from inference_service.config import EngineConfig
         from inference_service.engine import EngineCore
 
-        self.core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer="byte",
+        self.core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer=tokenizer,
                                             max_loras=max_loras, max_num_seqs=streams))
         self.names, self.streams, self.rounds = list(adapters), streams, 0
         for name, uri in adapters.items():
@@ -597,23 +600,27 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
 
     from inference_service.demo_adapters import write_peft_adapter
     from inference_service.heap import freeze_startup_objects
+    from inference_service.models.gguf import GGUFFile
     from inference_service.models.llama import ModelConfig
 
-    checkpoint = make_small_checkpoint(tmp / "small-model")
-    config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+    checkpoint, tokenizer = (Path(args.model), "auto") if args.model else (
+        make_small_checkpoint(tmp / "small-model"), "byte")
+    config = ModelConfig.from_hf(GGUFFile(checkpoint).hf_config() if checkpoint.suffix == ".gguf"
+                                 else json.loads((checkpoint / "config.json").read_text()))
     adapters = {f"a{i}": write_peft_adapter(tmp / f"a{i}", config, rank=8, seed=i).as_uri() for i in range(8)}
     streams, new_tokens = args.real_streams, 64
-    prompts = [[(i * 131 + j * 7) % 31000 + 100 for j in range(32)] for i in range(streams)]
+    prompts = [[(i * 131 + j * 7) % min(31000, config.vocab_size - 100) + 100 for j in range(32)]
+               for i in range(streams)]
     ratios = []
     default_threads = torch.get_num_threads()
     for threads, engine_core, (label, used) in itertools.product(
             args.model_threads, args.engine_core, (("base", {}), ("8 adapters / 4 slots", adapters))):
         torch.set_num_threads(threads or default_threads)  # this thread steps the in-process engine
-        inproc = InProcess(str(checkpoint), used, streams, 4)
+        inproc = InProcess(str(checkpoint), used, streams, 4, tokenizer)
         server = start_server([sys.executable, "-m", "inference_service.cli"],
                               ["--engine-core", engine_core,
                                "--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
-                               "--tokenizer", "byte", "--max-loras", "4",
+                               "--tokenizer", tokenizer, "--max-loras", "4",
                                "--max-num-seqs", str(streams),
                                "--adapter-source-allow", tmp.as_uri()], tmp, threads or None)
         try:
@@ -703,6 +710,8 @@ def main() -> int:
                    "--sustain-s after settling (the RESULT uses the last)")
     p.add_argument("--sustain-s", type=float, default=8.0)
     p.add_argument("--real-streams", type=int, default=32)
+    p.add_argument("--model", default="", help="the real regime's model: a .gguf file or a Hugging Face checkpoint "
+                   "directory (default: a random hidden-256 4-layer LLaMA with a byte-level tokenizer)")
     p.add_argument("--model-threads", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1],
                    help="the real regime's torch threads on both sides; 0: torch's default (every core; the "
                    "RESULT uses the first); 1 leaves a core to the serving layer and the load generator, as an "
