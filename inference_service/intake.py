@@ -16,17 +16,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine_core import ModelInfo, validate_request
 from inference_service.limits import check_adapter_name, check_request_id, check_stop
-from inference_service.request import SamplingParams
+from inference_service.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from inference_service.api import inference_pb2 as pb
 
 SHA256_HEX_CHARS = 64
+# Requests the engine ended, not the client or the model: each front end answers with an error.
+ENGINE_ENDED = (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR)
+_ENGINE_END_CODES = {FinishReason.DEADLINE: "DEADLINE_EXCEEDED", FinishReason.CANCELLED: "CANCELLED"}
 
 
 # ---- adapters: names and digests ---------------------------------------------------------------------------
@@ -184,5 +187,20 @@ class Intake:
         return EngineRequest(prompt_ids, params, adapter, request_id)
 
 
-__all__ = ["AdapterLoad", "EngineRequest", "Intake", "adapter_load", "adapter_name", "optional_adapter",
-           "sha256_digest"]
+# ---- the way out: a request the engine ended ------------------------------------------------------------
+
+def engine_end_error(out: RequestOutput) -> LoraplexError:
+    """The error both front ends answer a request the engine ended with (ENGINE_ENDED): a deadline
+    or a cancel by its reason; otherwise the LoraplexError the engine handed (e.g. the adapter failed
+    to load: INVALID_ARGUMENT, UNAVAILABLE); anything else is a bug (INTERNAL), not shown to clients."""
+    code = _ENGINE_END_CODES.get(out.finish_reason)  # type: ignore[arg-type]
+    if code is None and isinstance(out.error, LoraplexError):
+        return out.error
+    reason = out.finish_reason.value if out.finish_reason else "error"
+    error = LoraplexError(str(out.error) if isinstance(out.error, LoraplexError) else f"request {reason}")
+    error.code = code or "INTERNAL"
+    return error
+
+
+__all__ = ["ENGINE_ENDED", "AdapterLoad", "EngineRequest", "Intake", "adapter_load", "adapter_name",
+           "engine_end_error", "optional_adapter", "sha256_digest"]

@@ -36,7 +36,7 @@ from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.auth import AdminAuth, admin_disabled_reason
 from inference_service.engine_client import EngineClient
 from inference_service.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
-from inference_service.intake import Intake, adapter_load, adapter_name
+from inference_service.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
 from inference_service.limits import ADAPTER_NAME_PATTERN, shown
 from inference_service.preload import PreloadEntry, Preloader
 from inference_service.request import FinishReason, RequestOutput
@@ -126,10 +126,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await _write(context, self._response(request_id, out))
                 if out.finished:
                     break
-            if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
+            if reason in ENGINE_ENDED:
                 # Ended by the engine, not the client: tell the client with a status, not an OK.
-                code = _engine_end_code(reason, out)
-                await context.abort(grpc.StatusCode[code], str(out.error or f"request {reason.value}"))
+                error = engine_end_error(out)
+                code = error.code if error.code in grpc.StatusCode.__members__ else "INTERNAL"
+                await context.abort(grpc.StatusCode[code], str(error))
         except LoraplexError as e:
             code = e.code
             await context.abort(grpc.StatusCode[e.code], str(e))
@@ -410,17 +411,6 @@ def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
 def _cancel_code(context: grpc.aio.ServicerContext) -> str:
     remaining = context.time_remaining()
     return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0.001 else "CANCELLED"
-
-
-def _engine_end_code(reason: FinishReason, out: RequestOutput) -> str:
-    if reason is FinishReason.DEADLINE:
-        return "DEADLINE_EXCEEDED"
-    if reason is FinishReason.CANCELLED:
-        return "CANCELLED"
-    # The engine hands the LoraplexError itself (e.g. the adapter failed to load: INVALID_ARGUMENT,
-    # UNAVAILABLE); anything else reaching here is a bug.
-    code = out.error.code if isinstance(out.error, LoraplexError) else "INTERNAL"
-    return code if code in grpc.StatusCode.__members__ else "INTERNAL"
 
 
 def _since(start: float, end: float | None) -> float:

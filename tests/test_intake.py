@@ -15,14 +15,22 @@ from adapter_cache.errors import (
     LoraplexError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    UnavailableError,
 )
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.api import inference_pb2 as pb
 from inference_service.engine_core import ModelInfo
 from inference_service.http.errors import HTTP_STATUS, status_of
-from inference_service.intake import Intake, adapter_load, adapter_name, optional_adapter, sha256_digest
+from inference_service.intake import (
+    Intake,
+    adapter_load,
+    adapter_name,
+    engine_end_error,
+    optional_adapter,
+    sha256_digest,
+)
 from inference_service.limits import RequestLimits
-from inference_service.request import SamplingParams
+from inference_service.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +115,19 @@ def test_every_error_code_has_a_grpc_status_and_an_http_one():
     assert codes <= set(HTTP_STATUS)
     assert status_of(ResourceExhaustedError("prompt of 9 tokens does not fit the context of 8 tokens")) == 400
     assert status_of(ResourceExhaustedError("queue full")) == 429
+
+
+def test_a_request_the_engine_ended_gets_one_error_on_both_front_ends():
+    def ended(reason: FinishReason, error: Exception | None = None) -> LoraplexError:
+        return engine_end_error(RequestOutput("r", [], finished=True, finish_reason=reason, error=error))
+
+    assert (ended(FinishReason.DEADLINE).code, str(ended(FinishReason.DEADLINE))) == (
+        "DEADLINE_EXCEEDED", "request deadline")
+    assert ended(FinishReason.CANCELLED).code == "CANCELLED"
+    gone = UnavailableError("the engine core process has exited")
+    assert ended(FinishReason.ERROR, gone) is gone
+    bug = ended(FinishReason.ERROR, RuntimeError("secret detail"))
+    assert (bug.code, str(bug)) == ("INTERNAL", "request error")  # a bug's text is not shown to clients
 
 
 def _subclasses(cls: type) -> set[type]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
-from adapter_cache.errors import InvalidArgumentError, LoraplexError
+from adapter_cache.errors import InvalidArgumentError
 from inference_service.chat_template import ChatTemplate
 from inference_service.engine_client import EngineClient
 from inference_service.http.errors import BadField, error_body, status_of
@@ -31,14 +31,13 @@ from inference_service.http.protocol import (
     TokenizeRequest,
     _Sampling,
 )
-from inference_service.intake import Intake
+from inference_service.intake import ENGINE_ENDED, Intake, engine_end_error
 from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from inference_service.streams import RequestStream
 
 log = logging.getLogger("loraplex.http")
 
 OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop"}
-ENGINE_ENDED = (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR)
 
 
 @dataclass
@@ -73,17 +72,6 @@ class Generation:
         log.info("request %s adapter=%s finish=%s status=%d tokens=%d seconds=%.3f", self.request_id,
                  self.adapter or "-", self.reason.value if self.reason else "-", self.status, self.generated,
                  time.monotonic() - self.started)
-
-
-def engine_error(out: RequestOutput) -> LoraplexError:
-    """The error of a request the engine ended (not the client)."""
-    if isinstance(out.error, LoraplexError):
-        return out.error
-    reason = out.finish_reason.value if out.finish_reason else "error"
-    error = LoraplexError(f"request {reason}")
-    error.code = {FinishReason.DEADLINE: "DEADLINE_EXCEEDED", FinishReason.CANCELLED: "CANCELLED"}.get(
-        out.finish_reason, "INTERNAL")  # type: ignore[arg-type]
-    return error
 
 
 class OpenAIGeneration:
@@ -220,7 +208,7 @@ class OpenAIGeneration:
         finally:
             gone.cancel()
         if last.finish_reason in ENGINE_ENDED:
-            raise engine_error(last)
+            raise engine_end_error(last)
         return text, last
 
     async def sse(self, gen: Generation, model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
@@ -243,7 +231,7 @@ class OpenAIGeneration:
             gen.observe(out)
             last = out
             if out.finished and out.finish_reason in ENGINE_ENDED:
-                error = engine_error(out)
+                error = engine_end_error(out)
                 gen.status = status_of(error)
                 yield b"data: " + json.dumps(error_body(str(error), gen.status, error.code)).encode() + b"\n\n"
                 break
