@@ -20,14 +20,27 @@ No Kubernetes API server, container runtime or image build is available here (se
   grpc.health.v1 Check with the probe's service), tcpSocket (a connect), exec (the command in the
   container's context), each with its timeoutSeconds, periodSeconds and thresholds;
 - termination: preStop hooks, then SIGTERM, then SIGKILL after terminationGracePeriodSeconds.
-Not emulated: runAsUser/fsGroup (the processes run as the test's user: the Python running the tests
-may live where another user cannot read, e.g. under /root), readOnlyRootFilesystem, capabilities,
-seccomp, resource limits, image pulls.
+Not emulated in that (host) mode: runAsUser/fsGroup (the processes run as the test's user: the Python
+running the tests may live where another user cannot read, e.g. under /root), readOnlyRootFilesystem,
+capabilities, seccomp, resource limits, image pulls.
+
+Image mode (`Pod(..., image=TAG)`, the image scripts/build_image.sh builds): each container runs in
+that image with rootful podman (runc, cgroupfs), as the kubelet would run it: the rendered command
+(the image's entrypoint replaced) and args, the rendered env on top of the image's ENV, the securityContext
+(runAsUser/runAsGroup, fsGroup as a supplementary group owning the emptyDir, ConfigMap and Secret
+volumes with the Secret's defaultMode, runAsNonRoot refused for uid 0, readOnlyRootFilesystem with no
+tmpfs added by podman, capabilities dropped/added, no-new-privileges, the runtime's default seccomp
+profile), each volume bind-mounted at its mount path (read-only where the mount says so; no path
+remapping) and the pod's network namespace (`--network ns:/run/netns/NAME`). Exec probes and preStop
+hooks are `podman exec` in the container; signals go through `podman kill`. `root_writes` and
+`process_ids` let a test check that nothing was written outside the volumes and nothing ran as root.
+Still not emulated: resource limits, image pulls.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import shutil
@@ -54,6 +67,40 @@ VENV_BIN = Path(sys.executable).parent
 IMAGE_ENV = {"HOME": "/tmp", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 IMAGE_WORKDIR = "/tmp"
 NO_PROXY_GRPC = [("grpc.enable_http_proxy", 0)]
+BUILD_IMAGE = REPO / "scripts" / "build_image.sh"
+# The sandbox refuses setrlimit (no default ulimits); crun fails on hybrid cgroups (see shared/TOOLS.md).
+PODMAN_CONF = REPO / ".tools" / "podman" / "containers.conf"
+PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs"]
+
+
+def podman_env() -> dict[str, str]:
+    PODMAN_CONF.parent.mkdir(parents=True, exist_ok=True)
+    PODMAN_CONF.write_text("[containers]\ndefault_ulimits = []\n")
+    return {**os.environ, "CONTAINERS_CONF": str(PODMAN_CONF)}
+
+
+def podman(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([*PODMAN, *args], capture_output=True, text=True, timeout=timeout, env=podman_env())
+    if check and r.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)}: exit {r.returncode}: {r.stderr[-2000:]}")
+    return r
+
+
+def image_supported() -> str | None:
+    """Why image mode cannot run here (None: it can)."""
+    if not netns_supported():
+        return "needs root and iproute2 for a pod network namespace"
+    missing = [t for t in ("podman", "runc", "debootstrap") if shutil.which(t) is None]
+    return f"{', '.join(missing)} not installed (scripts/install_test_tools.sh)" if missing else None
+
+
+def build_image(timeout: float = 1800) -> tuple[str, str]:
+    """scripts/build_image.sh (cached layers: seconds when nothing changed); (image tag, its summary line)."""
+    tag = os.environ.get("LORAPLEX_IMAGE", "localhost/loraplex:cpu")
+    r = subprocess.run(["bash", str(BUILD_IMAGE)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                       env={**os.environ, "LORAPLEX_IMAGE": tag})
+    assert r.returncode == 0, f"scripts/build_image.sh failed:\n{r.stderr[-6000:]}"
+    return tag, r.stdout.strip().splitlines()[-1]
 
 
 def _helm_template(chart: Path, value_files: Sequence[Path], sets: Sequence[str], namespace: str,
@@ -149,6 +196,7 @@ class Container:
     argv: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    podman_name: str = ""  # image mode: the podman container
 
     @property
     def name(self) -> str:
@@ -180,7 +228,7 @@ class Pod:
     to without rendering them, {"Secret" | "ConfigMap": {name: {key: value}}}."""
 
     def __init__(self, docs: list[dict], cluster: dict[str, dict[str, dict[str, str]]], net: PodNetwork,
-                 root: Path | None = None, namespace: str = "ml") -> None:
+                 root: Path | None = None, namespace: str = "ml", image: str | None = None) -> None:
         (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
         self.docs, self.net, self.namespace = docs, net, namespace
         self.template = deploy["spec"]["template"]
@@ -202,6 +250,9 @@ class Pod:
         self.containers: dict[str, Container] = {}
         self.grace_s = float(self.spec.get("terminationGracePeriodSeconds", 30))
         self.sigterm_at: dict[str, float] = {}  # container -> time.monotonic() of its SIGTERM
+        self.image = image  # image mode: the containers run in this image with podman
+        self.ready_s: float | None = None  # start(): seconds until every container was started and Ready
+        self._file_modes: dict[Path, int] = {}  # ConfigMap/Secret volume dir -> its files' mode
 
     # ---- volumes ----
     def _make_volumes(self) -> None:
@@ -217,6 +268,18 @@ class Pod:
                                 str(path)], check=True, capture_output=True, timeout=30)
                 self._tmpfs.append(path)
             self.volumes[v["name"]] = path
+            if self.image is None:
+                continue
+            # As the kubelet makes them: an emptyDir is world-writable, and with fsGroup group-owned by
+            # it (setgid); ConfigMap/Secret files get defaultMode (0644 unset), group fsGroup.
+            fs_group = self.spec.get("securityContext", {}).get("fsGroup")
+            if "emptyDir" in v:
+                os.chmod(path, 0o2777 if fs_group is not None else 0o777)
+            source = v.get("configMap") or v.get("secret")
+            if source is not None:
+                self._file_modes[path] = int(source.get("defaultMode", 0o644))
+            if fs_group is not None:
+                os.chown(path, 0, int(fs_group))
 
     def _fill_volumes(self) -> None:
         """ConfigMap and Secret contents (after the containers' path tables exist, for remapping)."""
@@ -234,8 +297,13 @@ class Pod:
         """The kubelet's AtomicWriter: files in a fresh `..<ts>` dir, `..data` swapped onto it."""
         stamp = path / f"..{time.time_ns()}"
         stamp.mkdir()
+        fs_group = self.spec.get("securityContext", {}).get("fsGroup") if self.image else None
         for key, value in data.items():
             (stamp / key).write_text(self._remap_for_volume(path, value))
+            if self.image is not None:
+                os.chmod(stamp / key, self._file_modes.get(path, 0o644))
+            if fs_group is not None:
+                os.chown(stamp / key, 0, int(fs_group))
         tmp = path / "..data_tmp"
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(stamp.name)
@@ -249,8 +317,9 @@ class Pod:
 
     def _remap_for_volume(self, path: Path, text: str) -> str:
         """ConfigMap content names paths as the containers see them: remap with the first container
-        that mounts this volume (before containers exist: no remapping needed yet)."""
-        for c in self.containers.values():
+        that mounts this volume (before containers exist: no remapping needed yet). Image mode: the
+        containers see the real mount paths, nothing to remap."""
+        for c in self.containers.values() if self.image is None else ():
             if path in c.paths.values():
                 return remap(text, c.paths)
         return text
@@ -265,8 +334,9 @@ class Pod:
     # ---- containers ----
     def _container(self, spec: dict, sidecar: bool) -> Container:
         paths = {m["mountPath"]: self.volumes[m["name"]] for m in spec.get("volumeMounts", [])}
-        c = Container(spec, sidecar, paths)
-        env = dict(IMAGE_ENV)
+        c = Container(spec, sidecar, paths, podman_name=f"{self.net.netns}-{spec['name']}")
+        # Image mode: the image's own ENV is under the rendered env (podman); HOSTNAME is the pod's name.
+        env = dict(IMAGE_ENV) if self.image is None else {}
         env["HOSTNAME"] = self.name
         for src in spec.get("envFrom", []):
             kind, ref = ("ConfigMap", src["configMapRef"]) if "configMapRef" in src else ("Secret", src["secretRef"])
@@ -277,6 +347,10 @@ class Pod:
             value = self._env_value(e, env)
             if value is not None:
                 env[e["name"]] = value
+        if self.image is not None:
+            c.env = env
+            c.argv = [expand(a, env) for a in [*spec.get("command", []), *spec.get("args", [])]]
+            return c
         env = {k: remap(v, paths) for k, v in env.items()}
         # Set after the remap: these are host paths (a checkout under /tmp must not be remapped to a volume).
         env["PATH"] = f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -304,8 +378,58 @@ class Pod:
         raise AssertionError(f"env {e}: unsupported source")
 
     def _wrap(self, c: Container, argv: list[str]) -> list[str]:
-        """argv in the pod's network namespace."""
+        """argv in the pod's network namespace (image mode: in the running container)."""
+        if self.image is not None:
+            return [*PODMAN, "exec", c.podman_name, *argv]
         return ["ip", "netns", "exec", self.net.netns, *argv]
+
+    def security_context(self, c: Container) -> dict:
+        """The container's effective securityContext: its own fields over the pod's."""
+        pod_sc = {k: v for k, v in (self.spec.get("securityContext") or {}).items()
+                  if k in ("runAsUser", "runAsGroup", "runAsNonRoot", "seccompProfile")}
+        return {**pod_sc, **(c.spec.get("securityContext") or {})}
+
+    def _podman_run(self, c: Container) -> list[str]:
+        """`podman run` of the container as the kubelet would run it (see the module docstring)."""
+        sc = self.security_context(c)
+        pod_sc = self.spec.get("securityContext") or {}
+        uid, gid = sc.get("runAsUser"), sc.get("runAsGroup")
+        if uid is None:
+            user = podman("image", "inspect", "--format", "{{.Config.User}}", str(self.image)).stdout.strip()
+            uid = user.split(":")[0] or "0"
+        if sc.get("runAsNonRoot"):  # the kubelet refuses to start it: "container has runAsNonRoot and image
+            assert str(uid).isdigit() and int(uid) != 0, f"{c.name}: runAsNonRoot, but it would run as {uid!r}"
+        argv = [*PODMAN, "run", "--name", c.podman_name, "--pull", "never", "--network",
+                f"ns:/run/netns/{self.net.netns}", "--hostname", self.name, "--user",
+                f"{uid}:{gid}" if gid is not None else str(uid)]
+        for group in [pod_sc.get("fsGroup"), *pod_sc.get("supplementalGroups", [])]:
+            if group is not None:
+                argv += ["--group-add", str(group)]
+        if sc.get("readOnlyRootFilesystem"):
+            argv += ["--read-only", "--read-only-tmpfs=false"]  # podman would add tmpfs on /tmp, /run...
+        caps = sc.get("capabilities") or {}
+        argv += [f"--cap-drop={cap}" for cap in caps.get("drop", [])]
+        argv += [f"--cap-add={cap}" for cap in caps.get("add", [])]
+        if sc.get("allowPrivilegeEscalation") is False:
+            argv += ["--security-opt", "no-new-privileges"]
+        if sc.get("privileged"):
+            argv.append("--privileged")
+        seccomp = (sc.get("seccompProfile") or {}).get("type", "RuntimeDefault")
+        assert seccomp in ("RuntimeDefault", "Unconfined"), f"{c.name}: seccomp {seccomp} not emulated"
+        if seccomp == "Unconfined":
+            argv += ["--security-opt", "seccomp=unconfined"]
+        for m in c.spec.get("volumeMounts", []):
+            assert "subPath" not in m, f"{c.name}: subPath not emulated"
+            argv += ["-v", f"{self.volumes[m['name']]}:{m['mountPath']}" + (":ro" if m.get("readOnly") else "")]
+        for name, value in c.env.items():
+            if name != "HOSTNAME":
+                argv += ["-e", f"{name}={value}"]
+        if c.spec.get("workingDir"):
+            argv += ["--workdir", c.spec["workingDir"]]
+        command, args = c.spec.get("command"), [expand(a, c.env) for a in c.spec.get("args", [])]
+        if command:
+            argv += ["--entrypoint", json.dumps([expand(a, c.env) for a in command])]
+        return [*argv, str(self.image), *args]
 
     def _cwd(self, c: Container) -> Path:
         return c.paths.get(IMAGE_WORKDIR, self.root)
@@ -313,13 +437,19 @@ class Pod:
     def _start(self, c: Container) -> None:
         c.log_path = self.root / f"{c.name}.log"
         with open(c.log_path, "ab") as log:
+            if self.image is not None:
+                podman("rm", "-f", "-t", "0", c.podman_name, check=False)  # a leftover of a killed run
+                c.proc = subprocess.Popen(self._podman_run(c), env=podman_env(), stdin=subprocess.DEVNULL,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                return
             c.proc = subprocess.Popen(self._wrap(c, c.argv), env=c.env, cwd=self._cwd(c), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, ready_timeout: float = 180.0) -> None:
         """Volumes, then init containers in order (a native sidecar: started, startup probe passed),
         then the containers; returns once every container's startup probe passed and the first
-        container is Ready."""
+        container is Ready (`ready_s`: how long that took)."""
+        started = time.monotonic()
         self._make_volumes()
         for spec in self.spec.get("initContainers", []):
             c = self._container(spec, sidecar=spec.get("restartPolicy") == "Always")
@@ -335,6 +465,7 @@ class Pod:
         for name in [s["name"] for s in self.spec["containers"]]:
             self.wait_probe(name, "startupProbe", timeout=ready_timeout)
             self.wait_probe(name, "readinessProbe", timeout=ready_timeout)
+        self.ready_s = time.monotonic() - started
 
     # ---- probes ----
     def container_port(self, container: str, port: int | str) -> int:
@@ -387,10 +518,10 @@ class Pod:
 
     def exec(self, container: str, command: list[str], timeout: float) -> tuple[bool, str]:
         c = self.containers[container]
-        argv = [remap(expand(a, c.env), c.paths) for a in command]
+        argv = [expand(a, c.env) if self.image else remap(expand(a, c.env), c.paths) for a in command]
         try:
-            r = subprocess.run(self._wrap(c, argv), env=c.env, cwd=self._cwd(c), capture_output=True,
-                               text=True, timeout=timeout)
+            r = subprocess.run(self._wrap(c, argv), env=podman_env() if self.image else c.env, cwd=self._cwd(c),
+                               capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return False, "timed out"
         return r.returncode == 0, f"exit {r.returncode}: {(r.stdout + r.stderr)[-500:]}"
@@ -453,7 +584,10 @@ class Pod:
         if proc is not None and proc.poll() is None:
             if sig == signal.SIGTERM:
                 self.sigterm_at[name] = time.monotonic()
-            os.killpg(proc.pid, sig)
+            if self.image is not None:  # the container's process, as the runtime delivers it
+                podman("kill", "--signal", str(int(sig)), self.containers[name].podman_name, check=False)
+            else:
+                os.killpg(proc.pid, sig)
 
     def _wait(self, name: str, timeout: float) -> int:
         proc = self.containers[name].proc
@@ -467,10 +601,44 @@ class Pod:
         for c in self.containers.values():
             if c.proc is not None and c.proc.poll() is None:
                 self._signal(c.name, signal.SIGKILL)
-                c.proc.wait(10)
+                try:
+                    c.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                    c.proc.wait(10)
+            if self.image is not None:
+                podman("rm", "-f", "-t", "0", c.podman_name, check=False)
         for path in self._tmpfs:
             subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    # ---- image mode: what the containers did to the image and as whom they ran ----
+    def root_writes(self, container: str) -> list[str]:
+        """`podman diff`: what changed in the container's root filesystem (its volumes excluded), less
+        what the runtime itself makes: the files it bind-mounts (as a kubelet does: /etc/hosts, ...) and
+        the mount points of the volumes (with their parent dirs)."""
+        c = self.containers[container]
+        runtime = {"/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/run/.containerenv"}
+        mounts = [m["mountPath"] for m in c.spec.get("volumeMounts", [])]
+        runtime |= {*mounts, *(re.sub(r"^/var/run/", "/run/", m) for m in mounts)}  # Debian: /var/run -> /run
+        runtime |= {str(parent) for path in list(runtime) for parent in Path(path).parents}
+        out = podman("diff", c.podman_name).stdout.split("\n")
+        return [line for line in out if line.strip() and line.split(maxsplit=1)[-1] not in runtime]
+
+    def process_ids(self, container: str) -> dict[int, dict[str, list[int]]]:
+        """Every process of the running container: host pid -> its Uid/Gid (real, effective, saved,
+        fs) and Groups, read from /proc on the host."""
+        c = self.containers[container]
+        pids = podman("top", c.podman_name, "hpid").stdout.split()[1:]
+        ids = {}
+        for pid in map(int, pids):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except FileNotFoundError:  # gone since `podman top` (an exec probe)
+                continue
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+            ids[pid] = {k: [int(x) for x in fields[k].split()] for k in ("Uid", "Gid", "Groups")}
+        return ids
 
     def logs(self) -> str:
         return "\n".join(f"--- {c.name} ---\n{c.log()[-3000:]}" for c in self.containers.values())
@@ -486,9 +654,10 @@ def _bytes(size: str | int) -> int:
 
 @contextmanager
 def running_pod(docs: list[dict], cluster: dict, **kw: object) -> Iterator[Pod]:
-    """A started pod in its own network namespace; everything torn down afterwards."""
+    """A started pod in its own network namespace (image=TAG: its containers in that image); everything
+    torn down afterwards."""
     with PodNetwork() as net:
-        pod = Pod(docs, cluster, net, **kw)
+        pod = Pod(docs, cluster, net, **kw)  # type: ignore[arg-type]
         try:
             pod.start()
             yield pod

