@@ -5,7 +5,7 @@ VPY      := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
 TORCH    := torch==2.13.0
 
-.PHONY: install run test lint proto bench clean image image
+.PHONY: install run test lint proto bench clean image
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -24,10 +24,6 @@ test: $(STAMP)
 	bash scripts/install_test_tools.sh
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q -p no:cacheprovider
-
-# The CPU image from the Dockerfile, with podman, from Debian's packages and PyPI alone (prints its size).
-image: $(STAMP)
-	bash scripts/build_image.sh
 
 # The CPU image from the Dockerfile, with podman, from Debian's packages and PyPI alone (prints its size).
 image: $(STAMP)
