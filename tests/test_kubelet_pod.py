@@ -354,6 +354,9 @@ def test_every_option_install(mode: str, request: pytest.FixtureRequest, tmp_pat
     adapters = root / "adapters"
     for i, name in enumerate(ADAPTERS):
         write_peft_adapter(adapters / name, rank=8, seed=700 + i)
+    # The object store's files, readable by the pod's user (10001 in image mode; the safetensors file is
+    # written 0600 by root, which only the host-process mode could read).
+    subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
     adapter_bytes = max(sum(f.stat().st_size for f in (adapters / n).iterdir()) for n in ADAPTERS)
     pki = _pki(tmp_path)
     token = "kubelet-test-admin-token"
