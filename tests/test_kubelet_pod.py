@@ -471,3 +471,20 @@ def test_dead_scheduler_thread_fails_the_rendered_liveness_probe(tmp_path: Path)
         assert took <= budget + 2.0, took
         assert _health(address, "") == "NOT_SERVING"
         assert "the scheduler thread has died" in pod.containers[INFERENCE].log()
+
+
+# ---- the image-mode checks themselves ---------------------------------------------------------------
+def test_image_checks_catch_root_and_writes_outside_volumes(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The checks the image-mode tests rely on are not vacuous: the same pod with its securityContext
+    loosened (root, writable root filesystem) fails them, for each reason."""
+    image = request.getfixturevalue("image")
+    values = tmp_path / "root.yaml"
+    values.write_text(yaml.safe_dump({
+        "podSecurityContext": {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0, "fsGroup": 10001},
+        "securityContext": {"runAsNonRoot": False, "readOnlyRootFilesystem": False}}))
+    with running_pod(render_chart(values), {}, image=image) as pod:
+        with pytest.raises(AssertionError, match="'Uid': \\[0, 0, 0, 0\\]"):
+            _check_image_containers(pod)
+        ok, detail = pod.exec(CACHE, ["sh", "-c", "echo x >/etc/written-outside"], timeout=30)
+        assert ok, detail
+        assert pod.root_writes(CACHE) == ["A /etc/written-outside"]
