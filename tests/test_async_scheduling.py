@@ -224,7 +224,11 @@ def test_a_failed_step_with_one_in_flight_ends_the_running_requests_and_leaves_n
     worker: the scheduler thread's recovery (`fail_running`, as CoreThread calls it) waits for the
     launched step, ends every running request and every one owed a token, releases everything, and
     the engine serves the next request."""
-    core = _core("on", adapters)
+    core = _core("on", {})
+    # In their slots before the requests come: a slot load overlaps decoding, so on a loaded machine
+    # the base request had finished its 20 tokens before the adapters' requests started, the three
+    # never streamed together, and the planning bug below was never reached.
+    load_adapters(core, adapters, preload=True)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     for i, adapter in enumerate(("a0", None, "a1")):
         core.add_request(Request(f"r{i}", _prompt(i), params), adapter)
@@ -232,6 +236,7 @@ def test_a_failed_step_with_one_in_flight_ends_the_running_requests_and_leaves_n
         core.step()
         if len(core.scheduler.running) == 3 and core.step_in_flight:
             break
+    assert len(core.scheduler.running) == 3 and core.step_in_flight, "the three requests never streamed together"
     real_plan, real_execute = core.runner.plan, core.runner.execute
     release, ran = threading.Event(), threading.Event()
     held: set[int] = set()  # the rows of the step that runs until the test releases it
