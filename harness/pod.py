@@ -1,17 +1,17 @@
 """A kubelet, as far as our tests need one: start the pod the Helm chart renders and probe it.
 
-No Kubernetes API server, container runtime or image build is available here (see
-/work/shared/TOOLS.md), so this plays the node's part for one rendered Deployment:
+No Kubernetes API server can run here (see /work/shared/TOOLS.md), so this plays the node's part for
+one rendered Deployment:
 - the pod gets a network namespace of its own and a link-local address on a veth pair (unique
   names per test process, always torn down); its containers' processes run inside it, so what
   listens on 127.0.0.1 there is invisible from outside, as on a real node;
 - each volume is a temp dir (emptyDir medium Memory: a tmpfs); ConfigMap and Secret volumes hold
-  the objects' keys (written the kubelet's atomic way, so an update swaps `..data`); paths are
-  remapped: every mount path in a container's args, env values and mounted ConfigMap files becomes
+  the objects' keys (written the kubelet's atomic way, so an update swaps `..data`); host mode
+  remaps paths: every mount path in a container's args, env values and mounted ConfigMap files becomes
   its temp dir (a text substitution);
 - a container's process is its rendered command + args ($(VAR) expanded) with its rendered env
   (value, secretKeyRef, configMapKeyRef, fieldRef, envFrom) on top of the image's ENV, in the
-  pod's netns. The image is not built: the commands are the
+  pod's netns. Host mode (the default): the commands are the
   console scripts of the Python environment running the tests (its bin dir stands in for the
   image's /opt/loraplex/bin on PATH), with PYTHONPATH at this checkout and OMP_NUM_THREADS=1;
 - init containers with restartPolicy: Always are native sidecars: started first, their startup

@@ -1,7 +1,7 @@
 """The pod the Helm chart renders, started as a kubelet would start it (harness/pod.py).
 
-No image is built and no API server runs here: the chart is rendered by the real helm binary and
-each container's process is its rendered command/args/env mapped onto this Python environment's
+No API server runs here: the chart is rendered by the real helm binary and (host mode) each
+container's process is its rendered command/args/env mapped onto this Python environment's
 console scripts (`loraplex-inference`, `loraplex-cache`, `python` for exec probes), in a network
 namespace of its own with a link-local pod IP. Everything is checked from outside that namespace,
 the way the kubelet, a Service and Prometheus reach a pod:
