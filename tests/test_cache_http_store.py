@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from adapter_cache.errors import PermissionDeniedError
+from harness.http_origin import send_file
 from harness.sidecar import Sidecar, make_adapter
 
 FILES: dict[str, bytes] = {}
@@ -27,22 +28,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Location", self.path.replace("/moved/", "/adapters/", 1))
             self.end_headers()
             return
-        body = FILES.get(self.path)
-        if body is None:
-            self.send_error(404)
-            return
-        first, last = 0, len(body) - 1
-        if rng := self.headers.get("Range"):
-            RANGES.append(rng)
-            start, _, end = rng.removeprefix("bytes=").partition("-")
-            first, last = int(start), min(int(end or last), len(body) - 1)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {first}-{last}/{len(body)}")
-        else:
-            self.send_response(200)
-        self.send_header("Content-Length", str(last - first + 1))
-        self.end_headers()
-        self.wfile.write(body[first : last + 1])
+        send_file(self, FILES.get(self.path), RANGES)
 
     def log_message(self, *args: object) -> None:
         pass

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from adapter_cache.errors import UnavailableError
+from harness.http_origin import send_file
 from harness.inference_server import start_inference_server
 from harness.pki import Issued, issue, make_ca
 from harness.sidecar import Sidecar, make_adapter
@@ -39,22 +40,7 @@ class HttpsOrigin:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                body = origin.files.get(self.path)
-                if body is None:
-                    self.send_error(404)
-                    return
-                first, last = 0, len(body) - 1
-                if rng := self.headers.get("Range"):
-                    origin.ranges.append(rng)
-                    start, _, end = rng.removeprefix("bytes=").partition("-")
-                    first, last = int(start), min(int(end or last), len(body) - 1)
-                    self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {first}-{last}/{len(body)}")
-                else:
-                    self.send_response(200)
-                self.send_header("Content-Length", str(last - first + 1))
-                self.end_headers()
-                self.wfile.write(body[first : last + 1])
+                send_file(self, origin.files.get(self.path), origin.ranges)
 
             def log_message(self, *args: object) -> None:
                 pass
