@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness pack
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from harness.real_model import reference_checkpoint
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
-from inference_service.request import Request, SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=4096, max_position_embeddings=512)

@@ -40,9 +40,9 @@ def workload(total: int, n_adapters: int) -> list[tuple[str | None, str]]:
 
 
 def run_inprocess(args, adapters: dict[str, str], work) -> tuple[int, float]:
-    from inference_service.config import EngineConfig
-    from inference_service.engine import Engine
-    from inference_service.request import SamplingParams
+    from inference_service.engine.config import EngineConfig
+    from inference_service.engine.in_process import Engine
+    from inference_service.engine.request import SamplingParams
 
     engine = Engine(EngineConfig(model=args.model, device=args.device, max_loras=args.max_loras))
     engine.start()

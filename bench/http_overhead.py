@@ -42,9 +42,9 @@ def workload(total: int) -> list[list[int]]:
 
 
 def run_inprocess(args, work: list[list[int]]) -> tuple[int, float]:
-    from inference_service.config import EngineConfig
-    from inference_service.engine import Engine
-    from inference_service.request import SamplingParams
+    from inference_service.engine.config import EngineConfig
+    from inference_service.engine.in_process import Engine
+    from inference_service.engine.request import SamplingParams
 
     engine = Engine(EngineConfig(model=args.model, device=args.device, max_num_seqs=max(64, args.concurrency),
                                  tokenizer="byte"))

@@ -35,15 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness pack
 from bench.engine_throughput import MODEL  # noqa: E402
 from harness.engine_helpers import load_adapters  # noqa: E402
 from harness.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
-from inference_service.config import EngineConfig  # noqa: E402
 from inference_service.device import make_copy_engine  # noqa: E402
-from inference_service.engine_core import EngineCore  # noqa: E402
+from inference_service.engine.config import EngineConfig  # noqa: E402
+from inference_service.engine.core import EngineCore  # noqa: E402
+from inference_service.engine.request import Request, SamplingParams  # noqa: E402
 from inference_service.kernels.copy import CopyJob  # noqa: E402
 from inference_service.lora.backend import make_lora_op  # noqa: E402
 from inference_service.lora.mem_pool import LoRAMemoryPool  # noqa: E402
 from inference_service.lora.source import LocalDirectorySource  # noqa: E402
 from inference_service.models.loader import load_model  # noqa: E402
-from inference_service.request import Request, SamplingParams  # noqa: E402
 
 RESIDENT, CHURN, SLOTS = 4, 8, 8
 

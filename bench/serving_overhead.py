@@ -83,8 +83,8 @@ def serve_simulated(step_ms: float, trace: str, cli_args: list[str]) -> int:
     (planning the step's rows, the scheduler, outputs and transport are all the real code). Each step
     appends `start slept rows` to `trace` (`StepTrace`)."""
     from inference_service import cli
-    from inference_service.model_runner import ModelRunner
-    from inference_service.request import TokenLogprobs
+    from inference_service.engine.model_runner import ModelRunner
+    from inference_service.engine.request import TokenLogprobs
 
     step_s = step_ms / 1000.0
     # A device's step ends when it ends; a sleep ends up to the thread's timer slack later (50 us by
@@ -515,8 +515,8 @@ class InProcess:
 
     def __init__(self, model: str, adapters: dict[str, str], streams: int, max_loras: int,
                  tokenizer: str = "byte") -> None:
-        from inference_service.config import EngineConfig
-        from inference_service.engine import EngineCore
+        from inference_service.engine.config import EngineConfig
+        from inference_service.engine.in_process import EngineCore
 
         self.core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer=tokenizer,
                                             max_loras=max_loras, max_num_seqs=streams))
@@ -531,7 +531,7 @@ class InProcess:
              on_step: Callable[[int], None] = lambda tokens: None) -> tuple[int, float, float]:
         """One round of `streams` requests: tokens, seconds, and CPU seconds (all its threads: torch's too);
         `on_step` after each step, with the tokens it made."""
-        from inference_service.request import Request, SamplingParams
+        from inference_service.engine.request import Request, SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         self.rounds += 1
@@ -599,7 +599,7 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
     import torch
 
     from inference_service.demo_adapters import write_peft_adapter
-    from inference_service.heap import freeze_startup_objects
+    from inference_service.engine.heap import freeze_startup_objects
     from inference_service.models.gguf import GGUFFile
     from inference_service.models.llama import ModelConfig
 

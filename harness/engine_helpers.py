@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
-from inference_service.request import Request, RequestOutput, SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, RequestOutput, SamplingParams
 
 
 def make_core(max_loras: int = 2, **config: object) -> EngineCore:

@@ -20,14 +20,14 @@ from adapter_cache.auth import read_tokens
 from adapter_cache.env_flags import add_env_flag, env_name
 from adapter_cache.errors import LoraplexError
 from adapter_cache.uri_policy import UriPolicy
-from inference_service.adapter_resolver import check_template
-from inference_service.auth import admin_disabled_reason, read_token_file
-from inference_service.config import EngineConfig
-from inference_service.engine_client import EngineClient
-from inference_service.http.config import HttpConfig
+from inference_service.engine.client import EngineClient
+from inference_service.engine.config import EngineConfig
+from inference_service.frontend.adapter_resolver import check_template
+from inference_service.frontend.auth import admin_disabled_reason, read_token_file
+from inference_service.frontend.grpc_server import ServerConfig
+from inference_service.frontend.http.config import HttpConfig
+from inference_service.frontend.preload import read_preload_file
 from inference_service.limits import RequestLimits
-from inference_service.preload import read_preload_file
-from inference_service.server import ServerConfig
 
 log = logging.getLogger("loraplex.cli")
 ENV_PREFIX = "LORAPLEX_"
@@ -265,7 +265,7 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
 
 async def _serve_until_signal(engine: EngineClient, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
                               registry: Any) -> None:
-    from inference_service.server import serve
+    from inference_service.frontend.grpc_server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -273,9 +273,9 @@ async def _serve_until_signal(engine: EngineClient, server_cfg: ServerConfig, si
         loop.add_signal_handler(sig, stop.set)
     front_ends = []
     if http_cfg.port:
-        from inference_service.chat_template import load_chat_template
-        from inference_service.http.app import build_app
-        from inference_service.http.serving import HttpFrontEnd
+        from inference_service.frontend.chat_template import load_chat_template
+        from inference_service.frontend.http.app import build_app
+        from inference_service.frontend.http.serving import HttpFrontEnd
 
         names = http_cfg.served_model_names or (engine.model_info.name,)
         template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
@@ -297,11 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, LoraplexError) as e:
         parser.error(str(e))
 
-    from inference_service.engine import Engine
-    from inference_service.engine_process import ProcessEngine
-    from inference_service.heap import freeze_startup_objects
-    from inference_service.metrics import EngineCollector, build_registry, serve_metrics
-    from inference_service.residency import ResidencyCollector
+    from inference_service.engine.heap import freeze_startup_objects
+    from inference_service.engine.in_process import Engine
+    from inference_service.engine.process import ProcessEngine
+    from inference_service.frontend.metrics import EngineCollector, build_registry, serve_metrics
+    from inference_service.frontend.residency import ResidencyCollector
 
     registry, sink = build_registry(server_cfg.adapter_metrics_top_k)
     # The core process is forked here, before any server thread exists and before this process

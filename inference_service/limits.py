@@ -43,6 +43,12 @@ def check_adapter_name(name: str) -> None:
         )
 
 
+
+def adapter_name(name: str) -> str:
+    """`name` if it is a valid adapter name (INVALID_ARGUMENT, without echoing it, otherwise)."""
+    check_adapter_name(name)
+    return name
+
 def check_request_id(request_id: str, max_length: int) -> None:
     if len(request_id) > max_length or not _REQUEST_ID.fullmatch(request_id):
         raise InvalidArgumentError(

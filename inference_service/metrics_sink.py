@@ -1,6 +1,6 @@
 """What the engine reports as it runs (counters, histograms), kept free of Prometheus imports.
 
-Called from the scheduler thread; `inference_service.metrics` implements it for Prometheus.
+Called from the scheduler thread; `inference_service.frontend.metrics` implements it for Prometheus.
 """
 
 from __future__ import annotations

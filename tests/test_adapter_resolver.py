@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from harness.inference_server import InferenceServer, start_inference_server
-from inference_service.adapter_resolver import check_template
 from inference_service.cli import build_parser, configs_from_args
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
+from inference_service.frontend.adapter_resolver import check_template
 
 ALLOWED = ("ok-1", "ok-2", "ok-3", "missing")  # each allowed by its own prefix; "missing" has no files
 LOADS = "loraplex_lora_loads_total"

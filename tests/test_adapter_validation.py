@@ -71,10 +71,10 @@ from harness.bad_adapters import (
 )
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.sidecar import Sidecar
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, SamplingParams
 from inference_service.lora.source import LocalDirectorySource
-from inference_service.request import FinishReason, Request, SamplingParams
 
 # (id, edit, exact error class); the code follows from the class and is checked too.
 CASES: list[tuple[str, Edit, type[LoraplexError]]] = [

@@ -1,5 +1,5 @@
 """Async scheduling (`--async-scheduling on`): each step runs on the device worker while the
-scheduler plans the next one (inference_service/engine_core.py).
+scheduler plans the next one (inference_service/engine/core.py).
 
 - It serves exactly what the synchronous engine serves: greedy and seeded sampling, adapters
   swapping through fewer slots, stop tokens, stop strings, penalties and min_tokens (which read
@@ -29,14 +29,15 @@ import torch
 from adapter_cache.errors import LoraplexError
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import generate, load_adapters, run_to_completion
-from inference_service import engine_core, model_runner
-from inference_service.config import EngineConfig
-from inference_service.engine import Engine
-from inference_service.engine_core import EngineCore
-from inference_service.kv_cache import kv_bytes_per_block
+from inference_service.engine import core as engine_core
+from inference_service.engine import model_runner
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.in_process import Engine
+from inference_service.engine.kv_cache import kv_bytes_per_block
+from inference_service.engine.request import FinishReason, Request, SamplingParams
+from inference_service.engine.sampling import NON_FINITE
 from inference_service.models.loader import builtin_tiny_config
-from inference_service.request import FinishReason, Request, SamplingParams
-from inference_service.sampling import NON_FINITE
 
 STEP_S = 0.08  # the patched device step of the late-planning test
 

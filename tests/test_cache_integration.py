@@ -107,9 +107,9 @@ def local_adapters(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def expected(local_adapters) -> dict[tuple[str | None, str], list[int]]:
     """Greedy token ids of every (adapter, prompt) from the in-process Engine, adapters from file://."""
-    from inference_service.config import EngineConfig
-    from inference_service.engine import Engine
-    from inference_service.request import SamplingParams
+    from inference_service.engine.config import EngineConfig
+    from inference_service.engine.in_process import Engine
+    from inference_service.engine.request import SamplingParams
 
     engine = Engine(EngineConfig(model="builtin:tiny", device=SERVER_DEVICE, max_loras=4))  # as the server
     engine.start()

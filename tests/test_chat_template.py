@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from adapter_cache.errors import InvalidArgumentError
-from inference_service.chat_template import ChatTemplate, load_chat_template
+from inference_service.frontend.chat_template import ChatTemplate, load_chat_template
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "

@@ -10,8 +10,8 @@ import pytest
 
 from adapter_cache.errors import PermissionDeniedError
 from inference_service import cli, client_cli
-from inference_service.auth import AdminAuth, admin_disabled_reason
-from inference_service.preload import PreloadEntry, read_preload_file
+from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
+from inference_service.frontend.preload import PreloadEntry, read_preload_file
 
 FLAGS = [
     "--model", "--listen", "--metrics-port", "--max-loras", "--max-lora-rank", "--kv-cache-bytes",
@@ -124,7 +124,7 @@ def test_dtype_auto(tmp_path):
     names none), on CPU bf16 only where the CPU computes it natively."""
     import torch
 
-    from inference_service.config import auto_dtype
+    from inference_service.engine.config import auto_dtype
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.bfloat16

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from inference_service.config import EngineConfig
-from inference_service.engine import Engine
-from inference_service.request import SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.in_process import Engine
+from inference_service.engine.request import SamplingParams
 
 PROMPT = [256, 72, 101, 108, 108, 111]
 PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The engine core in its own process (inference_service/engine_process.py), through the real server.
+"""The engine core in its own process (inference_service/engine/process.py), through the real server.
 
 - A LoadAdapter that returned makes the adapter usable at once: the front end's mirror of adapter
   names is updated before the call's result (both travel in one ordered pipe).
@@ -142,8 +142,8 @@ def test_a_killed_front_end_takes_its_core_process_with_it(tmp_path: Path) -> No
 
 EMBEDDER_THAT_FAILS = """
 import multiprocessing
-from inference_service.config import EngineConfig
-from inference_service.engine_process import ProcessEngine
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.process import ProcessEngine
 
 if __name__ == "__main__":
     engine = ProcessEngine(EngineConfig(model="builtin:tiny", device="cpu"))

@@ -5,9 +5,9 @@ request's own seed wins over it. On builtin:tiny (CPU, deterministic random weig
 from __future__ import annotations
 
 from harness.engine_helpers import generate
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
-from inference_service.request import SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import SamplingParams
 
 UNSEEDED = SamplingParams(temperature=1.5, max_new_tokens=24, ignore_eos=True)
 PROMPTS = {f"r{i}": ([256, 65 + i, 66, 67], None) for i in range(3)}

@@ -17,10 +17,10 @@ import torch
 from harness.devices import C_KERNELS_OFF, requires_cuda
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
-from inference_service.request import Request, SamplingParams
 
 ADAPTERS = [
     AdapterSpec("r4-attn", 4, 8, ("q_proj", "v_proj"), seed=1),

@@ -17,11 +17,11 @@ import torch
 
 from adapter_cache.errors import UnavailableError
 from harness.engine_helpers import run_to_completion
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, SamplingParams
+from inference_service.engine.sampling import NON_FINITE, sample
 from inference_service.lora.staging_pool import StagingPool
-from inference_service.request import FinishReason, Request, SamplingParams
-from inference_service.sampling import NON_FINITE, sample
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 PROMPTS = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}

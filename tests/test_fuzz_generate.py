@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
-from inference_service.config import EngineConfig
 from inference_service.demo_adapters import write_peft_adapter
-from inference_service.engine import Engine
-from inference_service.server import ServerConfig, build_server
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.in_process import Engine
+from inference_service.frontend.grpc_server import ServerConfig, build_server
 
 EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "300"))
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,

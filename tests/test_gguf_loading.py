@@ -21,11 +21,11 @@ import torch
 from adapter_cache.errors import FailedPreconditionError
 from harness.engine_helpers import run_to_completion
 from harness.gguf_files import BLOCKS, CHATML, K_QUANTS, make_base_checkpoint, random_blocks, write_gguf
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
 from inference_service.models.gguf import SUPPORTED_TYPES, GGUFFile
 from inference_service.models.loader import load_model
-from inference_service.request import Request, SamplingParams
 
 CPU = torch.device("cpu")
 WRITTEN_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
@@ -119,7 +119,7 @@ def test_gguf_and_safetensors_paths_serve_the_same_tokens(checkpoints, gguf_dir)
 def test_tokenizer_and_chat_template_equal_transformers(checkpoints, gguf_dir):
     from transformers import AutoTokenizer
 
-    from inference_service.chat_template import load_chat_template
+    from inference_service.frontend.chat_template import load_chat_template
 
     path = _file(checkpoints, gguf_dir, "llama", "Q8_0")
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -140,7 +140,7 @@ def test_tokenizer_and_chat_template_equal_transformers(checkpoints, gguf_dir):
 
 
 def test_directory_holding_one_gguf_loads_and_two_are_refused(checkpoints, gguf_dir, tmp_path):
-    from inference_service.chat_template import load_chat_template
+    from inference_service.frontend.chat_template import load_chat_template
 
     one = tmp_path / "one"
     one.mkdir()

@@ -17,12 +17,12 @@ from adapter_cache.adapter_format import load_adapter_dir, parse_adapter_config,
 from harness.adapters import write_tiny_adapter
 from harness.devices import requires_cuda
 from harness.engine_helpers import load_adapters, run_to_completion
-from inference_service.config import EngineConfig
 from inference_service.device import CudaCopyEngine, register_host_memory, unregister_host_memory
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora.mem_pool import LoRAMemoryPool
 from inference_service.models.loader import builtin_tiny_config
-from inference_service.request import Request, SamplingParams
 
 pytestmark = requires_cuda
 

@@ -25,10 +25,10 @@ from harness.devices import SERVER_DEVICE
 from harness.engine_helpers import generate, load_adapters
 from harness.inference_server import start_inference_server
 from inference_service.client import InferenceClient
-from inference_service.config import EngineConfig
 from inference_service.demo_adapters import write_peft_adapter
-from inference_service.engine_core import EngineCore
-from inference_service.request import SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import SamplingParams
 from inference_service.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.slow

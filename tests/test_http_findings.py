@@ -29,7 +29,7 @@ from harness.isolation import assert_clean
 from harness.models import make_checkpoint
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.client import InferenceClient
-from inference_service.http.protocol import IGNORED_FIELDS
+from inference_service.frontend.http.protocol import IGNORED_FIELDS
 
 pytestmark = pytest.mark.slow
 BASE = "builtin:tiny"
@@ -403,7 +403,7 @@ def _value_counters(server: InferenceServer) -> list[int]:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == server.proc.pid and b"inference_service.http.value_count" in cmdline:
+        if ppid == server.proc.pid and b"inference_service.frontend.http.value_count" in cmdline:
             pids.append(int(proc.name))
     return pids
 

@@ -1,4 +1,4 @@
-"""One intake (issue 32 item 3): inference_service/intake.py checks what either API asks of the engine,
+"""One intake (issue 32 item 3): inference_service/frontend/intake.py checks what either API asks of the engine,
 and its errors mean the same on both front ends (a gRPC status by name, an HTTP status from the one
 table in http/errors.py)."""
 
@@ -19,9 +19,10 @@ from adapter_cache.errors import (
 )
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.api import inference_pb2 as pb
-from inference_service.engine_core import ModelInfo
-from inference_service.http.errors import HTTP_STATUS, status_of
-from inference_service.intake import (
+from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.engine.types import ModelInfo
+from inference_service.frontend.http.errors import HTTP_STATUS, status_of
+from inference_service.frontend.intake import (
     Intake,
     adapter_load,
     adapter_name,
@@ -30,7 +31,6 @@ from inference_service.intake import (
     sha256_digest,
 )
 from inference_service.limits import RequestLimits
-from inference_service.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def _calls(name: str) -> list[str]:
 
 
 def test_names_and_digests_are_checked_in_the_intake_alone():
-    assert _calls("check_adapter_name") == ["inference_service/intake.py"]
+    assert _calls("check_adapter_name") == ["inference_service/frontend/intake.py"]
     digest_checks = [str(p.relative_to(ROOT)) for p in (ROOT / "inference_service").rglob("*.py")
                      if "0123456789abcdef" in p.read_text()]
-    assert digest_checks == ["inference_service/intake.py"]
+    assert digest_checks == ["inference_service/frontend/intake.py"]

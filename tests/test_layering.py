@@ -1,5 +1,7 @@
 """Imports run one way (docs/architecture.md): the sidecar is the lower layer, kernels are the
-ground floor, and benches share the harness with the tests but import no test module.
+ground floor, models and the LoRA pool lie below the engine, the engine knows no front end, front
+ends reach the engine only through its client interface and the types it names, and benches share
+the harness with the tests but import no test module.
 
 Walks every module's imports with ast (function-level and TYPE_CHECKING imports count too).
 """
@@ -13,6 +15,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# What a front end may import of the engine: the interface and the types that cross it.
+ENGINE_INTERFACE = tuple(f"inference_service.engine.{name}" for name in ("client", "types", "request", "streams"))
 
 
 def _module_name(path: Path) -> str:
@@ -59,8 +65,17 @@ def _violations(directory: str, forbidden: str, allowed: tuple[str, ...] = ()) -
         ("inference_service/kernels", "inference_service", ("inference_service.kernels",)),
         ("bench", "tests", ()),
         ("harness", "tests", ()),
+        ("inference_service/models", "inference_service.engine", ()),
+        ("inference_service/lora", "inference_service.engine", ()),
+        ("inference_service/engine", "inference_service.frontend", ()),
+        ("inference_service/lora", "inference_service.frontend", ()),
+        ("inference_service/models", "inference_service.frontend", ()),
+        ("inference_service/engine", "inference_service.cli", ()),
+        ("inference_service/frontend", "inference_service.engine", ENGINE_INTERFACE),
     ],
-    ids=["sidecar-below-inference", "kernels-ground-floor", "bench-no-tests", "harness-no-tests"],
+    ids=["sidecar-below-inference", "kernels-ground-floor", "bench-no-tests", "harness-no-tests",
+         "models-below-engine", "lora-below-engine", "engine-knows-no-front-end", "lora-knows-no-front-end",
+         "models-know-no-front-end", "engine-not-the-wiring", "front-ends-through-the-client"],
 )
 def test_imports_run_one_way(directory, forbidden, allowed):
     assert _violations(directory, forbidden, allowed) == []
@@ -72,12 +87,12 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
     package = tmp_path / "adapter_cache"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("import inference_service.engine\n")
+    (package / "a.py").write_text("import inference_service.engine.in_process\n")
     (package / "b.py").write_text("def f():\n    from inference_service import engine\n")
     (package / "c.py").write_text("from . import store\nfrom ..inference_service import x\n")
     found = _violations("adapter_cache", "inference_service")
     assert found == [
-        "adapter_cache/a.py imports inference_service.engine",
+        "adapter_cache/a.py imports inference_service.engine.in_process",
         "adapter_cache/b.py imports inference_service",
         "adapter_cache/b.py imports inference_service.engine",
         "adapter_cache/c.py imports inference_service",

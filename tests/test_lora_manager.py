@@ -20,11 +20,11 @@ from adapter_cache.errors import NotFoundError, ResourceExhaustedError
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, make_core, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from inference_service.kernels.copy import CopyJob
 from inference_service.lora.registry import AdapterState
-from inference_service.request import FinishReason, Request, RequestStatus, SamplingParams
 
 ALL_MODULES = tuple(SUPPORTED_TARGET_MODULES)
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)

@@ -12,10 +12,10 @@ from adapter_cache.adapter_format import HostAdapter
 from adapter_cache.errors import ResourceExhaustedError
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, SamplingParams
 from inference_service.lora.registry import AdapterState
-from inference_service.request import FinishReason, Request, SamplingParams
 
 
 class RefuseFirstStages:

@@ -36,12 +36,12 @@ from hypothesis.stateful import (
 from adapter_cache.adapter_format import load_adapter_dir
 from adapter_cache.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from harness.adapters import write_tiny_adapter
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, SamplingParams
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config
-from inference_service.request import FinishReason, Request, SamplingParams
 
 # 400 examples x up to 60 rules: about 25 s on 2 CPU cores (1,500 x 80 found nothing more).
 MAX_EXAMPLES = 400
@@ -189,8 +189,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs, aging_steps=10**9,  # no aging barrier: every queued request's adapter is needed
             async_scheduling=async_scheduling,  # on: each step runs on the device worker while the next is planned
         )
-        with mock.patch("inference_service.model_runner.LoRAManager", manager), \
-                mock.patch("inference_service.model_runner.make_copy_engine", lambda *a: self.copies):
+        with mock.patch("inference_service.engine.model_runner.LoRAManager", manager), \
+                mock.patch("inference_service.engine.model_runner.make_copy_engine", lambda *a: self.copies):
             self.core = EngineCore(config)
         assert self.core.runner.kv.num_blocks == kv_blocks
         real_plan = self.core.runner.plan

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.tools import require_tool
-from inference_service.metrics import (
+from inference_service.frontend.metrics import (
     EngineCollector,
     MetricsSink,
     NullMetrics,

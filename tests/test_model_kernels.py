@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
 from inference_service.kernels import build, fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
 from inference_service.models.llama import GatherScratch
 from inference_service.models.loader import BUILTIN_TINY, load_model
-from inference_service.request import Request, SamplingParams
 
 CPU = torch.device("cpu")
 

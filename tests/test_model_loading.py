@@ -15,10 +15,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from adapter_cache.errors import FailedPreconditionError
 from harness.engine_helpers import run_to_completion
 from harness.models import make_checkpoint
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, SamplingParams
 from inference_service.models.loader import BUILTIN_TINY, load_model
-from inference_service.request import FinishReason, Request, SamplingParams
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer
 
 VOCAB = 160  # make_checkpoint's vocab_size; bos 1, eos 2

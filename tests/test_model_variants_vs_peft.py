@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
-from inference_service.request import Request, SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
 
 NEW_TOKENS = 13  # prefill + 12 decode steps
 TOL = 1e-4

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_service.config import EngineConfig
 from inference_service.device import GIL_SWITCH_INTERVAL_S
-from inference_service.engine_core import EngineCore
-from inference_service.engine_process import ProcessEngine
-from inference_service.request import SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.process import ProcessEngine
+from inference_service.engine.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

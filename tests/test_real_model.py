@@ -20,10 +20,10 @@ import torch
 
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.real_model import reference_checkpoint, require_real_model
-from inference_service.chat_template import load_chat_template
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
-from inference_service.request import Request, SamplingParams
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
+from inference_service.frontend.chat_template import load_chat_template
 from inference_service.tokenizer import IncrementalDetokenizer
 
 QUESTIONS = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference_service.request import Request, SamplingParams
+from inference_service.engine.request import Request, SamplingParams
 
 
 @given(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from inference_service.engine import EngineStats
-from inference_service.metrics import EngineCollector, build_registry
+from inference_service.engine.in_process import EngineStats
+from inference_service.frontend.metrics import EngineCollector, build_registry
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "routing.py"
 spec = importlib.util.spec_from_file_location("bench_routing", BENCH)

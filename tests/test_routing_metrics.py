@@ -28,12 +28,12 @@ from harness.engine_helpers import load_adapters
 from harness.ports import free_port
 from harness.tools import require_tool
 from inference_service.client import InferenceClient
-from inference_service.config import EngineConfig
 from inference_service.demo_adapters import write_peft_adapter
-from inference_service.engine import EngineCore
-from inference_service.metrics import EngineCollector, build_registry, serve_metrics
-from inference_service.request import Request, SamplingParams
-from inference_service.residency import Residency, ResidencyCollector
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.in_process import EngineCore
+from inference_service.engine.request import Request, SamplingParams
+from inference_service.frontend.metrics import EngineCollector, build_registry, serve_metrics
+from inference_service.frontend.residency import Residency, ResidencyCollector
 
 INFO = "vllm:lora_requests_info"
 COUNTS = "loraplex_lora_adapters_resident"

@@ -1,5 +1,5 @@
 """Sampling, stop handling and request validation through EngineCore on builtin:tiny, plus unit
-tests of `inference_service.sampling.sample` on crafted logits.
+tests of `inference_service.engine.sampling.sample` on crafted logits.
 
 builtin:tiny has deterministic random weights and a byte tokenizer (0-255 bytes, 256 BOS, 257
 EOS), so greedy runs are fixed and make good oracles for stop tokens and stop strings; its
@@ -16,12 +16,12 @@ import torch
 
 from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
 from harness.engine_helpers import run_to_completion
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
-from inference_service.kv_cache import kv_bytes_per_block
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.kv_cache import kv_bytes_per_block
+from inference_service.engine.request import FinishReason, Request, SamplingParams
+from inference_service.engine.sampling import sample
 from inference_service.models.loader import builtin_tiny_config
-from inference_service.request import FinishReason, Request, SamplingParams
-from inference_service.sampling import sample
 
 PROMPTS = {
     "hello": [256, *b"Hello world"],
@@ -322,7 +322,7 @@ def test_multibyte_utf8_is_streamed_whole(core, monkeypatch):
     def forced_sample(logits, params, generators):
         return [next(forced) for _ in params]
 
-    monkeypatch.setattr("inference_service.model_runner.sample", forced_sample)
+    monkeypatch.setattr("inference_service.engine.model_runner.sample", forced_sample)
     result = run_one(core, PROMPTS["short"], replace(GREEDY, max_new_tokens=len(target)))
     assert result.tokens == list(target)
     assert result.text == "héllo €😀!"
@@ -334,7 +334,7 @@ def test_multibyte_utf8_is_streamed_whole(core, monkeypatch):
 def test_stop_string_with_multibyte_characters(core, monkeypatch):
     target = "naïve café—done".encode()
     forced = iter(target)
-    monkeypatch.setattr("inference_service.model_runner.sample", lambda logits, params, gens: [next(forced)])
+    monkeypatch.setattr("inference_service.engine.model_runner.sample", lambda logits, params, gens: [next(forced)])
     result = run_one(core, PROMPTS["short"], replace(GREEDY, max_new_tokens=len(target), stop=("é—",)))
     assert result.finish_reason is FinishReason.STOP
     assert result.text == "naïve caf"
@@ -344,7 +344,7 @@ def test_stop_string_with_multibyte_characters(core, monkeypatch):
 def test_long_stop_string_starting_early_is_never_streamed(core, monkeypatch):
     target = b"abcdefghijklmnop"
     forced = iter(target)
-    monkeypatch.setattr("inference_service.model_runner.sample", lambda logits, params, gens: [next(forced)])
+    monkeypatch.setattr("inference_service.engine.model_runner.sample", lambda logits, params, gens: [next(forced)])
     result = run_one(core, PROMPTS["short"], replace(GREEDY, max_new_tokens=len(target), stop=("cdefghij",)))
     assert result.finish_reason is FinishReason.STOP and result.text == "ab"
     assert result.tokens == list(b"abcdefghij")

@@ -18,10 +18,10 @@ from transformers.generation.logits_process import (
 
 from adapter_cache.errors import InvalidArgumentError
 from harness.engine_helpers import run_to_completion
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
-from inference_service.request import FinishReason, Request, SamplingParams
-from inference_service.sampling import min_p_filter, process_logits, token_logprobs
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, SamplingParams
+from inference_service.engine.sampling import min_p_filter, process_logits, token_logprobs
 
 V = 258
 EOS = 257

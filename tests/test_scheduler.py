@@ -13,12 +13,12 @@ import torch
 from harness.adapters import write_tiny_adapter
 from harness.devices import DEVICES
 from harness.engine_helpers import generate, load_adapters, run_to_completion
-from inference_service.config import EngineConfig
-from inference_service.engine_core import EngineCore
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.kv_cache import kv_bytes_per_block
+from inference_service.engine.request import FinishReason, Request, SamplingParams
 from inference_service.kernels.copy import CopyJob
-from inference_service.kv_cache import kv_bytes_per_block
 from inference_service.models.loader import builtin_tiny_config
-from inference_service.request import FinishReason, Request, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 

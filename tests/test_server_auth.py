@@ -6,7 +6,7 @@ import pytest
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, PermissionDeniedError, UnauthenticatedError
 from adapter_cache.uri_policy import UriPolicy
-from inference_service.auth import AdminAuth, is_loopback_listen
+from inference_service.frontend.auth import AdminAuth, is_loopback_listen
 
 
 def test_no_token_configured_allows_everyone():

@@ -54,9 +54,9 @@ def server(adapter_dir, tmp_path_factory):
 
 
 def _inprocess_outputs(adapter_dir) -> list[tuple[list[int], str, str]]:
-    from inference_service.config import EngineConfig
-    from inference_service.engine import Engine
-    from inference_service.request import SamplingParams
+    from inference_service.engine.config import EngineConfig
+    from inference_service.engine.in_process import Engine
+    from inference_service.engine.request import SamplingParams
 
     engine = Engine(EngineConfig(model="builtin:tiny", device=SERVER_DEVICE, max_loras=4))  # as the server
     engine.start()

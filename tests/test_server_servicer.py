@@ -19,10 +19,10 @@ from adapter_cache.errors import NotFoundError, ResourceExhaustedError, Unavaila
 from harness.tools import require_tool
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
+from inference_service.engine.request import FinishReason, RequestOutput, Timings
+from inference_service.frontend.grpc_server import ServerConfig, build_server
+from inference_service.frontend.metrics import build_registry
 from inference_service.limits import RequestLimits
-from inference_service.metrics import build_registry
-from inference_service.request import FinishReason, RequestOutput, Timings
-from inference_service.server import ServerConfig, build_server
 from inference_service.tokenizer import ByteTokenizer
 
 GRPCURL = Path(sys.executable).with_name("grpcurl")  # the venv running the tests ships it (pip wrapper)

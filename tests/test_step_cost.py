@@ -21,9 +21,9 @@ import pytest
 
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, make_core
-from inference_service.engine_core import EngineCore
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora.staging_pool import StagingPool
-from inference_service.request import Request, SamplingParams
 
 FEW, MANY = 10, 10_000
 PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)

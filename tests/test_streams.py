@@ -1,4 +1,4 @@
-"""The front end's request streams (inference_service/streams.py): one pending output per stream,
+"""The front end's request streams (inference_service/engine/streams.py): one pending output per stream,
 coalescing for a consumer that lags, and detokenization on the consumer's side that gives the
 same text however the tokens were grouped."""
 
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
-from inference_service.request import FinishReason, RequestOutput, SamplingParams
-from inference_service.streams import StreamTable
+from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.engine.streams import StreamTable
 from inference_service.tokenizer import ByteTokenizer
 
 PROMPT = list(b"Hi ")
@@ -104,7 +104,7 @@ def test_outputs_reach_each_stream_in_order_when_steps_outrun_the_chunked_wakeup
     finishing first): every stream still gets its tokens in order and its final output. Handed
     over out of order, the tail request's final was merged into its earlier non-final delta and
     its stream hung (what the 10,000-call storm found)."""
-    from inference_service.streams import WAKE_CHUNK
+    from inference_service.engine.streams import WAKE_CHUNK
 
     n = 2 * WAKE_CHUNK + 5
     last = f"r{n - 1}"

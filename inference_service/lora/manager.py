@@ -277,7 +277,7 @@ class LoRAManager:
 
     def residency(self) -> list[tuple[str, AdapterState, LoadTier]]:
         """(name, state, where its next load's bytes come from) of each adapter's current version:
-        what routers want to know about warm adapters (inference_service/residency.py)."""
+        what routers want to know about warm adapters (inference_service/frontend/residency.py)."""
         versions = self._registry.versions
         return [(name, self.state(uid), versions[uid].tier) for name, uid in self._registry.current.items()]
 

@@ -4,7 +4,7 @@ One place for what a client sees of a request: finish reasons (stop tokens, EOS,
 strings), the stop-string hold-back, TTFT/ITL, and the final output of every request however it
 ended. With `detokenize=False` (the serving bridges) only requests with stop strings are decoded
 here, since a stop string must end its request at an exact token; the others leave `text` None
-for the front end's stream to decode off the scheduler thread (inference_service/streams.py).
+for the front end's stream to decode off the scheduler thread (inference_service/engine/streams.py).
 The scheduler advances requests (`Scheduler.postprocess`) and asks `on_token` whether a new token
 ends one.
 """
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from adapter_cache.errors import FailedPreconditionError, LoraplexError
+from inference_service.engine.request import FinishReason, Request, RequestOutput
+from inference_service.engine.sampling import FORWARD_FAILED, NON_FINITE, SAMPLING_FAILED
 from inference_service.limits import shown
 from inference_service.lora.registry import adapter_name
 from inference_service.metrics_sink import MetricsSink
-from inference_service.request import FinishReason, Request, RequestOutput
-from inference_service.sampling import FORWARD_FAILED, NON_FINITE, SAMPLING_FAILED
 from inference_service.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)

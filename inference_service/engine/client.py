@@ -4,7 +4,7 @@
 resolver may use of an engine: requests in, streams out, aborts, admin calls, a stats snapshot and
 named calls to the core (the watchdog's heartbeat, the residency scrape, test faults). Two engines
 implement it: `engine.Engine` (the core on a thread of this process) and
-`engine_process.ProcessEngine` (the core in a process of its own). Both derive from
+`engine.process.ProcessEngine` (the core in a process of its own). Both derive from
 `EngineClientBase`, which holds what they share: the checks made before a request leaves the
 caller, the stream it opens, and the admin calls as typed `CoreCall`s, which one engine hands to
 its scheduler thread and the other sends down its pipe (`CoreThread.run_call` runs them on the
@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from adapter_cache.errors import FailedPreconditionError, NotFoundError, UnavailableError
-from inference_service.config import EngineConfig
-from inference_service.engine_core import (
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, SamplingParams
+from inference_service.engine.streams import RequestStream, StreamTable
+from inference_service.engine.types import (
     TEST_FAULT_ENV,
     TEST_STEP_DELAY_ENV,
     AdapterInfo,
-    EngineCore,
     EngineStats,
     ModelInfo,
     Residency,
@@ -34,10 +36,7 @@ from inference_service.engine_core import (
     test_faults_enabled,
     validate_request,
 )
-from inference_service.intake import adapter_name
-from inference_service.limits import check_request_id
-from inference_service.request import FinishReason, SamplingParams
-from inference_service.streams import RequestStream, StreamTable
+from inference_service.limits import adapter_name, check_adapter_name, check_request_id
 from inference_service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -142,7 +141,7 @@ def checked_request(model_info: ModelInfo, prompt_token_ids: list[int], params: 
     if request_id is not None:
         check_request_id(request_id, model_info.limits.max_request_id_length)
     if adapter:
-        adapter_name(adapter)
+        check_adapter_name(adapter)
     validate_request(model_info, prompt_token_ids, params)
     return request_id or f"req-{uuid.uuid4().hex[:12]}"
 

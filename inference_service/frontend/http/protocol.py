@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inference_service.request import MAX_LOGIT_BIAS
+from inference_service.engine.request import MAX_LOGIT_BIAS
 
 # OpenAI's optional fields that do not change what is generated: accepted, and ignored.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",

@@ -7,7 +7,7 @@ any request can use (http/body.py decides, from its commas) is counted here firs
 stops nothing but this process, and the front end parses it only if the count is within bounds.
 
 Parent side: `ValueCounter.count(raw)` (blocking; call it from a worker thread). Child side:
-`python -m inference_service.http.value_count` reads 8-byte big-endian lengths and bodies on stdin
+`python -m inference_service.frontend.http.value_count` reads 8-byte big-endian lengths and bodies on stdin
 and answers one JSON line each, `{"values": n, "field": top-level key holding the most}` or
 `{"error": message}`; it exits at EOF, so it ends with its parent.
 """
@@ -24,7 +24,7 @@ from typing import Any
 from pydantic_core import from_json
 
 from adapter_cache.errors import LoraplexError
-from inference_service.http.errors import BadField
+from inference_service.frontend.http.errors import BadField
 
 CHILD_NICE = 10  # the engine core and the front end come first
 

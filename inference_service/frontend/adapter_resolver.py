@@ -17,8 +17,8 @@ import logging
 import weakref
 
 from adapter_cache.uri_policy import SCHEMES, UriPolicy
-from inference_service.engine_client import EngineClient
-from inference_service.intake import adapter_name
+from inference_service.engine.client import EngineClient
+from inference_service.frontend.intake import adapter_name
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Every check raises a LoraplexError subclass (adapter_cache/errors.py), whose `co
 status name: server.py answers `grpc.StatusCode[code]`, http/errors.py maps it to an HTTP status
 in its one table, so a bad input means the same on both front ends. Sizes are checked before the
 work that grows with them (tokenizing, copying, decoding). The engine checks the engine request
-once more where it leaves the caller (engine_client.checked_request, over the same functions), for
+once more where it leaves the caller (engine.client.checked_request, over the same functions), for
 the embedders that call it directly.
 """
 
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
 from adapter_cache.uri_policy import UriPolicy
-from inference_service.engine_core import ModelInfo, validate_request
-from inference_service.limits import check_adapter_name, check_request_id, check_stop
-from inference_service.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.engine.types import ModelInfo, validate_request
+from inference_service.limits import adapter_name, check_request_id, check_stop
 from inference_service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -33,12 +33,6 @@ _ENGINE_END_CODES = {FinishReason.DEADLINE: "DEADLINE_EXCEEDED", FinishReason.CA
 
 
 # ---- adapters: names and digests ---------------------------------------------------------------------------
-
-def adapter_name(name: str) -> str:
-    """`name` if it is a valid adapter name (INVALID_ARGUMENT, without echoing it, otherwise)."""
-    check_adapter_name(name)
-    return name
-
 
 def optional_adapter(name: str | None) -> str | None:
     """A request's adapter: None (or "") for the base model, else a checked name."""

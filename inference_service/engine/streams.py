@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
-from inference_service.request import FinishReason, RequestOutput, SamplingParams
+from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # Finishes that flush the detokenizer's held-back tail (an incomplete character at the end): the

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from inference_service.http.config import HttpConfig
+from inference_service.frontend.http.config import HttpConfig
 
 log = logging.getLogger("loraplex.http")
 BACKLOG = 2048  # uvicorn's default

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inference_service.request import Request
+from inference_service.engine.request import Request
 
 
 @dataclass

@@ -40,14 +40,15 @@ import weakref
 from typing import Any, Literal
 
 from adapter_cache.errors import LoraplexError, UnavailableError
-from inference_service.config import EngineConfig
-from inference_service.engine import CoreThread
-from inference_service.engine_client import CoreCall, EngineClientBase
-from inference_service.engine_core import EngineCore, EngineStats, ModelInfo
-from inference_service.heap import freeze_startup_objects
+from inference_service.engine.client import CoreCall, EngineClientBase
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.heap import freeze_startup_objects
+from inference_service.engine.in_process import CoreThread
+from inference_service.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.engine.streams import Delta, StreamTable
+from inference_service.engine.types import EngineStats, ModelInfo
 from inference_service.metrics_sink import MetricsSink, NullMetrics
-from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
-from inference_service.streams import Delta, StreamTable
 from inference_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class AbortRequest:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CallCore:
-    """Front end → core: a typed call (engine_client.CoreCall); its answer comes back as a CallResult."""
+    """Front end → core: a typed call (engine.client.CoreCall); its answer comes back as a CallResult."""
 
     call_id: int
     call: CoreCall
@@ -334,7 +335,7 @@ def _exit_status(code: int | None) -> str:
 
 
 class ProcessEngine(EngineClientBase):
-    """The EngineClient interface (engine_client.py: add_request, abort, admin calls, stats) over a
+    """The EngineClient interface (engine/client.py: add_request, abort, admin calls, stats) over a
     core process."""
 
     def __init__(self, config: EngineConfig, metrics: MetricsSink | None = None,

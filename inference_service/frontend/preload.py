@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapter_cache.errors import LoraplexError
 from adapter_cache.uri_policy import UriPolicy
-from inference_service.engine_client import EngineClient
+from inference_service.engine.client import EngineClient
 from inference_service.lora.registry import UnloadedWhileLoadingError
 
 log = logging.getLogger("loraplex.preload")

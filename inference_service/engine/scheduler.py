@@ -18,14 +18,14 @@ from collections.abc import Callable
 import torch
 
 from adapter_cache.errors import LoraplexError
-from inference_service.batch import ScheduledBatch
-from inference_service.config import EngineConfig
-from inference_service.kv_cache import KVCache
+from inference_service.engine.batch import ScheduledBatch
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.kv_cache import KVCache
+from inference_service.engine.model_runner import StepResults
+from inference_service.engine.output_processor import sample_error
+from inference_service.engine.request import FinishReason, Request, RequestStatus, WaitReason
 from inference_service.limits import shown
 from inference_service.lora.manager import LoRAManager
-from inference_service.model_runner import StepResults
-from inference_service.output_processor import sample_error
-from inference_service.request import FinishReason, Request, RequestStatus, WaitReason
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from adapter_cache.errors import LoraplexError
-from inference_service.engine_core import Residency
+from inference_service.engine.types import Residency
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ SCRAPE_WAIT_S = 2.0  # a scrape waits this long for the scheduler thread, then s
 
 
 class _Engine(Protocol):
-    """The part of engine_client.EngineClient this collector uses (tests pass a core they step)."""
+    """The part of engine.client.EngineClient this collector uses (tests pass a core they step)."""
 
     def adapter_residency(self) -> concurrent.futures.Future[Residency]: ...
 

@@ -13,20 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.batch import ScheduledBatch
-from inference_service.config import EngineConfig
 from inference_service.device import InlineExecutor, make_copy_engine
+from inference_service.engine.batch import ScheduledBatch
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.kv_cache import KVCache, kv_bytes_per_block
+from inference_service.engine.request import Request, SamplingParams, TokenLogprobs
+from inference_service.engine.sampling import process_logits, sample, step_logprobs
 from inference_service.kernels import fused
 from inference_service.kernels import paged_attention as cpu_kernels
-from inference_service.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch
 from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink
 from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
-from inference_service.request import Request, SamplingParams, TokenLogprobs
-from inference_service.sampling import process_logits, sample, step_logprobs
 from inference_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

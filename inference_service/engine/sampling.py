@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from inference_service.request import SamplingParams, TokenLogprobs
+from inference_service.engine.request import SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -21,19 +21,19 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from adapter_cache.errors import InvalidArgumentError
-from inference_service.chat_template import ChatTemplate
-from inference_service.engine_client import EngineClient
-from inference_service.http.errors import BadField, error_body, status_of
-from inference_service.http.protocol import (
+from inference_service.engine.client import EngineClient
+from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from inference_service.engine.streams import RequestStream
+from inference_service.frontend.chat_template import ChatTemplate
+from inference_service.frontend.http.errors import BadField, error_body, status_of
+from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     TokenizeRequest,
     _Sampling,
 )
-from inference_service.intake import ENGINE_ENDED, Intake, engine_end_error
-from inference_service.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
-from inference_service.streams import RequestStream
+from inference_service.frontend.intake import ENGINE_ENDED, Intake, engine_end_error
 
 log = logging.getLogger("loraplex.http")
 

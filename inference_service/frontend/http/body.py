@@ -22,8 +22,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
-from inference_service.http.errors import BadField, error_response
-from inference_service.http.value_count import ValueCounter
+from inference_service.frontend.http.errors import BadField, error_response
+from inference_service.frontend.http.value_count import ValueCounter
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")

@@ -30,16 +30,16 @@ from grpc_reflection.v1alpha import reflection
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from adapter_cache.uri_policy import UriPolicy
-from inference_service.adapter_resolver import resolve_adapter
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
-from inference_service.auth import AdminAuth, admin_disabled_reason
-from inference_service.engine_client import EngineClient
-from inference_service.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
-from inference_service.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
+from inference_service.engine.client import EngineClient
+from inference_service.engine.request import FinishReason, RequestOutput
+from inference_service.frontend.adapter_resolver import resolve_adapter
+from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
+from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
+from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
+from inference_service.frontend.preload import PreloadEntry, Preloader
 from inference_service.limits import ADAPTER_NAME_PATTERN, shown
-from inference_service.preload import PreloadEntry, Preloader
-from inference_service.request import FinishReason, RequestOutput
 
 log = logging.getLogger("loraplex.server")
 
@@ -87,7 +87,7 @@ class ServerConfig:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """loraplex.v1.Inference over an engine (engine_client.EngineClient)."""
+    """loraplex.v1.Inference over an engine (engine.client.EngineClient)."""
 
     def __init__(self, engine: EngineClient, config: ServerConfig, metrics: Any = None) -> None:
         self.engine = engine

@@ -26,8 +26,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from inference_service.engine_client import EngineClient
-from inference_service.engine_core import TEST_FAULT_ENV, TEST_STEP_DELAY_ENV, TestFault
+from inference_service.engine.client import EngineClient
+from inference_service.engine.types import TEST_FAULT_ENV, TEST_STEP_DELAY_ENV, TestFault
 
 log = logging.getLogger("loraplex.health")
 
@@ -38,7 +38,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # "die" or "hang[:SECONDS]" makes SIGUSR1 kill the scheduler thread or wedge it in a "step" that lasts
 # that long (default: forever); TEST_STEP_DELAY_ENV makes every scheduler step this many seconds
 # slower (a big model's pace on a toy model). Either is also the test flag that lets the engine arm
-# a fault at all (EngineClient.install_fault, engine_core.test_faults_enabled).
+# a fault at all (EngineClient.install_fault, engine.types.test_faults_enabled).
 ALIVE_POLL_S = 1.0  # how often the watcher looks at the engine (more often with a short stall limit)
 
 

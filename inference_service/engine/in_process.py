@@ -1,12 +1,12 @@
 """The scheduler thread, and the in-process bridge to it.
 
-`CoreThread` runs an `engine_core.EngineCore`: other threads talk to it only through a command
+`CoreThread` runs an `engine.core.EngineCore`: other threads talk to it only through a command
 queue; it hands each step's outputs to one callback, once per step (never per token), and
 publishes a stats snapshot after each step. `Engine` is the in-process front end over it (the
-request streams of inference_service/streams.py); `engine_process.ProcessEngine` is the same front
+request streams of inference_service/engine/streams.py); `engine.process.ProcessEngine` is the same front
 end over a CoreThread in a process of its own, which is what `loraplex-inference` serves with. Both
-implement engine_client.EngineClient, the one interface the front ends use, and share its code
-(engine_client.EngineClientBase).
+implement engine.client.EngineClient, the one interface the front ends use, and share its code
+(engine.client.EngineClientBase).
 """
 
 from __future__ import annotations
@@ -20,19 +20,20 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from adapter_cache.errors import LoraplexError, NotFoundError
-from inference_service.config import EngineConfig
-from inference_service.engine_client import (
+from inference_service.engine.client import (
     CoreCall,
     EngineClientBase,
     LoadAdapter,
     UnloadAdapter,
     run_call,
 )
-from inference_service.engine_core import AdapterInfo, EngineCore, EngineStats
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.engine.streams import StreamTable
+from inference_service.engine.types import AdapterInfo, EngineStats
 from inference_service.lora.source import AdapterSource
 from inference_service.metrics_sink import MetricsSink
-from inference_service.request import FinishReason, Request, RequestOutput, SamplingParams
-from inference_service.streams import StreamTable
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class CoreThread:
         return result
 
     def run_call(self, call: CoreCall) -> concurrent.futures.Future[Any]:
-        """A typed call (engine_client.CoreCall) on the scheduler thread, each on a named method
+        """A typed call (engine.client.CoreCall) on the scheduler thread, each on a named method
         of EngineCore; its result (or error) in the future."""
         if isinstance(call, LoadAdapter):
             return self.load_adapter(call.name, call.uri, call.sha256, call.pinned, call.preload, call.on_demand)
@@ -215,7 +216,7 @@ def _copy_future(inner: concurrent.futures.Future, result: concurrent.futures.Fu
 
 class Engine(EngineClientBase):
     """EngineCore on a thread of this process, with thread-safe intake, abort and admin calls
-    (the EngineClient interface: engine_client.py)."""
+    (the EngineClient interface: engine/client.py)."""
 
     def __init__(
         self, config: EngineConfig, source: AdapterSource | None = None, metrics: MetricsSink | None = None

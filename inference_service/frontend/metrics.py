@@ -26,8 +26,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from adapter_cache.adapter_format import LoadTier
+from inference_service.engine.request import WaitReason
 from inference_service.metrics_sink import MetricsSink, NullMetrics
-from inference_service.request import WaitReason
 
 __all__ = ["MetricsSink", "NullMetrics", "PrometheusMetrics", "EngineCollector", "build_registry", "serve_metrics"]
 

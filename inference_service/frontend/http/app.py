@@ -24,14 +24,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError
 from adapter_cache.uri_policy import UriPolicy
-from inference_service.adapter_resolver import resolve_adapter
-from inference_service.auth import AdminAuth, admin_disabled_reason
-from inference_service.chat_template import ChatTemplate
-from inference_service.engine_client import EngineClient
-from inference_service.http.body import BodyLimit, BodyTooLarge, Offload, max_values, too_large
-from inference_service.http.errors import HTTP_STATUS, error_response, loraplex_error_response, status_of
-from inference_service.http.generation import Generation, OpenAIGeneration
-from inference_service.http.protocol import (
+from inference_service.engine.client import EngineClient
+from inference_service.frontend.adapter_resolver import resolve_adapter
+from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
+from inference_service.frontend.chat_template import ChatTemplate
+from inference_service.frontend.grpc_server import ServerConfig
+from inference_service.frontend.http.body import BodyLimit, BodyTooLarge, Offload, max_values, too_large
+from inference_service.frontend.http.errors import HTTP_STATUS, error_response, loraplex_error_response, status_of
+from inference_service.frontend.http.generation import Generation, OpenAIGeneration
+from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -39,9 +40,8 @@ from inference_service.http.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
-from inference_service.intake import adapter_load, adapter_name, optional_adapter
+from inference_service.frontend.intake import adapter_load, adapter_name, optional_adapter
 from inference_service.limits import shown
-from inference_service.server import ServerConfig
 
 log = logging.getLogger("loraplex.http")
 # The gRPC status name (`error.code`) of the errors Starlette raises itself: 404 and 405 routes.
