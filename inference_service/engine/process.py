@@ -126,23 +126,60 @@ class _Update:
 
     deltas: list[Delta]
     outputs: list[RequestOutput]  # finished ones and those with logits/logprobs: whole
-    recorded_metrics: tuple[list[float], list[float], list[tuple[str, tuple[Any, ...]]]]
+    recorded_metrics: RecordedMetricsBatch
     stats: EngineStats | None  # when it changed
     adapter_names: frozenset[str] | None  # when it changed
     results: list[CallResult]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterLoaded:
+    tier: str
+    seconds: float
+
+    def replay(self, metrics: MetricsSink) -> None:
+        metrics.adapter_loaded(self.tier, self.seconds)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterEvicted:
+    def replay(self, metrics: MetricsSink) -> None:
+        metrics.adapter_evicted()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokensCounted:
+    prompt: int
+    generated: int
+
+    def replay(self, metrics: MetricsSink) -> None:
+        metrics.tokens(self.prompt, self.generated)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestFinished:
+    finish_reason: str
+    adapter: str | None
+
+    def replay(self, metrics: MetricsSink) -> None:
+        metrics.request_finished(self.finish_reason, self.adapter)
+
+
+MetricEvent = AdapterLoaded | AdapterEvicted | TokensCounted | RequestFinished
+RecordedMetricsBatch = tuple[list[float], list[float], list[MetricEvent]]
+
+
 class RecordedMetrics:
-    """The core process's metrics sink: records calls for the front end to replay. Per-token
-    timings go into plain lists (one pickled list of floats per step, not an object per token);
-    appends are atomic, and loader threads report loads."""
+    """The core process's metrics sink: records what it is told as typed events for the front end
+    to replay into the real sink. Per-token timings go into plain lists (one pickled list of floats
+    per step, not an object per token); appends are atomic, and loader threads report loads."""
 
     def __init__(self) -> None:
         self._ttft: list[float] = []
         self._itl: list[float] = []
-        self._events: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
+        self._events: collections.deque[MetricEvent] = collections.deque()
 
-    def take(self) -> tuple[list[float], list[float], list[tuple[str, tuple[Any, ...]]]]:
+    def take(self) -> RecordedMetricsBatch:
         ttft, self._ttft = self._ttft, []
         itl, self._itl = self._itl, []
         events = []
@@ -151,10 +188,10 @@ class RecordedMetrics:
         return ttft, itl, events
 
     def adapter_loaded(self, tier: str, seconds: float) -> None:
-        self._events.append(("adapter_loaded", (tier, seconds)))
+        self._events.append(AdapterLoaded(tier, seconds))
 
     def adapter_evicted(self) -> None:
-        self._events.append(("adapter_evicted", ()))
+        self._events.append(AdapterEvicted())
 
     def first_token(self, seconds: float) -> None:
         self._ttft.append(seconds)
@@ -163,20 +200,20 @@ class RecordedMetrics:
         self._itl.append(seconds)
 
     def tokens(self, prompt: int, generated: int) -> None:
-        self._events.append(("tokens", (prompt, generated)))
+        self._events.append(TokensCounted(prompt, generated))
 
     def request_finished(self, finish_reason: str, adapter: str | None) -> None:
-        self._events.append(("request_finished", (finish_reason, adapter)))
+        self._events.append(RequestFinished(finish_reason, adapter))
 
 
-def replay(metrics: MetricsSink, recorded: tuple[list[float], list[float], list[tuple[str, tuple[Any, ...]]]]) -> None:
+def replay(metrics: MetricsSink, recorded: RecordedMetricsBatch) -> None:
     ttft, itl, events = recorded
     for seconds in ttft:
         metrics.first_token(seconds)
     for seconds in itl:
         metrics.inter_token(seconds)
-    for name, args in events:
-        getattr(metrics, name)(*args)
+    for event in events:
+        event.replay(metrics)
 
 
 # ---- the core process ------------------------------------------------------------------------------------
