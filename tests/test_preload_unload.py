@@ -7,6 +7,7 @@ Real server subprocess, real adapter files, the preload file re-read every 0.2 s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
@@ -17,10 +18,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from adapter_cache.uri_policy import UriPolicy
 from harness.inference_server import InferenceServer, start_inference_server
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.in_process import Engine
+from inference_service.frontend.preload import PreloadEntry, Preloader
+from inference_service.limits import check_adapter_name
 
 RELOADS = "loraplex_preload_reloads_total"
 
@@ -148,3 +154,43 @@ def test_an_unload_during_a_preload_reload_is_not_undone(slow_server: InferenceS
         for stream in holds:
             stream.cancel()
         _wait(lambda: not versions(), "p@1 drained once its request ended")
+
+
+def test_a_failing_entry_stays_failed_while_it_is_retried(tmp_path: Path) -> None:
+    """Every attempt after the first leaves the entry FAILED until one succeeds: an entry that went
+    back to LOADING for each retry made `loraplex_preload_adapters{state="failed"}` flicker to 0 (an
+    operator's alert reset; the kubelet pod test's query once landed in such a window). The states
+    are read at every change the preloader reports (its `on_change`), so no window is missed; the
+    engine is the real in-process one, the adapter directory really missing until it is written."""
+    engine = Engine(EngineConfig(model="builtin:tiny", device="cpu", adapter_source_allow=(tmp_path.as_uri() + "/",)))
+    seen: list[str] = []
+
+    async def scenario() -> None:
+        preloader: Preloader
+
+        async def changed() -> None:
+            seen.append(preloader.states()["late"])
+
+        preloader = Preloader(engine, UriPolicy([tmp_path.as_uri() + "/"]), check_adapter_name, None,
+                              [PreloadEntry("late", (tmp_path / "late").as_uri())], retry_initial_s=0.05,
+                              retry_max_s=0.1, on_change=changed)
+        task = asyncio.create_task(preloader.run())
+        try:
+            while preloader.failures_total < 3:
+                await asyncio.sleep(0.01)
+            write_peft_adapter(tmp_path / "late", rank=4, seed=7)  # the next retry succeeds
+            while seen[-1] != "LOADED":
+                await asyncio.sleep(0.01)
+        finally:
+            preloader.stop()
+            task.cancel()
+
+    engine.start()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    finally:
+        engine.shutdown()
+    first_failure = seen.index("FAILED")
+    assert "LOADING" in seen[:first_failure]  # the first attempt is LOADING
+    assert set(seen[first_failure:-1]) == {"FAILED"}, seen  # retries do not flicker
+    assert seen[-1] == "LOADED"

@@ -82,7 +82,7 @@ class _Slot:
 
     entry: PreloadEntry
     task: asyncio.Task
-    failed: bool = False  # the last attempt failed (an attempt may be running again)
+    failed: bool = False  # an attempt failed and none has succeeded since (a retry may be running)
     error: str = ""
     attempts: int = 0
     settled: bool = False  # done: loaded, or an operator unloaded or replaced it while it loaded
@@ -207,7 +207,10 @@ class Preloader:
         while True:
             slot = self._slots[entry.name]
             slot.attempts += 1
-            await self._set(entry.name, failed=False)
+            if slot.attempts == 1:
+                # A retry leaves a failed entry FAILED until an attempt succeeds: a gauge that
+                # flickered to LOADING for every attempt would reset an operator's alert each time.
+                await self._set(entry.name, failed=False)
             try:
                 await asyncio.wrap_future(self._engine.load_adapter(
                     entry.name, uri, sha256=entry.sha256, pinned=entry.pinned, preload=True))
