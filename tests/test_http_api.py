@@ -37,8 +37,9 @@ LIMIT = 600
 MAX_MESSAGE = 64 * 1024
 BASE = "builtin:tiny"
 ADAPTERS = ("alpha", "beta")
-LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_pending_load_events", "loraplex_requests_running",
-               "loraplex_requests_waiting", "loraplex_kv_cache_usage_ratio")
+LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_adapter_references",
+               "loraplex_lora_pending_load_events", "loraplex_requests_running", "loraplex_requests_waiting",
+               "loraplex_kv_cache_usage_ratio")
 # A ChatML (Qwen2-style) template: the byte tokenizer of builtin:tiny has no template of its own.
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

@@ -92,3 +92,4 @@ def test_request_id_in_use_is_invalid_argument(server):
                 time.sleep(0.05)
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert server.value("loraplex_requests_running") == 0 and server.value("loraplex_lora_slots_referenced") == 0
+    assert server.value("loraplex_lora_adapter_references") == 0

@@ -37,7 +37,8 @@ def test_a_client_that_stops_reading_does_not_stall_the_engine(inference_server_
     assert victim == solo
 
     deadline = time.monotonic() + 30
-    while server.value("loraplex_requests_running") > 0 or server.value("loraplex_lora_slots_referenced") > 0:
+    while (server.value("loraplex_requests_running") > 0 or server.value("loraplex_lora_slots_referenced") > 0
+           or server.value("loraplex_lora_adapter_references") > 0):
         assert time.monotonic() < deadline, "the engine waits on a client that does not read"
         time.sleep(0.1)
 
