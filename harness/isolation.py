@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.cpu_accounting import CpuSnapshot, foreign_cores, our_waiting
+from harness.cpu_accounting import snapshot as cpu_snapshot
 from harness.inference_server import ROOT, InferenceServer
 from inference_service.client import InferenceClient
 
@@ -59,6 +61,14 @@ SLACK_S = 0.1
 # leave part of the attack unwatched.
 MAX_GAP_S = 0.25
 SOLO_REPEATS = 3
+# Other processes (not this test's tree) using this many cores more during the victim's timed runs
+# than while it ran alone make a failed timing check a MachineBusy (rerun), not a verdict. A quarter
+# of a core: on the 2-core box the server and the victim need both cores while the victim streams,
+# so a quarter core taken by others is ~1/8 of their time, enough to turn a 1.2x run into a 1.35x one.
+FOREIGN_LIMIT = 0.25
+# ...while our threads waited to run this many cores' worth longer than alone (a tenth of the wall
+# time): what competition for the CPU does, and a stall (threads blocked, not ready) does not.
+WAITING_LIMIT = 0.1
 LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_adapter_references",
                "loraplex_lora_pending_load_events", "loraplex_requests_running", "loraplex_requests_waiting",
                "loraplex_kv_cache_usage_ratio")
@@ -97,20 +107,22 @@ def _events(proc: subprocess.Popen) -> Iterator[dict]:
 def _pumped_events(proc: subprocess.Popen) -> Iterator[dict]:
     """`_events`, read by a thread of its own as they come: while the test attacks, nobody else
     reads, and a victim blocked on a full pipe (a run's line is ~2 KB, the pipe holds 64 KiB) would
-    pause between runs and leave the rest of a long attack unwatched."""
-    lines: queue.Queue[str | None] = queue.Queue()
+    pause between runs and leave the rest of a long attack unwatched. Each event carries the CPU
+    snapshot taken as it arrived ("cpu"), so a window of runs knows who used the machine meanwhile."""
+    lines: queue.Queue[tuple[str, CpuSnapshot] | None] = queue.Queue()
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.put(line)
+            lines.put((line, cpu_snapshot()))
         lines.put(None)
 
     threading.Thread(target=pump, name="victim-events", daemon=True).start()
-    while (line := lines.get()) is not None:
-        event = json.loads(line)
+    while (item := lines.get()) is not None:
+        event = json.loads(item[0])
         if "error" in event:
             raise AssertionError(f"the victim failed: {event['error']}: {event['details']}")
+        event["cpu"] = item[1]
         yield event
 
 
@@ -206,14 +218,73 @@ def check_victim(base: VictimResult, runs: list[dict], attack_start: float, atta
     # Every timed run is held to the slowest of all its runs alone: a long attack times a dozen runs,
     # and the tail of a dozen is longer than the tail of the three solo_run makes.
     alone = max([base.seconds] + [r["seconds"] for r in runs[WARM_RUNS:] if r["end"] <= attack_start])
+    contention = Contention.of(runs, attack_start, len(timed), timed_from=_first_during(runs, attack_start))
     print(f"victim: {len(timed)} runs timed; mean {mean / reference:.2f}x its median alone "
-          f"(limit {bound / reference:.2f}x), slowest {max(timed) / alone:.2f}x its slowest alone")
-    assert mean <= bound, (
-        f"the victim took {mean:.3f}s a run on average over {len(timed)} runs beside the attack, "
-        f"{reference:.3f}s alone (median; at most {sustained}x, or its slowest run alone {noise:.3f}s)")
+          f"(limit {bound / reference:.2f}x), slowest {max(timed) / alone:.2f}x its slowest alone; "
+          f"{contention or 'contention not measured'}")
+    if mean > bound:
+        _fail(f"the victim took {mean:.3f}s a run on average over {len(timed)} runs beside the attack, "
+              f"{reference:.3f}s alone (median; at most {sustained}x, or its slowest run alone {noise:.3f}s)",
+              contention)
     slowest = max(timed)
-    assert slowest <= slowdown * alone + SLACK_S, (
-        f"the victim took {slowest:.3f}s beside the attack, {alone:.3f}s alone (slowest)")
+    if slowest > slowdown * alone + SLACK_S:
+        _fail(f"the victim took {slowest:.3f}s beside the attack, {alone:.3f}s alone (slowest)", contention)
+
+
+class MachineBusy(AssertionError):
+    """The victim was slower beside the attack while processes outside this test's own tree (or the
+    VM's host: steal time) used FOREIGN_LIMIT cores more than while it ran alone and our threads
+    waited WAITING_LIMIT longer to run (`Contention.machine_busy`): the measurement says nothing
+    about the attack. pytest reruns a test that fails with it (pyproject.toml's
+    --only-rerun); any other failure of the checks fails at once."""
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Other processes' CPU use and our threads' run-queue waiting (harness/cpu_accounting.py), in
+    cores, while the victim ran alone before the attack and while its timed runs ran; None without
+    snapshots (events made by hand)."""
+
+    foreign_alone: float
+    foreign_timed: float
+    waiting_alone: float
+    waiting_timed: float
+
+    @staticmethod
+    def of(runs: list[dict], attack_start: float, n_timed: int, timed_from: int) -> Contention | None:
+        def window(first: int, end: int) -> tuple[float, float] | None:  # runs[first:end], from runs[first - 1]'s end
+            if first < 1 or end <= first or "cpu" not in runs[first - 1] or "cpu" not in runs[end - 1]:
+                return None
+            a, b = runs[first - 1]["cpu"], runs[end - 1]["cpu"]
+            return foreign_cores(a, b), our_waiting(a, b)
+
+        alone = window(WARM_RUNS, sum(r["end"] <= attack_start for r in runs))
+        timed = window(timed_from, timed_from + n_timed)
+        if alone is None or timed is None:
+            return None
+        return Contention(alone[0], timed[0], alone[1], timed[1])
+
+    @property
+    def machine_busy(self) -> bool:
+        """Others took FOREIGN_LIMIT cores more during the timed runs while our threads waited longer
+        to run: the machine, not the attack, took the victim's time."""
+        return (self.foreign_timed - self.foreign_alone >= FOREIGN_LIMIT
+                and self.waiting_timed - self.waiting_alone >= WAITING_LIMIT)
+
+    def __str__(self) -> str:
+        return (f"other processes used {self.foreign_timed:.2f} cores during the timed runs, "
+                f"{self.foreign_alone:.2f} alone; our threads waited to run {self.waiting_timed:.2f} cores, "
+                f"{self.waiting_alone:.2f} alone")
+
+
+def _fail(message: str, contention: Contention | None) -> None:
+    if contention is not None and contention.machine_busy:
+        raise MachineBusy(f"{message}; but {contention}")
+    raise AssertionError(f"{message}; {contention or 'contention not measured'}")
+
+
+def _first_during(runs: list[dict], attack_start: float) -> int:
+    return next(i for i, r in enumerate(runs) if r["end"] > attack_start)
 
 
 def slowdown_during(base: VictimResult, runs: list[dict], attack_start: float, attack_end: float,

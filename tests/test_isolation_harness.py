@@ -10,7 +10,10 @@
 - a victim on an adapter sees an attack through the slots: with one slot, another tenant's long
   request on another adapter takes the slot from between the victim's runs;
 - the check itself: a victim that stopped streaming before the attack ended, or paused between runs,
-  fails.
+  fails;
+- a victim slowed by other processes on the machine (real CPU burners outside this test's process
+  tree) fails as MachineBusy, which pytest reruns, while the faults above, which are ours, fail as
+  plain assertions (a MachineBusy there is re-raised, so that the test is rerun, not passed).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cpu_accounting import foreign_load
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import (
     FRESH_RUNS,
@@ -33,6 +37,7 @@ from harness.isolation import (
     SLOWDOWN_LIMIT,
     SUSTAINED_LIMIT,
     WARM_RUNS,
+    MachineBusy,
     VictimResult,
     check_victim,
     resident_adapter,
@@ -99,9 +104,15 @@ def test_the_victim_streams_until_after_a_long_attack_ends(server):
     assert len(runs) > MIN_RUNS
 
 
+def _ours(failure: pytest.ExceptionInfo[AssertionError]) -> None:
+    """A failure the test caused is a plain AssertionError; a MachineBusy is re-raised (rerun)."""
+    if isinstance(failure.value, MachineBusy):
+        raise failure.value
+
+
 def test_a_victim_stalled_by_the_server_fails_on_its_time(server):
     base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
-    with pytest.raises(AssertionError, match="beside the attack"), victim_beside(server, base) as runs:
+    with pytest.raises(AssertionError, match="beside the attack") as failure, victim_beside(server, base) as runs:
         # The whole budget, on top of the victim's own time: the budget counts from the slowest run
         # alone, including those just made (on a busy machine they can be slower than solo_run's).
         stall = SLOWDOWN_LIMIT * max([base.seconds] + [r["seconds"] for r in runs[WARM_RUNS:]]) + SLACK_S
@@ -110,6 +121,7 @@ def test_a_victim_stalled_by_the_server_fails_on_its_time(server):
             time.sleep(stall)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
+    _ours(failure)
 
 
 def test_a_sustained_1_5x_slowdown_fails(server):
@@ -127,6 +139,8 @@ def test_a_sustained_1_5x_slowdown_fails(server):
             with slowed(server, 1 / 3) as stopped:
                 time.sleep(1.5 * base.median * (MIN_RUNS + 1))  # every timed run under the slowdown
             end = time.monotonic()
+    except MachineBusy:
+        raise
     except AssertionError as e:
         failure = str(e)
     assert 0.30 < stopped[0] < 0.37, stopped  # the server was stopped for the third intended
@@ -157,11 +171,30 @@ def test_a_victim_on_an_adapter_sees_another_tenant_take_its_slot(server, adapte
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    with pytest.raises(AssertionError, match="beside the attack"), victim_beside(server, on_adapter):
+    with pytest.raises(AssertionError, match="beside the attack") as failure, victim_beside(server, on_adapter):
         thread = threading.Thread(target=attack)
         thread.start()
         thread.join(120)
     assert not errors, errors
+    _ours(failure)
+
+
+def test_a_victim_slowed_by_other_processes_is_a_busy_machine_not_a_verdict(server):
+    """One CPU burner per core, outside this test's process tree, for as long as the victim's timed
+    runs: the victim slows down, and the check says the machine was busy (MachineBusy, rerun by
+    pytest) instead of blaming the attack, which here is nothing at all. On a machine that other
+    work saturates already, the burners may not slow the victim past the bound: a failure under CI
+    (a quiet 2-core machine, where they halve its share), a skip elsewhere."""
+    base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
+    try:
+        with victim_beside(server, base), foreign_load(os.cpu_count() or 2):
+            time.sleep(2 * base.median * (MIN_RUNS + 1))
+    except MachineBusy as e:
+        assert "other processes used" in str(e)
+        return
+    except AssertionError as e:
+        raise AssertionError(f"a slowdown by other processes was blamed on the attack: {e}") from None
+    skip_or_fail("the burners did not slow the victim past the check's bound (a machine busy already)")
 
 
 def _run(start: float, seconds: float, tokens: list[int]) -> dict:
