@@ -31,7 +31,7 @@ from inference_service.api import inference_pb2 as pb  # noqa: E402
 from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
 from inference_service.client import InferenceClient  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
-from inference_service.models.llama import ModelConfig  # noqa: E402
+from inference_service.models.config import ModelConfig  # noqa: E402
 
 
 def workload(total: int, n_adapters: int) -> list[tuple[str | None, str]]:

@@ -600,8 +600,8 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
 
     from inference_service.demo_adapters import write_peft_adapter
     from inference_service.engine.heap import freeze_startup_objects
+    from inference_service.models.config import ModelConfig
     from inference_service.models.gguf import GGUFFile
-    from inference_service.models.llama import ModelConfig
 
     checkpoint, tokenizer = (Path(args.model), "auto") if args.model else (
         make_small_checkpoint(tmp / "small-model"), "byte")

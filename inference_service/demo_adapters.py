@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from inference_service.models.llama import ModelConfig
+from inference_service.models.config import ModelConfig
 from inference_service.models.loader import builtin_tiny_config
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -189,8 +189,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs, aging_steps=10**9,  # no aging barrier: every queued request's adapter is needed
             async_scheduling=async_scheduling,  # on: each step runs on the device worker while the next is planned
         )
-        with mock.patch("inference_service.engine.model_runner.LoRAManager", manager), \
-                mock.patch("inference_service.engine.model_runner.make_copy_engine", lambda *a: self.copies):
+        with mock.patch("inference_service.engine.core.LoRAManager", manager), \
+                mock.patch("inference_service.engine.core.make_copy_engine", lambda *a: self.copies):
             self.core = EngineCore(config)
         assert self.core.runner.kv.num_blocks == kv_blocks
         real_plan = self.core.runner.plan

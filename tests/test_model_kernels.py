@@ -18,7 +18,7 @@ from inference_service.kernels import build, fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
-from inference_service.models.llama import GatherScratch
+from inference_service.models.attention import GatherScratch
 from inference_service.models.loader import BUILTIN_TINY, load_model
 
 CPU = torch.device("cpu")
@@ -41,9 +41,10 @@ def test_prepacked_linear_matches_f_linear(dtype, rows):
 def test_loaded_model_holds_each_weight_once():
     """Prepacking replaces the dense projection weights instead of doubling the model's memory."""
     model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
-    layer = model.layers[0]
-    assert set(layer.packed) == {"qkv", "o", "gate_up", "down"} and "lm_head" in model.packed
-    assert layer.qkv_weight.numel() == 0 and model.lm_head.numel() == 0
+    projections = model.layers[0].projections()
+    assert len(projections) == 4 and all(p.packed is not None for p in projections)
+    assert model.packed_lm_head is not None
+    assert all(p.weight.numel() == 0 for p in projections) and model.lm_head.numel() == 0
 
 
 def test_gather_scratch_reuses_its_buffer_and_gathers_whole_blocks():

@@ -56,8 +56,8 @@ def reference_dir(gguf_path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def adapters(gguf_path, tmp_path_factory) -> dict[str, Path]:
     from inference_service.demo_adapters import write_peft_adapter
+    from inference_service.models.config import ModelConfig
     from inference_service.models.gguf import GGUFFile
-    from inference_service.models.llama import ModelConfig
 
     config = ModelConfig.from_hf(GGUFFile(gguf_path).hf_config())
     root = tmp_path_factory.mktemp("smollm2-adapters")

@@ -22,9 +22,10 @@ import torch
 
 from adapter_cache.adapter_format import BaseModelShapes
 from adapter_cache.errors import FailedPreconditionError, LoraplexError
-from inference_service.device import shorten_gil_switch_interval
+from inference_service.device import InlineExecutor, make_copy_engine, shorten_gil_switch_interval
 from inference_service.engine.batch import ScheduledBatch
 from inference_service.engine.config import EngineConfig
+from inference_service.engine.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.engine.model_runner import ModelRunner, PlannedRow, StepResults
 from inference_service.engine.output_processor import OutputProcessor
 from inference_service.engine.request import FinishReason, Request, RequestOutput, SamplingParams, WaitReason
@@ -41,12 +42,16 @@ from inference_service.engine.types import (
     test_faults_enabled,
     validate_request,
 )
+from inference_service.kernels import fused
 from inference_service.limits import shown
+from inference_service.lora.backend import make_lora_op
+from inference_service.lora.manager import LoRAManager
 from inference_service.lora.registry import AdapterVersion, adapter_name
 from inference_service.lora.sidecar_source import SidecarSource
 from inference_service.lora.source import AdapterSource, LocalDirectorySource
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.models.loader import load_model
+from inference_service.models.registry import CausalLM
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +64,9 @@ T = TypeVar("T")
 PLAN_AT_FRACTION = 0.6
 PLAN_SLACK_S = 0.003
 RECENT_STEPS = 16
+CPU_DEFAULT_BUDGET = 256 << 20  # LoRA slots + KV cache on CPU without --memory-budget-bytes
+
+
 @dataclass(slots=True)
 class _Launch:
     """A step handed to the device worker; the worker stamps when it ran."""
@@ -78,6 +86,57 @@ def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSour
                                 allow=config.adapter_source_allow)
 
 
+def memory_budget(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the LoRA slots and the KV cache together."""
+    if config.memory_budget_bytes is not None:
+        return config.memory_budget_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return CPU_DEFAULT_BUDGET
+
+
+def build_lora_manager(
+    config: EngineConfig, model: CausalLM, source: AdapterSource, metrics: MetricsSink
+) -> LoRAManager:
+    """The model's LoRA slots (allocated now, before the KV cache) and the manager that fills them."""
+    lora = LoRAManager(
+        num_slots=config.max_loras,
+        max_rank=config.max_lora_rank,
+        shapes=model.config.lora_shapes(),
+        device=model.device,
+        dtype=model.lora_op.slot_dtype(model.dtype),
+        source=source,
+        copy_engine=make_copy_engine(model.device, config.overlap_loads),
+        host_workers=config.host_load_workers,
+        metrics=metrics,
+        # Blocking mode (benchmark baseline): preparation and copy both stall the scheduler.
+        host_executor=None if config.overlap_loads else InlineExecutor(),
+        b_rank_major=model.lora_op.b_rank_major,
+        max_registered=config.max_registered_adapters,
+        load_timeout_s=config.adapter_load_timeout_s,
+    )
+    model.attach_lora_buffers(lora.slot_buffers)
+    return lora
+
+
+def build_kv_cache(config: EngineConfig, model: CausalLM, budget: int, lora_bytes: int) -> KVCache:
+    """The KV cache: `--kv-cache-bytes`, or what the memory `budget` leaves after the LoRA slots."""
+    kv_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget - lora_bytes
+    per_block = kv_bytes_per_block(model.config, config.block_size, model.dtype)
+    num_blocks = kv_bytes // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"no memory left for the KV cache: budget {budget} B, LoRA slots {lora_bytes} B, "
+            f"a KV block needs {per_block} B"
+        )
+    kv = KVCache(model.config, num_blocks, config.block_size, model.device, model.dtype)
+    log.info("memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",
+             lora_bytes / 2**20, config.max_loras, config.max_lora_rank, kv.nbytes / 2**20, num_blocks,
+             config.block_size)
+    return kv
+
+
 class EngineCore:
     """Synchronous engine: call from one thread only."""
 
@@ -92,9 +151,17 @@ class EngineCore:
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
                                            config.tokenizer, config.revision)
         source = source or default_source(config, model.config.lora_shapes())
-        self.runner = ModelRunner(config, model, self.tokenizer, source, self.metrics)
-        self.lora = self.runner.lora
-        self.scheduler = Scheduler(config, self.runner.kv, self.lora)
+        model.lora_op = make_lora_op(model.device, model.dtype)
+        # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
+        budget = memory_budget(config, model.device)  # measured before the slots take their part
+        self.lora = build_lora_manager(config, model, source, self.metrics)
+        kv = build_kv_cache(config, model, budget, self.lora.slots_nbytes)
+        self.runner = ModelRunner(model, self.tokenizer, self.lora, kv)
+        self.scheduler = Scheduler(config, kv, self.lora)
+        log.info("LoRA op: %s, slots in %s; attention: %s", type(model.lora_op).__name__, self.lora.slot_dtype,
+                 type(model.attention).__name__)
+        if fused.available(model.device, model.dtype):  # built now, not in the first request's step
+            log.info("norms, RoPE with the KV write, SiLU-and-multiply: fused C kernels")
         mc = model.config
         max_context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.model_info = ModelInfo(

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from inference_service.models.llama import ModelConfig
+from inference_service.models.config import ModelConfig
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model, the KV cache and the LoRAManager; runs one scheduled batch.
+"""ModelRunner: runs one scheduled batch through the model, its KV cache and the LoRAManager.
 
 Thin on purpose: `plan` takes what a step needs of each request (on the scheduler thread),
 `execute` packs it into tensors, runs the model and samples (on the device worker with async
@@ -8,30 +8,19 @@ Scheduler's.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from inference_service.device import InlineExecutor, make_copy_engine
 from inference_service.engine.batch import ScheduledBatch
-from inference_service.engine.config import EngineConfig
-from inference_service.engine.kv_cache import KVCache, kv_bytes_per_block
+from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.request import Request, SamplingParams, TokenLogprobs
 from inference_service.engine.sampling import process_logits, sample, step_logprobs
-from inference_service.kernels import fused
-from inference_service.kernels import paged_attention as cpu_kernels
-from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch
-from inference_service.lora.source import AdapterSource
-from inference_service.metrics_sink import MetricsSink
-from inference_service.models.llama import AttentionBatch, ForwardBatch, LlamaModel, PrefillSegment
+from inference_service.models.batch import AttentionBatch, ForwardBatch, PrefillSegment
+from inference_service.models.registry import CausalLM
 from inference_service.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
-
-_CPU_DEFAULT_BUDGET = 256 << 20
 
 # request id -> (token or a negative code, logits if asked, logprobs if asked), per sampled row
 StepResults = dict[str, tuple[int, torch.Tensor | None, TokenLogprobs | None]]
@@ -58,66 +47,11 @@ class PlannedRow:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model: LlamaModel,
-        tokenizer: Tokenizer,
-        source: AdapterSource,
-        metrics: MetricsSink,
-    ) -> None:
-        self.config, self.model, self.tokenizer = config, model, tokenizer
-        self.device, self.dtype = model.device, model.dtype
-        shapes = model.config.lora_shapes()
-        budget = self._memory_budget()
-        model.lora_op = make_lora_op(self.device, self.dtype)
-        # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
-        self.lora = LoRAManager(
-            num_slots=config.max_loras,
-            max_rank=config.max_lora_rank,
-            shapes=shapes,
-            device=self.device,
-            dtype=model.lora_op.slot_dtype(self.dtype),
-            source=source,
-            copy_engine=make_copy_engine(self.device, config.overlap_loads),
-            host_workers=config.host_load_workers,
-            metrics=metrics,
-            # Blocking mode (benchmark baseline): preparation and copy both stall the scheduler.
-            host_executor=None if config.overlap_loads else InlineExecutor(),
-            b_rank_major=model.lora_op.b_rank_major,
-            max_registered=config.max_registered_adapters,
-            load_timeout_s=config.adapter_load_timeout_s,
-        )
-        model.attach_lora_buffers(self.lora.slot_buffers)
-        lora_bytes = self.lora.slots_nbytes
-        kv_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget - lora_bytes
-        per_block = kv_bytes_per_block(model.config, config.block_size, self.dtype)
-        num_blocks = kv_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"no memory left for the KV cache: budget {budget} B, LoRA slots {lora_bytes} B, "
-                f"a KV block needs {per_block} B"
-            )
-        self.kv = KVCache(model.config, num_blocks, config.block_size, self.device, self.dtype)
-        # Kernels are built (or loaded) now, not in the first request's forward pass.
-        if cpu_kernels.available(self.device, self.dtype):
-            log.info("decode attention: C kernel over the paged KV cache")
-        if fused.available(self.device, self.dtype):
-            log.info("norms, RoPE with the KV write, SiLU-and-multiply: fused C kernels")
-        log.info("LoRA op: %s, slots in %s", type(model.lora_op).__name__, self.lora.slot_dtype)
-        log.info(
-            "memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",
-            lora_bytes / 2**20, config.max_loras, config.max_lora_rank, self.kv.nbytes / 2**20, num_blocks,
-            config.block_size,
-        )
-
-    def _memory_budget(self) -> int:
-        if self.config.memory_budget_bytes is not None:
-            return self.config.memory_budget_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9)
-        return _CPU_DEFAULT_BUDGET
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, lora: LoRAManager, kv: KVCache) -> None:
+        """The engine core builds the LoRA slots and the KV cache for the model
+        (`engine.core.build_lora_manager`, `build_kv_cache`); the runner only uses them."""
+        self.model, self.tokenizer, self.lora, self.kv = model, tokenizer, lora, kv
+        self.device = model.device
 
     def run(self, batch: ScheduledBatch) -> StepResults:
         """Plan and execute one step on this thread (the engine without async scheduling)."""

@@ -12,8 +12,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from adapter_cache.errors import FailedPreconditionError
+from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
-from inference_service.models.llama import LlamaModel, ModelConfig
+from inference_service.models.llama import LlamaModel
+from inference_service.models.registry import CausalLM, model_class
 from inference_service.models.source import BUILTIN_PREFIX, ModelSource, resolve_model
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 
@@ -39,7 +41,7 @@ TINY_SEED = 1234
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype,
-               tokenizer_mode: str = "auto", revision: str | None = None) -> tuple[LlamaModel, Tokenizer]:
+               tokenizer_mode: str = "auto", revision: str | None = None) -> tuple[CausalLM, Tokenizer]:
     """`spec`: builtin:tiny, a checkpoint directory, a .gguf file (or a directory holding one), or a
     Hugging Face id (`revision` pins it) found in the Hugging Face cache (models/source.py).
     `tokenizer_mode` auto: the checkpoint's tokenizer (tokenizer.json, or the GGUF file's own),
@@ -68,10 +70,12 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
 
 
 def _load_hf_dir(source: ModelSource, device: torch.device, dtype: torch.dtype,
-                 tokenizer_mode: str) -> tuple[LlamaModel, Tokenizer]:
+                 tokenizer_mode: str) -> tuple[CausalLM, Tokenizer]:
     root = source.path
     assert root is not None
-    config = ModelConfig.from_hf(json.loads((root / "config.json").read_text()), name=source.name)
+    hf_config = json.loads((root / "config.json").read_text())
+    model_cls = model_class(hf_config)
+    config = ModelConfig.from_hf(hf_config, name=source.name)
     tokenizer_path = root / "tokenizer.json"
     tokenizer: Tokenizer
     if tokenizer_mode == "byte":
@@ -82,19 +86,21 @@ def _load_hf_dir(source: ModelSource, device: torch.device, dtype: torch.dtype,
         raise FailedPreconditionError(
             f"{root}: no tokenizer.json; add the model's tokenizer, or pass --tokenizer byte to serve with "
             "the byte-level tokenizer (text is UTF-8 bytes as token ids 0-255)")
-    model = LlamaModel(config, device, dtype)
+    model = model_cls(config, device, dtype)
     model.load_hf_state_dict(_read_safetensors(root))
     return model, tokenizer
 
 
 def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               tokenizer_mode: str) -> tuple[LlamaModel, Tokenizer]:
+               tokenizer_mode: str) -> tuple[CausalLM, Tokenizer]:
     assert source.path is not None
     gguf = GGUFFile(source.path)
-    config = ModelConfig.from_hf(gguf.hf_config(), name=source.name)
+    hf_config = gguf.hf_config()
+    model_cls = model_class(hf_config)
+    config = ModelConfig.from_hf(hf_config, name=source.name)
     tokenizer: Tokenizer = ByteTokenizer() if tokenizer_mode == "byte" else FileTokenizer(
         gguf.tokenizer(), config.eos_token_ids)
-    model = LlamaModel(config, device, dtype)
+    model = model_cls(config, device, dtype)
     # Dequantized one tensor at a time as the model takes it, cast to `dtype` on copy.
     model.load_hf_state_dict(gguf.state_dict())
     return model, tokenizer

@@ -1,0 +1,44 @@
+"""What one forward pass gets: a whole scheduler step packed into one flat [T] token batch.
+
+The model runner builds these; models and attention backends read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_service.lora.ops import LoRABatch
+
+
+@dataclass
+class PrefillSegment:
+    """One request's prefill chunk: rows [start, end) of the batch, on top of `num_computed` cached."""
+
+    start: int
+    end: int
+    num_computed: int
+    block_table: torch.Tensor  # [n_blocks] covering num_computed + (end - start) tokens
+
+
+@dataclass
+class AttentionBatch:
+    """Where the step's K/V go and what each request attends to: decode rows batched, prefills per segment."""
+
+    slot_mapping: torch.Tensor  # [T] flat KV position where each token's K/V is written
+    decode_rows: torch.Tensor | None = None  # [Bd] batch rows of single-token (decode) requests
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks], padded with block 0
+    decode_lens: torch.Tensor | None = None  # [Bd] context length of each decode row (incl. its token)
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+@dataclass
+class ForwardBatch:
+    """One step's tokens, their positions, attention metadata and LoRA slots."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionBatch
+    lora: LoRABatch | None
+    logits_rows: torch.Tensor  # [S] rows whose next-token logits are needed
