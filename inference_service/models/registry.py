@@ -17,6 +17,7 @@ from inference_service.models.attention import AttentionBackend, KVLayer
 from inference_service.models.batch import ForwardBatch
 from inference_service.models.config import ModelConfig
 from inference_service.models.llama import LlamaModel
+from inference_service.models.qwen3 import Qwen3Model
 
 
 class CausalLM(Protocol):
@@ -48,6 +49,7 @@ MODEL_CLASSES: dict[str, tuple[str, ModelClass]] = {
     "LlamaForCausalLM": ("llama", LlamaModel),
     "MistralForCausalLM": ("mistral", LlamaModel),
     "Qwen2ForCausalLM": ("qwen2", LlamaModel),
+    "Qwen3ForCausalLM": ("qwen3", Qwen3Model),
 }
 
 
