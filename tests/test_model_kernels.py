@@ -18,7 +18,8 @@ from inference_service.kernels import build, fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
-from inference_service.models.attention import GatherScratch
+from inference_service.models.attention import CpuPagedAttention, GatherScratch, TorchPagedAttention
+from inference_service.models.batch import AttentionBatch, PrefillSegment
 from inference_service.models.loader import BUILTIN_TINY, load_model
 
 CPU = torch.device("cpu")
@@ -94,6 +95,36 @@ def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, h
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_backends_agree_on_a_mixed_step(dtype):
+    """The C backend (decode in place) and the torch backend (gather + SDPA) on one step with decode
+    rows, a first prefill chunk and a later chunk over cached context."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, q_heads, kv_heads, head_dim = 32, 4, 4, 2, 16
+    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    # Rows: 0-1 decodes (contexts 7 and 3), 2-6 a first chunk of 5, 7-9 a chunk of 3 after 6 cached.
+    tables = [[5, 9], [11], [2, 3], [20, 21, 22]]
+    slot_mapping = [9 * block_size + 2, 11 * block_size + 2, *range(2 * block_size, 2 * block_size + 4),
+                    3 * block_size, *(21 * block_size + p for p in (2, 3)), 22 * block_size]
+    batch = AttentionBatch(
+        slot_mapping=torch.tensor(slot_mapping),
+        decode_rows=torch.tensor([0, 1]),
+        decode_block_tables=torch.tensor([tables[0], tables[1] + [0]]),
+        decode_lens=torch.tensor([7, 3]),
+        prefills=[PrefillSegment(2, 7, 0, torch.tensor(tables[2])), PrefillSegment(7, 10, 6, torch.tensor(tables[3]))],
+    )
+    q = torch.randn(10, q_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(10, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    outs = []
+    for backend in (TorchPagedAttention(), CpuPagedAttention()):
+        kv = (caches[0].clone(), caches[1].clone())
+        outs.append((backend.forward(q, k, v, kv, batch, cached=False), kv))
+    (torch_out, torch_kv), (c_out, c_kv) = outs
+    assert torch.equal(torch_kv[0], c_kv[0]) and torch.equal(torch_kv[1], c_kv[1])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(c_out.float(), torch_out.float(), atol=tolerance, rtol=tolerance)
+
+
 def generate(adapters: dict[str, Path] | None = None) -> tuple[list[list[int]], str]:
     """Greedy tokens of 6 requests of different lengths (cycling through base model and the
     adapters), and the name of the LoRA op the engine used."""
@@ -105,9 +136,9 @@ def generate(adapters: dict[str, Path] | None = None) -> tuple[list[list[int]], 
     for i in range(6):
         core.add_request(Request(f"r{i}", list(range(3, 3 + 5 * i + 1)), params), names[i % len(names)])
     outputs = run_to_completion(core)
-    op = type(core.runner.model.lora_op).__name__
+    ops = f"{type(core.runner.model.lora_op).__name__}, {type(core.runner.model.attention).__name__}"
     core.shutdown()
-    return [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(6)], op
+    return [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(6)], ops
 
 
 def test_engine_output_is_the_same_with_and_without_the_kernel(monkeypatch):
@@ -139,12 +170,12 @@ def test_engine_with_adapters_is_the_same_on_the_torch_paths(monkeypatch, kernel
     two ranks and base-model requests in one batch."""
     adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4),
                 "b": write_tiny_adapter(tmp_path / "b", seed=2, rank=8)}
-    with_kernels, op = generate(adapters)
-    assert op == "CpuLoRAOp"
+    with_kernels, ops = generate(adapters)
+    assert ops == "CpuLoRAOp, CpuPagedAttention"
     monkeypatch.setenv("LORAPLEX_CPU_KERNELS", "0")
     forget_kernels()
-    on_torch, op = generate(adapters)
-    assert op == "TorchLoRAOp"
+    on_torch, ops = generate(adapters)
+    assert ops == "TorchLoRAOp, TorchPagedAttention"
     assert on_torch == with_kernels
 
 
@@ -159,9 +190,10 @@ def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):
 
 
 def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):
-    """Built at start-up (model runner), not in the first request's decode step."""
+    """Built at start-up (the engine core and the model), not in the first request's decode step."""
     core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu"))
     built = sorted(p.name.rsplit("-", 1)[0] for p in kernel_cache.iterdir() if p.suffix == ".so")
     assert built == ["fused", "lora", "paged_decode_attention"]
     assert isinstance(core.runner.model.lora_op, lora_kernel.CpuLoRAOp)
+    assert isinstance(core.runner.model.attention, CpuPagedAttention)
     core.shutdown()
