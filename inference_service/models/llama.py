@@ -7,8 +7,8 @@ subclass `LlamaDecoderLayer` and override that step (qwen3.py: norms on q and k)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -30,8 +30,11 @@ from inference_service.models.layers import (
     frozen_param,
 )
 
-# Copies the named HF checkpoint weights (concatenated along the output) into a parameter.
-PutWeights = Callable[..., None]
+
+class PutWeights(Protocol):
+    def __call__(self, dst: torch.Tensor, *names: str) -> None:
+        """Copy the named HF checkpoint weights (concatenated along the output) into `dst`."""
+        ...
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,12 +72,12 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         residual = x
         x = self.input_layernorm(x)
-        attn = self.attention(x, rope, batch, kv, op, attention)
+        attn = self.self_attention(x, rope, batch, kv, op, attention)
         out = self.o(attn, op, batch.lora)
         residual, x = self.post_attention_layernorm.add_and_norm(residual, out)
         return residual + self.feed_forward(x, op, batch.lora)
 
-    def attention(
+    def self_attention(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
