@@ -36,7 +36,7 @@ from inference_service.engine.types import (
     test_faults_enabled,
     validate_request,
 )
-from inference_service.limits import adapter_name, check_adapter_name, check_request_id
+from inference_service.limits import adapter_name, check_request_id
 from inference_service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -141,7 +141,7 @@ def checked_request(model_info: ModelInfo, prompt_token_ids: list[int], params: 
     if request_id is not None:
         check_request_id(request_id, model_info.limits.max_request_id_length)
     if adapter:
-        check_adapter_name(adapter)
+        adapter_name(adapter)
     validate_request(model_info, prompt_token_ids, params)
     return request_id or f"req-{uuid.uuid4().hex[:12]}"
 
