@@ -41,6 +41,18 @@ def _add(parser: argparse.ArgumentParser | Any, flag: str, help: str, **kw: Any)
     add_env_flag(parser, ENV_PREFIX, flag, help, **kw)
 
 
+def _max_loras(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a count, got {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return count
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loraplex-inference",
@@ -57,8 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
          "accelerator, on CPU bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
          default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     _add(g, "--max-model-len", "longest prompt + output in tokens (default: the model's context)", type=int)
-    _add(g, "--max-loras", "LoRA slots on the device", type=int, default=EngineConfig.max_loras)
+    _add(g, "--max-loras", "the adapter pool: auto sizes it by memory (--lora-memory-bytes), an adapter taking "
+         "memory in proportion to its rank; N: N fixed slots of --max-lora-rank", type=_max_loras,
+         default=EngineConfig.max_loras)
     _add(g, "--max-lora-rank", "largest adapter rank accepted", type=int, default=EngineConfig.max_lora_rank)
+    _add(g, "--lora-memory-bytes", "device bytes of the adapter pool with --max-loras auto (default: "
+         "--lora-memory-fraction of the memory budget, taken before the KV cache)", type=int)
+    _add(g, "--lora-memory-fraction", "share of the memory budget for the adapter pool with --max-loras auto "
+         "(default: 0.25 on CUDA, 0.5 on CPU)", type=float)
+    _add(g, "--lora-page-rank", "rank rows per page of the adapter pool (an adapter of rank r takes "
+         "ceil(r / this) pages)", type=int, default=EngineConfig.lora_page_rank)
     _add(g, "--kv-cache-bytes", "KV cache size in bytes (default: what the memory budget leaves)", type=int)
     _add(g, "--max-num-seqs", "running requests per scheduler step", type=int,
          default=EngineConfig.max_num_seqs)
@@ -199,6 +219,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_model_len=args.max_model_len,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        lora_memory_bytes=args.lora_memory_bytes,
+        lora_memory_fraction=args.lora_memory_fraction,
+        lora_page_rank=args.lora_page_rank,
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

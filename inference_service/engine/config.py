@@ -22,8 +22,16 @@ class EngineConfig:
     revision: str | None = None  # branch, tag or commit of an HF model id (default: main)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "float32"  # auto | float32 | float16 | bfloat16 (the CLI defaults to auto)
-    max_loras: int = 4  # LoRA slots on the device
+    # The adapter pool. auto: sized by memory (lora_memory_bytes, else lora_memory_fraction of the
+    # memory budget, taken before the KV cache), in pages of lora_page_rank rank rows, so an adapter
+    # takes memory in proportion to its rank; N: the fixed-slot pool, N slots of max_lora_rank.
+    max_loras: int | str = "auto"
     max_lora_rank: int = 16
+    lora_memory_bytes: int | None = None
+    # Of the memory budget (on CUDA 90% of what is free after the weights; on CPU its fixed default):
+    # None is 0.25 on CUDA, 0.5 on CPU (docs/architecture.md, "The adapter pool").
+    lora_memory_fraction: float | None = None
+    lora_page_rank: int = 8
     block_size: int = 16  # tokens per KV block
     # LoRA slot buffers are allocated first; the KV cache gets what is left of this budget
     # (None: on CUDA 90% of free memory after weights, on CPU 256 MiB) or exactly kv_cache_bytes.
@@ -60,6 +68,15 @@ class EngineConfig:
     # Front ends: tokens per streamed message after a request's first (its end is sent at once);
     # 1 sends each token as it comes to a client that keeps up
     stream_interval: int = 1
+
+    def fixed_loras(self) -> int | None:
+        """The fixed-slot pool's slot count (`--max-loras N`), or None for the pool sized by memory."""
+        if self.max_loras == "auto":
+            return None
+        count = int(self.max_loras)
+        if count < 1:
+            raise ValueError("max_loras must be at least 1 (or auto)")
+        return count
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

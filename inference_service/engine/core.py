@@ -46,6 +46,7 @@ from inference_service.kernels import fused
 from inference_service.limits import shown
 from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
+from inference_service.lora.mem_pool import bytes_per_page, pages_for
 from inference_service.lora.registry import AdapterVersion, adapter_name
 from inference_service.lora.sidecar_source import SidecarSource
 from inference_service.lora.source import AdapterSource, LocalDirectorySource
@@ -96,16 +97,37 @@ def memory_budget(config: EngineConfig, device: torch.device) -> int:
     return CPU_DEFAULT_BUDGET
 
 
+def lora_pool_pages(config: EngineConfig, budget: int, shapes: BaseModelShapes, dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """Pages of the pool sized by memory (`--max-loras auto`): --lora-memory-bytes, else a fraction
+    of the memory budget (docs/architecture.md, "The adapter pool"), less the zero page."""
+    fraction = config.lora_memory_fraction
+    if fraction is None:
+        fraction = 0.5 if device.type == "cpu" else 0.25
+    nbytes = config.lora_memory_bytes if config.lora_memory_bytes is not None else int(budget * fraction)
+    per_page = bytes_per_page(shapes, config.lora_page_rank, dtype)
+    pages = nbytes // per_page - 1
+    if pages < pages_for(config.max_lora_rank, config.lora_page_rank):
+        raise ValueError(f"an adapter pool of {nbytes} B cannot hold one adapter of rank {config.max_lora_rank} "
+                         f"({per_page} B per page of rank {config.lora_page_rank})")
+    return pages
+
+
 def build_lora_manager(
-    config: EngineConfig, model: CausalLM, source: AdapterSource, metrics: MetricsSink
+    config: EngineConfig, model: CausalLM, source: AdapterSource, metrics: MetricsSink, budget: int
 ) -> LoRAManager:
-    """The model's LoRA slots (allocated now, before the KV cache) and the manager that fills them."""
+    """The model's adapter pool (allocated now, before the KV cache, from `budget` with
+    `--max-loras auto`) and the manager that fills it."""
+    shapes, dtype = model.config.lora_shapes(), model.lora_op.slot_dtype(model.dtype)
+    fixed = config.fixed_loras()
     lora = LoRAManager(
-        num_slots=config.max_loras,
+        num_slots=fixed,
+        num_pages=None if fixed is not None else lora_pool_pages(config, budget, shapes, dtype, model.device),
+        page_rank=config.lora_page_rank,
         max_rank=config.max_lora_rank,
-        shapes=model.config.lora_shapes(),
+        shapes=shapes,
         device=model.device,
-        dtype=model.lora_op.slot_dtype(model.dtype),
+        dtype=dtype,
         source=source,
         copy_engine=make_copy_engine(model.device, config.overlap_loads),
         host_workers=config.host_load_workers,
@@ -120,20 +142,21 @@ def build_lora_manager(
     return lora
 
 
-def build_kv_cache(config: EngineConfig, model: CausalLM, budget: int, lora_bytes: int) -> KVCache:
+def build_kv_cache(config: EngineConfig, model: CausalLM, budget: int, lora: LoRAManager) -> KVCache:
     """The KV cache: `--kv-cache-bytes`, or what the memory `budget` leaves after the LoRA slots."""
+    lora_bytes = lora.slots_nbytes
     kv_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget - lora_bytes
     per_block = kv_bytes_per_block(model.config, config.block_size, model.dtype)
     num_blocks = kv_bytes // per_block
     if num_blocks < 1:
         raise ValueError(
-            f"no memory left for the KV cache: budget {budget} B, LoRA slots {lora_bytes} B, "
+            f"no memory left for the KV cache: budget {budget} B, LoRA pool {lora_bytes} B, "
             f"a KV block needs {per_block} B"
         )
     kv = KVCache(model.config, num_blocks, config.block_size, model.device, model.dtype)
-    log.info("memory: LoRA slots %.1f MiB (%d x rank %d), KV cache %.1f MiB (%d blocks of %d tokens)",
-             lora_bytes / 2**20, config.max_loras, config.max_lora_rank, kv.nbytes / 2**20, num_blocks,
-             config.block_size)
+    log.info("memory: LoRA pool %.1f MiB (%d adapters of rank %d, more of lower ranks), KV cache %.1f MiB "
+             "(%d blocks of %d tokens)", lora_bytes / 2**20, lora.num_slots, config.max_lora_rank, kv.nbytes / 2**20,
+             num_blocks, config.block_size)
     return kv
 
 
@@ -154,8 +177,8 @@ class EngineCore:
         model.lora_op = make_lora_op(model.device, model.dtype)
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
         budget = memory_budget(config, model.device)  # measured before the slots take their part
-        self.lora = build_lora_manager(config, model, source, self.metrics)
-        kv = build_kv_cache(config, model, budget, self.lora.slots_nbytes)
+        self.lora = build_lora_manager(config, model, source, self.metrics, budget)
+        kv = build_kv_cache(config, model, budget, self.lora)
         self.runner = ModelRunner(model, self.tokenizer, self.lora, kv)
         self.scheduler = Scheduler(config, kv, self.lora)
         log.info("LoRA op: %s, slots in %s; attention: %s", type(model.lora_op).__name__, self.lora.slot_dtype,
@@ -168,13 +191,15 @@ class EngineCore:
             name=mc.name or config.model,
             max_context=max_context,
             vocab_size=mc.vocab_size,
-            max_loras=config.max_loras,
+            max_loras=self.lora.num_slots,
             max_lora_rank=config.max_lora_rank,
             max_new_tokens_limit=config.max_new_tokens_limit,
             limits=config.limits,
             max_registered_adapters=config.max_registered_adapters,
             kv_cache_blocks=self.runner.kv.num_blocks,
             kv_block_size=self.runner.kv.block_size,
+            lora_pool_bytes=self.lora.slots_nbytes,
+            lora_page_rank=self.lora.page_rank,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.metrics, detokenize)
         # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
@@ -347,6 +372,10 @@ class EngineCore:
             waiting_lora_adapters=tuple(sorted(adapter_name(u) for u in waiting - running)),
             loads_total=lora.loads_total,
             evictions_total=lora.evictions_total,
+            lora_pool_bytes_total=lora.pool_bytes_total,
+            lora_pool_bytes_used=lora.pool_bytes_used,
+            lora_resident_by_rank=lora.resident_by_rank,
+            lora_evictions_by_cause=lora.evictions_by_cause,
             updated_at=time.time(),
         )
 

@@ -37,8 +37,9 @@ class PlannedRow:
     input_ids: list[int]  # tokens [start, end); a pending row's last one is filled in by execute
     pending: bool  # the last input is the request's sample from the previous step, not filled in yet
     block_table: list[int]  # the request's table then (tables are replaced, never changed in place)
-    slot: int  # LoRA slot (-1: the base model)
+    slot: int  # the adapter's handle in the pool (-1: the base model)
     rank: int
+    pages: tuple[int, ...]  # the adapter's pages in the pool (stable while the request references it)
     samples: bool  # the row reaches the request's end: a token is sampled
     params: SamplingParams
     generator: torch.Generator | None
@@ -74,9 +75,11 @@ class ModelRunner:
             if pending:
                 input_ids.append(0)
             slot = self._slot(request)
-            rank = self.lora.rank_of(request.adapter_uid) if slot >= 0 and request.adapter_uid else 0
+            rank, pages = 0, ()
+            if slot >= 0 and request.adapter_uid:
+                rank, pages = self.lora.rank_of(request.adapter_uid), self.lora.pages_of(request.adapter_uid)
             rows.append(PlannedRow(request.request_id, start, input_ids, pending, request.block_table, slot,
-                                   rank, samples, request.params, request.generator, request.prompt_token_ids,
+                                   rank, pages, samples, request.params, request.generator, request.prompt_token_ids,
                                    outputs))
         rows.sort(key=lambda row: row.slot)
         return rows
@@ -123,6 +126,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
         ranks: dict[int, int] = {}
+        pages: dict[int, tuple[int, ...]] = {}
         for planned in rows:
             start, row, num_tokens = planned.start, len(input_ids), len(planned.input_ids)
             end = start + num_tokens
@@ -131,8 +135,8 @@ class ModelRunner:
             table = planned.block_table
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             token_slots.extend([planned.slot] * num_tokens)
-            if planned.rank > 0:
-                ranks[planned.slot] = planned.rank
+            if planned.slot >= 0:
+                ranks[planned.slot], pages[planned.slot] = planned.rank, planned.pages
             if num_tokens == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
@@ -153,7 +157,7 @@ class ModelRunner:
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             attention=attention,
-            lora=build_lora_batch(token_slots, self.lora.num_slots, self.device, ranks),
+            lora=build_lora_batch(token_slots, pages, ranks, self.lora.page_rank, self.lora.zero_page, self.device),
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled

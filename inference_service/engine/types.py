@@ -56,13 +56,15 @@ class ModelInfo:
     name: str
     max_context: int
     vocab_size: int
-    max_loras: int
+    max_loras: int  # adapters of the largest rank the pool holds at once (fixed: --max-loras N)
     max_lora_rank: int
     max_new_tokens_limit: int
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_registered_adapters: int = 0
     kv_cache_blocks: int = 0
     kv_block_size: int = 16
+    lora_pool_bytes: int = 0  # the adapter pool's device bytes, taken before the KV cache was sized
+    lora_page_rank: int = 0  # rank rows per page (an adapter takes ceil(rank / this) pages)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ class EngineStats:
     waiting_lora_adapters: tuple[str, ...] = ()
     loads_total: int = 0
     evictions_total: int = 0
+    lora_pool_bytes_total: int = 0
+    lora_pool_bytes_used: int = 0
+    lora_resident_by_rank: tuple[tuple[int, int], ...] = ()
+    lora_evictions_by_cause: tuple[tuple[str, int], ...] = ()
     updated_at: float = 0.0  # wall-clock time of this snapshot: vllm:lora_requests_info's value
 
 

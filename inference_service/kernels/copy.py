@@ -47,6 +47,15 @@ class CopyProgram:
         if self.ok:
             self._add(dst, src.data_ptr(), src.numel() * src.element_size())
 
+    def copy_range(self, dst: int, src: torch.Tensor, offset: int, count: int) -> None:
+        """`count` elements of the contiguous `src` from element `offset` on, to address `dst` (a
+        page's share of an adapter's rows, without making a view)."""
+        self.ok = self.ok and src.device.type == "cpu" and src.dtype == self._dtype and src.is_contiguous()
+        if self.ok:
+            assert 0 <= offset and offset + count <= src.numel()
+            width = src.element_size()
+            self._add(dst, src.data_ptr() + offset * width, count * width)
+
     def zero(self, dst: int, count: int) -> None:
         """`count` zeros of the slots' dtype at address `dst`."""
         self._add(dst, 0, count * self._dtype.itemsize)

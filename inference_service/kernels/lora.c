@@ -1,15 +1,19 @@
 // Batched multi-LoRA on CPU for one fused projection (see lora/ops.py for the math):
-// out[r, cols_i] += (x[r] · A_{s,i}ᵀ) · Bt_{s,i} for each module i and each row r of a group on slot s.
+// out[r, cols_i] += (x[r] · A_{s,i}ᵀ) · Bt_{s,i} for each module i and each row r of a run on adapter s.
 //
 // Why not torch's batched matmuls: a decode step multiplies a few rows per adapter, so the work is
-// reading the slot weights, and torch paid per-call overhead on ~11 small matmuls and adds per
-// layer. Here each group reads its slot's A rows and B rows once, only up to the adapter's own rank
-// (slots are zero-padded to the pool's maximum: rank-8 adapters in a rank-16 pool cost half), and
-// the expand runs along output columns. For that, B is kept rank-major in the slots, Bt [R, out]:
-// `transpose_scale_*` writes it at load time.
+// reading the adapters' weights, and torch paid per-call overhead on ~11 small matmuls and adds per
+// layer (and a gather of every group's pages first). Here each run reads its adapter's A rows and B
+// rows once, where its pages are, only up to the adapter's own rank, and the expand runs along
+// output columns. For that, B is kept rank-major in the pages, Bt [R, out]: `transpose_scale_*`
+// writes it at load time.
 //
-// x [T, in], out [T, out_stride] (the fused projection's output), a [slots, n·R, in],
-// bs[i] = Bt of module i [slots, R, cols[i+1] - cols[i]], groups: runs of rows on one slot.
+// The adapters live in pages of R rank rows (lora/mem_pool.py): an adapter of rank r in
+// ceil(r / R) pages anywhere in the pool; each run of rows carries the offset of its adapter's page
+// list in `pages`, and rank row j of the adapter is row j % R of page pages[offset + j / R].
+// x [T, in], out [T, out_stride] (the fused projection's output), a [pages, n·R, in],
+// bs[i] = Bt of module i [pages, R, cols[i+1] - cols[i]], groups: runs of rows on one adapter,
+// y: scratch [T, n·max_rank] with max_rank at least every run's rank.
 // Products accumulate in fp32; bf16 inputs are widened and the sum rounded once into out.
 #include <omp.h>
 #include <stdint.h>
@@ -19,7 +23,7 @@
 #include "common.h"
 
 typedef struct {
-    int64_t first_row, end_row, slot, rank;
+    int64_t first_row, end_row, pages_at, rank;
 } Group;
 
 #define TILE_ROWS 8  // rows of a group per task: enough to reuse each weight row from L1
@@ -63,8 +67,8 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
 
 #define DEFINE_LORA(NAME, T, WIDEN, VLOAD, ADD_INTO)                                                       \
     int NAME(const T *x, T *out, int64_t out_stride, const T *a, const T *const *bs, const int64_t *cols,   \
-             int64_t n_modules, int64_t slot_rank, int64_t in, const Group *groups, int64_t num_groups,     \
-             float *y) {                                                                                   \
+             int64_t n_modules, int64_t page_rank, int64_t slot_rank, int64_t in, const Group *groups,      \
+             int64_t num_groups, const int64_t *pages, float *y) {                                         \
         const int64_t ny = n_modules * slot_rank;                                                          \
         int64_t *first_task = malloc(sizeof(int64_t) * (size_t)(num_groups + 1));                          \
         if (!first_task) return -2;                                                                        \
@@ -82,9 +86,10 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
             float *xs = calloc((size_t)(TILE_ROWS * in), sizeof(float));                                   \
             float *acc = malloc(sizeof(float) * (size_t)(TILE_ROWS * max_width));                          \
             float *ys = calloc((size_t)(TILE_ROWS * slot_rank), sizeof(float));                            \
-            const int ok = xs && acc && ys;                                                                \
+            const T **rows_of = malloc(sizeof(T *) * (size_t)(slot_rank + 4)); /* weight row j's address */ \
+            const int ok = xs && acc && ys && rows_of;                                                     \
             if (!ok) failed = 1;                                                                           \
-            /* Shrink: y[r, i·R + j] = x[r] · A[slot, i·R + j] for j below the adapter's rank. */          \
+            /* Shrink: y[r, i·R + j] = x[r] · (A row j of module i) for j below the adapter's rank. */      \
             _Pragma("omp for schedule(dynamic, 1)")                                                        \
             for (int64_t task = 0; task < (ok ? tasks : 0); task++) {                                      \
                 int64_t r0;                                                                                \
@@ -95,7 +100,9 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                 for (int64_t k = 0; k < rows * in; k++) xs[k] = WIDEN(x, r0 * in + k);                     \
                 memset(xs + rows * in, 0, sizeof(float) * (size_t)((rows4 - rows) * in));                 \
                 for (int64_t i = 0; i < n_modules; i++) {                                                  \
-                    const T *a_i = a + (gr.slot * n_modules + i) * slot_rank * in;                         \
+                    for (int64_t j = 0; j < rank; j++)                                                     \
+                        rows_of[j] = a + ((pages[gr.pages_at + j / page_rank] * n_modules + i) * page_rank \
+                                          + j % page_rank) * in;                                           \
                     float *y_i = y + r0 * ny + i * slot_rank;                                              \
                     int64_t j = 0;                                                                         \
                     for (; in % VL == 0 && j + 4 <= rank; j += 4)                                          \
@@ -103,7 +110,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                             vf s[4][4] = {{{0}}};                                                          \
                             for (int64_t d = 0; d < in; d += VL) {                                         \
                                 vf w[4];                                                                   \
-                                for (int q = 0; q < 4; q++) w[q] = VLOAD(a_i + (j + q) * in + d);          \
+                                for (int q = 0; q < 4; q++) w[q] = VLOAD(rows_of[j + q] + d);              \
                                 _Pragma("GCC unroll 4")                                                    \
                                 for (int mm = 0; mm < 4; mm++) {                                           \
                                     const vf xv = vload_f32(xs + (m0 + mm) * in + d);                      \
@@ -114,7 +121,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                                 for (int q = 0; q < 4; q++) y_i[(m0 + mm) * ny + j + q] = hsum(s[mm][q]);   \
                         }                                                                                  \
                     for (; j < rank; j++) {                                                                \
-                        const T *arow = a_i + j * in;                                                      \
+                        const T *arow = rows_of[j];                                                        \
                         for (int64_t m = 0; m < rows; m++) {                                               \
                             const float *xm = xs + m * in;                                                 \
                             float s = 0.f;                                                                 \
@@ -125,7 +132,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                     }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
-            /* Expand: out[r, cols_i] += Σ_j y[r, i·R + j] · Bt[slot, j], each Bt row read once. */       \
+            /* Expand: out[r, cols_i] += Σ_j y[r, i·R + j] · (Bt row j of module i), each read once. */      \
             _Pragma("omp for schedule(dynamic, 1)")                                                        \
             for (int64_t item = 0; item < (ok ? tasks * n_modules : 0); item++) {                          \
                 const int64_t i = item % n_modules, width = cols[i + 1] - cols[i];                         \
@@ -134,7 +141,8 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                 const int64_t rows = gr.end_row - r0 < TILE_ROWS ? gr.end_row - r0 : TILE_ROWS;            \
                 const int64_t rows4 = (rows + 3) / 4 * 4;                                                  \
                 const int64_t rank = gr.rank < slot_rank ? gr.rank : slot_rank;                            \
-                const T *bt = bs[i] + gr.slot * slot_rank * width;                                         \
+                for (int64_t j = 0; j < rank; j++)                                                         \
+                    rows_of[j] = bs[i] + (pages[gr.pages_at + j / page_rank] * page_rank + j % page_rank) * width; \
                 for (int64_t m = 0; m < rows4; m++) /* this module's y rows, zeros past the group */       \
                     for (int64_t j = 0; j < rank; j++)                                                     \
                         ys[m * slot_rank + j] = m < rows ? y[(r0 + m) * ny + i * slot_rank + j] : 0.f;     \
@@ -144,7 +152,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                         vf s[4][4] = {{{0}}};                                                              \
                         for (int64_t j = 0; j < rank; j++) {                                               \
                             vf w[4];                                                                       \
-                            for (int q = 0; q < 4; q++) w[q] = VLOAD(bt + j * width + c0 + q * VL);        \
+                            for (int q = 0; q < 4; q++) w[q] = VLOAD(rows_of[j] + c0 + q * VL);            \
                             _Pragma("GCC unroll 4")                                                        \
                             for (int mm = 0; mm < 4; mm++) {                                               \
                                 const vf yv = (vf){0} + ys[(m0 + mm) * slot_rank + j];                     \
@@ -166,7 +174,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                     for (int64_t m = 0; m < rows; m++) {                                                   \
                         const float yj = ys[m * slot_rank + j];                                            \
                         _Pragma("omp simd")                                                                \
-                        for (int64_t c = 0; c < tail; c++) acc[m * tail + c] += yj * WIDEN(bt + j * width, c0 + c); \
+                        for (int64_t c = 0; c < tail; c++) acc[m * tail + c] += yj * WIDEN(rows_of[j], c0 + c); \
                     }                                                                                      \
                 for (int64_t m = 0; m < rows; m++) {                                                       \
                     T *o = out + (r0 + m) * out_stride + cols[i] + c0;                                     \
@@ -177,6 +185,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
             free(xs);                                                                                      \
             free(acc);                                                                                     \
             free(ys);                                                                                      \
+            free(rows_of);                                                                                 \
         }                                                                                                  \
         free(first_task);                                                                                  \
         return failed ? -2 : 0;                                                                            \
@@ -186,7 +195,7 @@ DEFINE_LORA(lora_apply_f32, float, load_f32, vload_f32, add_into_f32)
 DEFINE_LORA(lora_apply_bf16, uint16_t, load_bf16, vload_bf16, add_into_bf16)
 
 // dst[c, r] = scale * src[r, c] for src [rows, cols] (row stride src_stride) and dst [cols, rows]
-// (row stride dst_stride): a slot load writing B rank-major with the adapter's scaling folded in.
+// (row stride dst_stride): an adapter load writing B rank-major with the adapter's scaling folded in.
 // In tiles, so both sides are read and written in cache lines (torch's strided copy of a transposed
 // view ran ~4x slower than a plain copy, and scaling afterwards took another pass).
 #define TRANSPOSE_TILE 16

@@ -1,9 +1,9 @@
 """The LoRA op implementations and the selector (`make_lora_op`): the batched op on CPU in C
 (`kernels/lora.c`), torch's batched matmuls (`ops.TorchLoRAOp`) everywhere else.
 
-The C kernel keeps B rank-major in the slots (Bt [R, out]), so the pool is created with
+The C kernel keeps B rank-major in the pages (Bt [R, out]), so the pool is created with
 `b_rank_major=True` when this op is used. Adapters are brought into that form once, when staged
-(`transpose_into`); loads into such slots are then plain copies, run as a `kernels.copy.CopyProgram`
+(`transpose_into`); loads into such pages are then plain copies, run as a `kernels.copy.CopyProgram`
 on the CPU copy engine.
 """
 
@@ -27,7 +27,7 @@ def available(dtype: torch.dtype) -> bool:
 
 
 class CpuLoRAOp:
-    """`LoRAOp` for CPU: one kernel call per fused projection. Slots hold the model's dtype."""
+    """`LoRAOp` for CPU: one kernel call per fused projection. Pages hold the model's dtype."""
 
     b_rank_major = True
 
@@ -44,15 +44,16 @@ class CpuLoRAOp:
         self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], batch: LoRABatch
     ) -> None:
         x = x.contiguous()
-        assert batch.runs is not None
+        assert batch.runs is not None and batch.run_pages is not None
         assert x.dtype == out.dtype == a.dtype and out.stride(1) == 1 and a.is_contiguous()
         pointers, cols = self._layout(a, bs)
         num_modules = len(bs)
-        slot_rank = a.shape[1] // num_modules
-        scratch = torch.empty(x.shape[0], num_modules * slot_rank, dtype=torch.float32)
+        page_rank = a.shape[1] // num_modules
+        scratch = torch.empty(x.shape[0], num_modules * batch.max_rank, dtype=torch.float32)
         status = self._fn(
             x.data_ptr(), out.data_ptr(), out.stride(0), a.data_ptr(), pointers, cols.data_ptr(), num_modules,
-            slot_rank, x.shape[1], batch.runs.data_ptr(), batch.runs.shape[0], scratch.data_ptr(),
+            page_rank, batch.max_rank, x.shape[1], batch.runs.data_ptr(), batch.runs.shape[0],
+            batch.run_pages.data_ptr(), scratch.data_ptr(),
         )
         if status != 0:
             raise MemoryError("LoRA kernel: out of memory for its scratch buffers")
@@ -91,8 +92,8 @@ def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defi
                        ctypes.c_int64, ctypes.c_float]
     else:
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return fn
 
 

@@ -26,7 +26,7 @@ from adapter_cache.errors import (
 )
 from inference_service.device import CopyEngine
 from inference_service.limits import shown
-from inference_service.lora.mem_pool import LoRAMemoryPool
+from inference_service.lora.mem_pool import DEFAULT_PAGE_RANK, LoRAMemoryPool
 from inference_service.lora.overlap_loader import OverlapLoader
 from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion, UnloadedWhileLoadingError
 from inference_service.lora.source import AdapterSource
@@ -65,14 +65,23 @@ class AdapterInfo:
 
 @dataclass(frozen=True)
 class LoRAStats:
-    slots_total: int
-    slots_occupied: int
-    slots_referenced: int  # slots whose adapter a queued or running request holds
+    slots_total: int  # adapters of the largest rank the pool holds at once
+    slots_occupied: int  # adapters resident (or being copied in)
+    slots_referenced: int  # resident adapters a queued or running request holds
     slots_pinned: int
-    pending_loads: int  # slot copies in flight
+    pending_loads: int  # copies in flight
     references: int  # request references over all versions
     loads_total: int
     evictions_total: int
+    pool_bytes_total: int = 0  # the adapter pool's pages (the zero page not counted)
+    pool_bytes_used: int = 0  # pages holding an adapter
+    resident_by_rank: tuple[tuple[int, int], ...] = ()  # (rank, adapters resident)
+    evictions_by_cause: tuple[tuple[str, int], ...] = ()  # (cause, count): see EVICTION_CAUSES
+
+
+# Why an adapter left the pool: made room for another (least recently used), its version was
+# unloaded or replaced and drained, or its copy failed.
+EVICTION_CAUSES = ("capacity", "drained", "failed")
 
 
 @dataclass
@@ -85,7 +94,7 @@ class DrainResult:
 class LoRAManager:
     def __init__(
         self,
-        num_slots: int,
+        num_slots: int | None,
         max_rank: int,
         shapes: BaseModelShapes,
         device: torch.device,
@@ -98,15 +107,20 @@ class LoRAManager:
         b_rank_major: bool = False,
         max_registered: int = 1024,
         load_timeout_s: float = 120.0,
+        num_pages: int | None = None,
+        page_rank: int = DEFAULT_PAGE_RANK,
     ) -> None:
-        """`host_executor` replaces the host-preparation pool (tests use it to order stagings);
-        `b_rank_major`: the slots' B layout, as the model's LoRA op reads it; `max_registered`: adapter
+        """`num_slots`: a fixed-slot pool of that many max-rank slots; None: a paged pool of
+        `num_pages` pages of `page_rank` rank rows (sized by memory, `pool_pages`).
+        `host_executor` replaces the host-preparation pool (tests use it to order stagings);
+        `b_rank_major`: the pages' B layout, as the model's LoRA op reads it; `max_registered`: adapter
         names held at most; `load_timeout_s`: a host preparation's deadline (see StagingPool)."""
-        if num_slots < 1:
+        if num_slots is not None and num_slots < 1:
             raise ValueError("max_loras must be at least 1")
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
         self._registry = AdapterRegistry()
-        self._pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major)
+        self._pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major, num_pages=num_pages,
+                                    page_rank=page_rank)
         self._loader = OverlapLoader(copy_engine)
         self._source = source
         self.metrics = metrics or NullMetrics()
@@ -117,8 +131,12 @@ class LoRAManager:
         self._admin_ops: list[AdminOp] = []
         self._waiting_unloads: dict[str, list[concurrent.futures.Future[None]]] = {}
         self.loads_total = 0
-        self.evictions_total = 0
-        log.info("LoRA slots: %d x rank %d = %.1f MiB", num_slots, max_rank, self._pool.nbytes / 2**20)
+        self.evictions = dict.fromkeys(EVICTION_CAUSES, 0)
+        pool = self._pool
+        log.info("LoRA pool: %d pages of rank %d (%.1f KiB each) = %.1f MiB, %s", pool.num_pages, pool.page_rank,
+                 pool.page_nbytes / 1024, pool.nbytes / 2**20,
+                 f"at most {num_slots} adapters" if num_slots is not None else
+                 f"{pool.max_rank_capacity} adapters of rank {max_rank}, more of lower ranks")
 
     # ---- admin API (public: logs, wraps the private implementation) ----
 
@@ -206,11 +224,24 @@ class LoRAManager:
         raise FailedPreconditionError(f"{held}, all by LoadAdapter or preload; an operator must unload one")
 
     def _check_pin_capacity(self, name: str) -> None:
-        # Another version of the same name is replaced by this one, so it does not count.
-        pinned = sum(1 for v in self._registry.versions.values() if v.pinned and not v.draining and v.name != name)
-        if pinned + 1 >= self._pool.num_slots:
+        """Pinning never takes every slot: room for one more adapter of the largest rank stays.
+        Another version of the same name is replaced by this one, so it does not count; a version
+        not staged yet counts at the largest rank."""
+        others = [v for v in self._registry.versions.values() if v.pinned and not v.draining and v.name != name]
+        pool = self._pool
+        if pool.max_adapters is not None:
+            if len(others) + 1 >= pool.max_adapters:
+                raise ResourceExhaustedError(
+                    f"pinning another adapter would leave no unpinned slot ({len(others)} of {pool.max_adapters} pinned)"
+                )
+            return
+        current = self._registry.versions.get(self._registry.current.get(name, ""))
+        pages = [pool.pages_for(v.rank or self.max_rank) for v in others]
+        pages.append(pool.pages_for((current.rank if current is not None else 0) or self.max_rank))
+        if sum(pages) + pool.pages_for(self.max_rank) > pool.num_pages:
             raise ResourceExhaustedError(
-                f"pinning another adapter would leave no unpinned slot ({pinned} of {self._pool.num_slots} pinned)"
+                f"pinning another adapter would leave no room for an unpinned one ({sum(pages) - pages[-1]} of "
+                f"{pool.num_pages} pages pinned)"
             )
 
     # ---- request references ----
@@ -231,9 +262,12 @@ class LoRAManager:
 
     def stats(self) -> LoRAStats:
         versions, pool = self._registry.versions, self._pool
-        occupied = [uid for uid in pool.slot_to_uid if uid is not None]
+        occupied = list(pool.uid_to_pages)
+        by_rank: dict[int, int] = {}
+        for uid in occupied:
+            by_rank[versions[uid].rank] = by_rank.get(versions[uid].rank, 0) + 1
         return LoRAStats(
-            slots_total=pool.num_slots,
+            slots_total=pool.max_rank_capacity,
             slots_occupied=len(occupied),
             slots_referenced=sum(1 for uid in occupied if versions[uid].refs),
             slots_pinned=sum(1 for uid in occupied if versions[uid].pinned),
@@ -241,7 +275,16 @@ class LoRAManager:
             references=self._registry.total_refs(),
             loads_total=self.loads_total,
             evictions_total=self.evictions_total,
+            pool_bytes_total=pool.num_pages * pool.page_nbytes,
+            pool_bytes_used=(pool.num_pages - pool.free_pages) * pool.page_nbytes,
+            resident_by_rank=tuple(sorted(by_rank.items())),
+            evictions_by_cause=tuple(self.evictions.items()),
         )
+
+    @property
+    def evictions_total(self) -> int:
+        """Adapters evicted to make room (the other causes are not evictions by the pool's choice)."""
+        return self.evictions["capacity"]
 
     def adapters(self, limit: int | None = None, after: tuple[str, int] | None = None) -> list[AdapterInfo]:
         """Adapters ordered by (name, version): the first `limit` after `after` (a page).
@@ -261,7 +304,7 @@ class LoRAManager:
             version=v.version,
             uri=v.uri,
             state=self.state(v.uid).value,
-            slot=self._pool.uid_to_slot.get(v.uid, -1),
+            slot=-1 if (slot := self._pool.slot_of(v.uid)) is None else slot,
             pinned=v.pinned,
             rank=v.rank,
             size_bytes=v.size_bytes,
@@ -298,7 +341,21 @@ class LoRAManager:
 
     @property
     def num_slots(self) -> int:
-        return self._pool.num_slots
+        """Adapters of the largest rank the pool holds at once."""
+        return self._pool.max_rank_capacity
+
+    @property
+    def page_rank(self) -> int:
+        return self._pool.page_rank
+
+    @property
+    def zero_page(self) -> int:
+        """A page of zeros no adapter holds (the torch op pads page lists with it)."""
+        return self._pool.zero_page
+
+    def pages_of(self, uid: str) -> tuple[int, ...]:
+        """The pages of a resident adapter, in rank order (stable while a request references it)."""
+        return self._pool.uid_to_pages[uid]
 
     @property
     def slot_dtype(self) -> torch.dtype:
@@ -306,6 +363,7 @@ class LoRAManager:
 
     @property
     def slots_nbytes(self) -> int:
+        """Device bytes of the whole pool (its pages and the zero page)."""
         return self._pool.nbytes
 
     @property
@@ -350,7 +408,7 @@ class LoRAManager:
             return AdapterState.DRAINING
         if self._loader.is_loading(uid):
             return AdapterState.LOADING
-        if uid in self._pool.uid_to_slot:
+        if uid in self._pool.uid_to_pages:
             return AdapterState.LOADED
         if entry.staging is not None:
             return AdapterState.STAGING
@@ -362,7 +420,7 @@ class LoRAManager:
         """The slot of a LOADED adapter; None while its copy is in flight or it has no slot."""
         if self._loader.is_loading(uid):
             return None
-        return self._pool.uid_to_slot.get(uid)
+        return self._pool.slot_of(uid)
 
     def ensure_loading(self, uid: str, needed: set[str]) -> bool:
         """Move an adapter towards LOADED without blocking: stage it, or copy it into a slot.
@@ -371,7 +429,7 @@ class LoRAManager:
         taken. Returns False when no slot can be had now (the request waits, never errors).
         """
         entry = self._registry.versions[uid]
-        if entry.failure is not None or uid in self._pool.uid_to_slot:
+        if entry.failure is not None or uid in self._pool.uid_to_pages:
             return True
         if entry.host is None:
             if entry.staging is None and time.monotonic() >= entry.retry_at:
@@ -385,7 +443,7 @@ class LoRAManager:
 
     def unevictable(self, needed: set[str]) -> set[str]:
         versions = self._registry.versions
-        pinned = {uid for uid in self._pool.slot_to_uid if uid is not None and versions[uid].pinned}
+        pinned = {uid for uid in self._pool.uid_to_pages if versions[uid].pinned}
         return needed | pinned | set(self._loader.pending)
 
     def has_pending_work(self) -> bool:
@@ -453,31 +511,32 @@ class LoRAManager:
             entry.failure = error
 
     def _start_slot_load(self, entry: AdapterVersion, needed: set[str]) -> bool:
-        slot = self._pool.find_slot(self.unevictable(needed | {entry.uid}))
-        if slot is None:
-            return False
-        victim = self._pool.slot_to_uid[slot]
-        if victim is not None:
-            self._evict(victim)
+        """Make room (evicting the least recently used adapters nothing needs, by pages) and start
+        the copy; False when the adapter cannot fit now."""
         host = entry.host
         assert host is not None
-        self._pool.assign(slot, entry.uid)
-        tier = entry.tier
-        self._loader.start(entry.uid, slot, self._pool.copy_into_slot(slot, host), tier, time.monotonic())
+        victims = self._pool.find_room(host.rank, self.unevictable(needed | {entry.uid}))
+        if victims is None:
+            return False
+        for victim in victims:
+            self._evict(victim, "capacity")
+        pages = self._pool.assign(entry.uid, host.rank)
+        self._loader.start(entry.uid, pages[0], self._pool.copy_into_pages(pages, host), entry.tier, time.monotonic())
         return True
 
-    def _evict(self, uid: str) -> None:
-        slot = self._pool.free(uid)
-        self.evictions_total += 1
-        self.metrics.adapter_evicted()
-        log.info("evicted adapter %s from slot %d", uid, slot)
+    def _evict(self, uid: str, cause: str) -> None:
+        pages = self._pool.free(uid)
+        self.evictions[cause] += 1
+        if cause == "capacity":
+            self.metrics.adapter_evicted()
+        log.info("adapter %s left the pool (%s): %d pages free", uid, cause, len(pages))
 
     def _finish_load(
         self, uid: str, seconds: float, tier: LoadTier, error: BaseException | None, result: DrainResult
     ) -> None:
         entry = self._registry.versions[uid]
         if error is not None:
-            self._pool.free(uid)
+            self._evict(uid, "failed")
             self._drop_host(entry)
             self._fail(entry, UnavailableError(f"copying adapter {entry.name} into its slot failed: {error}"), result)
             return
@@ -485,7 +544,7 @@ class LoRAManager:
         entry.tier = LoadTier.CACHE
         self.loads_total += 1
         self.metrics.adapter_loaded(tier, seconds)
-        log.info("adapter %s loaded into slot %d in %.1f ms (%s)", uid, self._pool.uid_to_slot[uid], seconds * 1e3,
+        log.info("adapter %s loaded into pages %s in %.1f ms (%s)", uid, self._pool.uid_to_pages[uid], seconds * 1e3,
                  tier)
 
     def _advance_admin_ops(self, result: DrainResult) -> None:
@@ -504,7 +563,7 @@ class LoRAManager:
                 op.future.set_exception(error)
                 log.info("load adapter %s failed after %.1f ms", entry.name, (time.monotonic() - op.started) * 1e3)
                 continue
-            if entry.staging is not None or (entry.host is None and entry.uid not in self._pool.uid_to_slot):
+            if entry.staging is not None or (entry.host is None and entry.uid not in self._pool.uid_to_pages):
                 if entry.staging is None:
                     self._start_staging(entry)  # evicted meanwhile: stage again for the preload
                 still.append(op)
@@ -521,7 +580,7 @@ class LoRAManager:
                     self._registry.mark_draining(old)
                     log.info("version swap %s: %s → %s (old drains)", entry.name, old.uid, entry.uid)
             if op.preload and self.slot_of(entry.uid) is None:
-                if entry.uid not in self._pool.uid_to_slot:  # not yet copying: try for a slot
+                if entry.uid not in self._pool.uid_to_pages:  # not yet copying: try for a slot
                     self._start_slot_load(entry, self._referenced())
                 still.append(op)
                 continue
@@ -544,9 +603,8 @@ class LoRAManager:
             entry = self._registry.versions[uid]
             if entry.refs or self._loader.is_loading(entry.uid):
                 continue
-            if entry.uid in self._pool.uid_to_slot:
-                slot = self._pool.free(entry.uid)
-                log.info("drained adapter %s freed slot %d", entry.uid, slot)
+            if entry.uid in self._pool.uid_to_pages:
+                self._evict(entry.uid, "drained")
             if entry.staging is not None:
                 entry.staging.cancel()
                 self._staging.discard(entry.uid)
@@ -564,8 +622,8 @@ class LoRAManager:
         return set(self._registry.referenced)
 
     def _memory(self) -> str:
-        free_slots = sum(1 for uid in self._pool.slot_to_uid if uid is None)
-        text = f"{free_slots}/{self._pool.num_slots} slots free"
+        pool = self._pool
+        text = f"{pool.free_pages}/{pool.num_pages} pages of rank {pool.page_rank} free"
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             text += f", {free / 2**30:.2f} GiB device memory free"
