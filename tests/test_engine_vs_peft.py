@@ -21,6 +21,8 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
+from inference_service.lora.mem_pool import bytes_per_page
+from inference_service.models.loader import load_model
 
 ADAPTERS = [
     AdapterSpec("r4-attn", 4, 8, ("q_proj", "v_proj"), seed=1),
@@ -72,7 +74,8 @@ def op_path(request, monkeypatch) -> tuple[str, str]:
 def _engine_logits(checkpoint: Path, adapters: dict[str, Path], prompts, device: str = "cpu",
                    op: str | None = None, **config) -> dict[str, tuple[torch.Tensor, list[int]]]:
     """Per request: its logits at prefill and each decode step (on the CPU), and its tokens."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=4, max_lora_rank=16,
+    config = {"max_loras": 4, **config}
+    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_lora_rank=16,
                                    kv_cache_bytes=4 << 20, **config))
     if op is not None:
         assert type(core.runner.model.lora_op).__name__ == op, "the engine took another LoRA op path"
@@ -132,6 +135,35 @@ def test_mixed_batch_matches_peft(family_setup, reference, op_path):
         assert logits.shape == reference[rid].shape == (NEW_TOKENS, 160), rid
         diff = (logits - reference[rid]).abs().max().item()
         assert diff < TOL, f"{rid} ({adapter}, {op_path}): max |logit diff| {diff}"
+        assert tokens == reference[rid].argmax(-1).tolist(), f"{rid}: greedy tokens differ"
+
+
+# The pool sized by memory: pages of 8 rank rows (the default: rank 4 fills half a page), of 3 (every
+# adapter's last page partial: ranks 4, 8, 16 take 2, 3, 6 pages) and of 3 in a pool of 13 pages, which
+# holds one rank-16 adapter and the small ones at a time: adapters wait for pages, are evicted and
+# come back into other (non-contiguous) pages, next to ones whose pages they held before.
+PAGED_POOLS = [
+    pytest.param((8, None), id="page8"),
+    pytest.param((3, None), id="page3"),
+    pytest.param((3, 13), id="page3-13pages"),
+]
+
+
+@pytest.mark.parametrize("pool", PAGED_POOLS)
+def test_paged_pool_matches_peft(family_setup, reference, op_path, pool):
+    checkpoint, adapters = family_setup
+    page_rank, pages = pool
+    config: dict = {"max_loras": "auto", "lora_page_rank": page_rank}
+    if pages is not None:
+        model, _ = load_model(str(checkpoint), torch.device("cpu"), torch.float32)
+        config["lora_memory_bytes"] = (pages + 1) * bytes_per_page(model.config.lora_shapes(), page_rank,
+                                                                    torch.float32)
+    prompts = _prompts(160)
+    ours = _engine_logits(checkpoint, adapters, prompts, *op_path, **config)
+    for rid, _, adapter in prompts:
+        logits, tokens = ours[rid]
+        diff = (logits - reference[rid]).abs().max().item()
+        assert diff < TOL, f"{rid} ({adapter}, {op_path}, {pool}): max |logit diff| {diff}"
         assert tokens == reference[rid].argmax(-1).tolist(), f"{rid}: greedy tokens differ"
 
 

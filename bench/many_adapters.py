@@ -1,0 +1,154 @@
+"""Many adapters in one batch (S-LoRA's figure): throughput vs distinct adapters, in-process.
+
+Workload (issue 39): a 4-layer hidden-256 LLaMA; 64 requests submitted at once, 32-token prompts,
+64 new tokens each, greedy, EOS ignored. Adapters of ranks 8 and 16 (alternating) on all 7
+modules. With A distinct adapters, request i uses adapter i mod A (`uniform`), or one drawn from a
+Zipf distribution with s=1 over the A adapters (`zipf`: a few hot adapters, a long tail).
+
+Engines: the default configuration (`--max-loras auto`: the pool sized by memory, paged by rank),
+the base model in the same engine (requests without an adapter), and the old fixed-slot pool
+(`--baseline-slots` slots of rank 16) as the baseline. Each measurement runs the workload once to
+warm up (adapters staged into the host cache, loaded into the pool) and then `--rounds` times; the
+median round counts. Adapter loads during the timed rounds (when the pool cannot hold every
+adapter) count: they are part of serving that many adapters.
+Every request must produce exactly `--new-tokens` tokens, and the default pool's tokens must equal
+the fixed-slot pool's (the same adapters, greedy) in at least 95% of requests (a near-tie may flip),
+else no RESULT and exit status 1.
+Last lines: RESULT many_adapters_64_vs_base=<tokens/s at 64 distinct adapters / base> and
+RESULT many_adapters_256_zipf_vs_base=<...>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
+
+from harness.engine_helpers import load_adapters, run_to_completion  # noqa: E402
+from harness.models import make_checkpoint  # noqa: E402
+from inference_service.engine.config import EngineConfig  # noqa: E402
+from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from inference_service.engine.core import EngineCore  # noqa: E402
+from inference_service.models.config import ModelConfig  # noqa: E402
+from inference_service.engine.request import Request, SamplingParams  # noqa: E402
+
+MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)
+COUNTS = (1, 8, 32, 64, 128, 256)
+
+
+def assignment(count: int, requests: int, kind: str) -> list[int]:
+    """The adapter index of each request."""
+    if kind == "uniform":
+        return [i % count for i in range(requests)]
+    weights = torch.tensor([1.0 / (k + 1) for k in range(count)])  # Zipf, s = 1
+    gen = torch.Generator().manual_seed(count)
+    return torch.multinomial(weights, requests, replacement=True, generator=gen).tolist()
+
+
+def run(core: EngineCore, prompts: list[list[int]], names: list[str | None], new_tokens: int, tag: str
+        ) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        core.add_request(Request(f"{tag}-{i}", prompt, params), name)
+    outputs = run_to_completion(core, timeout=3600)
+    elapsed = time.perf_counter() - start
+    tokens = [[t for o in outputs[f"{tag}-{i}"] for t in o.new_token_ids] for i in range(len(prompts))]
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def measure(core: EngineCore, prompts: list[list[int]], names: list[str | None], args: argparse.Namespace,
+            tag: str) -> tuple[float, list[list[int]]]:
+    """Median tokens/s over the timed rounds (after one warm-up), and the last round's tokens."""
+    run(core, prompts, names, args.new_tokens, f"{tag}-warm")
+    rates, tokens = [], []
+    for r in range(args.rounds):
+        rate, tokens = run(core, prompts, names, args.new_tokens, f"{tag}-{r}")
+        rates.append(rate)
+    return statistics.median(rates), tokens
+
+
+def engine(checkpoint: Path, adapters: dict[str, Path], max_loras: int | str) -> EngineCore:
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=max_loras,
+                                   max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20))
+    load_adapters(core, adapters)  # registered; loaded into the pool by the requests
+    return core
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs per point; the median counts")
+    parser.add_argument("--baseline-slots", type=int, default=8, help="slots of the old fixed-slot pool")
+    parser.add_argument("--counts", default=",".join(map(str, COUNTS)), help="distinct adapters per point")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    counts = [int(c) for c in args.counts.split(",")]
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = make_checkpoint(root / "model", "llama", **MODEL)
+        config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+        adapters = {f"ad{i}": write_peft_adapter(root / f"ad{i}", config, rank=8 if i % 2 else 16, alpha=16.0,
+                                                 seed=i, scale=0.05)
+                    for i in range(max(counts))}
+        names_all = list(adapters)
+        gen = torch.Generator().manual_seed(1)
+        prompts = torch.randint(3, MODEL["vocab_size"], (args.requests, args.prompt_tokens), generator=gen).tolist()
+
+        auto = engine(checkpoint, adapters, "auto")
+        info = auto.model_info
+        print(f"default pool: {info.lora_pool_bytes / 2**20:.1f} MiB, pages of rank {info.lora_page_rank}, "
+              f"{info.max_loras} adapters of rank 16 at once (more of rank 8)")
+        base, _ = measure(auto, prompts, [None] * args.requests, args, "base")
+        print(f"base model: {base:8.1f} tokens/s", flush=True)
+        fixed = engine(checkpoint, adapters, args.baseline_slots)
+        results: dict[tuple[str, int], float] = {}
+        problems: list[str] = []
+        same = total = 0
+        for kind in ("uniform", "zipf"):
+            for count in counts:
+                names = [names_all[a] for a in assignment(count, args.requests, kind)]
+                ours, ours_tokens = measure(auto, prompts, list(names), args, f"auto-{kind}-{count}")
+                old, old_tokens = measure(fixed, prompts, list(names), args, f"fixed-{kind}-{count}")
+                for label, tokens in (("default pool", ours_tokens), ("fixed slots", old_tokens)):
+                    if any(len(t) != args.new_tokens for t in tokens):
+                        problems.append(f"{kind} {count}: {label}: a request did not make {args.new_tokens} tokens")
+                same += sum(a == b for a, b in zip(ours_tokens, old_tokens, strict=True))
+                total += len(ours_tokens)
+                results[(kind, count)] = ours / base
+                stats = auto.lora.stats()
+                print(f"{kind:7} {count:3} adapters ({len(set(names)):3} distinct in the batch): default pool "
+                      f"{ours:8.1f} tok/s = {ours / base:.3f} of base; fixed {args.baseline_slots} slots {old:8.1f} "
+                      f"= {old / base:.3f}; pool {stats.pool_bytes_used / 2**20:.1f}/"
+                      f"{stats.pool_bytes_total / 2**20:.1f} MiB, resident by rank {dict(stats.resident_by_rank)}, "
+                      f"evictions {dict(stats.evictions_by_cause)}", flush=True)
+        auto.shutdown()
+        fixed.shutdown()
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(f"{same} of {total} requests made the same tokens in the default pool and the fixed-slot pool")
+    if same < 0.95 * total:
+        problems.append("the default pool's tokens differ from the fixed-slot pool's in more than 5% of requests")
+    if problems:
+        sys.exit("no RESULT:\n" + "\n".join(problems))
+    if ("uniform", 64) in results:
+        print(f"RESULT many_adapters_64_vs_base={results[('uniform', 64)]:.3f}")
+    if ("zipf", 256) in results:
+        print(f"RESULT many_adapters_256_zipf_vs_base={results[('zipf', 256)]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
