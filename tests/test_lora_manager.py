@@ -392,3 +392,31 @@ def test_swapping_a_pinned_adapter_is_not_refused(adapters):
         core.lora.load_adapter("b", str(adapters["b"]), pinned=True)
     assert_leak_free(core)
     core.shutdown()
+
+
+def test_memory_per_resident_adapter_is_its_real_size(tmp_path):
+    """The pool sized by memory: a resident adapter's pages are its real size within one page's
+    rounding (rank 8 takes half of rank 16; rank 4 in pages of 8 rows rounds up to one page), and
+    the bytes gauge counts exactly those pages."""
+    core = EngineCore(EngineConfig(model="builtin:tiny", device="cpu", max_loras="auto", lora_page_rank=8,
+                                   max_lora_rank=16, lora_memory_bytes=16 << 20, kv_cache_bytes=4 << 20))
+    try:
+        paths = {f"r{rank}": write_tiny_adapter(tmp_path / f"r{rank}", seed=rank, rank=rank) for rank in (4, 8, 16)}
+        load_adapters(core, paths, preload=True)
+        pool = core.lora._pool
+        shapes = core.runner.model.config.lora_shapes()
+        # Real size: A [r, in] and B [out, r] of every module of every layer, in the pool's dtype.
+        real_per_rank = sum(i + o for i, o in shapes.features.values()) * shapes.num_layers * pool.dtype.itemsize
+        used = {}
+        for name, rank in (("r4", 4), ("r8", 8), ("r16", 16)):
+            pages = pool.uid_to_pages[uid_of(core, name)]
+            used[rank] = len(pages) * pool.page_nbytes
+            assert used[rank] - rank * real_per_rank < pool.page_nbytes, (rank, used[rank])
+            assert used[rank] >= rank * real_per_rank
+        assert used[8] * 2 == used[16] and used[4] == used[8]  # rank 4 rounds up to one page of 8 rows
+        stats = core.lora.stats()
+        assert stats.pool_bytes_used == sum(used.values())
+        assert stats.resident_by_rank == ((4, 1), (8, 1), (16, 1))
+        assert stats.pool_bytes_total == pool.num_pages * pool.page_nbytes <= 16 << 20
+    finally:
+        core.shutdown()

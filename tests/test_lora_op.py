@@ -34,6 +34,33 @@ def make_slots(ranks: list[int], gen: torch.Generator, size_in: int, outs: tuple
     return a, bs
 
 
+def paginate(a: torch.Tensor, bs: list[SlicedB], ranks: list[int], page_rank: int, gen: torch.Generator):
+    """The slots as the paged pool holds them: each slot's rank in ceil(rank / page_rank) pages of
+    page_rank rows, at random places in the pool (rows past its rank zeros), and a zero page last."""
+    n = len(bs)
+    counts = [-(-rank // page_rank) for rank in ranks]
+    order = torch.randperm(sum(counts), generator=gen).tolist()
+    zero_page = len(order)
+    padded = max(counts) * page_rank
+    a_pages = torch.zeros(zero_page + 1, n * page_rank, a.shape[2])
+    b_pages = [torch.zeros(zero_page + 1, s.b.shape[1], page_rank) for s in bs]
+    slot_pages: dict[int, tuple[int, ...]] = {}
+    for slot, count in enumerate(counts):
+        pages = tuple(order[:count])
+        order = order[count:]
+        slot_pages[slot] = pages
+        for i, s in enumerate(bs):
+            rows_a = torch.zeros(padded, a.shape[2])
+            rows_a[: min(MAX_RANK, padded)] = a[slot, i * MAX_RANK : i * MAX_RANK + min(MAX_RANK, padded)]
+            rows_b = torch.zeros(s.b.shape[1], padded)
+            rows_b[:, : min(MAX_RANK, padded)] = s.b[slot, :, : min(MAX_RANK, padded)]
+            for k, page in enumerate(pages):
+                part = slice(k * page_rank, (k + 1) * page_rank)
+                a_pages[page, i * page_rank : (i + 1) * page_rank] = rows_a[part]
+                b_pages[i][page] = rows_b[:, part]
+    return a_pages, [SlicedB(s.start, s.end, b) for s, b in zip(bs, b_pages, strict=True)], slot_pages, zero_page
+
+
 def reference(x: torch.Tensor, a: torch.Tensor, bs: list[SlicedB], token_slots: list[int]) -> torch.Tensor:
     out = torch.zeros(x.shape[0], bs[-1].end)
     for row, slot in enumerate(token_slots):
@@ -69,8 +96,11 @@ def make_op(kind: str) -> tuple[LoRAOp, torch.dtype]:
     sort=st.booleans(),
     known_ranks=st.sampled_from(["all", "some", "none"]),
     seed=st.integers(0, 2**16),
+    page_rank=st.sampled_from([1, 3, 8]),
 )
-def test_op_matches_per_token_reference(kind, token_slots, shape, ranks, sort, known_ranks, seed):
+def test_op_matches_per_token_reference(kind, token_slots, shape, ranks, sort, known_ranks, seed, page_rank):
+    """Over a paged pool: each adapter's rank rows in pages anywhere in the pool (mixed ranks whose
+    last pages are partial with pages of 3; one row per page; whole slots with pages of 8)."""
     gen = torch.Generator().manual_seed(seed)
     if sort:  # the model runner's order: base-model tokens first, then by slot
         token_slots = sorted(token_slots)
@@ -80,12 +110,17 @@ def test_op_matches_per_token_reference(kind, token_slots, shape, ranks, sort, k
     x = torch.randn(len(token_slots), size_in, generator=gen)
     a, x = a.to(dtype), x.to(dtype)
     bs = [SlicedB(s.start, s.end, s.b.to(dtype)) for s in bs]
-    slot_ranks = {"all": dict(enumerate(ranks)), "some": {0: ranks[0], 3: ranks[3]}, "none": None}[known_ranks]
-    batch = build_lora_batch(token_slots, NUM_SLOTS, torch.device("cpu"), slot_ranks)
+    slot_ranks = {"all": dict(enumerate(ranks)), "some": {0: ranks[0], 3: ranks[3]}, "none": {}}[known_ranks]
+    a_pages, b_pages, slot_pages, zero_page = paginate(a.float(), [SlicedB(s.start, s.end, s.b.float()) for s in bs],
+                                                       ranks, page_rank, gen)
+    a_pages = a_pages.to(dtype)
+    b_pages = [SlicedB(s.start, s.end, s.b.to(dtype)) for s in b_pages]
+    batch = build_lora_batch(token_slots, slot_pages, slot_ranks, page_rank, zero_page, torch.device("cpu"))
     out = torch.zeros(len(token_slots), sum(outs), dtype=dtype)
-    stored = [SlicedB(s.start, s.end, s.b.transpose(1, 2).contiguous()) for s in bs] if op.b_rank_major else bs
+    stored = [SlicedB(s.start, s.end, s.b.transpose(1, 2).contiguous()) for s in b_pages] if op.b_rank_major \
+        else b_pages
     if batch is not None:
-        op.apply(x, out, a, stored, batch)
+        op.apply(x, out, a_pages, stored, batch)
     b32 = [SlicedB(s.start, s.end, s.b.float()) for s in bs]
     expected = reference(x.float(), a.float(), b32, token_slots)
     if dtype == torch.float32:

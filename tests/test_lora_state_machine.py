@@ -1,4 +1,5 @@
-"""A Hypothesis state machine over EngineCore + LoRAManager: the slot pool invariants of docs/architecture.md.
+"""A Hypothesis state machine over EngineCore + LoRAManager: the slot pool invariants of docs/architecture.md,
+for the fixed-slot pool (`--max-loras N`) and the pool sized by memory (pages of rank rows).
 
 Rules: load / version-swap an adapter (optionally pinned or preloaded), pin (the same version loaded pinned), unload,
 start a request (an adapter or the base model), abort one, run a scheduler step, and complete any
@@ -40,6 +41,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import FinishReason, Request, SamplingParams
 from inference_service.lora.manager import LoRAManager
+from inference_service.lora.mem_pool import bytes_per_page
 from inference_service.lora.registry import AdapterState
 from inference_service.models.loader import builtin_tiny_config
 
@@ -129,14 +131,18 @@ class ManualExecutor(concurrent.futures.Executor):
         self.queued.clear()
 
 
+PAGE_RANK = 4  # the paged pools': ranks 2 and 4 take one page, rank 8 two
+PADDED = 2 * MAX_RANK  # rank rows past the largest rank, enough for any page rounding here
+
+
 def _expected_slot(path: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """What a slot must hold for this adapter: padded A, alpha/r-scaled padded B, zeros where absent."""
+    """What an adapter's pages must hold, in rank order: padded A, alpha/r-scaled padded B, zeros where absent."""
     shapes = builtin_tiny_config().lora_shapes()
     host = load_adapter_dir(path, shapes, MAX_RANK)
     expected = {}
     for layer in range(shapes.num_layers):
         for module, (in_features, out_features) in shapes.features.items():
-            a_exp, b_exp = torch.zeros(MAX_RANK, in_features), torch.zeros(out_features, MAX_RANK)
+            a_exp, b_exp = torch.zeros(PADDED, in_features), torch.zeros(out_features, PADDED)
             if (layer, module) in host.modules:
                 a, b, scaling = host.modules[(layer, module)]
                 rank = a.shape[0]
@@ -166,7 +172,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
         self.load_futures: list[concurrent.futures.Future] = []
         self.unload_futures: list[concurrent.futures.Future] = []
         self.newest_current: dict[str, int] = {}
-        self.prev_slots: list[str | None] = []
+        self.prev_pages: dict[str, tuple[int, ...]] = {}
         self.prev_protected: set[str] = set()
         self.prev_pinned: set[str] = set()
         self.batches = 0
@@ -175,16 +181,23 @@ class SlotPoolMachine(RuleBasedStateMachine):
 
     @initialize(
         slots=st.integers(1, 3), kv_blocks=st.sampled_from([4, 64]), max_num_seqs=st.sampled_from([2, 64]),
-        async_scheduling=st.sampled_from(["off", "on"]),
+        async_scheduling=st.sampled_from(["off", "on"]), pages=st.sampled_from([None, 2, 3, 5, 7]),
     )
-    def setup(self, slots: int, kv_blocks: int, max_num_seqs: int, async_scheduling: str) -> None:
+    def setup(self, slots: int, kv_blocks: int, max_num_seqs: int, async_scheduling: str, pages: int | None
+              ) -> None:
+        """`pages`: None, the fixed-slot pool of `slots` slots; else the pool sized by memory, with
+        room for that many pages of PAGE_RANK rows (a rank-8 adapter takes 2)."""
         self.executor, self.copies = ManualExecutor(), ManualCopyEngine()
 
         def manager(**kwargs: object) -> LoRAManager:
             return LoRAManager(**{**kwargs, "host_executor": self.executor})  # type: ignore[arg-type]
 
+        pool: dict = {"max_loras": slots}
+        if pages is not None:
+            per_page = bytes_per_page(builtin_tiny_config().lora_shapes(), PAGE_RANK, torch.float32)
+            pool = {"max_loras": "auto", "lora_page_rank": PAGE_RANK, "lora_memory_bytes": (pages + 1) * per_page}
         config = EngineConfig(
-            model="builtin:tiny", device="cpu", max_loras=slots, max_lora_rank=MAX_RANK,
+            model="builtin:tiny", device="cpu", **pool, max_lora_rank=MAX_RANK,
             kv_cache_bytes=kv_blocks * KV_BLOCK_BYTES,
             max_num_seqs=max_num_seqs, aging_steps=10**9,  # no aging barrier: every queued request's adapter is needed
             async_scheduling=async_scheduling,  # on: each step runs on the device worker while the next is planned
@@ -193,6 +206,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
                 mock.patch("inference_service.engine.core.make_copy_engine", lambda *a: self.copies):
             self.core = EngineCore(config)
         assert self.core.runner.kv.num_blocks == kv_blocks
+        if pages is not None:
+            assert self.lora._pool.num_pages == pages and self.lora._pool.max_adapters is None
         real_plan = self.core.runner.plan
 
         def checked_plan(batch):  # every step is planned here, with or without async scheduling
@@ -298,35 +313,54 @@ class SlotPoolMachine(RuleBasedStateMachine):
         if self.core is None:
             return
         lora, pool, registry = self.lora, self.lora._pool, self.lora._registry
-        n = pool.num_slots
-        # uid_to_slot / slot_to_uid are one bijection over known versions.
-        assert len(pool.slot_to_uid) == n
-        assert {uid: s for s, uid in enumerate(pool.slot_to_uid) if uid is not None} == pool.uid_to_slot
-        assert set(pool.uid_to_slot) <= set(registry.versions)
-        # LOADING ⇔ a pending load; LOADED ⇔ no pending load and in uid_to_slot. A pending load
-        # holds its slot, so pending loads count against capacity.
+        # uid_to_pages / page_to_uid are one mapping over known versions: pages disjoint, free pages
+        # exactly the unowned ones.
+        assert len(pool.page_to_uid) == pool.num_pages
+        owned = {page: uid for uid, pages in pool.uid_to_pages.items() for page in pages}
+        assert sum(map(len, pool.uid_to_pages.values())) == len(owned)
+        assert {p: u for p, u in enumerate(pool.page_to_uid) if u is not None} == owned
+        assert pool.free_pages == pool.num_pages - len(owned)
+        assert set(pool.uid_to_pages) <= set(registry.versions)
+        # An adapter takes memory in proportion to its rank: its pages hold its rank, within one page.
+        for uid, pages in pool.uid_to_pages.items():
+            assert len(pages) == pool.pages_for(registry.versions[uid].rank), (uid, pages)
+        if pool.max_adapters is not None:
+            assert len(pool.uid_to_pages) <= pool.max_adapters
+        # LOADING ⇔ a pending load; LOADED ⇔ no pending load and in uid_to_pages. A pending load
+        # holds its pages, so pending loads count against capacity.
         for uid, pending in lora._loader.pending.items():
-            assert pool.uid_to_slot.get(uid) == pending.slot
+            assert pool.slot_of(uid) == pending.slot
         for uid, entry in registry.versions.items():
             state = lora.state(uid)
             loading = lora._loader.is_loading(uid)
             if not entry.draining and entry.failure is None:
                 assert (state is AdapterState.LOADING) == loading, (uid, state)
-                assert (state is AdapterState.LOADED) == (not loading and uid in pool.uid_to_slot), (uid, state)
-            assert (lora.slot_of(uid) is not None) == (not loading and uid in pool.uid_to_slot)
-        # Pinning never takes every slot.
+                assert (state is AdapterState.LOADED) == (not loading and uid in pool.uid_to_pages), (uid, state)
+            assert (lora.slot_of(uid) is not None) == (not loading and uid in pool.uid_to_pages)
+        # Pinning never takes every slot: room for one more adapter of the largest rank stays.
         pinned_now = self._pinned()
-        assert len({registry.versions[u].name for u in pinned_now}) < n
-        assert sum(1 for uid in pool.slot_to_uid if uid in pinned_now) < n
-        # A slot that was protected before the last rule still holds the same adapter.
+        if pool.max_adapters is not None:
+            n = pool.max_adapters
+            assert len({registry.versions[u].name for u in pinned_now}) < n
+            assert sum(1 for uid in pool.uid_to_pages if uid in pinned_now) < n
+        else:
+            # Per name (a later pinned version of a name replaces the earlier), at the largest rank until staged.
+            by_name: dict[str, int] = {}
+            for u in pinned_now:
+                v = registry.versions[u]
+                by_name[v.name] = max(by_name.get(v.name, 0), pool.pages_for(v.rank or MAX_RANK))
+            assert sum(by_name.values()) + pool.pages_for(MAX_RANK) <= pool.num_pages
+            resident = sum(len(pages) for u, pages in pool.uid_to_pages.items() if u in pinned_now)
+            assert resident + pool.pages_for(MAX_RANK) <= pool.num_pages
+        # An adapter that was protected before the last rule still holds the same pages.
         protected = self.prev_protected - (self.prev_pinned - pinned_now)
-        for slot, uid in enumerate(self.prev_slots):
+        for uid, pages in self.prev_pages.items():
             if uid in protected:
-                assert pool.slot_to_uid[slot] == uid, f"slot {slot}: {uid} was evicted or overwritten"
-        # Every loaded slot holds exactly its adapter: reused slots fully overwritten.
-        for slot, uid in enumerate(pool.slot_to_uid):
-            if uid is not None and not lora._loader.is_loading(uid):
-                self._check_slot(slot, uid)
+                assert pool.uid_to_pages.get(uid) == pages, f"{uid} was evicted or its pages overwritten"
+        # Every loaded adapter's pages hold exactly its adapter: reused pages fully overwritten.
+        for uid in pool.uid_to_pages:
+            if not lora._loader.is_loading(uid):
+                self._check_slot(uid)
         # References equal the live requests; KV blocks are exactly theirs.
         assert set(self.core.scheduler.requests) == set(self.live)
         for uid, entry in registry.versions.items():
@@ -340,7 +374,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
             assert version >= self.newest_current.get(name, 0), (name, version)
             self.newest_current[name] = version
         # Snapshot for the next rule: what must not be evicted or overwritten meanwhile.
-        self.prev_slots = list(pool.slot_to_uid)
+        self.prev_pages = dict(pool.uid_to_pages)
         self.prev_pinned = pinned_now
         self.prev_protected = (
             {u for u in self.live.values() if u is not None}
@@ -372,7 +406,14 @@ class SlotPoolMachine(RuleBasedStateMachine):
         already_pinned = current is not None and current.pinned and current.uri == uri
         # The manager counts pinned versions of the other names (a swap replaces this name's).
         others = [v for v in registry.versions.values() if v.pinned and not v.draining and v.name != name]
-        refused = pinned and not already_pinned and len(others) + 1 >= self.lora._pool.num_slots
+        pool = self.lora._pool
+        if pool.max_adapters is not None:
+            full = len(others) + 1 >= pool.max_adapters
+        else:  # pages: the others' and this one's (at the largest rank until staged) leave room for one more
+            mine = pool.pages_for((current.rank if current is not None and current.uri == uri else 0) or MAX_RANK)
+            full = sum(pool.pages_for(v.rank or MAX_RANK) for v in others) + mine + pool.pages_for(MAX_RANK) \
+                > pool.num_pages
+        refused = pinned and not already_pinned and full
         try:
             self.load_futures.append(call())
         except ResourceExhaustedError:
@@ -380,12 +421,16 @@ class SlotPoolMachine(RuleBasedStateMachine):
             return
         assert not refused
 
-    def _check_slot(self, slot: int, uid: str) -> None:
+    def _check_slot(self, uid: str) -> None:
         expected = self.expected[self.lora._registry.versions[uid].uri]
-        for key, (a_buf, b_buf) in self.lora._pool.buffers.items():
+        pool = self.lora._pool
+        rows = pool.page_rank
+        for key, (a_buf, b_buf) in pool.buffers.items():
             a_exp, b_exp = expected[key]
-            assert torch.equal(a_buf[slot], a_exp), f"slot {slot} ({uid}) A of {key} is not its adapter's"
-            assert torch.equal(b_buf[slot], b_exp), f"slot {slot} ({uid}) B of {key} is not its adapter's"
+            for k, page in enumerate(pool.uid_to_pages[uid]):
+                part = slice(k * rows, (k + 1) * rows)
+                assert torch.equal(a_buf[page], a_exp[part]), f"page {page} ({uid}) A of {key} is not its adapter's"
+                assert torch.equal(b_buf[page], b_exp[:, part]), f"page {page} ({uid}) B of {key} is not its adapter's"
 
     def _check_batch(self, batch) -> None:
         """At every step's plan: each adapter is LOADED with exactly its weights; no more adapters than
@@ -393,11 +438,12 @@ class SlotPoolMachine(RuleBasedStateMachine):
         invariants check protected slots are never overwritten.)"""
         self.batches += 1
         uids = {r.adapter_uid for r, _ in batch.items if r.adapter_uid is not None}
-        assert len(uids) <= self.lora._pool.num_slots
+        pool = self.lora._pool
+        assert pool.max_adapters is None or len(uids) <= pool.max_adapters
+        assert sum(len(pool.uid_to_pages.get(uid, ())) for uid in uids) <= pool.num_pages
         for uid in uids:
-            slot = self.lora.slot_of(uid)
-            assert slot is not None, f"{uid} in a batch but not LOADED"
-            self._check_slot(slot, uid)
+            assert self.lora.slot_of(uid) is not None, f"{uid} in a batch but not LOADED"
+            self._check_slot(uid)
 
     def _end_everything(self) -> None:
         """Cancel every request, finish every staging and copy: nothing may be left over."""

@@ -206,6 +206,27 @@ class EngineCollector(Collector):
             "Host-to-slot adapter copies in flight.",
             s.pending_load_events,
         )
+        pool = GaugeMetricFamily(
+            "loraplex_lora_pool_bytes", "Device bytes of the adapter pool's pages, used and free.", labels=["state"]
+        )
+        pool.add_metric(["used"], s.lora_pool_bytes_used)
+        pool.add_metric(["free"], s.lora_pool_bytes_total - s.lora_pool_bytes_used)
+        yield pool
+        resident = GaugeMetricFamily(
+            "loraplex_lora_adapters_resident", "Adapters in the pool (or being copied in), by rank.", labels=["rank"]
+        )
+        for rank, count in s.lora_resident_by_rank:
+            resident.add_metric([str(rank)], count)
+        yield resident
+        evictions = CounterMetricFamily(
+            "loraplex_lora_pool_evictions",
+            "Adapters that left the pool, by cause: capacity (least recently used, to make room), drained "
+            "(unloaded or replaced version), failed (its copy failed).",
+            labels=["cause"],
+        )
+        for cause, count in s.lora_evictions_by_cause:
+            evictions.add_metric([cause], count)
+        yield evictions
         yield _gauge("loraplex_requests_running", "Requests in the running batch.", s.requests_running)
         waiting = GaugeMetricFamily(
             "loraplex_requests_waiting", "Requests waiting, by what they wait for.", labels=["reason"]

@@ -179,7 +179,7 @@ class LoRAManager:
             current = self._registry.versions[existing]
             if current.uri == uri and current.sha256 == sha256 and current.failure is None:
                 if pinned and not current.pinned:
-                    self._check_pin_capacity(name)
+                    self._check_pin_capacity(name, current.rank)
                 current.pinned = current.pinned or pinned
                 if not on_demand:
                     self._registry.set_on_demand(name, False)
@@ -188,7 +188,7 @@ class LoRAManager:
         if name not in self._registry.names:
             self._make_room()
         if pinned:
-            self._check_pin_capacity(name)
+            self._check_pin_capacity(name, 0)
         entry = self._registry.add_version(name, uri, sha256, pinned)
         # A new name from the resolver is its; a new version of a name an operator holds stays theirs.
         self._registry.set_on_demand(name, on_demand and (existing is None or name in self._registry.on_demand))
@@ -223,10 +223,10 @@ class LoRAManager:
         # Only an operator can make room (UnloadAdapter): retrying cannot succeed before that.
         raise FailedPreconditionError(f"{held}, all by LoadAdapter or preload; an operator must unload one")
 
-    def _check_pin_capacity(self, name: str) -> None:
+    def _check_pin_capacity(self, name: str, rank: int) -> None:
         """Pinning never takes every slot: room for one more adapter of the largest rank stays.
         Another version of the same name is replaced by this one, so it does not count; a version
-        not staged yet counts at the largest rank."""
+        not staged yet (rank 0) counts at the largest rank."""
         others = [v for v in self._registry.versions.values() if v.pinned and not v.draining and v.name != name]
         pool = self._pool
         if pool.max_adapters is not None:
@@ -235,9 +235,8 @@ class LoRAManager:
                     f"pinning another adapter would leave no unpinned slot ({len(others)} of {pool.max_adapters} pinned)"
                 )
             return
-        current = self._registry.versions.get(self._registry.current.get(name, ""))
         pages = [pool.pages_for(v.rank or self.max_rank) for v in others]
-        pages.append(pool.pages_for((current.rank if current is not None else 0) or self.max_rank))
+        pages.append(pool.pages_for(rank or self.max_rank))
         if sum(pages) + pool.pages_for(self.max_rank) > pool.num_pages:
             raise ResourceExhaustedError(
                 f"pinning another adapter would leave no room for an unpinned one ({sum(pages) - pages[-1]} of "
