@@ -63,6 +63,10 @@ class FakeStats:
     max_lora: int = 4
     running_lora_adapters: list[str] = field(default_factory=lambda: ["a", "b"])
     waiting_lora_adapters: list[str] = field(default_factory=lambda: ["c"])
+    lora_pool_bytes_total: int = 1000
+    lora_pool_bytes_used: int = 300
+    lora_resident_by_rank: tuple = ((8, 2), (16, 1))
+    lora_evictions_by_cause: tuple = (("capacity", 4), ("drained", 1), ("failed", 0))
     updated_at: float = 1.7e9
 
 
@@ -113,6 +117,10 @@ def test_exposition_has_every_required_series_with_values():
     assert s[("loraplex_lora_slots_total", ())] == 4
     assert s[("loraplex_lora_slots_referenced", ())] == 2
     assert s[("loraplex_lora_adapter_references", ())] == 7
+    assert s[("loraplex_lora_pool_bytes", (("state", "used"),))] == 300
+    assert s[("loraplex_lora_pool_bytes", (("state", "free"),))] == 700
+    assert s[("loraplex_lora_adapters_resident", (("rank", "16"),))] == 1
+    assert s[("loraplex_lora_pool_evictions_total", (("cause", "capacity"),))] == 4
     assert s[("loraplex_requests_waiting", (("reason", "adapter"),))] == 2
     assert s[("loraplex_kv_cache_usage_ratio", ())] == 0.25
     assert s[("loraplex_lora_loads_total", (("tier", "store"),))] == 1

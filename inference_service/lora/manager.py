@@ -231,9 +231,8 @@ class LoRAManager:
         pool = self._pool
         if pool.max_adapters is not None:
             if len(others) + 1 >= pool.max_adapters:
-                raise ResourceExhaustedError(
-                    f"pinning another adapter would leave no unpinned slot ({len(others)} of {pool.max_adapters} pinned)"
-                )
+                raise ResourceExhaustedError(f"pinning another adapter would leave no unpinned slot "
+                                             f"({len(others)} of {pool.max_adapters} pinned)")
             return
         pages = [pool.pages_for(v.rank or self.max_rank) for v in others]
         pages.append(pool.pages_for(rank or self.max_rank))

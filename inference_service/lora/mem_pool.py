@@ -147,7 +147,8 @@ class LoRAMemoryPool:
         over_count = self.max_adapters is not None and len(self.uid_to_pages) >= self.max_adapters
         if needed <= 0 and not over_count:
             return []
-        candidates = sorted((uid for uid in self.uid_to_pages if uid not in unevictable), key=self._last_use.__getitem__)
+        candidates = sorted((uid for uid in self.uid_to_pages if uid not in unevictable),
+                            key=self._last_use.__getitem__)
         victims: list[str] = []
         for uid in candidates:
             if needed <= 0 and not over_count:
