@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness pack
 
 from harness.engine_helpers import load_adapters, run_to_completion  # noqa: E402
 from harness.models import make_checkpoint  # noqa: E402
-from inference_service.engine.config import EngineConfig  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from inference_service.engine.config import EngineConfig  # noqa: E402
 from inference_service.engine.core import EngineCore  # noqa: E402
-from inference_service.models.config import ModelConfig  # noqa: E402
 from inference_service.engine.request import Request, SamplingParams  # noqa: E402
+from inference_service.models.config import ModelConfig  # noqa: E402
 
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)
