@@ -208,6 +208,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         raise ValueError("--shutdown-grace-s, --drain-delay-s and --watchdog-stall-s must be >= 0")
     if args.stream_interval < 1:
         raise ValueError("--stream-interval must be >= 1")
+    if args.max_loras != "auto" and args.lora_memory_bytes is not None:
+        raise ValueError("--lora-memory-bytes sizes the pool of --max-loras auto; "
+                         f"--max-loras {args.max_loras} is a fixed count of slots: give one or the other")
     reason = admin_disabled_reason(args.listen, token, args.insecure_admin)
     if reason:
         log.warning("%s", reason)

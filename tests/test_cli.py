@@ -82,6 +82,10 @@ def test_configs_from_args(tmp_path, monkeypatch):
     assert (engine_cfg.async_scheduling, engine_cfg.stream_interval) == ("on", 8)
     with pytest.raises(ValueError, match="--stream-interval must be >= 1"):
         cli.configs_from_args(cli.build_parser().parse_args(["--stream-interval", "0"]))
+    engine_cfg, _ = cli.configs_from_args(cli.build_parser().parse_args(["--lora-memory-bytes", "1000000"]))
+    assert (engine_cfg.max_loras, engine_cfg.lora_memory_bytes) == ("auto", 1000000)  # the default pool
+    with pytest.raises(ValueError, match="give one or the other"):  # a byte budget a fixed pool would ignore
+        cli.configs_from_args(cli.build_parser().parse_args(["--max-loras", "4", "--lora-memory-bytes", "1000000"]))
 
 
 def test_preload_file_entries_are_checked(tmp_path):

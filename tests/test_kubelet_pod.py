@@ -316,7 +316,7 @@ def _overlay(root: Path, adapters: Path, adapter_bytes: int) -> Path:
                                                         "readOnly": True}]
     overlay = {
         "model": {"path": "builtin:tiny"},
-        "inference": {"maxLoras": 2, "maxLoraRank": 16, "kvCacheBytes": 64 << 20,
+        "inference": {"maxLoras": 2, "loraMemoryBytes": None, "maxLoraRank": 16, "kvCacheBytes": 64 << 20,
                       "adapterSourceAllow": [*base["inference"]["adapterSourceAllow"], allow],
                       "extraVolumeMounts": mounts},
         "cache": {"extraVolumeMounts": mounts, "capacityBytes": max(1 << 20, 8 * adapter_bytes),
