@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, RequestOutput, SamplingParams
@@ -45,3 +47,18 @@ def generate(core: EngineCore, prompts: dict[str, tuple[list[int], str | None]],
         core.add_request(Request(rid, tokens, params), adapter)
     outputs = run_to_completion(core)
     return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
+
+
+def greedy_logits(core: EngineCore, adapters: dict[str, Path], prompts: list[tuple[str, list[int], str | None]],
+                  new_tokens: int) -> dict[str, tuple[torch.Tensor, list[int]]]:
+    """Per request through `core` (which it shuts down): its logits at prefill and each decode step
+    (on the CPU) and its tokens, greedy with EOS ignored; no KV block or adapter reference left."""
+    load_adapters(core, adapters)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, return_logits=True)
+    for rid, tokens, adapter in prompts:
+        core.add_request(Request(rid, tokens, params), adapter)
+    outputs = run_to_completion(core)
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+    core.shutdown()
+    return {rid: (torch.stack([x.cpu() for o in outs for x in (o.logits or [])]),
+                  [t for o in outs for t in o.new_token_ids]) for rid, outs in outputs.items()}

@@ -104,3 +104,22 @@ def peft_reference(checkpoint: Path, adapters: dict[str, Path]):
     for name in names[1:]:
         model.load_adapter(str(adapters[name]), adapter_name=name)
     return model.eval()
+
+
+Prompt = tuple[str, list[int], str | None]  # (request id, prompt token ids, adapter or None for the base)
+
+
+def peft_greedy_logits(checkpoint: Path, adapters: dict[str, Path], prompts: list[Prompt],
+                       new_tokens: int) -> dict[str, torch.Tensor]:
+    """PEFT's greedy generation (fp32, CPU), per request: its logits at prefill and each decode step."""
+    model = peft_reference(checkpoint, adapters)
+    result = {}
+    with torch.no_grad():
+        for rid, tokens, adapter in prompts:
+            out = model.generate(
+                torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                adapter_names=[adapter or "__base__"], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            )
+            result[rid] = torch.cat(out.logits).float()
+    return result

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from harness.devices import C_KERNELS_OFF, requires_cuda
-from harness.engine_helpers import load_adapters, run_to_completion
-from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
+from harness.engine_helpers import greedy_logits
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_greedy_logits, peft_reference
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import Request, SamplingParams
+from inference_service.engine.request import SamplingParams
 from inference_service.lora import backend as lora_backend
 from inference_service.lora.mem_pool import bytes_per_page
 from inference_service.models.loader import load_model
@@ -79,30 +79,11 @@ def _engine_logits(checkpoint: Path, adapters: dict[str, Path], prompts, device:
                                    kv_cache_bytes=4 << 20, **config))
     if op is not None:
         assert type(core.runner.model.lora_op).__name__ == op, "the engine took another LoRA op path"
-    load_adapters(core, adapters)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
-    for rid, tokens, adapter in prompts:
-        core.add_request(Request(rid, tokens, params), adapter)
-    outputs = run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
-    core.shutdown()
-    return {rid: (torch.stack([x.cpu() for o in outs for x in (o.logits or [])]),
-                  [t for o in outs for t in o.new_token_ids]) for rid, outs in outputs.items()}
+    return greedy_logits(core, adapters, prompts, NEW_TOKENS)
 
 
 def _reference_logits(checkpoint: Path, adapters: dict[str, Path], prompts) -> dict[str, torch.Tensor]:
-    """PEFT's greedy generation (fp32, CPU): logits at prefill and each decode step."""
-    model = peft_reference(checkpoint, adapters)
-    result = {}
-    with torch.no_grad():
-        for rid, tokens, adapter in prompts:
-            out = model.generate(
-                torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                adapter_names=[adapter or "__base__"], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-            )
-            result[rid] = torch.cat(out.logits).float()
-    return result
+    return peft_greedy_logits(checkpoint, adapters, prompts, NEW_TOKENS)
 
 
 def _forced_reference_logits(checkpoint: Path, adapters: dict[str, Path], prompts, generated: dict[str, list[int]],

@@ -14,11 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness.engine_helpers import load_adapters, run_to_completion
-from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
+from harness.engine_helpers import greedy_logits
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_greedy_logits, peft_reference
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import Request, SamplingParams
 
 NEW_TOKENS = 13  # prefill + 12 decode steps
 TOL = 1e-4
@@ -60,27 +59,11 @@ def _randomise_biases(checkpoint: Path, seed: int) -> list[str]:
 def _engine(checkpoint: Path, adapters: dict[str, Path]) -> dict[str, tuple[torch.Tensor, list[int]]]:
     core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=2, max_lora_rank=8,
                                    kv_cache_bytes=4 << 20))
-    load_adapters(core, adapters)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
-    for rid, tokens, adapter in PROMPTS:
-        core.add_request(Request(rid, tokens, params), adapter)
-    outputs = run_to_completion(core)
-    core.shutdown()
-    return {rid: (torch.stack([x.cpu() for o in outs for x in (o.logits or [])]),
-                  [t for o in outs for t in o.new_token_ids]) for rid, outs in outputs.items()}
+    return greedy_logits(core, adapters, PROMPTS, NEW_TOKENS)
 
 
 def _reference(checkpoint: Path, adapters: dict[str, Path]) -> dict[str, torch.Tensor]:
-    model = peft_reference(checkpoint, adapters)
-    out = {}
-    with torch.no_grad():
-        for rid, tokens, adapter in PROMPTS:
-            gen = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                                 adapter_names=[adapter or "__base__"], max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-            out[rid] = torch.cat(gen.logits).float()
-    return out
+    return peft_greedy_logits(checkpoint, adapters, PROMPTS, NEW_TOKENS)
 
 
 def _forced(checkpoint: Path, adapters: dict[str, Path], generated: dict[str, list[int]]) -> dict[str, torch.Tensor]:

@@ -19,11 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.devices import C_KERNELS_OFF
-from harness.engine_helpers import load_adapters, run_to_completion
-from harness.models import AdapterSpec, make_adapter, peft_reference, write_byte_tokenizer
+from harness.engine_helpers import greedy_logits
+from harness.models import AdapterSpec, make_adapter, peft_greedy_logits, peft_reference, write_byte_tokenizer
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
 from inference_service.models.qwen3 import Qwen3Model
 
@@ -73,16 +72,7 @@ def qwen3_setup(tmp_path_factory):
 def reference(qwen3_setup) -> dict[str, torch.Tensor]:
     """PEFT's greedy generation (fp32, CPU): logits at prefill and each decode step."""
     checkpoint, adapters, prompts = qwen3_setup
-    model = peft_reference(checkpoint, adapters)
-    out = {}
-    with torch.no_grad():
-        for rid, tokens, adapter in prompts:
-            gen = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                                 adapter_names=[adapter or "__base__"], max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-            out[rid] = torch.cat(gen.logits).float()
-    return out
+    return peft_greedy_logits(checkpoint, adapters, prompts, NEW_TOKENS)
 
 
 def _engine(checkpoint: Path, adapters: dict[str, Path], prompts,
@@ -90,15 +80,7 @@ def _engine(checkpoint: Path, adapters: dict[str, Path], prompts,
     core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=4, max_lora_rank=16,
                                    kv_cache_bytes=4 << 20, **config))
     assert isinstance(core.runner.model, Qwen3Model), "the registry should pick Qwen3 from the architecture"
-    load_adapters(core, adapters)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
-    for rid, tokens, adapter in prompts:
-        core.add_request(Request(rid, tokens, params), adapter)
-    outputs = run_to_completion(core)
-    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
-    core.shutdown()
-    return {rid: (torch.stack([x for o in outs for x in (o.logits or [])]),
-                  [t for o in outs for t in o.new_token_ids]) for rid, outs in outputs.items()}
+    return greedy_logits(core, adapters, prompts, NEW_TOKENS)
 
 
 def test_checkpoint_is_what_the_test_means(qwen3_setup):
