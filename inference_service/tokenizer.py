@@ -32,6 +32,7 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.vocab_size = 258
         self.eos_token_ids = (self.EOS,)
+        self.special_token_ids = (self.BOS, self.EOS)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.BOS, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
@@ -55,6 +56,8 @@ class FileTokenizer:
         self._tok = path if isinstance(path, HFTokenizer) else HFTokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_ids = eos_token_ids
+        # Control tokens (BOS, EOS, chat markers): never part of a constrained output's text.
+        self.special_token_ids = tuple(sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

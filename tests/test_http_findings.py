@@ -80,7 +80,9 @@ IMPLEMENTED = dict(model=BASE, max_tokens=2, temperature=0, top_p=1.0, seed=1, s
                    frequency_penalty=0.0, presence_penalty=0.0, logit_bias={"65": 0.5}, n=1, stream=False,
                    stream_options={"include_usage": True, "include_obfuscation": False})
 CHAT_IMPLEMENTED = dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2, logprobs=True,
-                        top_logprobs=2)
+                        top_logprobs=2, response_format={"type": "text"})
+# Implemented and tested with constraints in tests/test_structured_http.py: response_format (chat's
+# json_object, json_schema), vLLM's structured_outputs (both routes).
 COMPLETION_IMPLEMENTED = dict(prompt="hi", logprobs=2, echo=False, best_of=1)
 IGNORED = dict(user="u", metadata={"k": "v"}, store=False, service_tier="auto", safety_identifier="s",
                prompt_cache_key="k", prompt_cache_retention="24h", prompt_cache_options={"mode": "explicit"})
@@ -94,7 +96,7 @@ REFUSED = dict(
     n=2, echo=True, suffix="tail", best_of=2,
     # not OpenAI's: vLLM's structured-output fields, and a typo
     guided_json={"type": "object"}, guided_regex="a+", guided_choice=["a"], guided_grammar="root ::= 'a'",
-    structured_outputs={"json": {}}, temprature=0.5,
+    temprature=0.5,
 )
 
 

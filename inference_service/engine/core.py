@@ -25,6 +25,7 @@ from adapter_cache.errors import FailedPreconditionError, LoraplexError
 from inference_service.device import InlineExecutor, make_copy_engine, shorten_gil_switch_interval
 from inference_service.engine.batch import ScheduledBatch
 from inference_service.engine.config import EngineConfig
+from inference_service.engine.grammar import GrammarCompiler
 from inference_service.engine.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.engine.model_runner import ModelRunner, PlannedRow, StepResults
 from inference_service.engine.output_processor import OutputProcessor
@@ -202,6 +203,7 @@ class EngineCore:
             lora_page_rank=self.lora.page_rank,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.metrics, detokenize)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)  # structured output, off the step
         # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
         # same arrivals samples the same tokens; a request's own seed always wins.
         self._seeds = random.Random(config.seed)
@@ -229,6 +231,8 @@ class EngineCore:
             request.adapter_uid = self.lora.acquire(adapter, request.request_id)
         if request.generator is None and not request.params.greedy:
             request.generator = torch.Generator().manual_seed(self._seeds.getrandbits(63))
+        if request.params.grammar is not None:
+            request.grammar = self.grammars.compile(request.params.grammar)
         self.outputs.add(request)
         self.scheduler.add(request)
 
@@ -424,4 +428,5 @@ class EngineCore:
         self._drop_in_flight()
         if self._device_worker is not None:
             self._device_worker.shutdown()
+        self.grammars.shutdown()
         self.lora.shutdown()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.engine.batch import ScheduledBatch
+from inference_service.engine.grammar import accept, mask_logits
 from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.request import Request, SamplingParams, TokenLogprobs
 from inference_service.engine.sampling import process_logits, sample, step_logprobs
@@ -45,6 +46,7 @@ class PlannedRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # a copy, only where the params' logits processing reads the history
+    matcher: object | None  # structured output: the request's grammar matcher, where the row samples
 
 
 class ModelRunner:
@@ -80,7 +82,7 @@ class ModelRunner:
                 rank, pages = self.lora.rank_of(request.adapter_uid), self.lora.pages_of(request.adapter_uid)
             rows.append(PlannedRow(request.request_id, start, input_ids, pending, request.block_table, slot,
                                    rank, pages, samples, request.params, request.generator, request.prompt_token_ids,
-                                   outputs))
+                                   outputs, request.matcher if samples else None))
         rows.sort(key=lambda row: row.slot)
         return rows
 
@@ -105,9 +107,15 @@ class ModelRunner:
             if not sampled:
                 return {}
             processed = process_logits(logits, sampled, self.tokenizer.eos_token_ids)  # return_logits: raw
+            matchers = [r.matcher for r in sampled]
+            constrained = any(m is not None for m in matchers)
+            if constrained:  # structured output: after the adapted forward pass and the logits processors
+                processed = mask_logits(processed, matchers)
             params = [r.params for r in sampled]
             tokens = sample(processed, params, [r.generator for r in sampled])
             logprobs = step_logprobs(processed, params, tokens)
+            if constrained:
+                accept(matchers, tokens)
         return {
             r.request_id: (t, logits[i] if r.params.return_logits else None, logprobs[i])
             for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))

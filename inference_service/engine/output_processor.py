@@ -84,8 +84,8 @@ class OutputProcessor:
         reason = None
         if token in p.stop_token_ids:
             reason, request.stop_reason = FinishReason.STOP, token
-        elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            reason = FinishReason.EOS
+        elif (not p.ignore_eos or p.grammar is not None) and token in self.tokenizer.eos_token_ids:
+            reason = FinishReason.EOS  # under a grammar, EOS is allowed only where the grammar is complete
         elif len(request.output_token_ids) >= p.max_new_tokens:
             reason = FinishReason.LENGTH
         text: str | None = None

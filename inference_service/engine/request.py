@@ -6,11 +6,14 @@ import enum
 import functools
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
+from inference_service.structured import GrammarSpec
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
@@ -35,6 +38,7 @@ class WaitReason(enum.StrEnum):
     ADAPTER_LOADING = "adapter_loading"
     SLOTS_FULL = "slots_full"
     KV_CACHE = "kv_cache"
+    GRAMMAR = "grammar"  # its constraint is being compiled (off the scheduler step)
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +76,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k (k <= 20)
     skip_special_tokens: bool = True  # in the streamed text
+    # Structured output: the sampled tokens follow this grammar (a token mask per step); EOS ends
+    # the request once the grammar is complete, even with ignore_eos.
+    grammar: GrammarSpec | None = None
 
     def validate(self, max_new_tokens_limit: int) -> None:
         """Reject values that would make sampling undefined, with a message naming the field."""
@@ -114,6 +121,10 @@ class SamplingParams:
                 raise InvalidArgumentError(f"logit_bias needs ids >= 0, biases in [-100, 100]: {token}: {bias}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.grammar is not None:
+            self.grammar.validate()
+            if self.min_tokens:  # EOS banned where the grammar allows only EOS: no token left
+                raise InvalidArgumentError("min_tokens cannot be combined with structured output")
 
     @functools.cached_property
     def processes_logits(self) -> bool:
@@ -217,6 +228,10 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.step_logprobs: TokenLogprobs | None = None  # the newest token's, when params.logprobs asks
+        # Structured output: the compile (engine/grammar.py), then the matcher, which only the step
+        # that samples this request touches (the device worker's, in launch order).
+        self.grammar: Future[Any] | None = None
+        self.matcher: Any = None
         self.stop_reason: str | int | None = None
 
     def token_ids(self, start: int, end: int) -> list[int]:

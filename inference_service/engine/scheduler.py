@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from adapter_cache.errors import LoraplexError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from inference_service.engine.batch import ScheduledBatch
 from inference_service.engine.config import EngineConfig
+from inference_service.engine.grammar import new_matcher
 from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.model_runner import StepResults
 from inference_service.engine.output_processor import sample_error
@@ -183,10 +184,13 @@ class Scheduler:
             r.adapter_uid for r in self.waiting if r.adapter_uid and (barrier is None or r.arrival_seq <= barrier)
         }
         admitted: list[Request] = []
+        failed: list[tuple[Request, LoraplexError]] = []
         blocked = False
         for request in self.waiting:
             reason = None
-            if blocked:
+            if request.matcher is None and request.grammar is not None and not self._grammar_ready(request, failed):
+                reason = WaitReason.GRAMMAR  # compiling off the step; the line goes on without it
+            elif blocked:
                 reason = WaitReason.QUEUED
             elif barrier is not None and request.arrival_seq > barrier and request.adapter_uid is not None:
                 reason = WaitReason.AGING  # an older request must get a slot first
@@ -214,6 +218,23 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+        for request, error in failed:
+            self.finish(request, FinishReason.ERROR, error)
+
+    @staticmethod
+    def _grammar_ready(request: Request, failed: list[tuple[Request, LoraplexError]]) -> bool:
+        """Whether the request's grammar is compiled (its matcher made now); a compile that failed
+        ends the request (the front ends compiled it once already, so that is rare)."""
+        future = request.grammar
+        assert future is not None
+        if not future.done():
+            return False
+        try:
+            request.matcher = new_matcher(future.result())
+        except Exception as e:  # noqa: BLE001 - a grammar xgrammar refuses: this request only
+            failed.append((request, InvalidArgumentError(f"the constraint does not compile: {e}")))
+            return False
+        return True
 
     def _aging_barrier(self) -> int | None:
         """Arrival number of the oldest waiting request that has aged out and cannot get a slot."""

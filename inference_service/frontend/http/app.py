@@ -28,9 +28,16 @@ from inference_service.engine.client import EngineClient
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.chat_template import ChatTemplate
+from inference_service.frontend.grammar_check import shared_checker
 from inference_service.frontend.grpc_server import ServerConfig
 from inference_service.frontend.http.body import BodyLimit, BodyTooLarge, Offload, max_values, too_large
-from inference_service.frontend.http.errors import HTTP_STATUS, error_response, loraplex_error_response, status_of
+from inference_service.frontend.http.errors import (
+    HTTP_STATUS,
+    BadField,
+    error_response,
+    loraplex_error_response,
+    status_of,
+)
 from inference_service.frontend.http.generation import Generation, OpenAIGeneration
 from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
@@ -73,6 +80,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     started = int(time.time())
     base = served_model_names[0]
     offload = Offload(max_values(engine.model_info.max_context))
+    grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size)
 
     @app.exception_handler(LoraplexError)
     async def _loraplex_error(http: HttpRequest, exc: LoraplexError) -> JSONResponse:
@@ -107,6 +115,11 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
         prompt_ids, params = await offload.run(openai.prepare, body)
+        if params.grammar is not None:  # compiled once, bounded, before anything is submitted
+            try:
+                await grammars.check(params.grammar)
+            except InvalidArgumentError as e:
+                raise BadField(str(e), _grammar_field(body)) from None
         adapter = optional_adapter(adapter)
         await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl")
@@ -213,3 +226,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
 async def _known_adapter(engine: EngineClient, name: str) -> None:
     if not any(a.name == name for a in await asyncio.wrap_future(engine.list_adapters())):
         raise NotFoundError(f"model {name!r} does not exist")
+
+
+def _grammar_field(body: CompletionRequest | ChatCompletionRequest) -> str:
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"

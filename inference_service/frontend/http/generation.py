@@ -34,6 +34,7 @@ from inference_service.frontend.http.protocol import (
     _Sampling,
 )
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, engine_end_error
+from inference_service.structured import GrammarSpec, choice_spec, json_schema_spec
 
 log = logging.getLogger("loraplex.http")
 
@@ -147,8 +148,7 @@ class OpenAIGeneration:
         refuse = [name for name, bad in (("n", body.n != 1), ("echo", getattr(body, "echo", False)),
                                          ("suffix", getattr(body, "suffix", None) is not None),
                                          ("best_of", (getattr(body, "best_of", None) or 1) != 1),
-                                         ("tools", bool(getattr(body, "tools", None))),
-                                         ("response_format", _structured(body))) if bad]
+                                         ("tools", bool(getattr(body, "tools", None)))) if bad]
         if refuse:
             raise BadField(f"not supported: {', '.join(refuse)}", refuse[0])
         max_tokens = self.intake.max_new_tokens(max_tokens, prompt_len)
@@ -170,6 +170,7 @@ class OpenAIGeneration:
             logit_bias=_logit_bias(body.logit_bias),
             logprobs=_logprobs(body),
             skip_special_tokens=body.skip_special_tokens,
+            grammar=grammar_spec(body),
         )
         return self.intake.sampling(params)
 
@@ -307,10 +308,47 @@ class TextOffsets:
         return start
 
 
-def _structured(body: _Sampling) -> bool:
-    """A response_format other than plain text (structured output is not implemented yet)."""
+def grammar_spec(body: _Sampling) -> GrammarSpec | None:
+    """The request's constraint: chat's `response_format` or vLLM's `structured_outputs` (one of them,
+    one constraint in it); None for free text. A bad one is INVALID_ARGUMENT naming its field."""
     response_format = getattr(body, "response_format", None)
-    return response_format is not None and response_format.type != "text"
+    structured = body.structured_outputs
+    if response_format is not None and response_format.type != "text":
+        if structured is not None:
+            raise BadField("send either response_format or structured_outputs, not both", "structured_outputs")
+        if response_format.type == "json_object":
+            if response_format.json_schema is not None:
+                raise BadField("response_format.json_schema needs type json_schema", "response_format.json_schema")
+            return GrammarSpec("json_object", "")
+        json_schema = response_format.json_schema
+        if json_schema is None or json_schema.schema_ is None:
+            raise BadField("response_format of type json_schema needs json_schema.schema",
+                           "response_format.json_schema")
+        return _checked(json_schema_spec(json_schema.schema_, bool(json_schema.strict)), "response_format.json_schema")
+    if response_format is not None and response_format.json_schema is not None:
+        raise BadField("response_format.json_schema needs type json_schema", "response_format.json_schema")
+    if structured is None:
+        return None
+    given = [(name, value) for name, value in (("json", structured.json_), ("regex", structured.regex),
+                                               ("choice", structured.choice), ("grammar", structured.grammar))
+             if value is not None]
+    if len(given) != 1:
+        raise BadField("structured_outputs needs exactly one of json, regex, choice, grammar", "structured_outputs")
+    name, value = given[0]
+    field = f"structured_outputs.{name}"
+    if name == "json":
+        return _checked(json_schema_spec(value), field)
+    if name == "choice":
+        return _checked(choice_spec(value), field)  # type: ignore[arg-type]
+    return _checked(GrammarSpec(name, value), field)  # type: ignore[arg-type]
+
+
+def _checked(spec: GrammarSpec, field: str) -> GrammarSpec:
+    try:
+        spec.validate()
+    except InvalidArgumentError as e:
+        raise BadField(f"{field}: {e}", field) from None
+    return spec
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -1,15 +1,15 @@
 """OpenAI (and vLLM-extension) request bodies, validated by pydantic at the edge.
 
 No field is silently dropped: a field these models do not declare is refused with a 400 that names
-it (`extra="forbid"`: `response_format`, `tools`, vLLM's `guided_json`, a typo...). Declared fields
-either map onto our sampling, are refused unless at their default (`n` > 1, `echo`, `suffix`,
-`best_of`, `tools`, a non-text `response_format`), or are OpenAI's fields that cannot change the
-output and are accepted and ignored (IGNORED_FIELDS, listed in docs/http.md).
+it (`extra="forbid"`: vLLM's `guided_json`, a typo...). Declared fields either map onto our
+sampling (structured output: `response_format`, `structured_outputs`), are refused unless at their
+default (`n` > 1, `echo`, `suffix`, `best_of`, `tools`), or are OpenAI's fields that cannot change
+the output and are accepted and ignored (IGNORED_FIELDS, listed in docs/http.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,8 +29,27 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # ignored: it only pads OpenAI's own chunks
 
 
+class JsonSchema(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None  # documentation for the model; not part of the constraint
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str  # only "text" (the default behaviour) until structured output lands
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like)
 
 
 class _Sampling(_Strict):
@@ -55,6 +74,7 @@ class _Sampling(_Strict):
     min_p: float = 0.0  # vLLM extension
     min_tokens: int = 0  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
+    structured_outputs: StructuredOutputs | None = None  # vLLM extension
     # IGNORED_FIELDS
     user: str | None = None
     metadata: dict[str, Any] | None = None

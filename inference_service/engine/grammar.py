@@ -1,0 +1,102 @@
+"""Structured output in the engine core: grammars compiled off the scheduler step, cached by content,
+and each constrained row's logits masked before it is sampled.
+
+The scheduler admits a constrained request once its compile is done (WaitReason.GRAMMAR meanwhile;
+the line moves on without it). xgrammar's compile releases the GIL, so a slow one costs other streams
+no step. The front ends have compiled each new spec once already, in a child process bounded in time
+and memory (frontend/grammar_check.py), so what reaches this compiler is known to finish.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from inference_service.engine.sampling import SAMPLING_FAILED
+from inference_service.structured import GrammarSpec, compile_spec, grammar_vocab, tokenizer_info
+from inference_service.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_CACHED = 256  # compiled grammars kept (by content hash)
+
+
+class GrammarCompiler:
+    """Compiles specs on a thread of its own, one at a time, single-flight and cached by content."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_cached: int = MAX_CACHED) -> None:
+        self.tokenizer, self.vocab_size, self.max_cached = tokenizer, vocab_size, max_cached
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Any = None  # built on the pool's thread (xgrammar's import takes seconds)
+        self._cache: collections.OrderedDict[str, Future[Any]] = collections.OrderedDict()
+
+    def compile(self, spec: GrammarSpec) -> Future[Any]:
+        """The compiled grammar's future (scheduler thread)."""
+        key = spec.key
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        future = self._pool.submit(self._compile, spec)
+        self._cache[key] = future
+        while len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)  # requests that hold its future keep it
+        return future
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = tokenizer_info(grammar_vocab(self.tokenizer, self.vocab_size), self.tokenizer.eos_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return compile_spec(self._compiler, spec)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def new_matcher(compiled: Any) -> Any:
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled)
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+    """`logits` [S, V] with each row whose matcher is not None masked to the tokens its grammar
+    allows next (a copy; the other rows as they were). A terminated matcher (its request ended with
+    the step before; this row's token is dropped) leaves its row alone."""
+    import xgrammar as xgr
+
+    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    if not rows:
+        return logits
+    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    masked = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device), indices=rows)
+    return masked
+
+
+def accept(matchers: list[Any], tokens: list[int]) -> None:
+    """Each constrained row's sampled token into its matcher (the last thing a step does to a row,
+    so a step run again after a failure never accepts twice); a token the grammar refuses (a bug:
+    the mask allowed it) ends that request alone."""
+    for i, matcher in enumerate(matchers):
+        if matcher is None or tokens[i] < 0 or matcher.is_terminated():
+            continue
+        try:
+            accepted = matcher.accept_token(tokens[i])
+        except Exception:  # noqa: BLE001 - a bug in the matcher: this request only
+            log.exception("grammar matcher failed on token %d", tokens[i])
+            accepted = False
+        if not accepted:
+            log.error("token %d was sampled under a grammar that refuses it", tokens[i])
+            tokens[i] = SAMPLING_FAILED

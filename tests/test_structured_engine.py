@@ -1,0 +1,211 @@
+"""Structured output in the engine core (issue 34): a token mask per constrained row, after the adapted
+forward pass, in mixed batches. The model is builtin:tiny with random weights, so its logits are
+noise: every constrained output that ends is valid only because of the mask (the strongest check).
+
+Also the front end's compile check (frontend/grammar_check.py): bounded in CPU time and memory, in a
+child process that is killed and restarted, with its answers cached by content hash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from harness.engine_helpers import load_adapters, make_core, run_to_completion
+from inference_service.demo_adapters import write_peft_adapter
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.kv_cache import kv_bytes_per_block
+from inference_service.engine.request import FinishReason, Request, SamplingParams
+from inference_service.frontend.grammar_check import GrammarChecker
+from inference_service.models.loader import builtin_tiny_config
+from inference_service.structured import GrammarSpec, choice_spec, json_schema_spec
+from inference_service.tokenizer import ByteTokenizer
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["red", "green"]}}}}
+OTHER = {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "boolean"}}
+PROMPT = [256, *b"Give me JSON: "]
+MAX = 300
+
+
+def _texts(outs, tokenizer) -> dict[str, tuple[str, FinishReason, list[int]]]:
+    result = {}
+    for rid, parts in outs.items():
+        ids = [t for o in parts for t in o.new_token_ids]
+        result[rid] = ("".join(o.text or "" for o in parts), parts[-1].finish_reason, ids)
+    return result
+
+
+def _specs() -> dict[str, GrammarSpec | None]:
+    return {"schema": json_schema_spec(SCHEMA, strict=True), "other": json_schema_spec(OTHER),
+            "regex": GrammarSpec("regex", r"[a-z]{2,5}-[0-9]{3}"), "choice": choice_spec(["yes", "no", "m\"aybe"]),
+            "grammar": GrammarSpec("grammar", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'), "free": None}
+
+
+def _check(kind: str, text: str) -> None:
+    if kind == "schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "other":
+        jsonschema.validate(json.loads(text), OTHER)
+    elif kind == "regex":
+        assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", text), text
+    elif kind == "choice":
+        assert text in ("yes", "no", 'm"aybe'), text
+    elif kind == "grammar":
+        assert re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", text), text
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    for i, name in enumerate(("a1", "a2")):
+        write_peft_adapter(root / name, rank=8, seed=3 + i)
+    return {name: root / name for name in ("a1", "a2")}
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_mixed_batch_each_row_follows_its_own_constraint(adapters, async_scheduling):
+    """Rows constrained differently (JSON schemas, regex, choice, EBNF) or not at all, on the base
+    model and two adapters, in one batch: every constrained output that ends is valid, and the free
+    rows' tokens are exactly what they are in a batch with no constraint at all."""
+    core = make_core(max_loras=2, async_scheduling=async_scheduling)
+    load_adapters(core, adapters)
+    free_params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    for adapter in (None, "a1", "a2"):
+        core.add_request(Request(f"alone-{adapter}", PROMPT, free_params), adapter)
+    alone = _texts(run_to_completion(core), core.tokenizer)
+    for seed in range(3):
+        for adapter in (None, "a1", "a2"):
+            for kind, spec in _specs().items():
+                params = free_params if spec is None else SamplingParams(
+                    temperature=1.0, seed=seed, max_new_tokens=MAX, grammar=spec)
+                core.add_request(Request(f"{kind}-{adapter}-{seed}", PROMPT, params), adapter)
+    outs = _texts(run_to_completion(core), core.tokenizer)
+    ended = 0
+    for rid, (text, reason, ids) in outs.items():
+        kind, adapter, _ = rid.split("-")
+        if kind == "free":
+            assert ids == alone[f"alone-{adapter}"][2], rid
+            continue
+        assert reason in (FinishReason.EOS, FinishReason.LENGTH), (rid, reason)
+        if reason is FinishReason.EOS:
+            ended += 1
+            assert ids[-1] == ByteTokenizer.EOS
+            _check(kind, text)
+        else:
+            assert len(ids) == MAX
+    assert ended >= 0.9 * (len(outs) - 9), f"only {ended} constrained outputs ended within {MAX} tokens"
+    stats = core.stats()
+    assert stats.requests_running == 0 and stats.requests_waiting == {}
+    core.shutdown()
+
+
+def test_constraint_ends_the_request_even_with_ignore_eos_and_length_cuts_it():
+    core = make_core()
+    choice = choice_spec(["alpha", "beta"])
+    core.add_request(Request("ignore", PROMPT, SamplingParams(temperature=1.0, seed=1, max_new_tokens=50,
+                                                              ignore_eos=True, grammar=choice)), None)
+    core.add_request(Request("cut", PROMPT, SamplingParams(temperature=1.0, seed=1, max_new_tokens=3,
+                                                           grammar=json_schema_spec(SCHEMA))), None)
+    core.add_request(Request("stop", PROMPT, SamplingParams(temperature=1.0, seed=1, max_new_tokens=MAX,
+                                                            stop=('"age"',), grammar=json_schema_spec(SCHEMA))), None)
+    outs = _texts(run_to_completion(core), core.tokenizer)
+    assert outs["ignore"][0] in ("alpha", "beta") and outs["ignore"][1] is FinishReason.EOS
+    assert outs["cut"][1] is FinishReason.LENGTH and len(outs["cut"][2]) == 3
+    assert outs["cut"][0].startswith('{"')  # cut, and says so (finish length), not padded or closed
+    text, reason, ids = outs["stop"]
+    assert '"age"' not in text  # a stop string ends a constrained output too (cut there: documented)
+    if reason is FinishReason.STOP:
+        assert '"age"' in core.tokenizer.decode(ids)
+    else:
+        assert reason is FinishReason.EOS and '"age"' not in core.tokenizer.decode(ids)
+    core.shutdown()
+
+
+def test_preemption_keeps_the_matcher_in_step():
+    """A constrained request preempted (KV cache full) recomputes prompt + output and goes on under
+    the same grammar state: its output stays valid."""
+    block_bytes = kv_bytes_per_block(builtin_tiny_config(), 16, torch.float32)
+    core = EngineCore(EngineConfig(model="builtin:tiny", device="cpu", max_loras=2, max_lora_rank=8,
+                                   kv_cache_bytes=12 * block_bytes))  # 192 tokens for 6 requests of up to 135
+    long = GrammarSpec("regex", r"\[[a-z]{100,110}\]")
+    for i in range(6):
+        core.add_request(Request(f"r{i}", PROMPT, SamplingParams(temperature=1.0, seed=i, max_new_tokens=120,
+                                                                 grammar=long)), None)
+    outs = _texts(run_to_completion(core), core.tokenizer)
+    assert core.scheduler.num_preemptions > 0
+    for text, reason, _ in outs.values():
+        assert reason is FinishReason.EOS and re.fullmatch(r"\[[a-z]{100,110}\]", text), (reason, text)
+    core.shutdown()
+
+
+def test_bad_constraint_in_the_engine_ends_that_request_alone():
+    """Embedders that skip the front end's check: a grammar xgrammar refuses ends its request with
+    INVALID_ARGUMENT; the request beside it finishes normally."""
+    core = make_core()
+    core.add_request(Request("bad", PROMPT, SamplingParams(max_new_tokens=5, grammar=GrammarSpec("grammar",
+                                                                                                 "root ::= ("))), None)
+    core.add_request(Request("good", PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True)), None)
+    outs = run_to_completion(core)
+    assert outs["bad"][-1].finish_reason is FinishReason.ERROR and outs["bad"][-1].error.code == "INVALID_ARGUMENT"
+    assert outs["good"][-1].finish_reason is FinishReason.LENGTH
+    core.shutdown()
+
+
+@pytest.mark.parametrize("spec, message", [
+    (GrammarSpec("json_schema", "[1, 2]"), "JSON object"),
+    (GrammarSpec("json_schema", "{"), "not valid JSON"),
+    (GrammarSpec("choice", "[]"), "non-empty list"),
+    (GrammarSpec("regex", ""), "empty"),
+    (GrammarSpec("json_schema", json.dumps({"items": [{"items": {}}] * 1}) + " " * 70000), "longer than"),
+    (json_schema_spec(json.loads('{"a":' * 40 + "1" + "}" * 40)), "nests"),
+])
+def test_spec_bounds_are_checked_before_compiling(spec, message):
+    with pytest.raises(Exception) as e:
+        SamplingParams(grammar=spec).validate(100)
+    assert e.value.code == "INVALID_ARGUMENT" and message in str(e.value)
+    with pytest.raises(Exception) as e:
+        SamplingParams(grammar=choice_spec(["a"]), min_tokens=2).validate(100)
+    assert "min_tokens" in str(e.value)
+
+
+def _slow_schema() -> dict:
+    """Within the size bound, and minutes of compile: many properties, each a nested repetition."""
+    pattern = "((x{1,30}){1,30}){1,30}"
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": pattern + str(i)}
+                                             for i in range(900)}}
+
+
+def test_checker_bounds_compile_time_and_restarts(tmp_path):
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=2.0, wall_s=20.0)
+    try:
+        assert checker.check_blocking(json_schema_spec(SCHEMA)) is None  # starts the child
+        slow = json_schema_spec(_slow_schema())
+        assert len(slow.text) < 64 * 1024
+        started = time.monotonic()
+        error = checker.check_blocking(slow)
+        took = time.monotonic() - started
+        assert error is not None and "did not compile within" in error, error
+        assert took < 20.0 + 1.0
+        started = time.monotonic()
+        assert checker.check_blocking(slow) == error and time.monotonic() - started < 0.1  # cached
+        assert checker.check_blocking(GrammarSpec("regex", "(")) is not None  # xgrammar's own error
+        assert checker.check_blocking(GrammarSpec("grammar", 'root ::= "a"')) is None  # a new child works
+    finally:
+        checker.close()
+
+
+def test_checker_bounds_memory():
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=30.0, wall_s=30.0, memory_bytes=8 << 20)
+    try:
+        error = checker.check_blocking(json_schema_spec(_slow_schema()))
+        assert error is not None and "MiB" in error, error
+    finally:
+        checker.close()
