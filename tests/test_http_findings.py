@@ -145,7 +145,7 @@ def test_text_response_format_is_the_default_and_accepted(server):
     assert plain.choices[0].text and text.choices[0].message.content is not None
     r = httpx.post(server.http_url + "/v1/chat/completions", timeout=60, json={
         "model": BASE, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}})
-    assert _openai_error(r, 400)["param"] == "response_format"
+    assert _openai_error(r, 400)["param"] == "response_format.json_schema"  # no schema given
     r = httpx.post(server.http_url + "/tokenize", timeout=60, json={"prompt": "x", "return_token_strs": True})
     assert _openai_error(r, 400)["param"] == "return_token_strs"
 

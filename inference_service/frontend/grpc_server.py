@@ -36,6 +36,7 @@ from inference_service.engine.client import EngineClient
 from inference_service.engine.request import FinishReason, RequestOutput
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
+from inference_service.frontend.grammar_check import shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
 from inference_service.frontend.preload import PreloadEntry, Preloader
@@ -97,6 +98,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               admin_disabled_reason(config.listen, config.admin_token, config.insecure_admin))
         self.uri_policy = UriPolicy(config.adapter_source_allow)
         self.intake = Intake(engine.model_info, engine.tokenizer, config.default_max_new_tokens)
+        self.grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size)
         self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
 
     # ---- Generate -------------------------------------------------------------------------
@@ -114,6 +116,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request_id = request.request_id or uuid.uuid4().hex
             adapter = request.adapter or None
             intake = self.intake.from_grpc(request, request_id)
+            if intake.params.grammar is not None:  # compiled once, bounded, before anything is submitted
+                await self.grammars.check(intake.params.grammar)
             await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
             stream = self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
                                              request_id=intake.request_id)

@@ -21,6 +21,7 @@ from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.engine.types import ModelInfo, validate_request
 from inference_service.limits import adapter_name, check_request_id, check_stop
+from inference_service.structured import MAX_CHOICES, GrammarSpec, choice_spec, json_schema_spec
 from inference_service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -177,8 +178,31 @@ class Intake:
             logit_bias=tuple(sorted(s.logit_bias.items())),
             logprobs=request.logprobs if request.HasField("logprobs") else None,
             skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
+            grammar=grpc_grammar(s),
         ))
         return EngineRequest(prompt_ids, params, adapter, request_id)
+
+
+def grpc_grammar(s: pb.SamplingParams) -> GrammarSpec | None:
+    """SamplingParams' `constraint` oneof as a GrammarSpec (bounds checked by SamplingParams.validate)."""
+    which = s.WhichOneof("constraint")
+    if which is None:
+        if s.strict:
+            raise InvalidArgumentError("sampling.strict needs sampling.json_schema")
+        return None
+    if s.strict and which != "json_schema":
+        raise InvalidArgumentError("sampling.strict needs sampling.json_schema")
+    if which == "json_schema":
+        return json_schema_spec(s.json_schema, s.strict)
+    if which == "json_object":
+        if not s.json_object:
+            raise InvalidArgumentError("sampling.json_object, when set, must be true")
+        return GrammarSpec("json_object", "")
+    if which == "choice":
+        if len(s.choice.choices) > MAX_CHOICES:  # counted before copying them
+            raise InvalidArgumentError(f"sampling.choice has more than {MAX_CHOICES} entries")
+        return choice_spec(list(s.choice.choices))
+    return GrammarSpec(which, getattr(s, which))
 
 
 # ---- the way out: a request the engine ended ------------------------------------------------------------

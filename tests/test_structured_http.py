@@ -1,0 +1,364 @@
+"""Structured output through the real server (issue 34) with real clients: the official `openai` SDK
+(`chat.completions.parse` with a pydantic model, `response_format`, vLLM's `structured_outputs` as
+extra body), outputs validated with `jsonschema`; a fuzz test of random schemas; refusals with their
+exact status on both APIs; a hostile schema beside a victim stream (harness/isolation.py).
+
+builtin:tiny has random weights: its logits are noise, so a valid output is the mask's doing alone.
+Schemas here bound their strings and arrays so that noise ends within max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from harness.inference_server import InferenceServer, start_inference_server
+from harness.isolation import assert_clean, solo_run, victim_beside
+from inference_service.api import inference_pb2 as pb
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
+
+pytestmark = pytest.mark.slow
+BASE = "builtin:tiny"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+MAX = 500
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "ok"],
+          "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"},
+                         "ok": {"type": "boolean"}}}
+ITEMS = {"type": "array", "maxItems": 5, "items": {"enum": ["a", "b", 3, None]}}
+
+
+def _slow_schema() -> dict:
+    """Within the size bound, and minutes of compile: many properties, each a nested repetition."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"((x{{1,30}}){{1,30}}){{1,30}}{i}"}
+                                             for i in range(900)}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("structured")
+    template = tmp / "chatml.jinja"
+    template.write_text(CHATML)
+    for i, name in enumerate(("ad1", "ad2")):
+        write_peft_adapter(tmp / name, rank=8, seed=30 + i)
+    s = start_inference_server(["--model", BASE, "--chat-template", str(template), "--max-new-tokens-limit", "600",
+                                "--max-loras", "2", "--max-lora-rank", "8", "--adapter-source-allow", tmp.as_uri()],
+                               log_dir=tmp, http=True)
+    for name in ("ad1", "ad2"):
+        r = httpx.post(s.http_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tmp / name)},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    yield s
+    s.stop()
+
+
+def _client(server: InferenceServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(server, **kwargs):
+    kwargs.setdefault("model", BASE)
+    kwargs.setdefault("messages", [{"role": "user", "content": "Answer in JSON."}])
+    kwargs.setdefault("max_tokens", MAX)
+    return _client(server).chat.completions.create(**kwargs)
+
+
+def _error(r: httpx.Response, status: int, param: str | None) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "INVALID_ARGUMENT", error
+    return error["message"]
+
+
+class Trip(BaseModel):
+    city: str = Field(max_length=12)
+    days: int
+    ok: bool
+
+
+def test_sdk_parse_with_a_pydantic_model(server):
+    """The SDK's own structured-output call: the parsed object, the content valid against the schema
+    the SDK sent (strict)."""
+    client = _client(server)
+    for seed in range(3):
+        done = client.chat.completions.parse(model=BASE, messages=[{"role": "user", "content": "Plan a trip."}],
+                                             response_format=Trip, max_tokens=MAX, seed=seed, temperature=1.0)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Trip)
+        jsonschema.validate(json.loads(choice.message.content), Trip.model_json_schema())
+
+
+def test_response_format_json_schema_and_json_object(server):
+    for adapter in (BASE, "ad1", "ad2"):
+        r = _chat(server, model=adapter, seed=1, temperature=1.0, response_format={
+            "type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    ended = 0
+    for seed in range(4):
+        r = _chat(server, seed=seed, temperature=1.0, response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":  # an open object of noise may not end within MAX
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+            ended += 1
+        else:
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX
+    assert r.choices[0].message.content.startswith("{")
+
+
+def test_cut_by_max_tokens_says_length(server):
+    r = _chat(server, max_tokens=4, seed=2, temperature=1.0, response_format={
+        "type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert r.choices[0].message.content.startswith('{"')
+
+
+def test_streamed_constrained_output(server):
+    stream = _chat(server, stream=True, seed=3, temperature=1.0, response_format={
+        "type": "json_schema", "json_schema": {"name": "items", "schema": ITEMS}})
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), ITEMS)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_structured_outputs_extension(server, route):
+    cases = {"regex": (r"[A-Z][a-z]{1,6} [0-9]{2}", lambda t: re.fullmatch(r"[A-Z][a-z]{1,6} [0-9]{2}", t)),
+             "choice": (["red", "green", "blue \"quoted\""], lambda t: t in ("red", "green", 'blue "quoted"')),
+             "grammar": ('root ::= "<" [a-c]+ ">"', lambda t: re.fullmatch(r"<[a-c]+>", t)),
+             "json": (ITEMS, lambda t: jsonschema.validate(json.loads(t), ITEMS) is None)}
+    client = _client(server)
+    for kind, (value, valid) in cases.items():
+        extra = {"structured_outputs": {kind: value}}
+        if route == "chat":
+            r = client.chat.completions.create(model="ad2", messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=MAX, seed=4, temperature=1.0, extra_body=extra)
+            text = r.choices[0].message.content
+        else:
+            r = client.completions.create(model="ad1", prompt="x", max_tokens=MAX, seed=4, temperature=1.0,
+                                          extra_body=extra)
+            text = r.choices[0].text
+        assert r.choices[0].finish_reason == "stop", (kind, r)
+        assert valid(text), (kind, text)
+
+
+def test_mixed_concurrent_streams(server):
+    """Constrained by two schemas, a regex, or not at all, on the base and two adapters, at once: each
+    constrained answer valid, each free one as long as asked (ignore_eos)."""
+    jobs = []
+    for i in range(18):
+        model = (BASE, "ad1", "ad2")[i % 3]
+        kind = ("schema", "items", "regex", "free", "free", "free")[i % 6]
+        jobs.append((i, model, kind))
+
+    def run(job):
+        i, model, kind = job
+        body = {"model": model, "prompt": f"request {i}", "max_tokens": MAX, "seed": i, "temperature": 1.0}
+        if kind == "free":
+            body |= {"max_tokens": 60, "ignore_eos": True}
+        else:
+            body["structured_outputs"] = {"schema": {"json": SCHEMA}, "items": {"json": ITEMS},
+                                          "regex": {"regex": "[0-9]{3}-[a-z]{3}"}}[kind]
+        r = httpx.post(server.http_url + "/v1/completions", json=body, timeout=180)
+        assert r.status_code == 200, r.text
+        return kind, r.json()["choices"][0]
+
+    with ThreadPoolExecutor(18) as pool:
+        results = list(pool.map(run, jobs))
+    for kind, choice in results:
+        if kind == "free":
+            assert choice["finish_reason"] == "length"
+            continue
+        assert choice["finish_reason"] == "stop", choice
+        text = choice["text"]
+        if kind == "regex":
+            assert re.fullmatch("[0-9]{3}-[a-z]{3}", text)
+        else:
+            jsonschema.validate(json.loads(text), SCHEMA if kind == "schema" else ITEMS)
+    assert_clean(server)
+
+
+# ---- refusals: exact statuses, the field named ------------------------------------------------------------
+
+def test_refusals_name_the_field(server):
+    post = lambda body: httpx.post(server.http_url + "/v1/chat/completions", timeout=120,  # noqa: E731
+                                   json={"model": BASE, "messages": [{"role": "user", "content": "x"}], **body})
+    js = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    _error(post({"response_format": {"type": "json_schema"}}), 400, "response_format.json_schema")
+    _error(post({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}}), 400,
+           "response_format.json_schema")
+    _error(post({"response_format": {"type": "yaml"}}), 400, "response_format.type")
+    _error(post({"response_format": js, "structured_outputs": {"regex": "a"}}), 400, "structured_outputs")
+    _error(post({"structured_outputs": {"regex": "a", "choice": ["a"]}}), 400, "structured_outputs")
+    _error(post({"structured_outputs": {}}), 400, "structured_outputs")
+    _error(post({"structured_outputs": {"guided_whitespace_pattern": " "}}), 400,
+           "structured_outputs.guided_whitespace_pattern")
+    _error(post({"structured_outputs": {"choice": []}}), 400, "structured_outputs.choice")
+    assert "min_tokens" in _error(post({"response_format": js, "min_tokens": 3}), 400, None)
+    deep = json.loads('{"type": "object", "properties": {"a": ' * 20 + '{"type": "string"}' + "}}" * 20)
+    assert "nests" in _error(post({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": deep}}}), 400, "response_format.json_schema")
+    bad_regex = post({"structured_outputs": {"regex": "(unclosed"}})
+    assert "the regex cannot be used" in _error(bad_regex, 400, "structured_outputs")
+    bad_grammar = post({"structured_outputs": {"grammar": "root ::= undefined_rule"}})
+    assert "the grammar cannot be used" in _error(bad_grammar, 400, "structured_outputs")
+    assert_clean(server)
+
+
+def test_slow_schema_is_refused_in_bounded_time(server):
+    started = time.monotonic()
+    r = httpx.post(server.http_url + "/v1/chat/completions", timeout=120, json={
+        "model": BASE, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": _slow_schema()}}})
+    message = _error(r, 400, "response_format")
+    assert "did not compile within" in message
+    assert time.monotonic() - started < 35  # the checker's wall bound (30 s) plus the request's own
+    started = time.monotonic()
+    r = httpx.post(server.http_url + "/v1/chat/completions", timeout=120, json={
+        "model": BASE, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": _slow_schema()}}})
+    _error(r, 400, "response_format")
+    assert time.monotonic() - started < 2  # the answer is cached by content
+    assert_clean(server)
+
+
+# ---- fuzz: random schemas, valid JSON always or a clear refusal -------------------------------------------
+
+def _random_schema(rng: random.Random, depth: int = 0) -> dict:
+    kinds = ["string", "integer", "number", "boolean", "null", "enum", "const"]
+    if depth < 3:
+        kinds += ["object", "array", "anyOf"]
+    kind = rng.choice(kinds)
+    if kind == "string":
+        s: dict = {"type": "string", "maxLength": rng.randint(0, 8)}
+        if rng.random() < 0.3:
+            s["minLength"] = rng.randint(0, s["maxLength"])
+        if rng.random() < 0.2:
+            s = {"type": "string", "pattern": rng.choice(["^[a-z]{1,4}$", "^[0-9]+-[A-Z]$", "^(ab|cd){1,3}$"])}
+        if rng.random() < 0.1:
+            s = {"type": "string", "format": rng.choice(["date", "email", "uuid"])}
+        return s
+    if kind == "integer":
+        s = {"type": "integer"}
+        if rng.random() < 0.5:
+            s |= {"minimum": -5, "maximum": rng.randint(-5, 500)}
+        return s
+    if kind == "number":
+        return {"type": "number"}
+    if kind in ("boolean", "null"):
+        return {"type": kind}
+    if kind == "enum":
+        return {"enum": rng.sample(["x", "y", 1, 2.5, True, None, "z\"q"], rng.randint(1, 4))}
+    if kind == "const":
+        return {"const": rng.choice(["c", 7, False])}
+    if kind == "anyOf":
+        return {"anyOf": [_random_schema(rng, depth + 1) for _ in range(rng.randint(1, 3))]}
+    if kind == "array":
+        s = {"type": "array", "items": _random_schema(rng, depth + 1), "maxItems": rng.randint(0, 3)}
+        if rng.random() < 0.3:
+            s["minItems"] = rng.randint(0, s["maxItems"])
+        return s
+    props = {f"k{i}": _random_schema(rng, depth + 1) for i in range(rng.randint(0, 4))}
+    s = {"type": "object", "properties": props, "required": rng.sample(sorted(props), rng.randint(0, len(props))),
+         "additionalProperties": False}
+    if rng.random() < 0.1:
+        s["minProperties"] = 1
+    return s
+
+
+def test_fuzz_random_schemas(server):
+    """Every answer ends valid against its schema, or says length (noise may not end), or the request
+    is refused with a 400 naming response_format; never a 5xx, never invalid JSON called stop."""
+    rng = random.Random(34)
+    schemas = [_random_schema(rng) for _ in range(40)]
+
+    def run(item):
+        i, schema = item
+        r = httpx.post(server.http_url + "/v1/chat/completions", timeout=180, json={
+            "model": (BASE, "ad1")[i % 2], "messages": [{"role": "user", "content": f"fuzz {i}"}], "max_tokens": MAX,
+            "seed": i, "temperature": 1.0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema,
+                                                                       "strict": bool(i % 3)}}})
+        return schema, r
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, enumerate(schemas)))
+    outcomes = {"stop": 0, "length": 0, "refused": 0}
+    for schema, r in results:
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] == "response_format", r.text
+            outcomes["refused"] += 1
+            continue
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        outcomes[choice["finish_reason"]] += 1
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema,
+                                format_checker=jsonschema.FormatChecker())
+    assert outcomes["stop"] >= 0.8 * len(schemas), outcomes
+    assert_clean(server)
+
+
+# ---- isolation: a hostile schema harms no other stream ----------------------------------------------------
+
+def test_hostile_schemas_beside_a_victim(server):
+    """A slow-to-compile schema (killed at its bound), a deep one, and a stream of constrained requests
+    beside a victim stream: the victim's tokens and times unchanged (harness/isolation.py)."""
+    base = solo_run(server, max_new_tokens=128)
+
+    def hostile(i: int) -> int:
+        schema = _slow_schema() if i == 0 else {**_slow_schema(), "title": f"variant {i}"}
+        r = httpx.post(server.http_url + "/v1/chat/completions", timeout=120, json={
+            "model": BASE, "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": schema}}})
+        return r.status_code
+
+    with victim_beside(server, base):
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            statuses = list(pool.map(hostile, range(2)))
+        assert statuses == [400, 400]
+        assert time.monotonic() - started < 65
+
+
+# ---- gRPC: the same constraints as sampling fields ---------------------------------------------------------
+
+def test_grpc_constraints(server):
+    with InferenceClient(server.address) as client:
+        for field, value, valid in (
+                ("json_schema", json.dumps(SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+                ("regex", "[a-f]{4}", lambda t: re.fullmatch("[a-f]{4}", t)),
+                ("grammar", 'root ::= "x" | "yy"', lambda t: t in ("x", "yy"))):
+            sampling = pb.SamplingParams(temperature=1.0, seed=5, **{field: value})
+            request = pb.GenerateRequest(text="grpc", sampling=sampling, max_new_tokens=MAX)
+            text = "".join(r.text for r in client.stub.Generate(request, timeout=120))
+            assert valid(text), (field, text)
+        sampling = pb.SamplingParams(temperature=1.0, seed=5, choice=pb.Choices(choices=["one", "two"]))
+        text = "".join(r.text for r in client.stub.Generate(pb.GenerateRequest(text="g", sampling=sampling),
+                                                           timeout=120))
+        assert text in ("one", "two")
+        sampling = pb.SamplingParams(json_object=True, seed=1, temperature=1.0)
+        out = list(client.stub.Generate(pb.GenerateRequest(text="g", sampling=sampling, max_new_tokens=3),
+                                        timeout=120))
+        assert "".join(r.text for r in out).startswith("{")
+        for sampling in (pb.SamplingParams(regex="("), pb.SamplingParams(json_schema="[1]"),
+                         pb.SamplingParams(json_schema=json.dumps(_slow_schema()))):
+            with pytest.raises(grpc.RpcError) as e:
+                list(client.stub.Generate(pb.GenerateRequest(text="g", sampling=sampling), timeout=120))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert_clean(server)
