@@ -134,6 +134,36 @@ def compile_spec(compiler: xgrammar.GrammarCompiler, spec: GrammarSpec) -> xgram
 # other control characters (U+0000-U+001F) through unescaped: not JSON. Narrowed to JSON's own rule.
 _LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
 _JSON_CHARS = '[^\\0-\\x1f\\"\\\\]'
+# Its negated classes also match the UTF-16 surrogates U+D800-U+DFFF, whose 3-byte forms are not UTF-8:
+# a byte-level vocabulary then spells invalid text (decoded as U+FFFD, one per byte: past maxLength).
+_NO_SURROGATES = "\\uD800-\\uDFFF"
+
+
+def _without_surrogates(ebnf: str) -> str:
+    """Every negated character class of an EBNF grammar (outside its string literals) also excludes
+    the surrogates."""
+    out, i, quoted, in_class = [], 0, False, False
+    while i < len(ebnf):
+        c = ebnf[i]
+        if c == "\\":
+            out.append(ebnf[i : i + 2])
+            i += 2
+            continue
+        if quoted:
+            quoted = c != '"'
+        elif in_class:
+            in_class = c != "]"
+        elif c == '"':
+            quoted = True
+        elif c == "[":
+            in_class = True
+            if ebnf.startswith("[^", i):
+                out.append("[^" + _NO_SURROGATES)
+                i += 2
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def json_grammar(spec: GrammarSpec) -> str:
@@ -145,7 +175,7 @@ def json_grammar(spec: GrammarSpec) -> str:
     schema = spec.text if spec.kind == "json_schema" else JSON_OBJECT_SCHEMA
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"),
                                            strict_mode=spec.strict)
-    return str(grammar).replace(_LOOSE_CHARS, _JSON_CHARS)
+    return _without_surrogates(str(grammar).replace(_LOOSE_CHARS, _JSON_CHARS))
 
 
 def _ebnf_literal(text: str) -> str:

@@ -98,6 +98,7 @@ def test_mixed_batch_each_row_follows_its_own_constraint(adapters, async_schedul
         if reason is FinishReason.EOS:
             ended += 1
             assert ids[-1] == ByteTokenizer.EOS
+            bytes(ids[:-1]).decode("utf-8")  # strict: no surrogates, no partial characters
             _check(kind, text)
         else:
             assert len(ids) == MAX
