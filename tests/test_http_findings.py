@@ -80,9 +80,11 @@ IMPLEMENTED = dict(model=BASE, max_tokens=2, temperature=0, top_p=1.0, seed=1, s
                    frequency_penalty=0.0, presence_penalty=0.0, logit_bias={"65": 0.5}, n=1, stream=False,
                    stream_options={"include_usage": True, "include_obfuscation": False})
 CHAT_IMPLEMENTED = dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2, logprobs=True,
-                        top_logprobs=2, response_format={"type": "text"})
+                        top_logprobs=2, response_format={"type": "text"}, tool_choice="none", parallel_tool_calls=True,
+                        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 # Implemented and tested with constraints in tests/test_structured_http.py: response_format (chat's
-# json_object, json_schema), vLLM's structured_outputs (both routes).
+# json_object, json_schema), tools with tool_choice "required" or a named function (tool_choice "auto"
+# is refused by name there), vLLM's structured_outputs (both routes).
 COMPLETION_IMPLEMENTED = dict(prompt="hi", logprobs=2, echo=False, best_of=1)
 IGNORED = dict(user="u", metadata={"k": "v"}, store=False, service_tier="auto", safety_identifier="s",
                prompt_cache_key="k", prompt_cache_retention="24h", prompt_cache_options={"mode": "explicit"})

@@ -362,3 +362,69 @@ def test_grpc_constraints(server):
                 list(client.stub.Generate(pb.GenerateRequest(text="g", sampling=sampling), timeout=120))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
     assert_clean(server)
+
+
+# ---- tools: calls generated under their functions' schemas -----------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city", "unit"],
+                                                           "properties": {"city": {"type": "string", "maxLength": 10},
+                                                                          "unit": {"enum": ["C", "F"]}}},
+                                            "strict": True}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def test_named_tool_choice_calls_that_function(server):
+    for seed in range(3):
+        r = _chat(server, seed=seed, temperature=1.0, tools=[WEATHER, TIME],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+
+
+def test_required_tool_choice_calls_one_of_the_tools(server):
+    names = set()
+    for seed in range(6):
+        r = _chat(server, model=("ad1", BASE)[seed % 2], seed=seed, temperature=1.0, tools=[WEATHER, TIME],
+                  tool_choice="required", parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        names.add(call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert names <= set(SCHEMAS)
+
+
+def test_sdk_parse_with_a_pydantic_function_tool(server):
+    client = _client(server)
+    done = client.chat.completions.parse(model=BASE, messages=[{"role": "user", "content": "Book it."}],
+                                         tools=[openai.pydantic_function_tool(Trip)], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=MAX, seed=7, temperature=1.0)
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.name == "Trip" and isinstance(call.function.parsed_arguments, Trip)
+
+
+def test_tool_choice_refusals(server):
+    post = lambda body: httpx.post(server.http_url + "/v1/chat/completions", timeout=120,  # noqa: E731
+                                   json={"model": BASE, "messages": [{"role": "user", "content": "x"}], **body})
+    assert "auto" in _error(post({"tools": [WEATHER]}), 400, "tool_choice")
+    assert "auto" in _error(post({"tools": [WEATHER], "tool_choice": "auto"}), 400, "tool_choice")
+    _error(post({"tool_choice": "required"}), 400, "tool_choice")
+    _error(post({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}), 400,
+           "tool_choice.function.name")
+    _error(post({"tools": [WEATHER], "tool_choice": "required", "stream": True}), 400, "stream")
+    _error(post({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}), 400,
+           "tool_choice")
+    _error(post({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "none"}), 400,
+           "tools.0.function.name")
+    _error(post({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                 "parallel": 1}), 400, "parallel")
+    r = post({"tools": [WEATHER], "tool_choice": "none", "max_tokens": 3})  # a text answer
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None

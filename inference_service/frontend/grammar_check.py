@@ -113,14 +113,16 @@ class GrammarChecker:
             return self._proc
         if self._vocab is None:
             self._vocab = grammar_vocab(self.tokenizer, self.vocab_size)
-        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                preexec_fn=lambda: os.nice(CHILD_NICE))
+        # No preexec_fn: Python code between fork and exec in a process with gRPC's threads can crash
+        # the child (seen: the child gone within milliseconds, now and then); the child nices itself.
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._proc = proc
         _write(proc.stdin, (self._vocab, tuple(self.tokenizer.eos_token_ids)))  # type: ignore[arg-type]
         ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
-        if not ready or _read(proc.stdout) != "ready":  # type: ignore[arg-type]
+        answer = _read(proc.stdout) if ready else None  # type: ignore[arg-type]
+        if answer != "ready":
             self._stop()
-            raise RuntimeError("the grammar compiler process did not start")
+            raise RuntimeError(f"the grammar compiler process did not start ({answer!r}, exit {proc.returncode})")
         self._base_rss = _rss(proc.pid)
         return proc
 
@@ -193,6 +195,7 @@ def _read(pipe: IO[bytes]) -> Any:
 
 
 def _child() -> None:
+    os.nice(CHILD_NICE)
     import xgrammar as xgr
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer

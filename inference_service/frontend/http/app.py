@@ -38,7 +38,7 @@ from inference_service.frontend.http.errors import (
     loraplex_error_response,
     status_of,
 )
-from inference_service.frontend.http.generation import Generation, OpenAIGeneration
+from inference_service.frontend.http.generation import Generation, OpenAIGeneration, ToolCalls
 from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -136,8 +136,9 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         if result is None:
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
         text, last = result
-        build = openai.chat_body if chat else openai.completion_body
-        return JSONResponse(build(gen, body.model, text, last))
+        if chat:
+            return JSONResponse(openai.chat_body(gen, body.model, text, last, ToolCalls.of(body)))
+        return JSONResponse(openai.completion_body(gen, body.model, text, last))
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:
@@ -229,4 +230,6 @@ async def _known_adapter(engine: EngineClient, name: str) -> None:
 
 
 def _grammar_field(body: CompletionRequest | ChatCompletionRequest) -> str:
+    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none"):
+        return "tools"
     return "structured_outputs" if body.structured_outputs is not None else "response_format"

@@ -30,6 +30,7 @@ from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    FunctionDefinition,
     TokenizeRequest,
     _Sampling,
 )
@@ -126,8 +127,10 @@ class OpenAIGeneration:
         return prompt  # type: ignore[return-value]  # pydantic's own fresh list
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        return self.chat_prompt_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                    body.chat_template_kwargs or {})
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:  # the template tells the model about them (as transformers' apply_chat_template)
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        return self.chat_prompt_ids(body.messages, body.add_generation_prompt, body.continue_final_message, kwargs)
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                         continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -147,8 +150,7 @@ class OpenAIGeneration:
     def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         refuse = [name for name, bad in (("n", body.n != 1), ("echo", getattr(body, "echo", False)),
                                          ("suffix", getattr(body, "suffix", None) is not None),
-                                         ("best_of", (getattr(body, "best_of", None) or 1) != 1),
-                                         ("tools", bool(getattr(body, "tools", None)))) if bad]
+                                         ("best_of", (getattr(body, "best_of", None) or 1) != 1)) if bad]
         if refuse:
             raise BadField(f"not supported: {', '.join(refuse)}", refuse[0])
         max_tokens = self.intake.max_new_tokens(max_tokens, prompt_len)
@@ -255,12 +257,17 @@ class OpenAIGeneration:
                              "stop_reason": last.stop_reason}],
                 "usage": usage(gen.prompt_tokens, last.generated_tokens)}
 
-    def chat_body(self, gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
+    def chat_body(self, gen: Generation, model: str, text: str, last: RequestOutput,
+                  tools: ToolCalls | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = OPENAI_FINISH.get(last.finish_reason)  # type: ignore[arg-type]
+        if tools is not None and finish == "stop":  # a complete answer under the calls' grammar
+            message = {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}
+            finish = "stop" if tools.named else "tool_calls"  # OpenAI's: a named function ends with stop
         return {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": 0, "message": message,
                              "logprobs": self.logprobs_body(last.logprobs, chat=True),
-                             "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
-                             "stop_reason": last.stop_reason}],
+                             "finish_reason": finish, "stop_reason": last.stop_reason}],
                 "usage": usage(gen.prompt_tokens, last.generated_tokens)}
 
     def logprobs_body(self, logprobs: list[TokenLogprobs] | None, chat: bool,
@@ -308,9 +315,78 @@ class TextOffsets:
         return start
 
 
+@dataclass(frozen=True)
+class ToolCalls:
+    """A chat request whose answer is tool calls, made under a grammar: the named function's arguments
+    (tool_choice names it), or with `required` a JSON list of {name, parameters} over all the tools."""
+
+    named: str | None
+
+    def calls(self, text: str) -> list[dict[str, Any]]:
+        """The answer's tool_calls (OpenAI's shape: arguments as JSON text)."""
+        if self.named is not None:
+            return [_call(self.named, text)]
+        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+
+    @staticmethod
+    def of(body: _Sampling) -> ToolCalls | None:
+        """The request's tool mode; None for a text answer. tool_choice `auto` (the model decides, and
+        the server would parse its free text per chat template) is refused, naming tool_choice."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise BadField("tool_choice needs tools", "tool_choice")
+            return None
+        if choice is None or choice == "auto":
+            raise BadField("tool_choice 'auto' (the default with tools) is not supported: this server does not parse "
+                           "tool calls out of free text; send tool_choice 'required' or a named function (the calls "
+                           "are then generated under their JSON schemas), or 'none'", "tool_choice")
+        if choice == "none":
+            return None
+        if body.stream:
+            raise BadField("stream is not supported with tool calls (tool_choice 'required' or a named function)",
+                           "stream")
+        if body.response_format is not None and body.response_format.type != "text" or body.structured_outputs:
+            raise BadField("tool calls cannot be combined with response_format or structured_outputs", "tool_choice")
+        if choice == "required":
+            return ToolCalls(None)
+        if choice.function.name not in {t.function.name for t in body.tools}:
+            raise BadField(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                           "tool_choice.function.name")
+        return ToolCalls(choice.function.name)
+
+    def spec(self, body: ChatCompletionRequest) -> GrammarSpec:
+        functions = {t.function.name: t.function for t in body.tools or ()}
+        if self.named is not None:
+            function = functions[self.named]
+            return json_schema_spec(_parameters(function), bool(function.strict))
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(f)}}
+                 for name, f in functions.items()]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return json_schema_spec(schema, all(f.strict for f in functions.values()))
+
+
+def _parameters(function: FunctionDefinition) -> dict[str, Any]:
+    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
 def grammar_spec(body: _Sampling) -> GrammarSpec | None:
-    """The request's constraint: chat's `response_format` or vLLM's `structured_outputs` (one of them,
-    one constraint in it); None for free text. A bad one is INVALID_ARGUMENT naming its field."""
+    """The request's constraint: chat's `response_format`, vLLM's `structured_outputs` (one of them,
+    one constraint in it), or the tool calls' grammar; None for free text. A bad one is
+    INVALID_ARGUMENT naming its field."""
+    tools = ToolCalls.of(body)
+    if tools is not None:
+        return _checked(tools.spec(body), "tools")  # type: ignore[arg-type]
     response_format = getattr(body, "response_format", None)
     structured = body.structured_outputs
     if response_format is not None and response_format.type != "text":

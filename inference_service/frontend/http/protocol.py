@@ -3,8 +3,8 @@
 No field is silently dropped: a field these models do not declare is refused with a 400 that names
 it (`extra="forbid"`: vLLM's `guided_json`, a typo...). Declared fields either map onto our
 sampling (structured output: `response_format`, `structured_outputs`), are refused unless at their
-default (`n` > 1, `echo`, `suffix`, `best_of`, `tools`), or are OpenAI's fields that cannot change
-the output and are accepted and ignored (IGNORED_FIELDS, listed in docs/http.md).
+default (`n` > 1, `echo`, `suffix`, `best_of`, tool_choice `auto`), or are OpenAI's fields that
+cannot change the output and are accepted and ignored (IGNORED_FIELDS, listed in docs/http.md).
 """
 
 from __future__ import annotations
@@ -109,10 +109,35 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True  # vLLM extension
     continue_final_message: bool = False  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
-    tools: list[dict[str, Any]] | None = None
+    # Tools (generation.py, tool_calls): "required" or a named function constrain the output to calls
+    # whose arguments follow the function's schema; "auto" is refused (no tool-call parser per template).
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None  # for the chat template (the model reads it); not a constraint
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: an object with any properties
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class LoadLoraAdapterRequest(BaseModel):
