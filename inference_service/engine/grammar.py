@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from inference_service.device import background_worker_thread
 from inference_service.engine.sampling import SAMPLING_FAILED
 from inference_service.structured import GrammarSpec, compile_spec, grammar_vocab, tokenizer_info
 from inference_service.tokenizer import Tokenizer
@@ -42,7 +43,9 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return future
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            # One torch thread and a lower CPU priority, as the adapter loaders: the model's threads first.
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile",
+                                            initializer=background_worker_thread)
         future = self._pool.submit(self._compile, spec)
         self._cache[key] = future
         while len(self._cache) > self.max_cached:
