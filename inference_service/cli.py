@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "seeds sampling for requests that set no seed of their own", type=int,
          default=EngineConfig.seed)
+    _add(g, "--grammar-compile-cpu-s", "structured output: CPU seconds a new constraint may take to compile "
+         "before it is refused (INVALID_ARGUMENT; wall time at most 6x this, and 30 s at least)", type=float,
+         default=ServerConfig.grammar_compile_cpu_s)
     _add(g, "--engine-core", "process: the scheduler in a process of its own, so the front ends' per-message "
          "work never slows a step (docs/architecture.md); thread: in this process (debugging, comparisons)",
          default="process", choices=("process", "thread"))
@@ -262,6 +265,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         tls_client_ca=args.tls_client_ca,
         max_message_bytes=args.max_message_bytes,
         default_max_new_tokens=args.default_max_new_tokens,
+        grammar_compile_cpu_s=args.grammar_compile_cpu_s,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
         adapter_resolver=args.adapter_resolver,
         preload=read_preload_file(args.preload_file) if args.preload_file else [],

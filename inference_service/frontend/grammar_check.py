@@ -40,7 +40,7 @@ COMPILE_MEMORY_BYTES = 512 << 20  # beyond the child's own size once started
 START_TIMEOUT_S = 120.0  # importing xgrammar (torch, triton) on a busy machine
 MAX_CACHED = 4096
 POLL_S = 0.02
-CHILD_NICE = 10  # the engine core and the front end come first
+CHILD_NICE = 19  # the engine core and the front end come first: a hostile compile takes only idle CPU
 
 
 class GrammarChecker:
@@ -141,16 +141,18 @@ class GrammarChecker:
         self._pool.shutdown(wait=False)
 
 
-_checkers: dict[int, GrammarChecker] = {}
+_checkers: dict[tuple[int, float], GrammarChecker] = {}
 _checkers_lock = threading.Lock()
 
 
-def shared_checker(tokenizer: Tokenizer, vocab_size: int) -> GrammarChecker:
-    """One checker (one child process, one cache) per tokenizer, for both front ends of a server."""
+def shared_checker(tokenizer: Tokenizer, vocab_size: int, cpu_s: float = COMPILE_CPU_S) -> GrammarChecker:
+    """One checker (one child process, one cache) per tokenizer and bound, for both front ends of a
+    server (--grammar-compile-cpu-s; the wall bound 6x that, at least COMPILE_WALL_S)."""
     with _checkers_lock:
-        checker = _checkers.get(id(tokenizer))
+        key = (id(tokenizer), cpu_s)
+        checker = _checkers.get(key)
         if checker is None or checker.tokenizer is not tokenizer:
-            checker = _checkers[id(tokenizer)] = GrammarChecker(tokenizer, vocab_size)
+            checker = _checkers[key] = GrammarChecker(tokenizer, vocab_size, cpu_s, max(COMPILE_WALL_S, 6 * cpu_s))
         return checker
 
 

@@ -36,7 +36,7 @@ from inference_service.engine.client import EngineClient
 from inference_service.engine.request import FinishReason, RequestOutput
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
-from inference_service.frontend.grammar_check import shared_checker
+from inference_service.frontend.grammar_check import COMPILE_CPU_S, shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
 from inference_service.frontend.preload import PreloadEntry, Preloader
@@ -73,6 +73,7 @@ class ServerConfig:
     tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mTLS)
     max_message_bytes: int = 4 * 1024 * 1024
     default_max_new_tokens: int = 64
+    grammar_compile_cpu_s: float = COMPILE_CPU_S  # structured output: a new constraint's compile bound
     adapter_metrics_top_k: int = 20
     preload: list[PreloadEntry] = field(default_factory=list)
     preload_file: str | None = None  # re-read every preload_reload_s (0: read once)
@@ -98,7 +99,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               admin_disabled_reason(config.listen, config.admin_token, config.insecure_admin))
         self.uri_policy = UriPolicy(config.adapter_source_allow)
         self.intake = Intake(engine.model_info, engine.tokenizer, config.default_max_new_tokens)
-        self.grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size)
+        self.grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size, config.grammar_compile_cpu_s)
         self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
 
     # ---- Generate -------------------------------------------------------------------------
