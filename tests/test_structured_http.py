@@ -430,3 +430,17 @@ def test_tool_choice_refusals(server):
                  "parallel": 1}), 400, "parallel")
     r = post({"tools": [WEATHER], "tool_choice": "none", "max_tokens": 3})  # a text answer
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_logprobs_under_a_constraint(server):
+    """Logprobs are of the masked distribution: a token the grammar rules out shows vLLM's -9999.0
+    (JSON has no -inf; the answer was a 500 before)."""
+    r = httpx.post(server.http_url + "/v1/completions", timeout=120, json={
+        "model": BASE, "prompt": "x", "logprobs": 5, "seed": 1, "temperature": 1.0,
+        "structured_outputs": {"choice": ["ab", "c"]}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] in ("ab", "c")
+    first = choice["logprobs"]["top_logprobs"][0]
+    assert sorted(v for v in first.values() if v > -9999.0) == sorted(v for k, v in first.items() if k in "ac")
+    assert min(first.values()) == -9999.0

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 NON_FINITE = -1
 SAMPLING_FAILED = -2
 FORWARD_FAILED = -3  # set by the engine: the row's forward pass failed alone
+LOGPROB_FLOOR = -9999.0  # the logprob shown for a token that could not be sampled
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
@@ -109,7 +110,8 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     """The sampled token's log-probability and the top k, from one row of (processed) logits."""
-    logprobs = logits.float().log_softmax(-1)
+    # A token a mask or min_tokens ruled out has -inf: shown as LOGPROB_FLOOR (vLLM's), as JSON has no -inf.
+    logprobs = logits.float().log_softmax(-1).clamp_min(LOGPROB_FLOOR)
     top = torch.topk(logprobs, k) if k else None
     pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
     return TokenLogprobs(token, float(logprobs[token]), pairs)
