@@ -66,9 +66,6 @@ SOLO_REPEATS = 3
 # of a core: on the 2-core box the server and the victim need both cores while the victim streams,
 # so a quarter core taken by others is ~1/8 of their time, enough to turn a 1.2x run into a 1.35x one.
 FOREIGN_LIMIT = 0.25
-# ...while our threads waited to run this many cores' worth longer than alone (a tenth of the wall
-# time): what competition for the CPU does, and a stall (threads blocked, not ready) does not.
-WAITING_LIMIT = 0.1
 LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_adapter_references",
                "loraplex_lora_pending_load_events", "loraplex_requests_running", "loraplex_requests_waiting",
                "loraplex_kv_cache_usage_ratio")
@@ -233,10 +230,9 @@ def check_victim(base: VictimResult, runs: list[dict], attack_start: float, atta
 
 class MachineBusy(AssertionError):
     """The victim was slower beside the attack while processes outside this test's own tree (or the
-    VM's host: steal time) used FOREIGN_LIMIT cores more than while it ran alone and our threads
-    waited WAITING_LIMIT longer to run (`Contention.machine_busy`): the measurement says nothing
-    about the attack. pytest reruns a test that fails with it (pyproject.toml's
-    --only-rerun); any other failure of the checks fails at once."""
+    VM's host: steal time) used FOREIGN_LIMIT cores more than while it ran alone
+    (`Contention.machine_busy`): the measurement says nothing about the attack. pytest reruns a
+    test that fails with it (pyproject.toml's --only-rerun); any other failure fails at once."""
 
 
 @dataclass(frozen=True)
@@ -266,10 +262,13 @@ class Contention:
 
     @property
     def machine_busy(self) -> bool:
-        """Others took FOREIGN_LIMIT cores more during the timed runs while our threads waited longer
-        to run: the machine, not the attack, took the victim's time."""
-        return (self.foreign_timed - self.foreign_alone >= FOREIGN_LIMIT
-                and self.waiting_timed - self.waiting_alone >= WAITING_LIMIT)
+        """Others (or the VM's host: steal) took FOREIGN_LIMIT cores more during the timed runs than
+        while the victim ran alone: the machine, not the attack, may have taken the victim's time.
+        Our threads' run-queue waiting is reported, not used: summed over the server's thread pools
+        it swung from 0.6 to 5.3 cores between windows on a loaded machine, and steal does not show
+        in it at all. On a machine that other work saturates, a stall of ours whose freed CPU others
+        take also reads as busy; rerun, a real stall fails again."""
+        return self.foreign_timed - self.foreign_alone >= FOREIGN_LIMIT
 
     def __str__(self) -> str:
         return (f"other processes used {self.foreign_timed:.2f} cores during the timed runs, "

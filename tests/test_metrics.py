@@ -119,7 +119,7 @@ def test_exposition_has_every_required_series_with_values():
     assert s[("loraplex_lora_adapter_references", ())] == 7
     assert s[("loraplex_lora_pool_bytes", (("state", "used"),))] == 300
     assert s[("loraplex_lora_pool_bytes", (("state", "free"),))] == 700
-    assert s[("loraplex_lora_adapters_resident", (("rank", "16"),))] == 1
+    assert s[("loraplex_lora_pool_adapters", (("rank", "16"),))] == 1
     assert s[("loraplex_lora_pool_evictions_total", (("cause", "capacity"),))] == 4
     assert s[("loraplex_requests_waiting", (("reason", "adapter"),))] == 2
     assert s[("loraplex_kv_cache_usage_ratio", ())] == 0.25

@@ -213,7 +213,7 @@ class EngineCollector(Collector):
         pool.add_metric(["free"], s.lora_pool_bytes_total - s.lora_pool_bytes_used)
         yield pool
         resident = GaugeMetricFamily(
-            "loraplex_lora_adapters_resident", "Adapters in the pool (or being copied in), by rank.", labels=["rank"]
+            "loraplex_lora_pool_adapters", "Adapters in the pool (or being copied in), by rank.", labels=["rank"]
         )
         for rank, count in s.lora_resident_by_rank:
             resident.add_metric([str(rank)], count)
