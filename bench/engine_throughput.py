@@ -45,7 +45,7 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 
 
 def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str | None],
-               new_tokens: int, dtype: str, device: str, max_loras: int = 16) -> tuple[float, list[list[int]]]:
+               new_tokens: int, dtype: str, device: str, max_loras: int | str = 16) -> tuple[float, list[list[int]]]:
     """Tokens/s, and the generated tokens of each request."""
     core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=max_loras, max_lora_rank=16,
                                    max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20,
@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N, the same for all three runs")
     parser.add_argument("--model", default="", help="a .gguf file or a Hugging Face checkpoint directory "
                         "(default: a random 4-layer hidden-512 LLaMA)")
-    parser.add_argument("--max-loras", type=int, default=16, help="the engine's LoRA slots")
+    parser.add_argument("--max-loras", type=lambda v: v if v == "auto" else int(v), default=16,
+                        help="the engine's adapter pool: a count of slots, or auto (sized by memory)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
