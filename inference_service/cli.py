@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--async-scheduling", "on: each step runs on a device thread while the scheduler plans the next one "
          "(the scheduler's CPU time hides behind the accelerator's); auto: on for accelerators, off on CPU",
          default=EngineConfig.async_scheduling, choices=("auto", "on", "off"))
+    _add(g, "--prefix-cache", "on: full KV blocks stay cached, keyed by their tokens, the weights (an adapter's "
+         "loaded version, never its name) and the operator's salt, and prompts reuse the longest cached prefix",
+         default="on" if EngineConfig.prefix_cache else "off", choices=("on", "off"))
     _add(g, "--stream-interval", "tokens per streamed message after a request's first token (its end is sent at "
          "once); 1 sends every token as it comes. Larger values cut the messages, and the front end's CPU, at "
          "hundreds of concurrent streams", type=int, default=EngineConfig.stream_interval)
@@ -250,6 +253,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         ),
         tokenizer=args.tokenizer,
         async_scheduling=args.async_scheduling,
+        prefix_cache=args.prefix_cache == "on",
         stream_interval=args.stream_interval,
     )
     server_cfg = ServerConfig(

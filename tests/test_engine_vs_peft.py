@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from harness.devices import C_KERNELS_OFF, requires_cuda
-from harness.engine_helpers import greedy_logits
+from harness.engine_helpers import greedy_logits, load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_greedy_logits, peft_reference
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import SamplingParams
+from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
 from inference_service.lora.mem_pool import bytes_per_page
 from inference_service.models.loader import load_model
@@ -165,6 +165,43 @@ def test_chunked_prefill_matches_peft(family_setup, reference):
     ours = _engine_logits(checkpoint, adapters, prompts, max_num_batched_tokens=6)
     for rid, _, _ in prompts:
         assert (ours[rid][0] - reference[rid]).abs().max().item() < TOL, rid
+
+
+def test_prefix_cache_hits_match_peft(family_setup, reference):
+    """Prompts served from the prefix cache (4-token blocks): each prompt sent again after it ran
+    (cached entirely but its last token; block-aligned ones recompute their last block), and each
+    conversation's next turn (prompt + the 17 tokens it generated + 2 more, hitting the decoded
+    blocks too, some hits ending exactly at the first turn's end): logits as PEFT's."""
+    checkpoint, adapters = family_setup
+    prompts = _prompts(160)
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=4, max_lora_rank=16,
+                                   kv_cache_bytes=4 << 20, block_size=4))
+    load_adapters(core, adapters)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
+
+    def run(batch):
+        for rid, tokens, adapter in batch:
+            core.add_request(Request(rid, tokens, params), adapter)
+        outs = run_to_completion(core)
+        return ({rid: torch.stack([x.cpu() for o in out for x in (o.logits or [])]) for rid, out in outs.items()},
+                {rid: [t for o in out for t in o.new_token_ids] for rid, out in outs.items()},
+                {rid: out[-1].cached_tokens for rid, out in outs.items()})
+
+    _, first_tokens, _ = run(prompts)
+    again = [(f"{rid}-again", tokens, adapter) for rid, tokens, adapter in prompts]
+    logits, _, cached = run(again)
+    for (rid, tokens, _), (rid2, _, _) in zip(prompts, again, strict=True):
+        assert cached[rid2] == (len(tokens) - 1) // 4 * 4, rid2
+        assert (logits[rid2] - reference[rid]).abs().max().item() < TOL, rid2
+    turns = [(f"{rid}-next", tokens + first_tokens[rid] + [7, 9], adapter) for rid, tokens, adapter in prompts]
+    logits, _, cached = run(turns)
+    ref = _reference_logits(checkpoint, adapters, turns)
+    for rid, tokens, _ in turns:
+        assert cached[rid] >= (len(tokens) - 3) // 4 * 4, (rid, cached[rid])  # decoded blocks hit too
+        assert (logits[rid] - ref[rid]).abs().max().item() < TOL, rid
+        assert logits[rid].argmax(-1).tolist() == ref[rid].argmax(-1).tolist(), rid
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+    core.shutdown()
 
 
 def test_sharded_checkpoint_loads_and_matches(tmp_path):

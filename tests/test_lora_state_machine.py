@@ -366,8 +366,10 @@ class SlotPoolMachine(RuleBasedStateMachine):
         for uid, entry in registry.versions.items():
             assert entry.refs == {rid for rid, u in self.live.items() if u == uid}, uid
         assert all(u is None or u in registry.versions for u in self.live.values())
-        blocks = sum(len(r.block_table) for r in self.core.scheduler.requests.values())
-        assert self.core.runner.kv.num_used == blocks
+        # Held blocks are exactly the live tables' (prefix-cache hits share blocks: counted once).
+        blocks = {b for r in self.core.scheduler.requests.values() for b in r.block_table}
+        assert self.core.runner.kv.num_used == len(blocks)
+        self.core.runner.kv.pool.check()
         # The version new requests get never goes back (a later LoadAdapter wins).
         for name, uid in registry.current.items():
             version = registry.versions[uid].version

@@ -33,6 +33,9 @@ class EngineConfig:
     lora_memory_fraction: float | None = None
     lora_page_rank: int = 8
     block_size: int = 16  # tokens per KV block
+    # Automatic prefix caching: full KV blocks are kept, keyed by their content, weights and the
+    # operator's salt, and a prompt reuses the longest cached chain of them (engine.prefix_cache)
+    prefix_cache: bool = True
     # LoRA slot buffers are allocated first; the KV cache gets what is left of this budget
     # (None: on CUDA 90% of free memory after weights, on CPU 256 MiB) or exactly kv_cache_bytes.
     memory_budget_bytes: int | None = None

@@ -154,7 +154,7 @@ def build_kv_cache(config: EngineConfig, model: CausalLM, budget: int, lora: LoR
             f"no memory left for the KV cache: budget {budget} B, LoRA pool {lora_bytes} B, "
             f"a KV block needs {per_block} B"
         )
-    kv = KVCache(model.config, num_blocks, config.block_size, model.device, model.dtype)
+    kv = KVCache(model.config, num_blocks, config.block_size, model.device, model.dtype, config.prefix_cache)
     log.info("memory: LoRA pool %.1f MiB (%d adapters of rank %d, more of lower ranks), KV cache %.1f MiB "
              "(%d blocks of %d tokens)", lora_bytes / 2**20, lora.num_slots, config.max_lora_rank, kv.nbytes / 2**20,
              num_blocks, config.block_size)

@@ -1,4 +1,4 @@
-"""Paged KV cache: fixed-size blocks, a free list, and per-request block tables."""
+"""Paged KV cache: fixed-size blocks (accounted by `BlockPool`) and per-request block tables."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from inference_service.engine.block_pool import BlockPool
 from inference_service.models.config import ModelConfig
 
 
@@ -15,13 +16,14 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class KVCache:
-    """Per-layer K/V tensors [num_blocks, block_size, kv_heads, head_dim] and the block free list."""
+    """Per-layer K/V tensors [num_blocks, block_size, kv_heads, head_dim]; which blocks are free,
+    cached or held is the `BlockPool`'s."""
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+        self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+        prefix_caching: bool = True,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError("the KV cache needs at least one block")
+        self.pool = BlockPool(num_blocks, prefix_caching)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.layers = [
             (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
@@ -29,16 +31,25 @@ class KVCache:
         ]
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
         self.nbytes = num_blocks * kv_bytes_per_block(config, block_size, dtype)
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.pool.caching
+
+    @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take (free, or cached and unheld)."""
+        return self.pool.num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks requests hold (cached blocks nobody holds are not counted: they are no leak)."""
+        return self.pool.num_held
+
+    @property
+    def num_cached(self) -> int:
+        return self.pool.num_cached
 
     @property
     def usage(self) -> float:
@@ -48,15 +59,15 @@ class KVCache:
         return math.ceil(num_tokens / self.block_size)
 
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(block_table) <= len(self._free)
+        return self.blocks_needed(num_tokens) - len(block_table) <= self.pool.num_free
 
     def grown(self, block_table: list[int], num_tokens: int) -> list[int]:
         """A new block table: `block_table` extended to hold num_tokens (callers check can_grow
         first). Tables are never changed in place, so a launched step keeps the one it was planned
         with while the scheduler moves on (async scheduling)."""
-        new = [self._free.pop() for _ in range(self.blocks_needed(num_tokens) - len(block_table))]
+        new = self.pool.allocate(self.blocks_needed(num_tokens) - len(block_table))
         return block_table + new if new else block_table
 
     def release(self, block_table: list[int]) -> None:
-        """Return a table's blocks (its owner drops the table: it is not emptied in place)."""
-        self._free.extend(reversed(block_table))
+        """Drop a table's references (its owner drops the table: it is not emptied in place)."""
+        self.pool.release(block_table)

@@ -148,6 +148,7 @@ class OutputProcessor:
             )
         request.timings.finished = time.monotonic()
         output.finished, output.finish_reason, output.error = True, request.finish_reason, request.error
+        output.cached_tokens = max(request.num_cached_tokens, 0)
         self._text.pop(request.request_id, None)
         self.metrics.tokens(request.num_prompt_tokens, len(request.output_token_ids))
         reason = request.finish_reason.value if request.finish_reason else "error"

@@ -170,6 +170,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the final output)
     error: LoraplexError | None = None
     timings: Timings | None = None
     logits: list[torch.Tensor] | None = None
@@ -187,6 +188,7 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
         self.prompt_tokens = later.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = later.cached_tokens or self.cached_tokens
         self.timings = later.timings or self.timings
         self.stop_reason = later.stop_reason
 
@@ -218,6 +220,13 @@ class Request:
         # Sampled by a launched step, not yet appended to output_token_ids (async scheduling has up to two)
         self.num_pending_tokens = 0
         self.block_table: list[int] = []
+        # Prefix cache: the operator's sharing salt (set from the trusted side, never by the client
+        # alone), the key chain of this request's full blocks and the root it started from
+        # (engine.prefix_cache), and the prompt tokens its first admission found cached (-1: not yet).
+        self.cache_salt: bytes | None = None
+        self.cache_root: bytes | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1
         self.timings = Timings()
         self.arrival_seq = 0  # FCFS order, set by the scheduler
         self.skipped_steps = 0  # aging: steps this request was passed over while waiting

@@ -24,6 +24,7 @@ from inference_service.engine.grammar import new_matcher
 from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.model_runner import StepResults
 from inference_service.engine.output_processor import sample_error
+from inference_service.engine.prefix_cache import CacheNamespace, extend_hashes
 from inference_service.engine.request import FinishReason, Request, RequestStatus, WaitReason
 from inference_service.limits import shown
 from inference_service.lora.manager import LoRAManager
@@ -44,6 +45,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.finished_this_step: list[Request] = []
         self.num_preemptions = 0
+        # Prefix cache, in tokens: what admissions looked up and what they found cached.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
@@ -85,6 +89,8 @@ class Scheduler:
         now = time.monotonic()
         for request, num_tokens in batch.items:
             request.num_computed_tokens += num_tokens
+            batch.tables.append(request.block_table)
+            batch.ends.append(request.num_computed_tokens)
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
             if request.num_computed_tokens == request.num_tokens:
@@ -97,9 +103,11 @@ class Scheduler:
         processing raises ends that request alone, and the batch goes on. A request that ended
         while its step ran (cancelled, or finished by the step before) drops the row's token."""
         now = time.monotonic()
-        for request, _ in batch.items:
+        for (request, _), table, end in zip(batch.items, batch.tables, batch.ends, strict=True):
             result = sampled.get(request.request_id)
             if result is None:
+                if not request.finished:
+                    self._cache_blocks(request, table, end)
                 continue  # a prefill chunk short of the prompt's end
             request.num_pending_tokens -= 1
             if request.finished:
@@ -109,6 +117,7 @@ class Scheduler:
             if error is not None:
                 self.finish(request, FinishReason.ERROR, error)
                 continue
+            self._cache_blocks(request, table, end)
             request.output_token_ids.append(token)
             try:
                 reason = on_token(request, logits, now)
@@ -202,10 +211,8 @@ class Scheduler:
             else:
                 if request.timings.adapter_ready is None:
                     request.timings.adapter_ready = time.monotonic()
-                num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-                target = request.num_computed_tokens + num_tokens
-                if self.kv.can_grow(request.block_table, target):
-                    request.block_table = self.kv.grown(request.block_table, target)
+                num_tokens = self._admit_kv(request, budget)
+                if num_tokens:
                     admitted.append(request)
                     batch.items.append((request, num_tokens))
                     budget -= num_tokens
@@ -235,6 +242,48 @@ class Scheduler:
             failed.append((request, InvalidArgumentError(f"the constraint does not compile: {e}")))
             return False
         return True
+
+    def _admit_kv(self, request: Request, budget: int) -> int:
+        """Blocks for a waiting request's first step: the longest cached prefix of its tokens (never
+        its last token: a step must compute something, and it never writes a shared block), then new
+        blocks for the rest of what the budget allows. Returns the step's tokens (0: no room)."""
+        assert not request.block_table and not request.num_computed_tokens, "waiting requests hold no KV"
+        hits: list[int] = []
+        if self.kv.prefix_caching:
+            known = min(request.num_tokens - 1, len(request.prompt_token_ids) + len(request.output_token_ids))
+            hashes = extend_hashes(request, self._namespace(request).root(), self.kv.block_size, known)
+            hits = self.kv.pool.lookup(hashes)
+        cached = len(hits) * self.kv.block_size
+        num_tokens = min(request.num_tokens - cached, budget)
+        if not self.kv.pool.can_take(hits, self.kv.blocks_needed(cached + num_tokens) - len(hits)):
+            return 0
+        if self.kv.prefix_caching:
+            self.kv.pool.take(hits)
+            request.block_table, request.num_computed_tokens = hits, cached
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = min(cached, request.num_prompt_tokens)
+        request.block_table = self.kv.grown(request.block_table, request.num_computed_tokens + num_tokens)
+        return num_tokens
+
+    def _namespace(self, request: Request) -> CacheNamespace:
+        weights = self.lora.weights_identity(request.adapter_uid) if request.adapter_uid else ("base",)
+        return CacheNamespace(weights, request.cache_salt)
+
+    def _cache_blocks(self, request: Request, table: list[int], end: int) -> None:
+        """After a step completed: key the request's full blocks up to `end` (positions it computed),
+        so later prompts (the next turn of a conversation too) hit them. Only blocks the request
+        still holds in the same place of its table (a preempted request's old blocks are gone)."""
+        if not self.kv.prefix_caching or request.cache_root is None:
+            return
+        current = request.block_table
+        full = min(end // self.kv.block_size, len(table), len(current))
+        hashes = extend_hashes(request, request.cache_root, self.kv.block_size, full * self.kv.block_size)
+        for i in range(full):
+            if current[i] != table[i]:
+                break
+            self.kv.pool.cache(table[i], hashes[i])
 
     def _aging_barrier(self) -> int | None:
         """Arrival number of the oldest waiting request that has aged out and cannot get a slot."""

@@ -369,6 +369,14 @@ class LoRAManager:
         """The slot buffers grouped as the model's fused projections read them."""
         return self._pool.group_buffers
 
+    def weights_identity(self, uid: str) -> tuple[str, ...]:
+        """What the prefix cache keys a LOADED adapter's KV by, never its name alone: the version's
+        uid (`name@version`, never reused in this process, so a reload or a version swap under the
+        same name is another key) and its pinned digest; without a digest, which staging of it the
+        slot holds (a re-staging after an eviction may have read other bytes at the same URI)."""
+        entry = self._registry.versions[uid]
+        return ("lora", uid, f"sha256:{entry.sha256}" if entry.sha256 else f"staging:{entry.stagings}")
+
     def rank_of(self, uid: str) -> int:
         """The adapter's own rank where known (0 before it was staged or once it is gone)."""
         entry = self._registry.versions.get(uid)
@@ -456,6 +464,7 @@ class LoRAManager:
     # ---- internals ----
 
     def _start_staging(self, entry: AdapterVersion) -> None:
+        entry.stagings += 1
         if self._staging_pool is not None:
             entry.staging = self._staging_pool.submit(self._prepare, entry.uri, entry.sha256,
                                                       key=_source_key(entry.uri), on_orphan=_release_host)

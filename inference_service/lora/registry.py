@@ -48,6 +48,7 @@ class AdapterVersion:
     tier: LoadTier = LoadTier.STORE  # where the next load's bytes come from
     retry_at: float = 0.0  # monotonic time before which a transiently refused staging is not retried
     refs: set[str] = field(default_factory=set)  # ids of queued and running requests
+    stagings: int = 0  # host preparations started (each may read other bytes when no digest pins them)
 
     @property
     def uid(self) -> str:
