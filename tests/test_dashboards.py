@@ -36,6 +36,8 @@ INFERENCE_METRICS = {
     "vllm:kv_cache_usage_perc", "loraplex_health_serving", "loraplex_drain_cancelled_requests_total",
     "loraplex_preload_adapters", "loraplex_preload_failures_total", "loraplex_preload_reloads_total",
     "loraplex_lora_adapters_resident", "loraplex_lora_adapter_resident",
+    "loraplex_kv_cache_blocks", "loraplex_prefix_cache_queries_total", "loraplex_prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
 }
 CACHE_METRICS = {
     "loraplex_cache_bytes", "loraplex_cache_capacity_bytes", "loraplex_cache_entries", "loraplex_cache_leases",
@@ -45,7 +47,8 @@ CACHE_METRICS = {
 }
 KNOWN = INFERENCE_METRICS | CACHE_METRICS | {"up"}
 # Router-compatible series are for gateways; everything else must be on a dashboard.
-MUST_SHOW = KNOWN - {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+MUST_SHOW = KNOWN - {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"}
 _METRIC = re.compile(r"\b(loraplex_[a-z0-9_]+|vllm:[a-z0-9_:]+|up(?=\{))")
 _HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
 

@@ -174,10 +174,42 @@ def test_greedy_outputs_equal_grpc_and_the_in_process_engine(env):
         expected_ids = in_process[f"{'chat' if kind == 'chat' else 'cmpl'}-{model}-{i}"]
         assert grpc_ids == expected_ids, (kind, model, i)
         assert text == grpc_text, (kind, model, i, stream)
+        # The same prompts run twice (streamed and not, concurrently): some find their prefix cached.
+        cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+        assert cached % 16 == 0 and 0 <= cached < len(prompt_ids), (kind, model, i, stream, cached)
         assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": 12,
                          "total_tokens": len(prompt_ids) + 12, "finish": "length"}, (kind, model, i, stream)
     # the adapters change the output: `model` really selects them
     assert len({results[("cmpl", m, 0, False)][0] for m in (BASE, *ADAPTERS)}) == 3
+
+
+def test_usage_reports_prefix_cache_hits(env):
+    """A prompt sent again finds its full blocks cached (but its last token, which is computed):
+    OpenAI's usage.prompt_tokens_details.cached_tokens (streamed and not), gRPC's usage.cached_tokens,
+    and the prefix-cache counters (ours and vLLM's names) count them; another adapter misses."""
+    server = env[0]
+    prompt = "A system prompt every request of this tenant repeats, long enough for a few KV blocks. "
+    tok = ByteTokenizer()
+    n = len(tok.encode(prompt + "turn"))
+    hits_before = _http_value(server, "loraplex_prefix_cache_hits_total")
+    _, first = _completion(server, ADAPTERS[0], prompt + "turn", stream=False)
+    _, again = _completion(server, ADAPTERS[0], prompt + "turn", stream=True)
+    _, other = _completion(server, ADAPTERS[1], prompt + "turn", stream=False)
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0} == other["prompt_tokens_details"]
+    assert again["prompt_tokens_details"] == {"cached_tokens": (n - 1) // 16 * 16}
+    chat = [_chat(server, ADAPTERS[1], prompt, stream=s)[1] for s in (False, True)]
+    assert chat[1]["prompt_tokens_details"]["cached_tokens"] == (len(_chat_ids(prompt)) - 1) // 16 * 16
+    with InferenceClient(server.address) as c:
+        msgs = list(c.generate(tok.encode(prompt + "turn"), adapter=ADAPTERS[0], max_new_tokens=3,
+                               ignore_eos=True, timeout=60))
+    assert msgs[-1].usage.cached_tokens == (n - 1) // 16 * 16
+    hits = _http_value(server, "loraplex_prefix_cache_hits_total") - hits_before
+    assert hits >= 2 * ((n - 1) // 16 * 16)
+    assert _http_value(server, "vllm:prefix_cache_hits_total") == _http_value(
+        server, "loraplex_prefix_cache_hits_total")
+    assert _http_value(server, "loraplex_prefix_cache_queries_total") >= _http_value(
+        server, "loraplex_prefix_cache_hits_total")
+    assert not _wait_leak_free(server, 10), "cached blocks count as held"
 
 
 def test_stream_deltas_and_stop_strings(env):

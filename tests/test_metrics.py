@@ -25,6 +25,8 @@ VLLM_NAMES = {
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
 }
 REQUIRED = {
     "loraplex_lora_slots_total",
@@ -43,6 +45,9 @@ REQUIRED = {
     "loraplex_prompt_tokens_total",
     "loraplex_generation_tokens_total",
     "loraplex_kv_cache_usage_ratio",
+    "loraplex_kv_cache_blocks",
+    "loraplex_prefix_cache_queries_total",
+    "loraplex_prefix_cache_hits_total",
     "loraplex_requests_finished_total",
     "loraplex_grpc_requests_total",
     "loraplex_adapter_requests_total",
@@ -60,6 +65,11 @@ class FakeStats:
     requests_running: int = 5
     requests_waiting: dict[str, int] = field(default_factory=lambda: {"adapter": 2, "capacity": 1})
     kv_cache_usage: float = 0.25
+    kv_blocks_used: int = 25
+    kv_blocks_cached: int = 40
+    kv_blocks_total: int = 100
+    prefix_cache_queries: int = 900
+    prefix_cache_hits: int = 600
     max_lora: int = 4
     running_lora_adapters: list[str] = field(default_factory=lambda: ["a", "b"])
     waiting_lora_adapters: list[str] = field(default_factory=lambda: ["c"])
@@ -123,6 +133,11 @@ def test_exposition_has_every_required_series_with_values():
     assert s[("loraplex_lora_pool_evictions_total", (("cause", "capacity"),))] == 4
     assert s[("loraplex_requests_waiting", (("reason", "adapter"),))] == 2
     assert s[("loraplex_kv_cache_usage_ratio", ())] == 0.25
+    # Held blocks are the usage (and leak) gauge; cached ones nobody holds are counted apart.
+    assert [s[("loraplex_kv_cache_blocks", (("state", k),))] for k in ("held", "cached", "free")] == [25, 40, 35]
+    for prefix in ("loraplex_", "vllm:"):
+        assert s[(f"{prefix}prefix_cache_queries_total", ())] == 900
+        assert s[(f"{prefix}prefix_cache_hits_total", ())] == 600
     assert s[("loraplex_lora_loads_total", (("tier", "store"),))] == 1
     assert not any(labels == (("tier", "host"),) for _, labels in s)  # no tier nothing produces
     assert s[("loraplex_prompt_tokens_total", ())] == 12

@@ -142,8 +142,18 @@ def serving() -> gdash.Dashboard:
              (f"sum by (finish_reason) (rate(loraplex_requests_finished_total{{{SEL}}}[{RATE}]))",
               "{{finish_reason}}")))
          .with_panel(timeseries(
-             "KV cache usage", "KV cache block usage per pod.", "percentunit",
-             (f"max by (pod) (loraplex_kv_cache_usage_ratio{{{SEL}}})", "{{pod}}"))))
+             "KV cache usage", "KV cache blocks requests hold, per pod (prefix-cached blocks nobody holds "
+             "are not counted).", "percentunit",
+             (f"max by (pod) (loraplex_kv_cache_usage_ratio{{{SEL}}})", "{{pod}}")))
+         .with_panel(timeseries(
+             "Prefix cache hit rate", "Share of looked-up prompt tokens served from the prefix cache "
+             "(their KV reused, not computed), all pods.", "percentunit",
+             (f"sum(rate(loraplex_prefix_cache_hits_total{{{SEL}}}[{RATE}])) / "
+              f"sum(rate(loraplex_prefix_cache_queries_total{{{SEL}}}[{RATE}]))", "hit rate")))
+         .with_panel(timeseries(
+             "KV cache blocks", "KV blocks by state: held by requests, cached (prefix cache, reusable until "
+             "evicted), free; all pods.", "none",
+             (f"sum by (state) (loraplex_kv_cache_blocks{{{SEL}}})", "{{state}}"))))
     d = (d.with_row(gdash.Row("Errors and adapters"))
          .with_panel(timeseries(
              "gRPC errors / s", "Non-OK gRPC responses by status code and method.", "reqps",

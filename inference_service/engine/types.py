@@ -77,7 +77,11 @@ class EngineStats:
     requests_running: int = 0
     requests_waiting: dict[str, int] = field(default_factory=dict)
     kv_cache_usage: float = 0.0
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # held by requests (the leak gauges count these only)
+    kv_blocks_cached: int = 0  # prefix cache: keyed blocks no request holds (reusable until evicted)
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # tokens admissions looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
     adapter_references: int = 0
     max_lora: int = 0
     running_lora_adapters: tuple[str, ...] = ()

@@ -183,6 +183,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             resp.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
             resp.usage.prompt_tokens = out.prompt_tokens
             resp.usage.generated_tokens = out.generated_tokens
+            resp.usage.cached_tokens = out.cached_tokens
             t = out.timings
             if t is not None:
                 end = t.finished or time.monotonic()

@@ -235,8 +235,27 @@ class EngineCollector(Collector):
             waiting.add_metric([reason], n)
         yield waiting
         yield _gauge(
-            "loraplex_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage
+            "loraplex_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks requests hold (0..1; prefix-cached blocks nobody holds are not counted).",
+            s.kv_cache_usage,
         )
+        blocks = GaugeMetricFamily(
+            "loraplex_kv_cache_blocks",
+            "KV cache blocks by state: held (by requests), cached (prefix cache, held by none, reusable until "
+            "evicted), free.",
+            labels=["state"],
+        )
+        blocks.add_metric(["held"], s.kv_blocks_used)
+        blocks.add_metric(["cached"], s.kv_blocks_cached)
+        blocks.add_metric(["free"], s.kv_blocks_total - s.kv_blocks_used - s.kv_blocks_cached)
+        yield blocks
+        for prefix in ("loraplex_", "vllm:"):
+            yield CounterMetricFamily(f"{prefix}prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache at admission.",
+                                      value=s.prefix_cache_queries)
+            yield CounterMetricFamily(f"{prefix}prefix_cache_hits",
+                                      "Of the tokens looked up, those found cached (not computed again).",
+                                      value=s.prefix_cache_hits)
         # Router-compatible series, named and shaped as vLLM exports them.
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",

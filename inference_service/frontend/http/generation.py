@@ -219,7 +219,7 @@ class OpenAIGeneration:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choice: dict[str, Any], usage: dict[str, int] | None = None, no_choice: bool = False) -> bytes:
+        def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None, no_choice: bool = False) -> bytes:
             body: dict[str, Any] = {"id": gen.request_id, "object": kind, "created": created, "model": model,
                                     "choices": [] if no_choice else [{"index": 0, **choice}]}
             if usage is not None:
@@ -247,7 +247,8 @@ class OpenAIGeneration:
             if out.finished:
                 break
         if include_usage and last is not None and gen.status == 200:
-            yield chunk({}, usage=usage(gen.prompt_tokens, last.generated_tokens), no_choice=True)
+            totals = usage(gen.prompt_tokens, last.generated_tokens, last.cached_tokens)
+            yield chunk({}, usage=totals, no_choice=True)
         yield b"data: [DONE]\n\n"
 
     def completion_body(self, gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
@@ -255,7 +256,7 @@ class OpenAIGeneration:
                 "choices": [{"index": 0, "text": text, "logprobs": self.logprobs_body(last.logprobs, chat=False),
                              "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
                              "stop_reason": last.stop_reason}],
-                "usage": usage(gen.prompt_tokens, last.generated_tokens)}
+                "usage": usage(gen.prompt_tokens, last.generated_tokens, last.cached_tokens)}
 
     def chat_body(self, gen: Generation, model: str, text: str, last: RequestOutput,
                   tools: ToolCalls | None = None) -> dict[str, Any]:
@@ -268,7 +269,7 @@ class OpenAIGeneration:
                 "choices": [{"index": 0, "message": message,
                              "logprobs": self.logprobs_body(last.logprobs, chat=True),
                              "finish_reason": finish, "stop_reason": last.stop_reason}],
-                "usage": usage(gen.prompt_tokens, last.generated_tokens)}
+                "usage": usage(gen.prompt_tokens, last.generated_tokens, last.cached_tokens)}
 
     def logprobs_body(self, logprobs: list[TokenLogprobs] | None, chat: bool,
                       offsets: TextOffsets | None = None) -> dict[str, Any] | None:
@@ -443,9 +444,11 @@ def _logprobs(body: _Sampling) -> int | None:
     return getattr(body, "logprobs", None)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
