@@ -24,6 +24,7 @@ from inference_service.engine.client import EngineClient
 from inference_service.engine.config import EngineConfig
 from inference_service.frontend.adapter_resolver import check_template
 from inference_service.frontend.auth import admin_disabled_reason, read_token_file
+from inference_service.frontend.cache_salt import SCOPES
 from inference_service.frontend.grpc_server import ServerConfig
 from inference_service.frontend.http.config import HttpConfig
 from inference_service.frontend.preload import read_preload_file
@@ -104,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--prefix-cache", "on: full KV blocks stay cached, keyed by their tokens, the weights (an adapter's "
          "loaded version, never its name) and the operator's salt, and prompts reuse the longest cached prefix",
          default="on" if EngineConfig.prefix_cache else "off", choices=("on", "off"))
+    _add(g, "--prefix-cache-scope", "who may share prefix-cached KV: shared (one namespace per weights, all clients), "
+         "listener (gRPC and HTTP never share), identity (clients of different trusted identities never share: gRPC "
+         "mTLS certificate subject; requests without one share their listener's namespace)",
+         default=ServerConfig.prefix_cache_scope, choices=SCOPES)
+    _add(g, "--prefix-cache-salt", "the operator's salt, mixed into every prefix-cache key (e.g. per deployment)")
     _add(g, "--stream-interval", "tokens per streamed message after a request's first token (its end is sent at "
          "once); 1 sends every token as it comes. Larger values cut the messages, and the front end's CPU, at "
          "hundreds of concurrent streams", type=int, default=EngineConfig.stream_interval)
@@ -257,6 +263,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         stream_interval=args.stream_interval,
     )
     server_cfg = ServerConfig(
+        prefix_cache_scope=args.prefix_cache_scope,
+        prefix_cache_salt=args.prefix_cache_salt,
         listen=args.listen,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from inference_service.engine.block_pool import BlockPool
 from inference_service.engine.prefix_cache import CacheNamespace, chain_hash
+from inference_service.frontend.cache_salt import cache_salt
 
 NUM_BLOCKS = 12
 ROOTS = [CacheNamespace(("base",)).root(), CacheNamespace(("lora", "a@1", "staging:1")).root()]
@@ -175,18 +176,28 @@ def test_namespaces_never_collide():
     name that spells another's parts (`a@1` + salt vs `a` + `@1...`) is another key."""
     spaces = [
         CacheNamespace(("base",)),
-        CacheNamespace(("base",), b"tenant-a"),
-        CacheNamespace(("base",), b""),
+        CacheNamespace(("base",), (("identity", "tenant-a"),)),
+        CacheNamespace(("base",), (("operator", "tenant-a"),)),
+        CacheNamespace(("base",), (("listener", "grpc"),)),
+        CacheNamespace(("base",), (("listener", "grpc"), ("identity", "a"))),
+        CacheNamespace(("base",), (("listener", "grpc"), ("identity", ""))),
+        CacheNamespace(("base",), ()),
         CacheNamespace(("lora", "a@1", "staging:1")),
         CacheNamespace(("lora", "a@1", "staging:2")),
         CacheNamespace(("lora", "a@2", "staging:1")),
         CacheNamespace(("lora", "a@1", "sha256:00")),
-        CacheNamespace(("lora", "a@1", "staging:1"), b"t"),
+        CacheNamespace(("lora", "a@1", "staging:1"), (("identity", "t"),)),
         CacheNamespace(("lora", "a@1", "staging:1t")),
         CacheNamespace(("lora", "a@1staging:1")),
     ]
     roots = {space.root() for space in spaces}
     assert len(roots) == len(spaces)
+    assert cache_salt("shared", None, "grpc", "tenant-a") is None  # one namespace per weights
+    assert cache_salt("listener", None, "grpc", "tenant-a") != cache_salt("listener", None, "http", None)
+    assert cache_salt("identity", "op", "grpc", "a") != cache_salt("identity", "op", "grpc", "b")
+    assert cache_salt("identity", "op", "grpc", None) == cache_salt("listener", "op", "grpc", None)
+    with pytest.raises(ValueError):
+        cache_salt("nobody", None, "grpc", None)
     rng = random.Random(0)
     tokens = [rng.randrange(1000) for _ in range(16)]
     assert len({chain_hash(root, tokens) for root in roots}) == len(spaces)

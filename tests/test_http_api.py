@@ -284,6 +284,27 @@ def test_server_without_a_chat_template_and_with_max_model_len(inference_server_
     assert server.proc.wait(30) == 0
 
 
+def test_prefix_cache_scope_listener_keeps_grpc_and_http_apart(inference_server_factory):
+    """`--prefix-cache-scope listener`: a prompt cached through gRPC misses over HTTP (and back);
+    each listener still hits its own. A key that dropped the salt would hit across them."""
+    server = inference_server_factory("--model", BASE, "--prefix-cache-scope", "listener",
+                                      "--prefix-cache-salt", "deployment-1", http=True)
+    prompt = "Tenants on two listeners never share cached KV, whatever they send. "
+    ids = ByteTokenizer().encode(prompt)
+    full = (len(ids) - 1) // 16 * 16
+
+    def grpc_cached() -> int:
+        with InferenceClient(server.address) as c:
+            return list(c.generate(ids, max_new_tokens=2, ignore_eos=True, timeout=60))[-1].usage.cached_tokens
+
+    def http_cached() -> int:
+        return _completion(server, BASE, ids, stream=False)[1]["prompt_tokens_details"]["cached_tokens"]
+
+    assert grpc_cached() == 0
+    assert http_cached() == 0  # cached, but by the other listener
+    assert http_cached() == full and grpc_cached() == full
+
+
 def test_tokenize_and_detokenize(env):
     server = env[0]
     r = _post(server, "/tokenize", {"prompt": "héllo"}).json()

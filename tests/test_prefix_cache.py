@@ -182,6 +182,25 @@ def test_digestless_adapter_restaged_is_a_new_key(adapters, tmp_path):
     core.shutdown()
 
 
+def test_salts_key_the_cache(adapters):
+    """Requests of other salts (listeners, identities: set by the front end) never hit each other's
+    KV, under the base model or an adapter; the same salt hits."""
+    core = _core(True, adapters)
+    prompt = [256] + list(range(40, 90))
+    tenants = [None, (("listener", "grpc"),), (("listener", "grpc"), ("identity", "a")),
+               (("listener", "grpc"), ("identity", "b"))]
+    for adapter in (None, "a0"):
+        for round_ in range(2):
+            for i, salt in enumerate(tenants):
+                request = Request(f"{adapter}-{round_}-{i}", prompt, GREEDY)
+                request.cache_salt = salt
+                core.add_request(request, adapter)
+                outs = run_to_completion(core)
+                assert outs[request.request_id][-1].cached_tokens == (48 if round_ else 0), (adapter, salt)
+    _no_leak(core)
+    core.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_preemption_and_eviction_under_pressure(adapters, async_scheduling):
     """A KV cache too small for the load: requests are preempted (their blocks cached, then hit when

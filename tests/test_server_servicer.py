@@ -82,7 +82,7 @@ class FakeEngine:
     aborted: dict[str, FinishReason] = field(default_factory=dict)
     adapters: dict[str, FakeAdapter] = field(default_factory=dict)
 
-    def add_request(self, prompt_token_ids, params, adapter=None, request_id=None):
+    def add_request(self, prompt_token_ids, params, adapter=None, request_id=None, cache_salt=None):
         if adapter == "missing":
             raise NotFoundError(f"unknown adapter {adapter!r}")
         if adapter == "busy":
@@ -192,7 +192,7 @@ def test_cancel_while_the_handler_waits_to_send_counts_cancelled():
     """A cancel that finds the handler suspended at `yield` reaches it as GeneratorExit, not
     CancelledError: still a cancel (aborted in the engine, counted CANCELLED), never an OK."""
     engine = FakeEngine()
-    engine.add_request = lambda prompt, params, adapter=None, request_id=None: _EndlessBigStream(  # type: ignore
+    engine.add_request = lambda prompt, params, adapter=None, request_id=None, cache_salt=None: _EndlessBigStream(  # type: ignore
         engine, request_id, 0, 0.0)
 
     async def body(stub, *_):

@@ -50,6 +50,37 @@ def test_mtls_refuses_a_client_certificate_from_another_ca(tmp_path: Path) -> No
         server.stop(timeout=10)
 
 
+@pytest.mark.needs_tool("openssl")
+def test_prefix_cache_identity_scope_keeps_mtls_clients_apart(tmp_path: Path) -> None:
+    """`--prefix-cache-scope identity`: two clients with certificates of different subjects never
+    hit each other's cached prompt (a timing side channel between tenants otherwise); each hits
+    its own. A key that dropped the identity would let the second client hit the first's."""
+    ca = make_ca(tmp_path / "trusted", "ca")
+    server_cert = issue(tmp_path / "trusted", ca, "server")
+    tenants = [issue(tmp_path / "trusted", ca, name, cn=f"tenant-{name}") for name in ("a", "b")]
+    root = ca.cert.read_bytes()
+    creds = grpc.ssl_channel_credentials(root, *reversed(tenants[0].pem()))
+    server = start_inference_server(["--tls-cert", str(server_cert.cert), "--tls-key", str(server_cert.key),
+                                     "--tls-client-ca", str(ca.cert), "--prefix-cache-scope", "identity"],
+                                    log_dir=tmp_path, credentials=creds)
+    prompt = "The same system prompt, sent by two tenants of one service."
+    full = (len(prompt.encode()) - 1) // 16 * 16
+
+    def cached(tenant) -> int:
+        cert, key = tenant.pem()
+        with InferenceClient(server.address, root_certificates=root, client_cert=cert, client_key=key) as client:
+            out = list(client.generate(prompt, max_new_tokens=2, ignore_eos=True, timeout=30))
+        return out[-1].usage.cached_tokens
+
+    try:
+        assert full >= 32
+        assert cached(tenants[0]) == 0
+        assert cached(tenants[1]) == 0  # tenant a's blocks are cached, under another identity
+        assert cached(tenants[0]) == full and cached(tenants[1]) == full
+    finally:
+        server.stop(timeout=10)
+
+
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from adapter_cache.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import FinishReason, SamplingParams
+from inference_service.engine.request import CacheSalt, FinishReason, SamplingParams
 from inference_service.engine.streams import RequestStream, StreamTable
 from inference_service.engine.types import (
     TEST_FAULT_ENV,
@@ -109,7 +109,10 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None) -> RequestStream: ...
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> RequestStream:
+        """`cache_salt`: who may share this request's prefix-cached KV (frontend/cache_salt.py: from
+        the operator's configuration and the transport's trusted identity, never from the request)."""
+        ...
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None: ...
 
@@ -179,7 +182,7 @@ class EngineClientBase(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None) -> None:
+                adapter: str | None, cache_salt: CacheSalt | None) -> None:
         """Hands a checked request to the scheduler thread; UnavailableError when there is none."""
 
     @abc.abstractmethod
@@ -189,13 +192,13 @@ class EngineClientBase(abc.ABC):
     # ---- shared ----
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None) -> RequestStream:
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> RequestStream:
         request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
         if adapter and not self.adapter_is_current(adapter):  # the core checks again at intake
             raise NotFoundError(f"unknown adapter {adapter!r}")
         stream = self.streams.open(request_id, prompt_token_ids, params)
         try:
-            self._submit(request_id, prompt_token_ids, params, adapter)
+            self._submit(request_id, prompt_token_ids, params, adapter, cache_salt)
         except UnavailableError:
             self.streams.close(request_id)
             raise

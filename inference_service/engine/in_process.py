@@ -29,7 +29,7 @@ from inference_service.engine.client import (
 )
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.engine.request import CacheSalt, FinishReason, Request, RequestOutput, SamplingParams
 from inference_service.engine.streams import StreamTable
 from inference_service.engine.types import AdapterInfo, EngineStats
 from inference_service.lora.source import AdapterSource
@@ -236,8 +236,10 @@ class Engine(EngineClientBase):
         self.core.shutdown()
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None) -> None:
-        self._thread.add_request(Request(request_id, prompt_token_ids, params), adapter)
+                adapter: str | None, cache_salt: CacheSalt | None) -> None:
+        request = Request(request_id, prompt_token_ids, params)
+        request.cache_salt = cache_salt
+        self._thread.add_request(request, adapter)
 
     def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:
         return self._thread.run_call(call)

@@ -16,7 +16,7 @@ import pickle
 from array import array
 from dataclasses import dataclass
 
-from inference_service.engine.request import Request
+from inference_service.engine.request import CacheSalt, Request
 
 KEY_VERSION = "loraplex.prefix.v1"
 
@@ -26,7 +26,7 @@ class CacheNamespace:
     """Who may share a cached block: same weights and same salt."""
 
     weights: tuple[str, ...]  # ("base",) or ("lora", uid, digest or load identity)
-    salt: bytes | None = None  # None: the shared namespace of these weights
+    salt: CacheSalt | None = None  # the front end's (frontend/cache_salt.py); None: shared per weights
 
     def root(self) -> bytes:
         encoded = pickle.dumps((KEY_VERSION, self.weights, self.salt), protocol=5)

@@ -45,7 +45,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.heap import freeze_startup_objects
 from inference_service.engine.in_process import CoreThread
-from inference_service.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.engine.request import CacheSalt, FinishReason, Request, RequestOutput, SamplingParams
 from inference_service.engine.streams import Delta, StreamTable
 from inference_service.engine.types import EngineStats, ModelInfo
 from inference_service.metrics_sink import MetricsSink, NullMetrics
@@ -71,6 +71,7 @@ class AddRequest:
     params: SamplingParams
     adapter: str | None
     arrival: float  # the front end's monotonic intake time: TTFT counts from it
+    cache_salt: CacheSalt | None = None  # who may share its prefix-cached KV (frontend/cache_salt.py)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -313,6 +314,7 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
             if isinstance(message, AddRequest):
                 request = Request(message.request_id, message.prompt_token_ids, message.params)
                 request.timings.arrival = message.arrival  # TTFT counts from the front end's intake
+                request.cache_salt = message.cache_salt
                 thread.add_request(request, message.adapter)
             elif isinstance(message, AbortRequest):
                 thread.abort(message.request_id, message.reason)
@@ -429,8 +431,8 @@ class ProcessEngine(EngineClientBase):
     # ---- what EngineClientBase asks of an engine ----
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None) -> None:
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic()))
+                adapter: str | None, cache_salt: CacheSalt | None) -> None:
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic(), cache_salt))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         try:

@@ -20,6 +20,11 @@ MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 MAX_REPETITION_PENALTY = 10.0
 
 
+# Who may share a request's prefix-cached KV: typed (kind, value) pairs from the trusted side of a
+# front end (frontend/cache_salt.py), never from a request field; None: one namespace per weights.
+CacheSalt = tuple[tuple[str, str], ...]
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
@@ -223,7 +228,7 @@ class Request:
         # Prefix cache: the operator's sharing salt (set from the trusted side, never by the client
         # alone), the key chain of this request's full blocks and the root it started from
         # (engine.prefix_cache), and the prompt tokens its first admission found cached (-1: not yet).
-        self.cache_salt: bytes | None = None
+        self.cache_salt: CacheSalt | None = None
         self.cache_root: bytes | None = None
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1

@@ -36,6 +36,7 @@ from inference_service.engine.client import EngineClient
 from inference_service.engine.request import FinishReason, RequestOutput
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
+from inference_service.frontend.cache_salt import cache_salt, grpc_identity
 from inference_service.frontend.grammar_check import COMPILE_CPU_S, shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
@@ -86,6 +87,10 @@ class ServerConfig:
     watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: no stall check)
     adapter_resolver: str = ""  # URI template with {name}: unregistered adapters load on first use
     health_listen: str = ""  # HOST:PORT: grpc.health.v1 alone, plaintext (kubelet probes when --listen has TLS)
+    # Who may share prefix-cached KV (frontend/cache_salt.py): shared | listener | identity, and the
+    # operator's salt mixed into every key
+    prefix_cache_scope: str = "shared"
+    prefix_cache_salt: str | None = None
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -120,8 +125,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if intake.params.grammar is not None:  # compiled once, bounded, before anything is submitted
                 await self.grammars.check(intake.params.grammar)
             await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
+            salt = cache_salt(self.config.prefix_cache_scope, self.config.prefix_cache_salt, "grpc",
+                              grpc_identity(context.auth_context()))
             stream = self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
-                                             request_id=intake.request_id)
+                                             request_id=intake.request_id, cache_salt=salt)
             submitted = True
             async for out in stream:
                 generated = out.generated_tokens or generated + len(out.new_token_ids)

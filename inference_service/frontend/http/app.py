@@ -27,6 +27,7 @@ from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.client import EngineClient
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
+from inference_service.frontend.cache_salt import cache_salt
 from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.grammar_check import shared_checker
 from inference_service.frontend.grpc_server import ServerConfig
@@ -74,7 +75,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     """The HTTP front end over `engine` on `listen` (host:port); `registry` is the one the gRPC
     process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason)."""
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None, openapi_url=None)
-    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template)
+    salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", None)
+    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template, salt)
     auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
     uri_policy = UriPolicy(config.adapter_source_allow)
     started = int(time.time())

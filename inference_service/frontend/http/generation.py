@@ -22,7 +22,7 @@ from starlette.requests import Request as HttpRequest
 
 from adapter_cache.errors import InvalidArgumentError
 from inference_service.engine.client import EngineClient
-from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from inference_service.engine.request import CacheSalt, FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from inference_service.engine.streams import RequestStream
 from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.http.errors import BadField, error_body, status_of
@@ -80,8 +80,10 @@ class OpenAIGeneration:
     """Builds and runs completions / chat completions for the routes in app.py."""
 
     def __init__(self, engine: EngineClient, base_names: tuple[str, ...], default_max_new_tokens: int,
-                 chat_template: ChatTemplate | None) -> None:
+                 chat_template: ChatTemplate | None, cache_salt: CacheSalt | None = None) -> None:
+        """`cache_salt`: this listener's prefix-cache namespace (HTTP has no trusted identity yet)."""
         self.engine = engine
+        self.cache_salt = cache_salt
         self.base_names = base_names
         self.chat_template = chat_template
         self.intake = Intake(engine.model_info, engine.tokenizer, default_max_new_tokens)
@@ -179,7 +181,8 @@ class OpenAIGeneration:
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
                prefix: str) -> Generation:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id)
+        stream = self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id,
+                                         cache_salt=self.cache_salt)
         return Generation(self.engine, request_id, adapter, len(prompt_ids), stream)
 
     # ---- engine → response ----
