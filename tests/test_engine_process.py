@@ -170,8 +170,12 @@ def test_a_program_that_never_shuts_its_engine_down_still_exits(tmp_path: Path) 
 
 def test_stream_interval_groups_the_tokens_of_each_message(tmp_path: Path) -> None:
     """`--stream-interval 4`: the first token at once, then messages of at least 4 tokens (more only
-    when the client lags), the end at once; the same tokens as one message per token."""
-    server = start_inference_server(["--stream-interval", "4"], log_dir=tmp_path)
+    when the client lags), the end at once; the same tokens as one message per token. Each step is
+    made 50 ms slower (the test flag): a stream's consumer that lags takes everything delivered
+    meanwhile in one message, by design, and on a loaded 2-core machine the servicer once took its
+    first message a step late, with 2 tokens ([2, 7, 1]); what is tested here is the grouping."""
+    server = start_inference_server(["--stream-interval", "4"], env={"LORAPLEX_TEST_FAULT_STEP_DELAY_S": "0.05"},
+                                    log_dir=tmp_path)
     try:
         with InferenceClient(server.address) as client:
             messages = list(client.generate("group", max_new_tokens=10, ignore_eos=True, timeout=60))

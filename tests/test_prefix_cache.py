@@ -35,9 +35,9 @@ def adapters(tmp_path_factory) -> dict[str, Path]:
 
 
 def _core(prefix_cache: bool, adapters: dict[str, Path] | None = None, **kwargs) -> EngineCore:
-    config = dict(device="cpu", max_loras=4, max_lora_rank=8, kv_cache_bytes=4 << 20, prefix_cache=prefix_cache)
+    config = dict(max_loras=4, max_lora_rank=8, kv_cache_bytes=4 << 20, prefix_cache=prefix_cache)
     config.update(kwargs)
-    core = EngineCore(EngineConfig(**config))
+    core = EngineCore(EngineConfig(device="cpu", **config))
     if adapters:
         load_adapters(core, adapters)
     return core
