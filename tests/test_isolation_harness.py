@@ -37,8 +37,10 @@ from harness.isolation import (
     SLOWDOWN_LIMIT,
     SUSTAINED_LIMIT,
     WARM_RUNS,
+    Contention,
     MachineBusy,
     VictimResult,
+    _fail,
     check_victim,
     resident_adapter,
     slowdown_during,
@@ -170,23 +172,22 @@ def test_a_victim_on_an_adapter_sees_another_tenant_take_its_slot(server, adapte
 
 
 def test_a_victim_slowed_by_other_processes_is_a_busy_machine_not_a_verdict(server):
-    """CPU burners, three per core, outside this test's process tree, for as long as the victim's timed
-    runs: the victim slows down, and the check says the machine was busy (MachineBusy, rerun by
-    pytest) instead of blaming the attack, which here is nothing at all. On a machine that other
-    work saturates already, the burners may not slow the victim past the bound: a failure under CI
-    (a quiet 2-core machine, where they halve its share), a skip elsewhere."""
+    """CPU burners, three per core, outside this test's process tree, while the victim makes its
+    timed runs: the check's accounting sees them as other processes' CPU, so a timing failure there
+    is a MachineBusy (rerun by pytest), not a verdict on the attack, which here is nothing at all.
+    Whether the burners slow the victim past the bound varies (1.25x to 1.48x measured), so the
+    classification is checked on the runs themselves, not through a failure that may not come."""
     base = solo_run(server, max_new_tokens=VICTIM_TOKENS)
-    try:
-        # Three burners per core: one per core slowed the victim only 1.25x on a quiet 2-core machine
-        # (the scheduler shares a core among runnable threads, and ours are several).
-        with victim_beside(server, base), foreign_load(3 * (os.cpu_count() or 2)):
+    with victim_beside(server, base, slowdown=math.inf, sustained=math.inf, check_clean=False) as runs:
+        start = time.monotonic()
+        with foreign_load(3 * (os.cpu_count() or 2)):
             time.sleep(2 * base.median * (MIN_RUNS + 1))
-    except MachineBusy as e:
-        assert "other processes used" in str(e)
-        return
-    except AssertionError as e:
-        raise AssertionError(f"a slowdown by other processes was blamed on the attack: {e}") from None
-    skip_or_fail("the burners did not slow the victim past the check's bound (a machine busy already)")
+    first = next(i for i, r in enumerate(runs) if r["end"] > start)
+    timed = sum(r["end"] > start for r in runs)
+    contention = Contention.of(runs, start, min(timed, MIN_RUNS), timed_from=first)
+    assert contention is not None and contention.machine_busy, contention
+    with pytest.raises(MachineBusy, match="other processes used"):
+        _fail("a slow victim", contention)
 
 
 def _run(start: float, seconds: float, tokens: list[int]) -> dict:

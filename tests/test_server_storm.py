@@ -209,7 +209,11 @@ def test_cancellation_storm_leaves_nothing_behind(storm_server):
     assert all(logged[f"killed-{i}"][2] < KILLED_TOKENS for i in range(N_KILLED))
     # The storm reaches every kind of end on the server, not only OK.
     ends = {(kind, logged[rid][1]) for rid, kind in outcomes.items() if rid in logged}
-    assert {("cancelled", "CANCELLED"), ("deadline", "DEADLINE_EXCEEDED")} <= ends, ends
+    # A client's deadline ends on the server as DEADLINE_EXCEEDED or CANCELLED, whichever the server
+    # sees first: its own copy of the deadline or the client's cancel (both allowed above); in one
+    # CI-style run all of a storm's deadline requests ended as CANCELLED.
+    assert ("cancelled", "CANCELLED") in ends, ends
+    assert ends & {("deadline", "DEADLINE_EXCEEDED"), ("deadline", "CANCELLED")}, ends
     finished = {dict(lbl)["finish_reason"]: v for (n, lbl), v in samples.items()
                 if n == "loraplex_requests_finished_total"}
     assert finished.get("cancelled", 0) > 0, finished
