@@ -20,16 +20,16 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from harness.ports import free_port, wait_http_healthy  # noqa: E402
 
 SMALL_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=32000, max_position_embeddings=512)
@@ -98,24 +98,19 @@ def client_main(url: str, model: str, total: int, concurrency: int, max_new_toke
     print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t0}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_http(args, log_dir: str) -> tuple[int, float]:
-    http_port = _free_port()
+    http_port = free_port()
     url = f"http://127.0.0.1:{http_port}"
     with open(Path(log_dir) / f"server-{http_port}.log", "wb") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
              "--tokenizer", "byte",
-             "--listen", f"127.0.0.1:{_free_port()}", "--http-port", str(http_port), "--log-level", "WARNING",
+             "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port), "--log-level", "WARNING",
              "--max-num-seqs", str(max(64, args.concurrency))],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        _wait_healthy(url, server)
+        wait_http_healthy(url, server)
         out = subprocess.run(
             [sys.executable, __file__, "--client", url, "--served-model", Path(args.model).name,
              "--total", str(args.total), "--concurrency", str(args.concurrency),
@@ -129,18 +124,6 @@ def run_http(args, log_dir: str) -> tuple[int, float]:
         server.wait(30)
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode}")
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
 def make_small_model(out: Path) -> Path:

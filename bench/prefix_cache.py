@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from harness.ports import free_port, wait_http_healthy  # noqa: E402
 
 SMALL_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=384, max_position_embeddings=4096)
@@ -126,24 +127,7 @@ async def _warm(httpx, args, models, rng, stream) -> None:
             await stream(client, model, [rng.randrange(3, 256) for _ in range(8)])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode}")
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
 def _load_adapter(url: str, name: str, path: Path) -> None:
@@ -156,17 +140,17 @@ def _load_adapter(url: str, name: str, path: Path) -> None:
 
 
 def run_server(args, tmp: Path, prefix_cache: str) -> dict:
-    http_port = _free_port()
+    http_port = free_port()
     url = f"http://127.0.0.1:{http_port}"
     with open(tmp / f"server-{prefix_cache}.log", "wb") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
-             "--tokenizer", "byte", "--listen", f"127.0.0.1:{_free_port()}", "--http-port", str(http_port),
+             "--tokenizer", "byte", "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port),
              "--log-level", "WARNING", "--prefix-cache", prefix_cache, "--max-lora-rank", "16",
              "--adapter-source-allow", tmp.as_uri()],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN})
     try:
-        _wait_healthy(url, server)
+        wait_http_healthy(url, server)
         for name in ADAPTERS:
             _load_adapter(url, name, tmp / name)
         out = subprocess.run(
