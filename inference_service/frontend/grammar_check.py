@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from adapter_cache.errors import InvalidArgumentError
+from inference_service.idle_priority import run_only_on_idle_cpu
 from inference_service.structured import GrammarSpec, compile_spec, grammar_vocab, tokenizer_info
 from inference_service.tokenizer import Tokenizer
 
@@ -40,7 +41,6 @@ COMPILE_MEMORY_BYTES = 512 << 20  # beyond the child's own size once started
 START_TIMEOUT_S = 120.0  # importing xgrammar (torch, triton) on a busy machine
 MAX_CACHED = 4096
 POLL_S = 0.02
-CHILD_NICE = 19  # the engine core and the front end come first: a hostile compile takes only idle CPU
 
 
 class GrammarChecker:
@@ -114,8 +114,11 @@ class GrammarChecker:
         if self._vocab is None:
             self._vocab = grammar_vocab(self.tokenizer, self.vocab_size)
         # No preexec_fn: Python code between fork and exec in a process with gRPC's threads can crash
-        # the child (seen: the child gone within milliseconds, now and then); the child nices itself.
+        # the child (seen: the child gone within milliseconds, now and then); the child lowers its own priority.
         proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # At once, not only in the child: its imports (torch, xgrammar) are a CPU burst of their own, and
+        # a restart after a killed compile happens while other streams run.
+        run_only_on_idle_cpu(proc.pid)
         self._proc = proc
         _write(proc.stdin, (self._vocab, tuple(self.tokenizer.eos_token_ids)))  # type: ignore[arg-type]
         ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
@@ -197,7 +200,7 @@ def _read(pipe: IO[bytes]) -> Any:
 
 
 def _child() -> None:
-    os.nice(CHILD_NICE)
+    run_only_on_idle_cpu()  # the engine and front end come first: a hostile compile takes only idle CPU
     import xgrammar as xgr
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
