@@ -218,6 +218,16 @@ def test_model_info_reports_the_limits(stub):
     assert info.adapter_name_pattern == "[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 
 
+def test_model_info_reports_the_adapter_pool_and_kv_cache(server, stub):
+    """The pool's and the KV cache's sizes, as the metrics count them (one source: the engine's)."""
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.lora_pool_bytes > 0 and info.lora_page_rank > 0
+    assert info.lora_pool_bytes == server.value("loraplex_lora_pool_bytes")  # used + free
+    assert info.max_loras >= 1 and info.max_lora_rank > 0
+    assert info.kv_block_size > 0
+    assert info.kv_cache_blocks == server.value("loraplex_kv_cache_blocks")  # held + cached + free
+
+
 # ---- item 6: information exposure ---------------------------------------------------------------
 
 def test_list_adapters_shows_uris_to_admins_only(server, base, stub, adapters):

@@ -199,7 +199,7 @@ class EngineCore:
             max_registered_adapters=config.max_registered_adapters,
             kv_cache_blocks=self.runner.kv.num_blocks,
             kv_block_size=self.runner.kv.block_size,
-            lora_pool_bytes=self.lora.slots_nbytes,
+            lora_pool_bytes=self.lora.pages_nbytes,
             lora_page_rank=self.lora.page_rank,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.metrics, detokenize)

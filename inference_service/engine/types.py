@@ -63,7 +63,7 @@ class ModelInfo:
     max_registered_adapters: int = 0
     kv_cache_blocks: int = 0
     kv_block_size: int = 16
-    lora_pool_bytes: int = 0  # the adapter pool's device bytes, taken before the KV cache was sized
+    lora_pool_bytes: int = 0  # the adapter pool's pages' device bytes (taken before the KV cache was sized)
     lora_page_rank: int = 0  # rank rows per page (an adapter takes ceil(rank / this) pages)
 
 

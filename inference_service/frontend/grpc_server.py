@@ -277,6 +277,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_request_id_length=limits.max_request_id_length,
                 adapter_name_pattern=ADAPTER_NAME_PATTERN,
                 max_registered_adapters=m.max_registered_adapters,
+                lora_pool_bytes=m.lora_pool_bytes,
+                lora_page_rank=m.lora_page_rank,
+                kv_cache_blocks=m.kv_cache_blocks,
+                kv_block_size=m.kv_block_size,
             )
 
         return await self._unary("GetModelInfo", context, run, pb.GetModelInfoRequest, raw)

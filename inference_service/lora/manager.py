@@ -273,7 +273,7 @@ class LoRAManager:
             references=self._registry.total_refs(),
             loads_total=self.loads_total,
             evictions_total=self.evictions_total,
-            pool_bytes_total=pool.num_pages * pool.page_nbytes,
+            pool_bytes_total=self.pages_nbytes,
             pool_bytes_used=(pool.num_pages - pool.free_pages) * pool.page_nbytes,
             resident_by_rank=tuple(sorted(by_rank.items())),
             evictions_by_cause=tuple(self.evictions.items()),
@@ -363,6 +363,12 @@ class LoRAManager:
     def slots_nbytes(self) -> int:
         """Device bytes of the whole pool (its pages and the zero page)."""
         return self._pool.nbytes
+
+    @property
+    def pages_nbytes(self) -> int:
+        """Device bytes of the pages adapters can use (the zero page not counted): what the pool's
+        metrics call used + free, and GetModelInfo's lora_pool_bytes."""
+        return self._pool.num_pages * self._pool.page_nbytes
 
     @property
     def slot_buffers(self) -> dict:
