@@ -16,7 +16,7 @@ from harness.engine_helpers import generate, load_adapters, run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.kv_cache import kv_bytes_per_block
-from inference_service.engine.request import FinishReason, Request, SamplingParams
+from inference_service.engine.request import FinishReason, Request, SamplingParams, WaitReason
 from inference_service.kernels.copy import CopyJob
 from inference_service.models.loader import builtin_tiny_config
 
@@ -158,3 +158,38 @@ def test_without_aging_the_same_traffic_starves_it(tiny_adapters):
     for request_id in list(core.scheduler.requests):
         core.abort(request_id)
     core.step()
+
+
+def test_a_step_fills_with_resident_adapters_while_others_wait(tiny_adapters):
+    """Adapters outnumber the pool (issue 39, admission): waiting requests are taken by residency,
+    not in arrival order, so a step is never small for want of slots while resident work waits.
+    Both slots are held by running a0/a1 requests; of the queue a2, a0, a3, a1, ... every a0/a1
+    request joins the next step and only a2/a3 wait."""
+    core = _core(max_loras=2)
+    load_adapters(core, {n: tiny_adapters[n] for n in ("a0", "a1")}, preload=True)
+    load_adapters(core, {n: tiny_adapters[n] for n in ("a2", "a3")})
+    long = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for i in range(2):
+        core.add_request(Request(f"hold{i}", [256, 40 + i], long), f"a{i}")
+    core.step()
+    queue = [f"a{k}" for k in (2, 0, 3, 1)] * 3
+    for i, adapter in enumerate(queue):
+        core.add_request(Request(f"q{i}-{adapter}", [256, 60 + i], long), adapter)
+    core.step()
+    running = {r.request_id for r in core.scheduler.running}
+    waiting = list(core.scheduler.waiting)
+    assert running == {"hold0", "hold1"} | {f"q{i}-{a}" for i, a in enumerate(queue) if a in ("a0", "a1")}
+    assert sorted(r.request_id for r in waiting) == sorted(f"q{i}-{a}" for i, a in enumerate(queue)
+                                                         if a in ("a2", "a3"))
+    # The first step a cold adapter is seen, it is staged to host memory meanwhile (adapter_loading);
+    # neither gets pages while a0/a1 hold both.
+    assert {r.wait_reason for r in waiting} <= {WaitReason.ADAPTER_LOADING, WaitReason.SLOTS_FULL}
+    assert all(core.lora.slot_of(core.lora.uid_of(n)) is None for n in ("a2", "a3"))
+    for _ in range(20):  # once staged, they wait for slots, and the a0/a1 requests keep running
+        core.step()
+        time.sleep(0.002)
+    assert {r.wait_reason for r in core.scheduler.waiting} == {WaitReason.SLOTS_FULL}
+    for request_id in list(core.scheduler.requests):
+        core.abort(request_id)
+    core.step()
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0

@@ -34,8 +34,10 @@ class CpuLoRAOp:
     def __init__(self, dtype: torch.dtype) -> None:
         self._fn = _function(_APPLY[dtype])
         assert self._fn is not None, "check available() first"
-        # Per projection (keyed by its A buffer): the B pointers and column offsets the kernel takes.
-        self._layouts: dict[int, tuple[ctypes.Array, torch.Tensor]] = {}
+        # Per projection (keyed by its buffers' addresses, all of them: a buffer freed and another
+        # allocated at its address must not find the old one's layout): the B pointers and column
+        # offsets the kernel takes.
+        self._layouts: dict[tuple[int, ...], tuple[ctypes.Array, torch.Tensor]] = {}
 
     def slot_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype  # widened to fp32 inside the kernel
@@ -59,12 +61,13 @@ class CpuLoRAOp:
             raise MemoryError("LoRA kernel: out of memory for its scratch buffers")
 
     def _layout(self, a: torch.Tensor, bs: list[SlicedB]) -> tuple[ctypes.Array, torch.Tensor]:
-        layout = self._layouts.get(a.data_ptr())
+        key = (a.data_ptr(), *(s.b.data_ptr() for s in bs), *(s.end for s in bs))
+        layout = self._layouts.get(key)
         if layout is None:
             assert all(s.b.is_contiguous() for s in bs)
             pointers = (ctypes.c_void_p * len(bs))(*(s.b.data_ptr() for s in bs))
             cols = torch.tensor([s.start for s in bs] + [bs[-1].end], dtype=torch.int64)
-            layout = self._layouts[a.data_ptr()] = (pointers, cols)
+            layout = self._layouts[key] = (pointers, cols)
         return layout
 
 
