@@ -147,32 +147,33 @@ static inline void prefetch_rows(const void *const *rows_of, int64_t rows, int64
             const T **rows_of = malloc(sizeof(T *) * (size_t)(slot_rank + 4)); /* weight row j's address */ \
             const int ok = xs && acc && ys && rows_of;                                                     \
             if (!ok) failed = 1;                                                                           \
-            /* Shrink: y[r, i·R + j] = x[r] · (A row j of module i) for j below the adapter's rank. */      \
-            _Pragma("omp for schedule(static)")                                                        \
+            /* One task (a tile of up to TILE_ROWS rows of one group) at a time, shrink then expand:   \
+               its expand needs only its own rows' y, so the threads never wait for each other       \
+               between the two (a barrier there cost a time slice whenever another process held a    \
+               core: 64 one-row groups went from 4 to 30-40 ms a step beside one busy process).     */ \
+            _Pragma("omp for schedule(dynamic, 1)")                                                        \
             for (int64_t task = 0; task < (ok ? tasks : 0); task++) {                                      \
                 int64_t r0;                                                                                \
                 const Group gr = tile_of(groups, first_task, task, &r0);                                   \
                 const int64_t rows = gr.end_row - r0 < TILE_ROWS ? gr.end_row - r0 : TILE_ROWS;            \
                 const int64_t rank = gr.rank < slot_rank ? gr.rank : slot_rank;                            \
                 for (int64_t k = 0; k < rows * in; k++) xs[k] = WIDEN(x, r0 * in + k);                     \
+                /* Shrink: y[r, i·R + j] = x[r] · (A row j of module i) for j below the adapter's rank. */  \
                 for (int64_t i = 0; i < n_modules; i++) {                                                  \
                     for (int64_t j = 0; j < rank; j++)                                                     \
                         rows_of[j] = a + ((pages[gr.pages_at + j / page_rank] * n_modules + i) * page_rank \
                                           + j % page_rank) * in;                                           \
                     if (i == 0) prefetch_rows((const void *const *)rows_of, rank, in * (int64_t)sizeof(T)); \
-                    if (i + 1 < n_modules) /* the next module's rows: this page's next R rows */           \
+                    if (i + 1 < n_modules) /* the next module's rows: the same pages' next R rows */       \
                         for (int64_t p = 0; p < rank; p += page_rank)                                      \
                             for (int64_t b = 0; b < page_rank * in * (int64_t)sizeof(T); b += 64)          \
                                 __builtin_prefetch((const char *)(a + ((pages[gr.pages_at + p / page_rank] \
                                     * n_modules + i + 1) * page_rank) * in) + b, 0, 2);                    \
-                    else if (task + 1 < tasks) { /* the next task's first module (static: this thread's) */ \
-                        int64_t nr0;                                                                       \
-                        const Group ng = tile_of(groups, first_task, task + 1, &nr0);                       \
-                        for (int64_t p = 0; p < ng.rank; p += page_rank)                                   \
-                            for (int64_t b = 0; b < page_rank * in * (int64_t)sizeof(T); b += 64)          \
-                                __builtin_prefetch((const char *)(a + (pages[ng.pages_at + p / page_rank]  \
-                                    * n_modules * page_rank) * in) + b, 0, 2);                             \
-                    }                                                                                      \
+                    else /* the expand's first module */                                                   \
+                        for (int64_t p = 0; p < rank; p += page_rank)                                      \
+                            for (int64_t b = 0; b < page_rank * (cols[1] - cols[0]) * (int64_t)sizeof(T); b += 64) \
+                                __builtin_prefetch((const char *)(bs[0] + pages[gr.pages_at + p / page_rank] \
+                                    * page_rank * (cols[1] - cols[0])) + b, 0, 2);                         \
                     float *y_i = y + r0 * ny + i * slot_rank;                                              \
                     int64_t j = 0;                                                                         \
                     for (; in % VL == 0 && j + 4 <= rank; j += 4)                                          \
@@ -188,45 +189,37 @@ static inline void prefetch_rows(const void *const *rows_of, int64_t rows, int64
                         }                                                                                  \
                     }                                                                                      \
                 }                                                                                          \
-            }                                                                                              \
-            /* Expand: out[r, cols_i] += Σ_j y[r, i·R + j] · (Bt row j of module i), each read once. */      \
-            _Pragma("omp for schedule(static)")                                                        \
-            for (int64_t item = 0; item < (ok ? tasks * n_modules : 0); item++) {                          \
-                const int64_t i = item % n_modules, width = cols[i + 1] - cols[i];                         \
-                int64_t r0;                                                                                \
-                const Group gr = tile_of(groups, first_task, item / n_modules, &r0);                       \
-                const int64_t rows = gr.end_row - r0 < TILE_ROWS ? gr.end_row - r0 : TILE_ROWS;            \
-                const int64_t rank = gr.rank < slot_rank ? gr.rank : slot_rank;                            \
-                for (int64_t j = 0; j < rank; j++)                                                         \
-                    rows_of[j] = bs[i] + (pages[gr.pages_at + j / page_rank] * page_rank + j % page_rank) * width; \
-                prefetch_rows((const void *const *)rows_of, rank, width * (int64_t)sizeof(T));             \
-                if (item + 1 < tasks * n_modules) { /* the next item's pages (static: this thread's) */   \
-                    const int64_t ni = (item + 1) % n_modules, nw = cols[ni + 1] - cols[ni];               \
-                    int64_t nr0;                                                                           \
-                    const Group ng = tile_of(groups, first_task, (item + 1) / n_modules, &nr0);            \
-                    for (int64_t p = 0; p < ng.rank; p += page_rank)                                       \
-                        for (int64_t b = 0; b < page_rank * nw * (int64_t)sizeof(T); b += 64)              \
-                            __builtin_prefetch((const char *)(bs[ni] + pages[ng.pages_at + p / page_rank]  \
-                                * page_rank * nw) + b, 0, 2);                                              \
-                }                                                                                          \
-                for (int64_t m = 0; m < rows; m++) /* this module's y rows */                              \
-                    for (int64_t j = 0; j < rank; j++) ys[m * slot_rank + j] = y[(r0 + m) * ny + i * slot_rank + j]; \
-                int64_t c0 = 0;                                                                            \
-                for (; c0 + 4 * VL <= width; c0 += 4 * VL)                                                 \
-                    for (int64_t m0 = 0; m0 < rows; m0 += 4) BY_ROWS_LEFT(EXPAND_TILE, T, VLOAD, ADD_INTO); \
-                if (c0 == width) continue;                                                                 \
-                const int64_t tail = width - c0;                                                           \
-                memset(acc, 0, sizeof(float) * (size_t)(rows * tail));                                     \
-                for (int64_t j = 0; j < rank; j++)                                                         \
-                    for (int64_t m = 0; m < rows; m++) {                                                   \
-                        const float yj = ys[m * slot_rank + j];                                            \
-                        _Pragma("omp simd")                                                                \
-                        for (int64_t c = 0; c < tail; c++) acc[m * tail + c] += yj * WIDEN(rows_of[j], c0 + c); \
+                /* Expand: out[r, cols_i] += Σ_j y[r, i·R + j] · (Bt row j of module i), each read once. */  \
+                for (int64_t i = 0; i < n_modules; i++) {                                                  \
+                    const int64_t width = cols[i + 1] - cols[i];                                           \
+                    for (int64_t j = 0; j < rank; j++)                                                     \
+                        rows_of[j] = bs[i] + (pages[gr.pages_at + j / page_rank] * page_rank + j % page_rank) * width; \
+                    if (i + 1 < n_modules) { /* the next module's pages */                                 \
+                        const int64_t nw = cols[i + 2] - cols[i + 1];                                      \
+                        for (int64_t p = 0; p < rank; p += page_rank)                                      \
+                            for (int64_t b = 0; b < page_rank * nw * (int64_t)sizeof(T); b += 64)          \
+                                __builtin_prefetch((const char *)(bs[i + 1] + pages[gr.pages_at + p / page_rank] \
+                                    * page_rank * nw) + b, 0, 2);                                          \
                     }                                                                                      \
-                for (int64_t m = 0; m < rows; m++) {                                                       \
-                    T *o = out + (r0 + m) * out_stride + cols[i] + c0;                                     \
-                    _Pragma("omp simd")                                                                    \
-                    for (int64_t c = 0; c < tail; c++) ADD_INTO(o, c, acc[m * tail + c]);                  \
+                    for (int64_t m = 0; m < rows; m++) /* this module's y rows */                          \
+                        for (int64_t j = 0; j < rank; j++) ys[m * slot_rank + j] = y[(r0 + m) * ny + i * slot_rank + j]; \
+                    int64_t c0 = 0;                                                                        \
+                    for (; c0 + 4 * VL <= width; c0 += 4 * VL)                                             \
+                        for (int64_t m0 = 0; m0 < rows; m0 += 4) BY_ROWS_LEFT(EXPAND_TILE, T, VLOAD, ADD_INTO); \
+                    if (c0 == width) continue;                                                             \
+                    const int64_t tail = width - c0;                                                       \
+                    memset(acc, 0, sizeof(float) * (size_t)(rows * tail));                                 \
+                    for (int64_t j = 0; j < rank; j++)                                                     \
+                        for (int64_t m = 0; m < rows; m++) {                                               \
+                            const float yj = ys[m * slot_rank + j];                                        \
+                            _Pragma("omp simd")                                                            \
+                            for (int64_t c = 0; c < tail; c++) acc[m * tail + c] += yj * WIDEN(rows_of[j], c0 + c); \
+                        }                                                                                  \
+                    for (int64_t m = 0; m < rows; m++) {                                                   \
+                        T *o = out + (r0 + m) * out_stride + cols[i] + c0;                                 \
+                        _Pragma("omp simd")                                                                \
+                        for (int64_t c = 0; c < tail; c++) ADD_INTO(o, c, acc[m * tail + c]);              \
+                    }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
             free(xs);                                                                                      \
