@@ -338,6 +338,25 @@ def test_hostile_schemas_beside_a_victim(server):
         assert time.monotonic() - started < 2 * 30 + 5  # two compiles in turn, each within the wall bound
 
 
+def test_schemas_compiling_beside_a_victim(server):
+    """Schemas that compile within the bound (~0.4 CPU s each on the byte vocabulary, fresh each time so
+    nothing is cached): the front end's check and then the engine's compile run while a victim streams,
+    and the victim's tokens and times are unchanged (harness/isolation.py); each answer is valid."""
+    base = solo_run(server, max_new_tokens=128)
+    schema = {"type": "object", "properties": {"p0": {"type": "string", "pattern": "((x{1,30}){1,30}){1,30}0"}},
+              "required": ["p0"], "additionalProperties": False}
+    with victim_beside(server, base):
+        for i in range(3):
+            variant = {**schema, "title": f"compiled {i}"}
+            r = httpx.post(server.http_url + "/v1/chat/completions", timeout=120, json={
+                "model": BASE, "messages": [{"role": "user", "content": "x"}], "max_tokens": 600,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": variant}}})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            if choice["finish_reason"] == "stop":
+                jsonschema.validate(json.loads(choice["message"]["content"]), variant)
+
+
 # ---- gRPC: the same constraints as sampling fields ---------------------------------------------------------
 
 def test_grpc_constraints(server):

@@ -204,6 +204,7 @@ class EngineCore:
         )
         self.outputs = OutputProcessor(self.tokenizer, self.metrics, detokenize)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)  # structured output, off the step
+        self.grammars.warm_up()  # before serving: its import holds the GIL for seconds
         # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
         # same arrivals samples the same tokens; a request's own seed always wins.
         self._seeds = random.Random(config.seed)
