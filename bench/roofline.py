@@ -1,0 +1,170 @@
+"""Decode against the machine's limit, on the real model (issue 36, deliverable 1).
+
+In one run: measures the machine (a sequential read of as many bytes as the model's weights, with the
+engine's threads; a large bf16 and fp32 GEMM's FLOP/s), derives the decode roofline per batch size, and
+times our engine's decode step at batch 1, 8, 32 and 64 for the base model, for 8 mixed adapters all
+resident (r8/r16 on all 7 modules, the default pool), and for 16 adapters over 8 fixed slots (2x more
+adapters than slots).
+
+The roofline of a decode step at batch b is the larger of
+  - the time to read the weights once (every matrix of the step, the embedding row gather aside) and
+    the KV cache of b sequences at their mean context, at the measured read bandwidth, and
+  - the time of the step's matrix FLOPs (2 x matrix parameters x b, attention's 4 x b x context x
+    heads x head_dim per layer) at the measured GEMM FLOP/s of the serving dtype.
+A step's time is the median over its decode steps (prefill excluded), in-process (EngineCore.step).
+
+Model: SmolLM2-135M-Instruct (the Q4_1 GGUF scripts/fetch_model.sh fetches, dequantized at load), or
+`--model`. Run it with nothing else on the machine; the load average is printed before and after.
+Last lines: RESULT decode_vs_roofline_b32=<step time / roofline at batch 32, base model> and
+RESULT lora_mixed_vs_base_resident=<tokens/s with 8 resident adapters / base, batch 32>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package
+
+from harness.engine_helpers import load_adapters  # noqa: E402
+from harness.real_model import FETCH_HINT, real_model_path  # noqa: E402
+from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from inference_service.engine.config import EngineConfig  # noqa: E402
+from inference_service.engine.core import EngineCore  # noqa: E402
+from inference_service.engine.request import Request, SamplingParams  # noqa: E402
+from inference_service.models.config import ModelConfig  # noqa: E402
+
+BATCHES = (1, 8, 32, 64)
+PROMPT_TOKENS = 32
+TIMED_STEPS = 24
+
+
+@dataclass(frozen=True)
+class Machine:
+    read_gbps: float  # sequential read, GB/s
+    gemm_flops: dict[torch.dtype, float]  # achieved FLOP/s of a large GEMM
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_machine(weight_bytes: int) -> Machine:
+    buffer = torch.ones(max(weight_bytes // 4, 1 << 20), dtype=torch.float32)
+    buffer.sum()
+    read = buffer.numel() * 4 / best_of(buffer.sum, 7) / 1e9
+    del buffer
+    flops = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        n = 2048
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        flops[dtype] = 2 * n**3 / best_of(lambda a=a, b=b: a @ b, 5)
+    return Machine(read, flops)
+
+
+def matrix_parameters(config: ModelConfig) -> int:
+    """Parameters a decode step multiplies by (every layer's projections and the LM head)."""
+    h, i = config.hidden_size, config.intermediate_size
+    per_layer = h * config.q_size + 2 * h * config.kv_size + config.q_size * h + 3 * h * i
+    return config.num_layers * per_layer + h * config.vocab_size
+
+
+def roofline_s(config: ModelConfig, machine: Machine, dtype: torch.dtype, batch: int, context: int) -> float:
+    width = torch.finfo(dtype).bits // 8
+    params = matrix_parameters(config)
+    kv_bytes = batch * context * config.num_layers * 2 * config.kv_size * width
+    memory = (params * width + kv_bytes) / (machine.read_gbps * 1e9)
+    attention_flops = 4 * batch * context * config.num_heads * config.head_dim * config.num_layers
+    compute = (2 * params * batch + attention_flops) / machine.gemm_flops[dtype]
+    return max(memory, compute)
+
+
+def decode_step_s(core: EngineCore, batch: int, names: list[str | None], tag: str) -> float:
+    """The median decode step with `batch` requests running (prefill steps excluded)."""
+    params = SamplingParams(max_new_tokens=TIMED_STEPS + 8, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(10, 1000, (PROMPT_TOKENS,), generator=gen).tolist()
+        core.add_request(Request(f"{tag}-{i}", prompt, params), names[i % len(names)])
+    produced: dict[str, int] = {}
+    while len(produced) < batch or min(produced.values()) < 1:  # every prompt prefilled
+        for out in core.step():
+            produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
+    times = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    while core.has_work():
+        core.step()
+    return statistics.median(times)
+
+
+def engine(model: str, dtype: str, max_loras: int | str) -> EngineCore:
+    return EngineCore(EngineConfig(model=model, device="cpu", dtype=dtype, max_loras=max_loras, max_lora_rank=16,
+                                   max_num_seqs=max(BATCHES), max_num_batched_tokens=4096,
+                                   kv_cache_bytes=512 << 20))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="a .gguf file or checkpoint directory (default: SmolLM2)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    model = args.model or str(real_model_path() or "")
+    if not model:
+        sys.exit(f"the real model is missing: {FETCH_HINT}")
+    dtype = getattr(torch, args.dtype)
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+    base = engine(model, args.dtype, "auto")
+    config: ModelConfig = base.runner.model.config
+    width = torch.finfo(dtype).bits // 8
+    machine = measure_machine(matrix_parameters(config) * width)
+    print(f"machine: read {machine.read_gbps:.1f} GB/s; GEMM bf16 {machine.gemm_flops[torch.bfloat16] / 1e9:.0f} "
+          f"GFLOP/s, fp32 {machine.gemm_flops[torch.float32] / 1e9:.0f} GFLOP/s; model {config.name or model}: "
+          f"{matrix_parameters(config) / 1e6:.1f} M matrix parameters ({args.dtype})", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = {f"ad{i}": write_peft_adapter(Path(tmp) / f"ad{i}", config, rank=8 if i % 2 else 16,
+                                                 alpha=16.0, seed=i, scale=0.05) for i in range(16)}
+        load_adapters(base, {n: p for n, p in adapters.items() if int(n[2:]) < 8}, pinned=False, preload=True)
+        fixed = engine(model, args.dtype, 8)
+        load_adapters(fixed, adapters)  # 16 adapters over 8 slots: loaded by the requests
+        eight = [f"ad{i}" for i in range(8)]
+        print(f"{'batch':>5} {'roofline ms':>11} {'base ms':>8} {'x roof':>6} {'8 resident ms':>13} {'vs base':>7} "
+              f"{'16 over 8 slots ms':>18} {'vs base':>7}", flush=True)
+        results = {}
+        for batch in BATCHES:
+            roof = roofline_s(config, machine, dtype, batch, PROMPT_TOKENS + TIMED_STEPS // 2)
+            base_s = decode_step_s(base, batch, [None], f"base{batch}")
+            mixed_s = decode_step_s(base, batch, list(eight), f"mixed{batch}")
+            over_s = decode_step_s(fixed, batch, list(adapters), f"over{batch}")
+            results[batch] = (roof, base_s, mixed_s, over_s)
+            print(f"{batch:>5} {roof * 1e3:>11.2f} {base_s * 1e3:>8.2f} {base_s / roof:>6.2f} {mixed_s * 1e3:>13.2f} "
+                  f"{base_s / mixed_s:>7.3f} {over_s * 1e3:>18.2f} {base_s / over_s:>7.3f}", flush=True)
+        base.shutdown()
+        fixed.shutdown()
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    roof, base_s, mixed_s, _ = results[32]
+    print(f"RESULT decode_vs_roofline_b32={base_s / roof:.3f}")
+    print(f"RESULT lora_mixed_vs_base_resident={base_s / mixed_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()
