@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from adapter_cache.errors import ResourceExhaustedError
 from harness.engine_helpers import make_core, run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
@@ -178,5 +179,21 @@ def test_add_samples_seeded_reproducible_and_distinct():
         unseeded = _samples(engine, 3, temperature=1.0)
         assert len({tuple(s) for s in unseeded}) == 3, "unseeded samples are independent"
         assert len({tuple(s) for s in _samples(engine, 3)}) == 1, "greedy samples are identical"
+    finally:
+        engine.shutdown()
+
+
+def test_samples_count_against_the_queue_all_or_none():
+    """Each sample takes a place in the request queue (--max-queue + --max-num-seqs streams): n that
+    do not all fit are refused whole, leaving no stream open."""
+    engine = Engine(EngineConfig(model="builtin:tiny", device="cpu", max_loras=2, max_lora_rank=8,
+                                 kv_cache_bytes=4 << 20, max_queue=2, max_num_seqs=1))
+    engine.start()
+    try:
+        with pytest.raises(ResourceExhaustedError):
+            engine.add_samples(PROMPT, GREEDY, 4)
+        assert len(engine.streams) == 0, "a refused request left streams open"
+        streams = engine.add_samples(PROMPT, GREEDY, 3)
+        assert [len([t for out in s for t in out.new_token_ids]) for s in streams] == [GREEDY.max_new_tokens] * 3
     finally:
         engine.shutdown()
