@@ -11,8 +11,10 @@ leaves mid-stream cancels all n: every leak gauge back to zero, the server healt
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections import defaultdict
+from urllib.parse import urlsplit
 
 import grpc
 import httpx2 as httpx
@@ -267,3 +269,23 @@ def test_a_cancelled_grpc_call_cancels_all_n(server):
         call.cancel()
     assert indices == {0, 1, 2, 3}
     assert_clean(server, timeout=5)
+
+
+def test_a_client_leaving_a_non_streaming_request_cancels_all_n(server):
+    body = json.dumps({"model": ADAPTER, "prompt": "long answer", "max_tokens": LIMIT, "temperature": 1.0, "n": 4,
+                       "ignore_eos": True}).encode()
+    needle = f"adapter={ADAPTER} finish=cancelled status=499"
+    before = server.log().count(needle)
+    url = urlsplit(server.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while _running(server) < 2:  # the leader, then its samples once its prompt is cached
+            assert time.monotonic() < deadline, "the samples never ran"
+            time.sleep(0.01)
+    assert_clean(server, timeout=5)
+    deadline = time.monotonic() + 5
+    while server.log().count(needle) == before:
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.05)
