@@ -153,8 +153,7 @@ def test_samples_share_the_prompts_prefill_over_grpc(server):
     sample 0): each sample's final response carries its own usage and index."""
     prompt = [(11 * i) % 200 + 40 for i in range(70)]
     shared = (len(prompt) - 1) // BLOCK * BLOCK
-    request = InferenceClient.request(prompt, adapter=ADAPTER, max_new_tokens=4, ignore_eos=True)
-    request.n = 3
+    request = InferenceClient.request(prompt, adapter=ADAPTER, max_new_tokens=4, ignore_eos=True, n=3)
     with grpc.insecure_channel(server.address) as channel:
         msgs = list(pb_grpc.InferenceStub(channel).Generate(request, timeout=60))
     finals = {m.index: m for m in msgs if m.finish_reason}
