@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
          default=RequestLimits.max_prompt_chars)
     _add(g, "--max-request-id-length", "characters of a request id (printable ASCII)", type=int,
          default=RequestLimits.max_request_id_length)
+    _add(g, "--max-n", "samples per request (OpenAI's n, GenerateRequest.n): each is an engine request of its own "
+         "(counted against --max-queue) sharing the prompt's prefill", type=int, default=RequestLimits.max_n)
 
     g = p.add_argument_group("adapters")
     _add(g, "--cache-address",
@@ -220,6 +222,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         raise ValueError("--shutdown-grace-s, --drain-delay-s and --watchdog-stall-s must be >= 0")
     if args.stream_interval < 1:
         raise ValueError("--stream-interval must be >= 1")
+    if args.max_n < 1:
+        raise ValueError("--max-n must be >= 1")
     if args.max_loras != "auto" and args.lora_memory_bytes is not None:
         raise ValueError("--lora-memory-bytes sizes the pool of --max-loras auto; "
                          f"--max-loras {args.max_loras} is a fixed count of slots: give one or the other")
@@ -256,6 +260,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             max_stop_token_ids=args.max_stop_token_ids,
             max_prompt_chars=args.max_prompt_chars,
             max_request_id_length=args.max_request_id_length,
+            max_n=args.max_n,
         ),
         tokenizer=args.tokenizer,
         async_scheduling=args.async_scheduling,

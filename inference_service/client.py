@@ -61,7 +61,9 @@ class InferenceClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         request_id: str = "",
+        n: int | None = None,
     ) -> pb.GenerateRequest:
+        """`n`: samples of the prompt (responses carry each one's `index`); unset means 1."""
         req = pb.GenerateRequest(
             request_id=request_id,
             adapter=adapter or "",
@@ -81,6 +83,8 @@ class InferenceClient:
             req.sampling.seed = seed
         if max_new_tokens is not None:
             req.max_new_tokens = max_new_tokens
+        if n is not None:
+            req.n = n
         return req
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,

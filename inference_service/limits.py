@@ -30,6 +30,7 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_prompt_chars: int = 262_144  # text prompts, checked before tokenization
     max_request_id_length: int = 128
+    max_n: int = 16  # samples per request (OpenAI's n)
 
 
 def check_adapter_name(name: str) -> None:
@@ -54,6 +55,12 @@ def check_request_id(request_id: str, max_length: int) -> None:
         raise InvalidArgumentError(
             f"request_id {shown(request_id)} must be 1-{max_length} printable ASCII characters without spaces"
         )
+
+
+def check_n(n: int, max_n: int) -> None:
+    """A request's sample count (OpenAI's `n`): 1 to --max-n."""
+    if not 1 <= n <= max_n:
+        raise InvalidArgumentError(f"n must be in [1, {max_n}] (--max-n), got {n}")
 
 
 def check_stop(stop: Sequence[str], stop_ids_count: int, limits: RequestLimits) -> None:

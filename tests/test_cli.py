@@ -21,7 +21,7 @@ FLAGS = [
     "--max-stop-token-ids", "--max-prompt-chars", "--max-request-id-length", "--max-registered-adapters",
     "--host-load-workers", "--adapter-load-timeout-s",
     "--dtype", "--max-model-len", "--preload-reload-s", "--watchdog-stall-s", "--shutdown-grace-s", "--drain-delay-s",
-    "--async-scheduling", "--stream-interval",
+    "--async-scheduling", "--stream-interval", "--max-n",
 ]
 
 

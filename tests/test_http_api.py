@@ -411,7 +411,8 @@ GENERATE_CASES = {
     "empty stop string": (dict(stop=[""]), 400),
     "oversized body": (dict(prompt="y" * (MAX_MESSAGE + 10)), 413),
     # HTTP-only shapes
-    "n above 1": (dict(n=2), 400),
+    "n above --max-n": (dict(n=17), 400),
+    "n zero": (dict(n=0), 400),
     "two prompts": (dict(prompt=["a", "b"]), 400),
     "prompt of the wrong type": (dict(prompt={"text": "hi"}), 400),
     "no model": (dict(model=None), 400),

@@ -2,7 +2,9 @@
 for the fixed-slot pool (`--max-loras N`) and the pool sized by memory (pages of rank rows).
 
 Rules: load / version-swap an adapter (optionally pinned or preloaded), pin (the same version loaded pinned), unload,
-start a request (an adapter or the base model), abort one, run a scheduler step, and complete any
+start a request (an adapter or the base model) or a request's n samples (a group: the scheduler holds the
+samples after the first until its prompt blocks are cached; every plan checks no sample was admitted before,
+and none is held once its leader ended or has its first token), abort one, run a scheduler step, and complete any
 host staging or slot copy in any order. After every rule every invariant of "Slot pool
 invariants" is checked, the slot buffers against the adapters' own tensors; every forward pass
 is checked as it is issued; at the end every request is ended and nothing may be left over.
@@ -39,7 +41,7 @@ from adapter_cache.errors import FailedPreconditionError, NotFoundError, Resourc
 from harness.adapters import write_tiny_adapter
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import FinishReason, Request, SamplingParams
+from inference_service.engine.request import FinishReason, Request, SamplingParams, WaitReason
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.mem_pool import bytes_per_page
 from inference_service.lora.registry import AdapterState
@@ -176,6 +178,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
         self.prev_protected: set[str] = set()
         self.prev_pinned: set[str] = set()
         self.batches = 0
+        self.leaders: dict[str, str] = {}  # sample group -> the request id of its first sample
 
     # ---- setup ----
 
@@ -257,6 +260,24 @@ class SlotPoolMachine(RuleBasedStateMachine):
         uid = self.core.scheduler.requests[rid].adapter_uid
         assert uid == (self.lora.uid_of(name) if name else None)  # new requests get the current version
         self.live[rid] = uid
+
+    @rule(name=st.sampled_from((None, *NAMES)), prompt_len=st.integers(1, 40), new_tokens=st.integers(1, 4),
+          n=st.integers(2, 3))
+    def start_samples(self, name: str | None, prompt_len: int, new_tokens: int, n: int) -> None:
+        """A request's n samples: n requests of one group, the first its leader."""
+        if name is not None and name not in self.lora._registry.current:
+            return  # NotFoundError, as start_request shows
+        group = f"g{self.ids}"
+        self.ids += 1
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        prompt = [(5 * i + self.ids) % 250 + 3 for i in range(prompt_len)]
+        for i in range(n):
+            rid = f"{group}.{i}"
+            request = Request(rid, prompt, params)
+            request.group = group
+            self.core.add_request(request, name)
+            self.live[rid] = self.core.scheduler.requests[rid].adapter_uid
+        self.leaders[group] = f"{group}.0"
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -446,6 +467,26 @@ class SlotPoolMachine(RuleBasedStateMachine):
         for uid in uids:
             assert self.lora.slot_of(uid) is not None, f"{uid} in a batch but not LOADED"
             self._check_slot(uid)
+        self._check_sample_holds(batch)
+
+    def _check_sample_holds(self, batch) -> None:
+        """Right after a schedule: a sample other than its group's leader is admitted only once the
+        leader has its first token (its prompt blocks cached) or has ended; and one held is held for a
+        leader still live without a token (a leader that ended never strands its samples)."""
+        scheduler = self.core.scheduler
+        block = self.core.runner.kv.block_size
+
+        def leader_pending(request: Request) -> bool:
+            leader = scheduler.requests.get(self.leaders.get(request.group or "", ""))
+            return leader is not None and leader is not request and not leader.output_token_ids
+
+        for request, _ in batch.items:
+            admitted_now = request.timings.first_scheduled is None  # set once its first step is launched
+            if request.group is not None and admitted_now and request.num_prompt_tokens > block:
+                assert not leader_pending(request), f"{request.request_id} prefilled before its leader's blocks"
+        for request in scheduler.waiting:
+            if request.wait_reason is WaitReason.SAMPLES:
+                assert leader_pending(request), f"{request.request_id} held with no leader to wait for"
 
     def _end_everything(self) -> None:
         """Cancel every request, finish every staging and copy: nothing may be left over."""

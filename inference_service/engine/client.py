@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import dataclasses
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,13 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from adapter_cache.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import CacheSalt, FinishReason, SamplingParams
+from inference_service.engine.request import (
+    CacheSalt,
+    FinishReason,
+    SamplingParams,
+    sample_request_id,
+    sample_seed,
+)
 from inference_service.engine.streams import RequestStream, StreamTable
 from inference_service.engine.types import (
     TEST_FAULT_ENV,
@@ -36,7 +43,7 @@ from inference_service.engine.types import (
     test_faults_enabled,
     validate_request,
 )
-from inference_service.limits import adapter_name, check_request_id
+from inference_service.limits import adapter_name, check_n, check_request_id
 from inference_service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -109,9 +116,18 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> RequestStream:
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
+                    group: str | None = None) -> RequestStream:
         """`cache_salt`: who may share this request's prefix-cached KV (frontend/cache_salt.py: from
-        the operator's configuration and the transport's trusted identity, never from the request)."""
+        the operator's configuration and the transport's trusted identity, never from the request).
+        `group`: the id a request's n samples share (see `add_samples`)."""
+        ...
+
+    def add_samples(self, prompt_token_ids: list[int], params: SamplingParams, n: int, adapter: str | None = None,
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> list[RequestStream]:
+        """A request's `n` samples (OpenAI's `n`): one engine request each, stream i for sample i,
+        sharing the prompt's prefill (engine.scheduler) with seeds of their own (request.sample_seed).
+        All n are admitted or none; the caller aborts each stream's request id it has not seen end."""
         ...
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None: ...
@@ -182,7 +198,7 @@ class EngineClientBase(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None) -> None:
+                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None) -> None:
         """Hands a checked request to the scheduler thread; UnavailableError when there is none."""
 
     @abc.abstractmethod
@@ -192,17 +208,50 @@ class EngineClientBase(abc.ABC):
     # ---- shared ----
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> RequestStream:
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
+                    group: str | None = None) -> RequestStream:
         request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
         if adapter and not self.adapter_is_current(adapter):  # the core checks again at intake
             raise NotFoundError(f"unknown adapter {adapter!r}")
         stream = self.streams.open(request_id, prompt_token_ids, params)
         try:
-            self._submit(request_id, prompt_token_ids, params, adapter, cache_salt)
+            self._submit(request_id, prompt_token_ids, params, adapter, cache_salt, group)
         except UnavailableError:
             self.streams.close(request_id)
             raise
         return stream
+
+    def add_samples(self, prompt_token_ids: list[int], params: SamplingParams, n: int, adapter: str | None = None,
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> list[RequestStream]:
+        check_n(n, self.model_info.limits.max_n)
+        if n == 1:
+            return [self.add_request(prompt_token_ids, params, adapter, request_id, cache_salt)]
+        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
+        if adapter and not self.adapter_is_current(adapter):
+            raise NotFoundError(f"unknown adapter {adapter!r}")
+        ids = [sample_request_id(request_id, i, n) for i in range(n)]
+        samples = [dataclasses.replace(params, seed=sample_seed(params.seed, i)) for i in range(n)]
+        streams: list[RequestStream] = []
+        try:  # every stream first (the queue's bound counts each sample), then every intake
+            for sample_id, sample_params in zip(ids, samples, strict=True):
+                streams.append(self.streams.open(sample_id, prompt_token_ids, sample_params))
+        except Exception:
+            for stream in streams:
+                self.streams.close(stream.request_id)
+            raise
+        group = f"{request_id}#{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its request id
+        sent = 0
+        try:
+            for sample_id, sample_params in zip(ids, samples, strict=True):
+                self._submit(sample_id, prompt_token_ids, sample_params, adapter, cache_salt, group)
+                sent += 1
+        except UnavailableError:
+            for sample_id in ids[:sent]:
+                self.abort(sample_id)
+            for sample_id in ids:
+                self.streams.close(sample_id)
+            raise
+        return streams
 
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
                      preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:

@@ -236,9 +236,9 @@ class Engine(EngineClientBase):
         self.core.shutdown()
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None) -> None:
+                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None) -> None:
         request = Request(request_id, prompt_token_ids, params)
-        request.cache_salt = cache_salt
+        request.cache_salt, request.group = cache_salt, group
         self._thread.add_request(request, adapter)
 
     def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:

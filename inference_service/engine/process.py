@@ -72,6 +72,7 @@ class AddRequest:
     adapter: str | None
     arrival: float  # the front end's monotonic intake time: TTFT counts from it
     cache_salt: CacheSalt | None = None  # who may share its prefix-cached KV (frontend/cache_salt.py)
+    group: str | None = None  # the id a request's n samples share (Request.group)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,7 +315,7 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
             if isinstance(message, AddRequest):
                 request = Request(message.request_id, message.prompt_token_ids, message.params)
                 request.timings.arrival = message.arrival  # TTFT counts from the front end's intake
-                request.cache_salt = message.cache_salt
+                request.cache_salt, request.group = message.cache_salt, message.group
                 thread.add_request(request, message.adapter)
             elif isinstance(message, AbortRequest):
                 thread.abort(message.request_id, message.reason)
@@ -431,8 +432,9 @@ class ProcessEngine(EngineClientBase):
     # ---- what EngineClientBase asks of an engine ----
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None) -> None:
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic(), cache_salt))
+                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None) -> None:
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic(), cache_salt,
+                              group))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         try:

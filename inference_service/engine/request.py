@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import math
 import time
 from concurrent.futures import Future
@@ -44,6 +45,22 @@ class WaitReason(enum.StrEnum):
     SLOTS_FULL = "slots_full"
     KV_CACHE = "kv_cache"
     GRAMMAR = "grammar"  # its constraint is being compiled (off the scheduler step)
+    SAMPLES = "samples"  # one of n samples, waiting for the first sample's prompt blocks to be cached
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of sample `index` of a request with `n` samples (n == 1: the request's own)."""
+    return request_id if n == 1 else f"{request_id}.{index}"
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed, derived from the request's: sample 0 keeps it (n == 1 with the same seed
+    samples the same tokens), the others get their own streams, reproducible from (seed, index).
+    None stays None: the engine then draws an independent seed for each sample."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"loraplex-sample:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 class RequestStatus(enum.Enum):
@@ -247,6 +264,9 @@ class Request:
         self.grammar: Future[Any] | None = None
         self.matcher: Any = None
         self.stop_reason: str | int | None = None
+        # One of a request's n samples (n > 1): the id the samples share. The scheduler admits the
+        # first one and holds the others until its prompt blocks are in the prefix cache.
+        self.group: str | None = None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without joining the two (a decode step wants one);

@@ -5,6 +5,12 @@ prefill chunk, preempting the newest by recompute when KV blocks run out), then 
 requests FCFS. A request whose adapter is not LOADED triggers its load and is skipped, so it
 never blocks the line; once a request has been passed over `aging_steps` times and still cannot
 get a slot, later requests stop overtaking it, so slots drain and nothing starves.
+
+A request's n samples (`Request.group`) share its prompt's prefill: the first sample added leads,
+and with the prefix cache on the others wait (WaitReason.SAMPLES) until the leader's prompt blocks
+are cached (its first token: the step that completed its prompt keyed them) or the leader ended,
+then hit those blocks and compute only the prompt's tail. With the prefix cache off, or a prompt
+shorter than one block past its last token, they are not held and prefill separately.
 """
 
 from __future__ import annotations
@@ -48,11 +54,28 @@ class Scheduler:
         # Prefix cache, in tokens: what admissions looked up and what they found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # n samples: group id -> the sample whose prefill the others wait for, until it is cached
+        # (an entry lives no longer than its leader: O(active requests)).
+        self.leaders: dict[str, Request] = {}
 
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if (request.group is not None and self.kv.prefix_caching and request.group not in self.leaders
+                and request.num_prompt_tokens > self.kv.block_size):  # at least one full block to share
+            self.leaders[request.group] = request
+
+    def _held(self, request: Request) -> bool:
+        """Whether a sample waits for its leader's prompt blocks: until the leader has its first
+        token (the step that completed its prompt cached the blocks) or has ended, whatever ended it."""
+        leader = self.leaders.get(request.group) if request.group is not None else None
+        if leader is None or leader is request:
+            return False
+        if leader.finished or leader.output_token_ids:
+            del self.leaders[request.group]  # type: ignore[arg-type]
+            return False
+        return True
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Request | None:
         """Idempotent: a request that already finished (or never existed) is left alone."""
@@ -75,6 +98,8 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.error = reason, error
+        if request.group is not None and self.leaders.get(request.group) is request:
+            del self.leaders[request.group]  # its samples go on without it (or are ended by their caller)
         self.kv.release(request.block_table)
         request.block_table = []
         if request.adapter_uid is not None:
@@ -199,6 +224,8 @@ class Scheduler:
             reason = None
             if request.matcher is None and request.grammar is not None and not self._grammar_ready(request, failed):
                 reason = WaitReason.GRAMMAR  # compiling off the step; the line goes on without it
+            elif self._held(request):
+                reason = WaitReason.SAMPLES  # the line goes on without it
             elif blocked:
                 reason = WaitReason.QUEUED
             elif barrier is not None and request.arrival_seq > barrier and request.adapter_uid is not None:

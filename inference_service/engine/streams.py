@@ -254,3 +254,35 @@ def _output(item: RequestOutput | Delta) -> RequestOutput:
         return item
     request_id, token_ids, text, generated = item
     return RequestOutput(request_id, token_ids, text=text, generated_tokens=generated)
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of a request's n samples as they come, each with its sample's index, until every
+    sample has ended. One output is taken from a stream at a time (the next only once this one was
+    consumed), so a consumer that lags still gets each sample's tokens coalesced. Closing the
+    iterator early stops reading; aborting the samples is the caller's. One stream is read as it is
+    (no task per output: the common case stays as cheap as before)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+            if output.finished:
+                return
+        return
+    iterators = [stream.__aiter__() for stream in streams]
+    pending: dict[asyncio.Future[RequestOutput], int] = {
+        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                try:
+                    output = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, output
+                if not output.finished:
+                    pending[asyncio.ensure_future(anext(iterators[index]))] = index
+    finally:
+        for future in pending:
+            future.cancel()

@@ -14,6 +14,7 @@ other outcome, not grpc-python's uncounted UNKNOWN.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -34,6 +35,7 @@ from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.engine.client import EngineClient
 from inference_service.engine.request import FinishReason, RequestOutput
+from inference_service.engine.streams import merged
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.cache_salt import cache_salt, grpc_identity
@@ -114,8 +116,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         code = "OK"
         reason: FinishReason | None = None
         generated = 0
-        submitted = False
-        finished = False
+        sample_ids: list[str] = []  # the engine's request id of each sample, once submitted
+        ended: set[int] = set()  # samples whose final output was seen
         abort_reason = FinishReason.CANCELLED
         try:
             request = _parse(pb.GenerateRequest, raw)
@@ -127,20 +129,31 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
             salt = cache_salt(self.config.prefix_cache_scope, self.config.prefix_cache_salt, "grpc",
                               grpc_identity(context.auth_context()))
-            stream = self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
-                                             request_id=intake.request_id, cache_salt=salt)
-            submitted = True
-            async for out in stream:
-                generated = out.generated_tokens or generated + len(out.new_token_ids)
-                if out.finished:
-                    finished = True
-                    reason = out.finish_reason
-                await _write(context, self._response(request_id, out))
-                if out.finished:
-                    break
-            if reason in ENGINE_ENDED:
-                # Ended by the engine, not the client: tell the client with a status, not an OK.
-                error = engine_end_error(out)
+            if intake.n == 1:
+                streams = [self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
+                                                   request_id=intake.request_id, cache_salt=salt)]
+            else:  # n samples sharing the prompt's prefill, each its own engine request
+                streams = self.engine.add_samples(intake.prompt_token_ids, intake.params, intake.n,
+                                                  adapter=intake.adapter, request_id=intake.request_id,
+                                                  cache_salt=salt)
+            sample_ids = [stream.request_id for stream in streams]
+            counts = [0] * len(streams)
+            engine_ended: RequestOutput | None = None
+            async with contextlib.aclosing(merged(streams)) as outputs:
+                async for index, out in outputs:
+                    counts[index] = out.generated_tokens or counts[index] + len(out.new_token_ids)
+                    generated = sum(counts)
+                    if out.finished:
+                        ended.add(index)
+                        reason = out.finish_reason
+                    await _write(context, self._response(request_id, out, index))
+                    if out.finished and out.finish_reason in ENGINE_ENDED:
+                        engine_ended = out
+                        break
+            if engine_ended is not None:
+                # Ended by the engine, not the client: tell the client with a status, not an OK
+                # (the other samples are aborted below).
+                error = engine_end_error(engine_ended)
                 code = error.code if error.code in grpc.StatusCode.__members__ else "INTERNAL"
                 await context.abort(grpc.StatusCode[code], str(error))
         except LoraplexError as e:
@@ -161,10 +174,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             log.exception("Generate %s failed", shown(request_id))
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in request {request_id}")
         finally:
-            if submitted and not finished:
-                self.engine.abort(request_id, reason=abort_reason)
-                if reason is None:  # the handler left early for a reason other than a cancel
-                    reason = abort_reason
+            unfinished = [sample_id for index, sample_id in enumerate(sample_ids) if index not in ended]
+            for sample_id in unfinished:  # every sample not seen ending, each once
+                self.engine.abort(sample_id, reason=abort_reason)
+            if unfinished and reason is None:  # the handler left early for a reason other than a cancel
+                reason = abort_reason
             self._count("Generate", code)
             log.info(
                 "request %s adapter=%s finish=%s code=%s tokens=%d seconds=%.3f",
@@ -177,8 +191,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
 
     @staticmethod
-    def _response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.text)
+    def _response(request_id: str, out: RequestOutput, index: int = 0) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.text, index=index)
         for lp in out.logprobs or ():
             resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                               top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
@@ -277,6 +291,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_request_id_length=limits.max_request_id_length,
                 adapter_name_pattern=ADAPTER_NAME_PATTERN,
                 max_registered_adapters=m.max_registered_adapters,
+                max_n=limits.max_n,
                 lora_pool_bytes=m.lora_pool_bytes,
                 lora_page_rank=m.lora_page_rank,
                 kv_cache_blocks=m.kv_cache_blocks,

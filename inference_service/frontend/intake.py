@@ -20,7 +20,7 @@ from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceEx
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.engine.types import ModelInfo, validate_request
-from inference_service.limits import adapter_name, check_request_id, check_stop
+from inference_service.limits import adapter_name, check_n, check_request_id, check_stop
 from inference_service.structured import MAX_CHOICES, GrammarSpec, choice_spec, json_schema_spec
 from inference_service.tokenizer import Tokenizer
 
@@ -73,6 +73,7 @@ class EngineRequest:
     params: SamplingParams
     adapter: str | None
     request_id: str | None = None  # None: the engine names it
+    n: int = 1  # samples (engine.client.add_samples when above 1)
 
 
 class Intake:
@@ -180,7 +181,9 @@ class Intake:
             skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
             grammar=grpc_grammar(s),
         ))
-        return EngineRequest(prompt_ids, params, adapter, request_id)
+        n = request.n if request.HasField("n") else 1
+        check_n(n, self.model_info.limits.max_n)
+        return EngineRequest(prompt_ids, params, adapter, request_id, n)
 
 
 def grpc_grammar(s: pb.SamplingParams) -> GrammarSpec | None:

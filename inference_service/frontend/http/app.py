@@ -124,7 +124,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
                 raise BadField(str(e), _grammar_field(body)) from None
         adapter = optional_adapter(adapter)
         await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
-        gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl")
+        gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage))
@@ -137,10 +137,9 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
             gen.close()
         if result is None:
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
-        text, last = result
         if chat:
-            return JSONResponse(openai.chat_body(gen, body.model, text, last, ToolCalls.of(body)))
-        return JSONResponse(openai.completion_body(gen, body.model, text, last))
+            return JSONResponse(openai.chat_body(gen, body.model, result, ToolCalls.of(body)))
+        return JSONResponse(openai.completion_body(gen, body.model, result))
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:

@@ -3,13 +3,16 @@ SamplingParams → engine stream → OpenAI response or SSE chunks.
 
 Whatever ends a request (its last token, a client disconnect, an error), `Generation.close`
 runs once and aborts it in the engine unless it already finished: the same exactly-once path
-as the gRPC handler's `finally`.
+as the gRPC handler's `finally`. With `n` > 1 the request is n engine requests (its samples,
+engine.client.add_samples), read together (engine.streams.merged) and each aborted by the close
+unless it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import logging
 import time
@@ -23,7 +26,7 @@ from starlette.requests import Request as HttpRequest
 from adapter_cache.errors import InvalidArgumentError
 from inference_service.engine.client import EngineClient
 from inference_service.engine.request import CacheSalt, FinishReason, RequestOutput, SamplingParams, TokenLogprobs
-from inference_service.engine.streams import RequestStream
+from inference_service.engine.streams import RequestStream, merged
 from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.http.errors import BadField, error_body, status_of
 from inference_service.frontend.http.protocol import (
@@ -35,6 +38,7 @@ from inference_service.frontend.http.protocol import (
     _Sampling,
 )
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, engine_end_error
+from inference_service.limits import check_n
 from inference_service.structured import GrammarSpec, choice_spec, json_schema_spec
 
 log = logging.getLogger("loraplex.http")
@@ -44,36 +48,59 @@ OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", Finis
 
 @dataclass
 class Generation:
-    """One submitted request: its engine stream and the bookkeeping that ends it exactly once."""
+    """One submitted request, its n samples' engine streams, and the bookkeeping that ends each
+    sample exactly once."""
 
     engine: EngineClient
-    request_id: str
+    request_id: str  # the response's id; sample i runs in the engine as streams[i].request_id
     adapter: str | None
     prompt_tokens: int
-    stream: RequestStream
+    streams: list[RequestStream]
     started: float = field(default_factory=time.monotonic)
-    finished: bool = False
-    reason: FinishReason | None = None
-    generated: int = 0
     status: int = 200
     closed: bool = False
+    finished: list[bool] = field(init=False)
+    reasons: list[FinishReason | None] = field(init=False)
+    generated: list[int] = field(init=False)
 
-    def observe(self, out: RequestOutput) -> None:
-        self.generated = out.generated_tokens or self.generated + len(out.new_token_ids)
+    def __post_init__(self) -> None:
+        n = len(self.streams)
+        self.finished, self.reasons, self.generated = [False] * n, [None] * n, [0] * n
+
+    @property
+    def n(self) -> int:
+        return len(self.streams)
+
+    def observe(self, index: int, out: RequestOutput) -> None:
+        self.generated[index] = out.generated_tokens or self.generated[index] + len(out.new_token_ids)
         if out.finished:
-            self.finished, self.reason = True, out.finish_reason
+            self.finished[index], self.reasons[index] = True, out.finish_reason
+
+    def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(sample index, output) as the samples produce them, each observed."""
+        return _observed(self)
 
     def close(self) -> None:
+        """Aborts every sample that has not ended (a client gone, an error in one sample): each once."""
         if self.closed:
             return
         self.closed = True
-        if not self.finished:
-            self.engine.abort(self.request_id, reason=FinishReason.CANCELLED)
-            self.reason = FinishReason.CANCELLED
-            self.status = 499
+        for index, stream in enumerate(self.streams):
+            if not self.finished[index]:
+                self.engine.abort(stream.request_id, reason=FinishReason.CANCELLED)
+                self.reasons[index] = FinishReason.CANCELLED
+                self.status = 499 if self.status == 200 else self.status
+        reasons = sorted({r.value for r in self.reasons if r is not None})
         log.info("request %s adapter=%s finish=%s status=%d tokens=%d seconds=%.3f", self.request_id,
-                 self.adapter or "-", self.reason.value if self.reason else "-", self.status, self.generated,
+                 self.adapter or "-", ",".join(reasons) or "-", self.status, sum(self.generated),
                  time.monotonic() - self.started)
+
+
+async def _observed(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with contextlib.aclosing(merged(gen.streams)) as outputs:
+        async for index, out in outputs:
+            gen.observe(index, out)
+            yield index, out
 
 
 class OpenAIGeneration:
@@ -150,9 +177,16 @@ class OpenAIGeneration:
         return self.intake.bounded_text(text)
 
     def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int) -> SamplingParams:
-        refuse = [name for name, bad in (("n", body.n != 1), ("echo", getattr(body, "echo", False)),
-                                         ("suffix", getattr(body, "suffix", None) is not None),
-                                         ("best_of", (getattr(body, "best_of", None) or 1) != 1)) if bad]
+        try:
+            check_n(body.n, self.engine.model_info.limits.max_n)
+        except InvalidArgumentError as e:
+            raise BadField(str(e), "n") from None
+        best_of = getattr(body, "best_of", None)
+        if best_of is not None and best_of != body.n:  # n samples are all returned: none is ranked away
+            raise BadField(f"best_of must equal n ({body.n}) when given, got {best_of}: this server returns every "
+                           "sample it generates and does not rank them", "best_of")
+        refuse = [name for name, bad in (("echo", getattr(body, "echo", False)),
+                                         ("suffix", getattr(body, "suffix", None) is not None)) if bad]
         if refuse:
             raise BadField(f"not supported: {', '.join(refuse)}", refuse[0])
         max_tokens = self.intake.max_new_tokens(max_tokens, prompt_len)
@@ -179,29 +213,41 @@ class OpenAIGeneration:
         return self.intake.sampling(params)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-               prefix: str) -> Generation:
+               prefix: str, n: int = 1) -> Generation:
+        """The request's n samples in the engine (n > 1: engine.client.add_samples, which shares the
+        prompt's prefill and gives each sample its own seed)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id,
-                                         cache_salt=self.cache_salt)
-        return Generation(self.engine, request_id, adapter, len(prompt_ids), stream)
+        if n == 1:
+            streams = [self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id,
+                                               cache_salt=self.cache_salt)]
+        else:
+            streams = self.engine.add_samples(prompt_ids, params, n, adapter=adapter, request_id=request_id,
+                                              cache_salt=self.cache_salt)
+        return Generation(self.engine, request_id, adapter, len(prompt_ids), streams)
 
     # ---- engine → response ----
 
-    async def collect(self, gen: Generation, http: HttpRequest) -> tuple[str, RequestOutput] | None:
-        """All of a request's text, or None when the client disconnected first (the caller's
-        `gen.close()` then aborts the request)."""
+    async def collect(self, gen: Generation, http: HttpRequest) -> list[tuple[str, RequestOutput]] | None:
+        """Each sample's text and final output, by index, or None when the client disconnected first
+        (the caller's `gen.close()` then aborts every sample). A sample the engine ended raises its
+        error at once (the close aborts the others)."""
 
-        async def run() -> tuple[str, RequestOutput]:
-            parts: list[str] = []
-            logprobs: list[TokenLogprobs] = []
-            async for out in gen.stream:
-                gen.observe(out)
-                parts.append(out.text)
-                logprobs += out.logprobs or ()
-                if out.finished:
-                    out.logprobs = logprobs if out.logprobs is not None else None
-                    return "".join(parts), out
-            raise RuntimeError("engine stream ended without a final output")
+        async def run() -> list[tuple[str, RequestOutput]]:
+            parts: list[list[str]] = [[] for _ in gen.streams]
+            logprobs: list[list[TokenLogprobs]] = [[] for _ in gen.streams]
+            lasts: list[RequestOutput | None] = [None] * gen.n
+            async with contextlib.aclosing(gen.outputs()) as outputs:
+                async for index, out in outputs:
+                    parts[index].append(out.text)
+                    logprobs[index] += out.logprobs or ()
+                    if out.finished:
+                        out.logprobs = logprobs[index] if out.logprobs is not None else None
+                        lasts[index] = out
+                        if out.finish_reason in ENGINE_ENDED:
+                            raise engine_end_error(out)
+            if any(last is None for last in lasts):
+                raise RuntimeError("engine stream ended without a final output")
+            return [("".join(p), last) for p, last in zip(parts, lasts, strict=True)]  # type: ignore[misc]
 
         task = asyncio.ensure_future(run())
         gone = asyncio.ensure_future(_disconnected(http))
@@ -210,69 +256,70 @@ class OpenAIGeneration:
             if not task.done():
                 task.cancel()
                 return None
-            text, last = task.result()
+            return task.result()
         finally:
             gone.cancel()
-        if last.finish_reason in ENGINE_ENDED:
-            raise engine_end_error(last)
-        return text, last
 
     async def sse(self, gen: Generation, model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
-        """OpenAI server-sent events: one chunk per engine delta, then usage (if asked) and [DONE]."""
+        """OpenAI server-sent events: one chunk per engine delta of any sample (its `index`), then
+        usage (if asked) and [DONE]."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None, no_choice: bool = False) -> bytes:
+        def chunk(index: int, choice: dict[str, Any], usage: dict[str, Any] | None = None,
+                  no_choice: bool = False) -> bytes:
             body: dict[str, Any] = {"id": gen.request_id, "object": kind, "created": created, "model": model,
-                                    "choices": [] if no_choice else [{"index": 0, **choice}]}
+                                    "choices": [] if no_choice else [{"index": index, **choice}]}
             if usage is not None:
                 body["usage"] = usage
             return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
         if chat:
-            yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-        offsets = TextOffsets()  # text_offset counts from the start of the completion, across chunks
-        last: RequestOutput | None = None
-        async for out in gen.stream:
-            gen.observe(out)
-            last = out
-            if out.finished and out.finish_reason in ENGINE_ENDED:
-                error = engine_end_error(out)
-                gen.status = status_of(error)
-                yield b"data: " + json.dumps(error_body(str(error), gen.status, error.code)).encode() + b"\n\n"
-                break
-            finish = OPENAI_FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
-            if out.text or finish or out.logprobs:
-                content = {"delta": {"content": out.text}} if chat else {"text": out.text}
-                yield chunk({**content, "logprobs": self.logprobs_body(out.logprobs, chat, offsets),
-                             "finish_reason": finish,
-                             **({"stop_reason": out.stop_reason} if finish else {})})
-            if out.finished:
-                break
-        if include_usage and last is not None and gen.status == 200:
-            totals = usage(gen.prompt_tokens, last.generated_tokens, last.cached_tokens)
-            yield chunk({}, usage=totals, no_choice=True)
+            for index in range(gen.n):
+                yield chunk(index, {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None})
+        # text_offset counts from the start of each completion, across chunks
+        offsets = [TextOffsets() for _ in gen.streams]
+        lasts: list[RequestOutput | None] = [None] * gen.n
+        async with contextlib.aclosing(gen.outputs()) as outputs:
+            async for index, out in outputs:
+                lasts[index] = out
+                if out.finished and out.finish_reason in ENGINE_ENDED:
+                    error = engine_end_error(out)
+                    gen.status = status_of(error)
+                    yield b"data: " + json.dumps(error_body(str(error), gen.status, error.code)).encode() + b"\n\n"
+                    break
+                finish = OPENAI_FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
+                if out.text or finish or out.logprobs:
+                    content = {"delta": {"content": out.text}} if chat else {"text": out.text}
+                    yield chunk(index, {**content, "logprobs": self.logprobs_body(out.logprobs, chat, offsets[index]),
+                                        "finish_reason": finish,
+                                        **({"stop_reason": out.stop_reason} if finish else {})})
+        if include_usage and all(last is not None for last in lasts) and gen.status == 200:
+            yield chunk(0, {}, usage=samples_usage(gen.prompt_tokens, lasts), no_choice=True)  # type: ignore[arg-type]
         yield b"data: [DONE]\n\n"
 
-    def completion_body(self, gen: Generation, model: str, text: str, last: RequestOutput) -> dict[str, Any]:
+    def completion_body(self, gen: Generation, model: str, results: list[tuple[str, RequestOutput]]) -> dict[str, Any]:
+        choices = [{"index": index, "text": text, "logprobs": self.logprobs_body(last.logprobs, chat=False),
+                    "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
+                    "stop_reason": last.stop_reason} for index, (text, last) in enumerate(results)]
         return {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": self.logprobs_body(last.logprobs, chat=False),
-                             "finish_reason": OPENAI_FINISH.get(last.finish_reason),  # type: ignore[arg-type]
-                             "stop_reason": last.stop_reason}],
-                "usage": usage(gen.prompt_tokens, last.generated_tokens, last.cached_tokens)}
+                "choices": choices, "usage": samples_usage(gen.prompt_tokens, [last for _, last in results])}
 
-    def chat_body(self, gen: Generation, model: str, text: str, last: RequestOutput,
+    def chat_body(self, gen: Generation, model: str, results: list[tuple[str, RequestOutput]],
                   tools: ToolCalls | None = None) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = OPENAI_FINISH.get(last.finish_reason)  # type: ignore[arg-type]
-        if tools is not None and finish == "stop":  # a complete answer under the calls' grammar
-            message = {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}
-            finish = "stop" if tools.named else "tool_calls"  # OpenAI's: a named function ends with stop
+        choices = []
+        for index, (text, last) in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = OPENAI_FINISH.get(last.finish_reason)  # type: ignore[arg-type]
+            if tools is not None and finish == "stop":  # a complete answer under the calls' grammar
+                message = {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}
+                finish = "stop" if tools.named else "tool_calls"  # OpenAI's: a named function ends with stop
+            choices.append({"index": index, "message": message,
+                            "logprobs": self.logprobs_body(last.logprobs, chat=True),
+                            "finish_reason": finish, "stop_reason": last.stop_reason})
         return {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": self.logprobs_body(last.logprobs, chat=True),
-                             "finish_reason": finish, "stop_reason": last.stop_reason}],
-                "usage": usage(gen.prompt_tokens, last.generated_tokens, last.cached_tokens)}
+                "choices": choices, "usage": samples_usage(gen.prompt_tokens, [last for _, last in results])}
 
     def logprobs_body(self, logprobs: list[TokenLogprobs] | None, chat: bool,
                       offsets: TextOffsets | None = None) -> dict[str, Any] | None:
@@ -445,6 +492,13 @@ def _logprobs(body: _Sampling) -> int | None:
             raise InvalidArgumentError("top_logprobs needs logprobs set to true")
         return (body.top_logprobs or 0) if body.logprobs else None
     return getattr(body, "logprobs", None)
+
+
+def samples_usage(prompt_tokens: int, lasts: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of a request's n samples: the prompt once, the completions summed, and the prompt's cached
+    tokens once, as sample 0 (the one that prefilled it) found them; the other samples' hits on sample
+    0's blocks are the n-sample sharing itself, not counted again (gRPC reports each sample's)."""
+    return usage(prompt_tokens, sum(last.generated_tokens for last in lasts), lasts[0].cached_tokens)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 No field is silently dropped: a field these models do not declare is refused with a 400 that names
 it (`extra="forbid"`: vLLM's `guided_json`, a typo...). Declared fields either map onto our
 sampling (structured output: `response_format`, `structured_outputs`), are refused unless at their
-default (`n` > 1, `echo`, `suffix`, `best_of`, tool_choice `auto`), or are OpenAI's fields that
+default (`echo`, `suffix`, `best_of` other than `n`, tool_choice `auto`), or are OpenAI's fields that
 cannot change the output and are accepted and ignored (IGNORED_FIELDS, listed in docs/http.md).
 """
 
@@ -65,7 +65,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = 1  # samples, 1 to --max-n: n engine requests sharing the prompt's prefill (generation.py)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     # token id (as a string, OpenAI's shape) -> bias; the count bounded while parsing
