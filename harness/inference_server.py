@@ -45,6 +45,20 @@ class InferenceServer:
     def channel(self, **kwargs) -> grpc.Channel:
         return grpc.insecure_channel(self.address, **kwargs)
 
+    def openai(self, timeout: float = 120.0):  # -> openai.OpenAI (imported here: not every test needs it)
+        """The official SDK pointed at the HTTP front end, without retries (a test sees every answer)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.http_url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def load_http_adapter(self, name: str, path: str | Path) -> None:
+        """vLLM's /v1/load_lora_adapter, which must succeed."""
+        import httpx
+
+        r = httpx.post(self.http_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

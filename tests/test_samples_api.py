@@ -54,15 +54,13 @@ def server(tmp_path_factory):
                                 str(LIMIT), "--max-loras", "2", "--max-lora-rank", "8",
                                 "--adapter-source-allow", tmp.as_uri()],
                                env={"LORAPLEX_MAX_N": str(MAX_N)}, log_dir=tmp, http=True)
-    r = httpx.post(s.http_url + "/v1/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": str(tmp / ADAPTER)},
-                   timeout=60)
-    assert r.status_code == 200, r.text
+    s.load_http_adapter(ADAPTER, tmp / ADAPTER)
     yield s
     s.stop()
 
 
 def _client(server: InferenceServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai()
 
 
 def _completions(server, stream: bool, **kw) -> tuple[list[str], list[str], dict]:

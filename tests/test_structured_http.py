@@ -58,15 +58,13 @@ def server(tmp_path_factory):
                                 "--grammar-compile-cpu-s", str(COMPILE_CPU_S)],
                                log_dir=tmp, http=True)
     for name in ("ad1", "ad2"):
-        r = httpx.post(s.http_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tmp / name)},
-                       timeout=60)
-        assert r.status_code == 200, r.text
+        s.load_http_adapter(name, tmp / name)
     yield s
     s.stop()
 
 
 def _client(server: InferenceServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai()
 
 
 def _chat(server, **kwargs):
