@@ -53,7 +53,7 @@ class InferenceServer:
 
     def load_http_adapter(self, name: str, path: str | Path) -> None:
         """vLLM's /v1/load_lora_adapter, which must succeed."""
-        import httpx
+        import httpx2 as httpx
 
         r = httpx.post(self.http_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
                        timeout=60)
