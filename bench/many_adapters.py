@@ -8,8 +8,10 @@ Zipf distribution with s=1 over the A adapters (`zipf`: a few hot adapters, a lo
 Engines: the default configuration (`--max-loras auto`: the pool sized by memory, paged by rank),
 the base model in the same engine (requests without an adapter), and the old fixed-slot pool
 (`--baseline-slots` slots of rank 16) as the baseline. Each measurement runs the workload once to
-warm up (adapters staged into the host cache, loaded into the pool) and then `--rounds` times; the
-median round counts. Adapter loads during the timed rounds (when the pool cannot hold every
+warm up (adapters staged into the host cache, loaded into the pool) and then `--rounds` times, each
+round a base-model run and an adapter run in the same engine; the median of the rounds' ratios
+counts (the machine's load drifts; alternating puts the drift on both sides of a ratio).
+Adapter loads during the timed rounds (when the pool cannot hold every
 adapter) count: they are part of serving that many adapters.
 Every request must produce exactly `--new-tokens` tokens, and the default pool's tokens must equal
 the fixed-slot pool's (the same adapters, greedy) in at least 95% of requests (a near-tie may flip),
@@ -79,6 +81,23 @@ def measure(core: EngineCore, prompts: list[list[int]], names: list[str | None],
     return statistics.median(rates), tokens
 
 
+def measure_against_base(core: EngineCore, prompts: list[list[int]], names: list[str | None],
+                         args: argparse.Namespace, tag: str) -> tuple[float, float, list[list[int]]]:
+    """Rounds of the base model and of `names` alternated in the same engine (after one warm-up
+    of each): the median of the rounds' ratios (drift in the machine's load hits both sides of a
+    round alike), the median adapter tokens/s, and the last round's tokens."""
+    base_names: list[str | None] = [None] * len(prompts)
+    run(core, prompts, base_names, args.new_tokens, f"{tag}-base-warm")
+    run(core, prompts, names, args.new_tokens, f"{tag}-warm")
+    ratios, rates, tokens = [], [], []
+    for r in range(args.rounds):
+        base, _ = run(core, prompts, base_names, args.new_tokens, f"{tag}-base-{r}")
+        rate, tokens = run(core, prompts, names, args.new_tokens, f"{tag}-{r}")
+        ratios.append(rate / base)
+        rates.append(rate)
+    return statistics.median(ratios), statistics.median(rates), tokens
+
+
 def engine(checkpoint: Path, adapters: dict[str, Path], max_loras: int | str) -> EngineCore:
     core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=max_loras,
                                    max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20))
@@ -122,18 +141,20 @@ def main() -> None:
         for kind in ("uniform", "zipf"):
             for count in counts:
                 names = [names_all[a] for a in assignment(count, args.requests, kind)]
-                ours, ours_tokens = measure(auto, prompts, list(names), args, f"auto-{kind}-{count}")
-                old, old_tokens = measure(fixed, prompts, list(names), args, f"fixed-{kind}-{count}")
+                ratio, ours, ours_tokens = measure_against_base(auto, prompts, list(names), args,
+                                                                f"auto-{kind}-{count}")
+                old_ratio, old, old_tokens = measure_against_base(fixed, prompts, list(names), args,
+                                                                  f"fixed-{kind}-{count}")
                 for label, tokens in (("default pool", ours_tokens), ("fixed slots", old_tokens)):
                     if any(len(t) != args.new_tokens for t in tokens):
                         problems.append(f"{kind} {count}: {label}: a request did not make {args.new_tokens} tokens")
                 same += sum(a == b for a, b in zip(ours_tokens, old_tokens, strict=True))
                 total += len(ours_tokens)
-                results[(kind, count)] = ours / base
+                results[(kind, count)] = ratio
                 stats = auto.lora.stats()
                 print(f"{kind:7} {count:3} adapters ({len(set(names)):3} distinct in the batch): default pool "
-                      f"{ours:8.1f} tok/s = {ours / base:.3f} of base; fixed {args.baseline_slots} slots {old:8.1f} "
-                      f"= {old / base:.3f}; pool {stats.pool_bytes_used / 2**20:.1f}/"
+                      f"{ours:8.1f} tok/s = {ratio:.3f} of base; fixed {args.baseline_slots} slots {old:8.1f} "
+                      f"= {old_ratio:.3f}; pool {stats.pool_bytes_used / 2**20:.1f}/"
                       f"{stats.pool_bytes_total / 2**20:.1f} MiB, resident by rank {dict(stats.resident_by_rank)}, "
                       f"evictions {dict(stats.evictions_by_cause)}", flush=True)
         auto.shutdown()
