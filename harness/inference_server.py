@@ -12,6 +12,8 @@ Standalone: `python -m harness.inference_server [server args]` starts one and pr
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -114,6 +116,20 @@ def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: fl
     raise TimeoutError(f"inference server at {address} not SERVING after {timeout}s: {last}")
 
 
+# Every server this process started: killed, with its process group, when the test process exits. A
+# fixture whose set-up fails after the server is up (an adapter load, an import) never reaches its
+# stop(), and a server in a session of its own outlives pytest (seen: three idle servers left behind).
+_STARTED: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_left_over_servers() -> None:
+    for proc in _STARTED:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def start_inference_server(
     args: Sequence[str] = (),
     env: dict[str, str] | None = None,
@@ -146,6 +162,7 @@ def start_inference_server(
                                 start_new_session=True)
     server = InferenceServer(listen, f"http://127.0.0.1:{metrics_port}/metrics", proc, log_path,
                              f"http://127.0.0.1:{http_port}" if http else "")
+    _STARTED.append(proc)
     try:
         wait_serving(listen, proc, timeout, credentials, **(channel_kw or {}))
     except Exception as e:
