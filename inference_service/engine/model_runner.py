@@ -133,6 +133,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
+        context_index: list[int] = []  # the blocks of every prefill over cached context, in order
         ranks: dict[int, int] = {}
         pages: dict[int, tuple[int, ...]] = {}
         for planned in rows:
@@ -151,10 +152,13 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillSegment(row, row + num_tokens, start, self._tensor(table)))
+                if start > 0:
+                    context_index.extend(table)
             if planned.samples:
                 logits_rows.append(row + num_tokens - 1)
                 sampled.append(planned)
-        attention = AttentionBatch(slot_mapping=self._tensor(slot_mapping), prefills=prefills)
+        attention = AttentionBatch(slot_mapping=self._tensor(slot_mapping), prefills=prefills,
+                                   context_index=self._tensor(context_index) if context_index else None)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]

@@ -88,18 +88,27 @@ class TorchPagedAttention:
                 return result
             out.index_copy_(0, decode_rows, result)
         assert out is not None  # only batches of decodes alone return above
-        for seg in batch.prefills:
+        # One gather for K and one for V per layer, of every segment's blocks at once: a gather per
+        # segment was 64 parallel regions a step for 8 segments of 4 layers (see docs/architecture.md).
+        context = batch.context_blocks()
+        if context is not None:
+            index, offsets = context
+            all_keys = self.scratch.gather(0, k_cache, index)  # [blocks, block_size, Hkv, D]
+            all_values = self.scratch.gather(1, v_cache, index)
+        for i, seg in enumerate(batch.prefills):
             queries = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
             if seg.num_computed == 0:
                 keys = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
                 values = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
                 result = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
             else:
-                context = seg.num_computed + seg.end - seg.start
-                keys = self.scratch.gather(0, k_cache, seg.block_table).view(-1, num_kv_heads, head_dim)[:context]
-                values = self.scratch.gather(1, v_cache, seg.block_table).view(-1, num_kv_heads, head_dim)[:context]
-                query_pos = torch.arange(seg.num_computed, context, device=q.device)[:, None]
-                mask = torch.arange(context, device=q.device)[None, :] <= query_pos
+                assert context is not None  # every segment over cached context is in it
+                length = seg.num_computed + seg.end - seg.start
+                first, last = offsets[i], offsets[i] + seg.block_table.shape[0]
+                keys = all_keys[first:last].view(-1, num_kv_heads, head_dim)[:length]
+                values = all_values[first:last].view(-1, num_kv_heads, head_dim)[:length]
+                query_pos = torch.arange(seg.num_computed, length, device=q.device)[:, None]
+                mask = torch.arange(length, device=q.device)[None, :] <= query_pos
                 result = F.scaled_dot_product_attention(
                     queries,
                     keys.transpose(0, 1).unsqueeze(0),

@@ -31,6 +31,31 @@ class AttentionBatch:
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks], padded with block 0
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each decode row (incl. its token)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # Every block of the prefill segments over cached context (num_computed > 0), segment after
+    # segment: one gather per layer reads them all (see `context_blocks`). The model runner sets it;
+    # built from the segments' tables on first use where it did not.
+    context_index: torch.Tensor | None = None
+
+    def context_blocks(self) -> tuple[torch.Tensor, list[int]] | None:
+        """The flat block index of every prefill segment over cached context and each such
+        segment's first position in it (-1 for a segment without cached context); None if none."""
+        if self._context is None:
+            offsets, tables, offset = [], [], 0
+            for seg in self.prefills:
+                if seg.num_computed == 0:
+                    offsets.append(-1)
+                    continue
+                offsets.append(offset)
+                tables.append(seg.block_table)
+                offset += seg.block_table.shape[0]
+            if not tables:
+                return None
+            index = self.context_index if self.context_index is not None else torch.cat(tables)
+            assert index.shape[0] == offset, "context_index does not match the segments' tables"
+            self._context = (index, offsets)
+        return self._context
+
+    _context: tuple[torch.Tensor, list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass
