@@ -35,18 +35,22 @@ def main() -> int:
     args = p.parse_args()
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(ROOT / "bench"))
     from prefix_cache import make_model_and_adapters
+
+    print(f"root {ROOT}; torch threads {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory(prefix="pc-step-") as tmp:
+        return _run(args, make_model_and_adapters(Path(tmp)))
+
+
+def _run(args: argparse.Namespace, model: Path) -> int:
+    from torch.profiler import ProfilerActivity, profile
 
     from inference_service.engine.config import EngineConfig
     from inference_service.engine.core import EngineCore
     from inference_service.engine.request import Request, SamplingParams
 
-    print(f"root {ROOT}; torch threads {torch.get_num_threads()}")
-    tmp = Path(tempfile.mkdtemp(prefix="pc-step-"))
-    model = make_model_and_adapters(tmp)
     core = EngineCore(EngineConfig(model=str(model), device="cpu", tokenizer="byte", max_loras=4, max_lora_rank=16,
                                    kv_cache_bytes=256 << 20, async_scheduling="off", prefix_cache=True))
     rng = random.Random(0)
