@@ -6,6 +6,9 @@ opening with the same system prompt (SYSTEM tokens), TURNS turns each: every tur
 history (the previous prompt, the assistant's text as the client got it, re-encoded, and a new
 user message of 16-40 tokens) and streams MAX_NEW tokens back (greedy, EOS ignored, logprobs on so
 every token is its own SSE chunk). TTFT is measured by the client from sending to the first chunk.
+The random model's answers are kept to ASCII bytes (logit_bias -100 on ids 128 and up): a byte that
+is not valid UTF-8 on its own reaches the client as U+FFFD and re-encodes to three other bytes, so
+its answers never came back as the tokens the server cached (a real model's text round-trips).
 Then a no-reuse workload: single-turn requests with unique random prompts, tokens/s.
 
 The server runs twice in this one process tree, `--prefix-cache on` then `off`; the load generator
@@ -57,6 +60,8 @@ def client_main(args) -> None:
     async def stream(client, model: str, prompt: list[int]) -> tuple[float, str, int, int]:
         body = {"model": model, "prompt": prompt, "max_tokens": args.max_new_tokens, "temperature": 0,
                 "ignore_eos": True, "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if args.ascii_vocab:  # see the module docstring: the answer's text must re-encode to its tokens
+            body["logit_bias"] = {str(i): -100 for i in range(128, args.ascii_vocab)}
         sent = time.perf_counter()
         ttft, text, usage = None, [], None
         async with client.stream("POST", args.client + "/v1/completions", json=body) as r:
@@ -157,7 +162,8 @@ def run_server(args, tmp: Path, prefix_cache: str) -> dict:
             [sys.executable, __file__, "--client", url, "--served-model", Path(args.model).name,
              "--conversations", str(args.conversations), "--turns", str(args.turns), "--system", str(args.system),
              "--max-new-tokens", str(args.max_new_tokens), "--no-reuse-total", str(args.no_reuse_total),
-             "--no-reuse-prompt", str(args.no_reuse_prompt)],
+             "--no-reuse-prompt", str(args.no_reuse_prompt),
+             "--ascii-vocab", str(SMALL_MODEL["vocab_size"] if args.model == str(tmp / "small") else 0)],
             check=True, capture_output=True, text=True, timeout=1800)
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
@@ -215,6 +221,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="cpu | cuda (the server gets the same)")
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as the load generator against this URL
     p.add_argument("--served-model", help=argparse.SUPPRESS)
+    p.add_argument("--ascii-vocab", type=int, default=0, help=argparse.SUPPRESS)  # internal: bias ids 128+ away
     args = p.parse_args()
     if args.client:
         client_main(args)
