@@ -20,6 +20,7 @@ from harness.tools import require_tool
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.engine.request import FinishReason, RequestOutput, Timings
+from inference_service.engine.types import ModelInfo
 from inference_service.frontend.grpc_server import ServerConfig, build_server
 from inference_service.frontend.metrics import build_registry
 from inference_service.limits import RequestLimits
@@ -28,16 +29,10 @@ from inference_service.tokenizer import ByteTokenizer
 GRPCURL = Path(sys.executable).with_name("grpcurl")  # the venv running the tests ships it (pip wrapper)
 
 
-@dataclass
-class FakeModelInfo:
-    name: str = "fake"
-    max_context: int = 64
-    vocab_size: int = 258
-    max_loras: int = 2
-    max_lora_rank: int = 8
-    max_new_tokens_limit: int = 32
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    max_registered_adapters: int = 8
+def fake_model_info() -> ModelInfo:
+    """The engine's own type (a hand-made twin drifted: it lacked the pool's fields GetModelInfo reads)."""
+    return ModelInfo(name="fake", max_context=64, vocab_size=258, max_loras=2, max_lora_rank=8,
+                     max_new_tokens_limit=32, limits=RequestLimits(), max_registered_adapters=8)
 
 
 @dataclass
@@ -78,7 +73,7 @@ class FakeStream:
 class FakeEngine:
     delay: float = 0.0
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
-    model_info: FakeModelInfo = field(default_factory=FakeModelInfo)
+    model_info: ModelInfo = field(default_factory=fake_model_info)
     aborted: dict[str, FinishReason] = field(default_factory=dict)
     adapters: dict[str, FakeAdapter] = field(default_factory=dict)
 
