@@ -26,6 +26,15 @@ MAX_REPETITION_PENALTY = 10.0
 CacheSalt = tuple[tuple[str, str], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class TenantTag:
+    """The tenant a request belongs to, named by the front end from its trusted side (its credential,
+    mTLS identity or an operator-declared header: frontend/tenants.py), never by a request field."""
+
+    name: str
+    weight: float = 1.0
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
@@ -246,6 +255,7 @@ class Request:
         # alone), the key chain of this request's full blocks and the root it started from
         # (engine.prefix_cache), and the prompt tokens its first admission found cached (-1: not yet).
         self.cache_salt: CacheSalt | None = None
+        self.tenant: TenantTag | None = None  # None: a caller that names no tenant (tests, benches)
         self.cache_root: bytes | None = None
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1
