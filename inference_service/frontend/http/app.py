@@ -188,13 +188,15 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         data += [{**card, "id": a.name, "root": a.uri if admin else a.name, "parent": base} for a in latest.values()]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.post("/v1/load_lora_adapter")
     def admin_check(http: HttpRequest) -> Tenant:
+        """Admin routes: an admin or a tenant of the tenants file (which acts on its own adapters), or
+        the admin token rules of gRPC (auth.admin_disabled_reason)."""
         tenant = tenant_of(http)
         if not (tenant.admin or tenant.from_token):
             auth.check(http.headers.items())
         return tenant
 
+    @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(http: HttpRequest) -> Response:
         tenant = admin_check(http)
         body = await offload.parse(http, LoadLoraAdapterRequest)
