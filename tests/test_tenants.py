@@ -17,6 +17,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
+from adapter_cache.errors import UnauthenticatedError
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import assert_clean, solo_run, victim_beside
 from inference_service.api import inference_pb2 as pb
@@ -338,8 +339,13 @@ def test_trusted_header_only_when_the_operator_set_it() -> None:
     specs = (TenantSpec("alpha"),)
     assert Tenancy(specs).resolve((("x-tenant", "alpha"),), None).name == ANONYMOUS
     assert Tenancy(specs, trusted_header="X-Tenant").resolve((("x-tenant", "alpha"),), None).name == "alpha"
-    # a header cannot name the admin principal
-    assert not Tenancy(specs, "adm", trusted_header="x-tenant").resolve((("x-tenant", "admin"),), None).admin
+    # a header cannot name the admin principal, nor make an admin of a tenant
+    for reserved in ("admin", "anonymous", "other"):
+        with pytest.raises(UnauthenticatedError):
+            Tenancy(specs, "adm", trusted_header="x-tenant").resolve((("x-tenant", reserved),), None)
+    admin_spec = (TenantSpec("ops", admin=True),)
+    assert not Tenancy(admin_spec, trusted_header="x-tenant").resolve((("x-tenant", "ops"),), None).admin
+    assert Tenancy(admin_spec).resolve((), "ops").admin  # an mTLS identity the CA vouched for may be
 
 
 def test_token_bucket_refills_and_refunds() -> None:

@@ -49,6 +49,7 @@ ADMIN = "admin"  # the admin token's principal
 OTHER = "other"  # the metric label of tenants outside the top-K
 RESERVED_NAMES = (ANONYMOUS, ADMIN, OTHER)
 MAX_TENANTS = 10_000
+MAX_TRACKED = 10_000  # tenants whose counts are kept one by one (the rest: `other`)
 _FIELDS = {"name", "token_sha256", "token_file", "admin", "max_running", "max_queued", "tokens_per_minute",
            "weight", "mtls_common_name"}
 
@@ -249,6 +250,7 @@ class Tenancy:
         self._clock = clock
         self._lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
+        self._folded = _Usage()  # counters of idle tenants no longer tracked one by one (_fold_idle)
         self.bindings: dict[str, str] = {}  # adapter name → the tenant it is bound to
 
     # ---- identity ----------------------------------------------------------------------------
@@ -270,19 +272,20 @@ class Tenancy:
         if header is not None:
             name = header.decode("utf-8", "replace") if isinstance(header, bytes) else header
             name = name.strip()
-            if not name or len(name) > 128 or not name.isprintable():
+            if not name or len(name) > 128 or not name.isprintable() or name in RESERVED_NAMES:
                 raise UnauthenticatedError(f"the {self.trusted_header} header does not name a tenant")
-            return self._named(name)
+            return self._named(name, admin_allowed=False)  # a header names a tenant, never an admin
         if mtls_identity is not None:
             spec = self._by_cn.get(mtls_identity) or self._by_name.get(mtls_identity)
-            return self._named(spec.name if spec else mtls_identity)
+            name = spec.name if spec else mtls_identity
+            if name in RESERVED_NAMES:
+                raise UnauthenticatedError("the client certificate's subject is a reserved tenant name")
+            return self._named(name)
         return ANONYMOUS_TENANT
 
-    def _named(self, name: str) -> Tenant:
-        if name == ADMIN:
-            return ADMIN_TENANT if self._admin is None else Tenant("tenant:admin")  # a name cannot make an admin
+    def _named(self, name: str, admin_allowed: bool = True) -> Tenant:
         spec = self._by_name.get(name)
-        return Tenant(name, admin=bool(spec and spec.admin), spec=spec)
+        return Tenant(name, admin=bool(admin_allowed and spec and spec.admin), spec=spec)
 
     def _from_token(self, value: str | bytes) -> Tenant | None:
         """The token's tenant; None: no tenants file and not the admin token (the old meaning: the
@@ -364,7 +367,11 @@ class Tenancy:
         spec = tenant.spec
         reserved = samples * (prompt_tokens + max_new_tokens)
         with self._lock:
-            usage = self._usage.setdefault(tenant.name, _Usage())
+            usage = self._usage.get(tenant.name)
+            if usage is None:
+                if len(self._usage) >= MAX_TRACKED:
+                    self._fold_idle()
+                usage = self._usage[tenant.name] = _Usage()
             if spec is not None:
                 cap = spec.max_in_flight
                 if cap is not None and usage.waiting + usage.running + samples > cap:
@@ -393,6 +400,16 @@ class Tenancy:
             return
         usage.bucket = min(float(rate), usage.bucket + (now - usage.bucket_at) * rate / 60.0)
         usage.bucket_at = now
+
+    def _fold_idle(self) -> None:
+        """Bounds the state that names from a trusted header or mTLS can create: idle tenants without a
+        tenants-file entry (no token bucket to keep) are folded into the `other` counters."""
+        for name in [n for n, u in self._usage.items()
+                     if not u.waiting and not u.running and n not in self._by_name]:
+            usage = self._usage.pop(name)
+            self._folded.generated_tokens += usage.generated_tokens
+            for reason, count in usage.refusals.items():
+                self._folded.refusals[reason] = self._folded.refusals.get(reason, 0) + count
 
     @staticmethod
     def _refuse(usage: _Usage, reason: str) -> None:
@@ -435,8 +452,11 @@ class Tenancy:
         with self._lock:
             items = [(n, _Usage(u.waiting, u.running, u.generated_tokens, dict(u.refusals)))
                      for n, u in self._usage.items()]
+            folded = _Usage(0, 0, self._folded.generated_tokens, dict(self._folded.refusals))
         items.sort(key=lambda kv: (-kv[1].generated_tokens, kv[0]))
         top, rest = items[: self.top_k], items[self.top_k:]
+        if folded.generated_tokens or folded.refusals:
+            rest.append((OTHER, folded))
         if rest:
             other = _Usage()
             for _, u in rest:
