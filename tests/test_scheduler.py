@@ -193,3 +193,28 @@ def test_a_step_fills_with_resident_adapters_while_others_wait(tiny_adapters):
         core.abort(request_id)
     core.step()
     assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+
+
+def test_waiting_queue_follows_priority_then_arrival():
+    """vLLM's semantics: lower priority values are admitted first, equal ones first come first served
+    (all 0 by default: plain FCFS). One running request at a time makes admission order visible."""
+    core = _core(max_num_seqs=1)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    first = Request("first", [256, 65, 66], params)
+    core.add_request(first, None)
+    core.step()
+    for rid, priority in (("low", 5), ("mid", 0), ("urgent", -3), ("mid2", 0), ("low2", 5)):
+        request = Request(rid, [256, 65, 66], params)
+        request.priority = priority
+        core.add_request(request, None)
+    started: list[str] = ["first"]
+
+    def step() -> None:
+        for out in core.step():
+            if out.request_id not in started:
+                started.append(out.request_id)
+
+    while core.has_work():
+        step()
+    assert started == ["first", "urgent", "mid", "mid2", "low", "low2"]
+    assert core.runner.kv.num_used == 0

@@ -47,7 +47,7 @@ def _tenants_file(tmp: Path) -> Path:
     (tmp / "beta.token").write_text(TOKENS["beta"] + "\n")
     data = {"tenants": [
         {"name": "alpha", "token_sha256": _sha(TOKENS["alpha"])},
-        {"name": "beta", "token_file": "beta.token"},
+        {"name": "beta", "token_file": "beta.token", "min_priority": -5},
         {"name": "limited", "token_sha256": _sha(TOKENS["limited"]), "max_running": 1, "max_queued": 0},
         {"name": "rated", "token_sha256": _sha(TOKENS["rated"]), "tokens_per_minute": RATE},
         {"name": "ops", "token_sha256": _sha(TOKENS["ops"]), "admin": True},
@@ -319,6 +319,36 @@ def test_http_tenants_never_share_prefix_blocks(tmp_path) -> None:
         assert_clean(server)
     finally:
         server.stop()
+
+
+def test_priority_within_what_the_tenant_may_ask(env) -> None:
+    """A per-request priority (vLLM's: lower first) on both APIs; below the tenant's min_priority (0
+    unless its entry says otherwise; admins: any) is INVALID_ARGUMENT / 400 naming the field."""
+    server, _ = env
+
+    def grpc_priority(md, priority: int) -> pb.GenerateResponse:  # type: ignore[no-untyped-def]
+        with InferenceClient(server.address) as c:
+            req = c.request("hello", max_new_tokens=2, ignore_eos=True)
+            req.priority = priority
+            return list(c.stub.Generate(req, metadata=md, timeout=60))[-1]
+
+    def http_priority(headers: dict[str, str], priority: object) -> httpx.Response:
+        return httpx.post(server.http_url + "/v1/completions", headers=headers, timeout=60,
+                          json={"model": BASE, "prompt": "hello", "max_tokens": 2, "priority": priority})
+
+    assert grpc_priority(_md("alpha"), 7).finish_reason == pb.FINISH_REASON_LENGTH
+    assert grpc_priority(_md("beta"), -5).finish_reason == pb.FINISH_REASON_LENGTH
+    assert grpc_priority(_md("ops"), -1000).finish_reason == pb.FINISH_REASON_LENGTH
+    for md, priority in ((_md("alpha"), -1), ((), -1), (_md("beta"), -6)):
+        assert _code(lambda md=md, p=priority: grpc_priority(md, p))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert http_priority(_headers("alpha"), 3).status_code == 200
+    assert http_priority(_headers("beta"), -5).status_code == 200
+    for headers, priority in ((_headers("alpha"), -1), ({}, -2), (_headers("beta"), -6), (_headers("ops"), 2**31),
+                              (_headers("alpha"), "high")):
+        r = http_priority(headers, priority)
+        assert r.status_code == 400, (priority, r.text)
+        assert r.json()["error"]["param"] == "priority", r.text
+    assert_clean(server)
 
 
 # ---- units ----------------------------------------------------------------------------------------

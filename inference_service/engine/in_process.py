@@ -244,9 +244,9 @@ class Engine(EngineClientBase):
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
-                tenant: TenantTag | None = None) -> None:
+                tenant: TenantTag | None = None, priority: int = 0) -> None:
         request = Request(request_id, prompt_token_ids, params)
-        request.cache_salt, request.group, request.tenant = cache_salt, group, tenant
+        request.cache_salt, request.group, request.tenant, request.priority = cache_salt, group, tenant, priority
         self._thread.add_request(request, adapter)
 
     def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:

@@ -81,6 +81,7 @@ class AddRequest:
     cache_salt: CacheSalt | None = None  # who may share its prefix-cached KV (frontend/cache_salt.py)
     group: str | None = None  # the id a request's n samples share (Request.group)
     tenant: TenantTag | None = None  # whose request it is (frontend/tenants.py)
+    priority: int = 0  # lower first (Scheduler.add)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -324,6 +325,7 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
                 request = Request(message.request_id, message.prompt_token_ids, message.params)
                 request.timings.arrival = message.arrival  # TTFT counts from the front end's intake
                 request.cache_salt, request.group, request.tenant = message.cache_salt, message.group, message.tenant
+                request.priority = message.priority
                 thread.add_request(request, message.adapter)
             elif isinstance(message, AbortRequest):
                 thread.abort(message.request_id, message.reason)
@@ -441,9 +443,9 @@ class ProcessEngine(EngineClientBase):
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
-                tenant: TenantTag | None = None) -> None:
+                tenant: TenantTag | None = None, priority: int = 0) -> None:
         self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic(), cache_salt,
-                              group, tenant))
+                              group, tenant, priority))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         try:

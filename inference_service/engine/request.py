@@ -256,6 +256,7 @@ class Request:
         # (engine.prefix_cache), and the prompt tokens its first admission found cached (-1: not yet).
         self.cache_salt: CacheSalt | None = None
         self.tenant: TenantTag | None = None  # None: a caller that names no tenant (tests, benches)
+        self.priority = 0  # waiting-queue order: lower first, then arrival (Scheduler.add)
         self.cache_root: bytes | None = None
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1

@@ -2,9 +2,10 @@
 
 Each step: drain finished adapter loads, keep running requests going (decode or the next
 prefill chunk, preempting the newest by recompute when KV blocks run out), then admit waiting
-requests FCFS. A request whose adapter is not LOADED triggers its load and is skipped, so it
-never blocks the line; once a request has been passed over `aging_steps` times and still cannot
-get a slot, later requests stop overtaking it, so slots drain and nothing starves.
+requests by priority (lower first; FCFS among equals, and all are 0 unless a client asks). A
+request whose adapter is not LOADED triggers its load and is skipped, so it never blocks the line;
+once a request has been passed over `aging_steps` times and still cannot get a slot, later
+requests stop overtaking it, so slots drain and nothing starves.
 
 A request's n samples (`Request.group`) share its prompt's prefill: the first sample added leads,
 and with the prefix cache on the others wait (WaitReason.SAMPLES) until the leader's prompt blocks
@@ -61,10 +62,25 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
         if (request.group is not None and self.kv.prefix_caching and request.group not in self.leaders
                 and request.num_prompt_tokens > self.kv.block_size):  # at least one full block to share
             self.leaders[request.group] = request
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue by priority (lower first, vLLM's semantics), after every waiting
+        request of the same or a lower value: FCFS among equals. With every priority equal (the
+        default) this is an append; otherwise it walks back only past the requests it overtakes.
+        Aging still holds: a request past the aging barrier waits for the aged one's slot whatever
+        its priority, so no adapter starves."""
+        waiting = self.waiting
+        at = len(waiting)
+        while at and waiting[at - 1].priority > request.priority:
+            at -= 1
+        if at == len(waiting):
+            waiting.append(request)
+        else:
+            waiting.insert(at, request)
 
     def _held(self, request: Request) -> bool:
         """Whether a sample waits for its leader's prompt blocks: until the leader has its first

@@ -147,6 +147,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             adapter = request.adapter or None
             intake = self.intake.from_grpc(request, request_id)
             self.tenancy.check_visible(tenant, intake.adapter)  # another tenant's adapter: as if none
+            self.tenancy.check_priority(tenant, request.priority)
             if intake.params.grammar is not None:  # compiled once, bounded, before anything is submitted
                 await self.grammars.check(intake.params.grammar)
             await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
@@ -155,11 +156,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             ticket = self.tenancy.admit(tenant, intake.n, len(intake.prompt_token_ids), intake.params.max_new_tokens)
             if intake.n == 1:
                 streams = [self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
-                                                   request_id=intake.request_id, cache_salt=salt, tenant=tenant.tag)]
+                                                   request_id=intake.request_id, cache_salt=salt, tenant=tenant.tag,
+                                                   priority=request.priority)]
             else:  # n samples sharing the prompt's prefill, each its own engine request
                 streams = self.engine.add_samples(intake.prompt_token_ids, intake.params, intake.n,
                                                   adapter=intake.adapter, request_id=intake.request_id,
-                                                  cache_salt=salt, tenant=tenant.tag)
+                                                  cache_salt=salt, tenant=tenant.tag, priority=request.priority)
             sample_ids = [stream.request_id for stream in streams]
             counts = [0] * len(streams)
             engine_ended: RequestOutput | None = None

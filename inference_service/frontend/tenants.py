@@ -51,7 +51,7 @@ RESERVED_NAMES = (ANONYMOUS, ADMIN, OTHER)
 MAX_TENANTS = 10_000
 MAX_TRACKED = 10_000  # tenants whose counts are kept one by one (the rest: `other`)
 _FIELDS = {"name", "token_sha256", "token_file", "admin", "max_running", "max_queued", "tokens_per_minute",
-           "weight", "mtls_common_name"}
+           "weight", "mtls_common_name", "min_priority"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class TenantSpec:
     tokens_per_minute: int | None = None
     weight: float = 1.0
     mtls_common_name: str | None = None
+    min_priority: int = 0  # the lowest (most urgent) request priority this tenant may ask for
 
     @property
     def max_in_flight(self) -> int | None:
@@ -163,9 +164,12 @@ def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
         cn = entry.get("mtls_common_name")
         if cn is not None and not isinstance(cn, str):
             raise ValueError(f"{where}: mtls_common_name must be a string")
+        min_priority = entry.get("min_priority", 0)
+        if not isinstance(min_priority, int) or isinstance(min_priority, bool) or abs(min_priority) > 2**31 - 1:
+            raise ValueError(f"{where}: min_priority must be an int32")
         specs.append(TenantSpec(name, digest, admin, _int(entry, "max_running", where),
                                 _int(entry, "max_queued", where), _int(entry, "tokens_per_minute", where),
-                                float(weight), cn))
+                                float(weight), cn, min_priority))
     if len(specs) > MAX_TENANTS:
         raise ValueError(f"tenants file: at most {MAX_TENANTS} tenants")
     return tuple(specs)
@@ -360,6 +364,14 @@ class Tenancy:
             self.bindings[name] = tenant
 
     # ---- quotas ------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_priority(tenant: Tenant, priority: int) -> None:
+        """A request may ask for a priority at or above its tenant's min_priority (0 by default, so
+        only tenants the operator allowed can jump ahead of the default); admins may ask for any."""
+        floor = tenant.spec.min_priority if tenant.spec is not None else 0
+        if not tenant.admin and priority < floor:
+            raise InvalidArgumentError(f"priority {priority} is below {floor}, the lowest this tenant may ask for")
 
     def admit(self, tenant: Tenant, samples: int, prompt_tokens: int, max_new_tokens: int) -> Ticket:
         """The request's ticket, or QuotaExceeded (nothing held) / INVALID_ARGUMENT for a request

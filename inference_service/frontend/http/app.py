@@ -128,6 +128,10 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
         tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
+        try:
+            tenancy.check_priority(tenant, body.priority)
+        except InvalidArgumentError as e:
+            raise BadField(str(e), "priority") from None
         prompt_ids, params = await offload.run(openai.prepare, body)
         if params.grammar is not None:  # compiled once, bounded, before anything is submitted
             try:
@@ -139,7 +143,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
         ticket = tenancy.admit(tenant, body.n, len(prompt_ids), params.max_new_tokens)
         gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt, tenant.tag,
-                            ticket)
+                            ticket, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage))

@@ -225,7 +225,7 @@ class OpenAIGeneration:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
                prefix: str, n: int = 1, cache_salt: CacheSalt | None = None, tenant: TenantTag | None = None,
-               ticket: Ticket | None = None) -> Generation:
+               ticket: Ticket | None = None, priority: int = 0) -> Generation:
         """The request's n samples in the engine (n > 1: engine.client.add_samples, which shares the
         prompt's prefill and gives each sample its own seed). `cache_salt`: its prefix-cache namespace
         (frontend/cache_salt.py); `tenant` and its quota `ticket` (frontend/tenants.py), which the
@@ -234,10 +234,10 @@ class OpenAIGeneration:
         try:
             if n == 1:
                 streams = [self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id,
-                                                   cache_salt=cache_salt, tenant=tenant)]
+                                                   cache_salt=cache_salt, tenant=tenant, priority=priority)]
             else:
                 streams = self.engine.add_samples(prompt_ids, params, n, adapter=adapter, request_id=request_id,
-                                                  cache_salt=cache_salt, tenant=tenant)
+                                                  cache_salt=cache_salt, tenant=tenant, priority=priority)
         except BaseException:
             if ticket is not None:
                 ticket.release(0)
