@@ -33,6 +33,7 @@ class TenantTag:
 
     name: str
     weight: float = 1.0
+    max_running: int | None = None  # the scheduler runs at most this many of the tenant's requests at once
 
 
 class FinishReason(enum.Enum):
@@ -55,6 +56,7 @@ class WaitReason(enum.StrEnum):
     KV_CACHE = "kv_cache"
     GRAMMAR = "grammar"  # its constraint is being compiled (off the scheduler step)
     SAMPLES = "samples"  # one of n samples, waiting for the first sample's prompt blocks to be cached
+    TENANT_LIMIT = "tenant_limit"  # its tenant runs its max_running requests already (others go on)
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:

@@ -236,6 +236,7 @@ class Scheduler:
         admitted: list[Request] = []
         failed: list[tuple[Request, LoraplexError]] = []
         blocked = False
+        tenant_running = self._tenant_running()
         for request in self.waiting:
             reason = None
             if request.matcher is None and request.grammar is not None and not self._grammar_ready(request, failed):
@@ -248,6 +249,8 @@ class Scheduler:
                 reason = WaitReason.AGING  # an older request must get a slot first
             elif len(self.running) + len(admitted) >= self.config.max_num_seqs or budget == 0:
                 reason = WaitReason.BATCH_FULL
+            elif self._tenant_full(request, tenant_running):
+                reason = WaitReason.TENANT_LIMIT  # the line goes on without it
             elif request.adapter_uid is not None and self.lora.slot_of(request.adapter_uid) is None:
                 got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
                 reason = WaitReason.ADAPTER_LOADING if got_slot else WaitReason.SLOTS_FULL
@@ -256,6 +259,8 @@ class Scheduler:
                     request.timings.adapter_ready = time.monotonic()
                 num_tokens = self._admit_kv(request, budget)
                 if num_tokens:
+                    if request.tenant is not None and request.tenant.max_running is not None:
+                        tenant_running[request.tenant.name] = tenant_running.get(request.tenant.name, 0) + 1
                     admitted.append(request)
                     batch.items.append((request, num_tokens))
                     budget -= num_tokens
@@ -270,6 +275,21 @@ class Scheduler:
             self.running.append(request)
         for request, error in failed:
             self.finish(request, FinishReason.ERROR, error)
+
+    def _tenant_running(self) -> dict[str, int]:
+        """Running requests per tenant, for the tenants that have a max_running (O(running))."""
+        counts: dict[str, int] = {}
+        for request in self.running:
+            tenant = request.tenant
+            if tenant is not None and tenant.max_running is not None:
+                counts[tenant.name] = counts.get(tenant.name, 0) + 1
+        return counts
+
+    @staticmethod
+    def _tenant_full(request: Request, tenant_running: dict[str, int]) -> bool:
+        tenant = request.tenant
+        return (tenant is not None and tenant.max_running is not None
+                and tenant_running.get(tenant.name, 0) >= tenant.max_running)
 
     @staticmethod
     def _grammar_ready(request: Request, failed: list[tuple[Request, LoraplexError]]) -> bool:

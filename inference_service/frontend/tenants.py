@@ -86,7 +86,9 @@ class Tenant:
 
     @property
     def tag(self) -> TenantTag:
-        return TenantTag(self.name, self.spec.weight if self.spec else 1.0)
+        if self.spec is None:
+            return TenantTag(self.name)
+        return TenantTag(self.name, self.spec.weight, self.spec.max_running)
 
 
 ANONYMOUS_TENANT = Tenant(ANONYMOUS)
