@@ -9,7 +9,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,7 +93,7 @@ def env(tmp_path_factory) -> Iterator[tuple[InferenceServer, Path]]:
         server.stop()
 
 
-def _code(fn) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+def _code(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     try:
         fn()
     except grpc.RpcError as e:
