@@ -219,6 +219,16 @@ def test_request_quota_refuses_with_a_retry_hint_and_is_counted(env) -> None:
     while _tenant_samples(server, "loraplex_tenant_requests_running").get(("limited",)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _generate(server, _md("limited"))[-1].finish_reason == pb.FINISH_REASON_LENGTH  # its slot came back
+    # Requests refused after admission (an unknown adapter, a bad constraint) give their slot back.
+    for _ in range(2):
+        assert _code(lambda: _generate(server, _md("limited"), "no-such-adapter"))[0] == grpc.StatusCode.NOT_FOUND
+        assert _complete(server, _headers("limited"), "no-such-adapter").status_code == 404
+        bad = httpx.post(server.http_url + "/v1/completions", headers=_headers("limited"), timeout=60,
+                         json={"model": BASE, "prompt": "x", "max_tokens": 2,
+                               "structured_outputs": {"regex": "("}})
+        assert bad.status_code == 400, bad.text
+    assert _complete(server, _headers("limited")).status_code == 200
+    assert _tenant_samples(server, "loraplex_tenant_requests_waiting")[("limited",)] == 0
     assert_clean(server)
 
 

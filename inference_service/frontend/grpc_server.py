@@ -148,12 +148,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             intake = self.intake.from_grpc(request, request_id)
             self.tenancy.check_visible(tenant, intake.adapter)  # another tenant's adapter: as if none
             self.tenancy.check_priority(tenant, request.priority)
+            # The quotas first: a tenant over them costs no grammar compile and no adapter load.
+            ticket = self.tenancy.admit(tenant, intake.n, len(intake.prompt_token_ids), intake.params.max_new_tokens)
             if intake.params.grammar is not None:  # compiled once, bounded, before anything is submitted
                 await self.grammars.check(intake.params.grammar)
             await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
             salt = cache_salt(self.config.prefix_cache_scope, self.config.prefix_cache_salt, "grpc",
                               tenant_identity(tenant))
-            ticket = self.tenancy.admit(tenant, intake.n, len(intake.prompt_token_ids), intake.params.max_new_tokens)
             if intake.n == 1:
                 streams = [self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
                                                    request_id=intake.request_id, cache_salt=salt, tenant=tenant.tag,

@@ -133,15 +133,20 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         except InvalidArgumentError as e:
             raise BadField(str(e), "priority") from None
         prompt_ids, params = await offload.run(openai.prepare, body)
-        if params.grammar is not None:  # compiled once, bounded, before anything is submitted
-            try:
-                await grammars.check(params.grammar)
-            except InvalidArgumentError as e:
-                raise BadField(str(e), _grammar_field(body)) from None
-        adapter = optional_adapter(adapter)
-        await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
-        salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
+        # The quotas first: a tenant over them costs no grammar compile and no adapter load.
         ticket = tenancy.admit(tenant, body.n, len(prompt_ids), params.max_new_tokens)
+        try:
+            if params.grammar is not None:  # compiled once, bounded, before anything is submitted
+                try:
+                    await grammars.check(params.grammar)
+                except InvalidArgumentError as e:
+                    raise BadField(str(e), _grammar_field(body)) from None
+            adapter = optional_adapter(adapter)
+            await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
+        except BaseException:
+            ticket.release(0)
+            raise
+        salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
         gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt, tenant.tag,
                             ticket, body.priority)
         if body.stream:
