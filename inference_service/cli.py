@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
          "loaded version, never its name) and the operator's salt, and prompts reuse the longest cached prefix",
          default="on" if EngineConfig.prefix_cache else "off", choices=("on", "off"))
     _add(g, "--prefix-cache-scope", "who may share prefix-cached KV: shared (one namespace per weights, all clients), "
-         "listener (gRPC and HTTP never share), identity (clients of different trusted identities never share: gRPC "
-         "mTLS certificate subject; requests without one share their listener's namespace)",
+         "listener (gRPC and HTTP never share), identity (clients of different tenants never share, on both "
+         "front ends: --tenants-file token, --trusted-tenant-header or mTLS subject; anonymous requests share their "
+         "listener's namespace)",
          default=ServerConfig.prefix_cache_scope, choices=SCOPES)
     _add(g, "--prefix-cache-salt", "the operator's salt, mixed into every prefix-cache key (e.g. per deployment)")
     _add(g, "--stream-interval", "tokens per streamed message after a request's first token (its end is sent at "
