@@ -142,6 +142,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ticket: Ticket | None = None
         try:
             tenant = self._tenant(context)
+            self.tenancy.check_in_flight(tenant)  # at its cap: refused before any parsing
             request = _parse(pb.GenerateRequest, raw)
             request_id = request.request_id or uuid.uuid4().hex
             adapter = request.adapter or None

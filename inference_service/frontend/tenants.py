@@ -375,6 +375,19 @@ class Tenancy:
         if not tenant.admin and priority < floor:
             raise InvalidArgumentError(f"priority {priority} is below {floor}, the lowest this tenant may ask for")
 
+    def check_in_flight(self, tenant: Tenant) -> None:
+        """The in-flight cap alone, before the request is even parsed: a tenant at its cap costs the
+        front end no parsing or tokenizing (`admit` checks again, with the request's samples)."""
+        spec = tenant.spec
+        cap = spec.max_in_flight if spec is not None else None
+        if cap is None:
+            return
+        with self._lock:
+            usage = self._usage.get(tenant.name)
+            if usage is not None and usage.waiting + usage.running >= cap:
+                self._refuse(usage, "requests")
+                raise QuotaExceeded(f"tenant over its limit of {cap} requests running or queued", 1.0, "requests")
+
     def admit(self, tenant: Tenant, samples: int, prompt_tokens: int, max_new_tokens: int) -> Ticket:
         """The request's ticket, or QuotaExceeded (nothing held) / INVALID_ARGUMENT for a request
         larger than its tenant's whole token rate."""

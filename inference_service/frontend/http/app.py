@@ -125,6 +125,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
 
     async def generate(http: HttpRequest, chat: bool) -> Response:
         tenant = tenant_of(http)
+        tenancy.check_in_flight(tenant)  # at its cap: refused before the body is read
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
         tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
