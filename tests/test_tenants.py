@@ -34,7 +34,7 @@ from inference_service.frontend.tenants import (
 pytestmark = pytest.mark.slow
 ADMIN_TOKEN = "the-operators-admin-token"
 TOKENS = {"alpha": "alpha-token-1", "beta": "beta-token-2", "limited": "limited-token-3", "rated": "rated-token-4",
-          "ops": "ops-token-5"}
+          "ops": "ops-token-5", "suspended": "suspended-token-6"}
 BASE = "builtin:tiny"
 RATE = 400  # rated's tokens per minute
 
@@ -51,6 +51,7 @@ def _tenants_file(tmp: Path) -> Path:
         {"name": "limited", "token_sha256": _sha(TOKENS["limited"]), "max_running": 1, "max_queued": 0},
         {"name": "rated", "token_sha256": _sha(TOKENS["rated"]), "tokens_per_minute": RATE},
         {"name": "ops", "token_sha256": _sha(TOKENS["ops"]), "admin": True},
+        {"name": "suspended", "token_sha256": _sha(TOKENS["suspended"]), "max_running": 0, "max_queued": 0},
     ]}
     path = tmp / "tenants.json"
     path.write_text(json.dumps(data))
@@ -257,20 +258,23 @@ def test_token_rate_reserves_prompt_and_max_new_tokens(env) -> None:
 
 
 def test_tenant_over_quota_never_fails_another_tenants_stream(env) -> None:
-    """A victim (anonymous) streams beside a tenant that floods both front ends far past its quota:
-    the flood gets RESOURCE_EXHAUSTED / 429 (and what was admitted completes), the victim is unharmed."""
+    """A victim (anonymous) streams beside a tenant that floods both front ends past its quota (a
+    suspended tenant: 0 in flight): every flood request gets RESOURCE_EXHAUSTED / 429, and the victim
+    streams unharmed, its timing within the isolation harness's bounds. (A tenant using the share its
+    quota allows slows others as any load does; that is fair share's business, not this test's.)"""
     server, _ = env
     base = solo_run(server, max_new_tokens=96)
+    refused_before = server.value("loraplex_tenant_quota_refusals_total", tenant="suspended", quota="requests")
     outcomes: list[str] = []
     lock = threading.Lock()
     client = InferenceClient(server.address)
     http = httpx.Client(timeout=60)
 
     def flood_grpc(_: int) -> None:
-        time.sleep(0.02)  # a flood past the quota (4 at once against 1), not a CPU hog on a 2-core box
+        time.sleep(0.05)  # past the quota, not a CPU hog: the flooding client shares the 2-core box
         try:
             req = client.request("flood", max_new_tokens=2, ignore_eos=True)
-            list(client.stub.Generate(req, metadata=_md("limited"), timeout=60))
+            list(client.stub.Generate(req, metadata=_md("suspended"), timeout=60))
             outcome = "OK"
         except grpc.RpcError as e:
             outcome = e.code().name
@@ -278,22 +282,23 @@ def test_tenant_over_quota_never_fails_another_tenants_stream(env) -> None:
             outcomes.append(outcome)
 
     def flood_http(_: int) -> None:
-        time.sleep(0.02)
-        status = http.post(server.http_url + "/v1/completions", headers=_headers("limited"),
+        time.sleep(0.05)
+        status = http.post(server.http_url + "/v1/completions", headers=_headers("suspended"),
                            json={"model": BASE, "prompt": "flood", "max_tokens": 2}).status_code
         with lock:
             outcomes.append(str(status))
 
     try:
         with victim_beside(server, base):
-            with ThreadPoolExecutor(4) as pool:
+            with ThreadPoolExecutor(2) as pool:
                 list(pool.map(flood_grpc, range(24)))
                 list(pool.map(flood_http, range(24)))
     finally:
         client.close()
         http.close()
-    assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED", "200", "429"}, outcomes
-    assert "RESOURCE_EXHAUSTED" in outcomes and "429" in outcomes, outcomes
+    assert sorted(set(outcomes)) == ["429", "RESOURCE_EXHAUSTED"] and len(outcomes) == 48, outcomes
+    assert server.value("loraplex_tenant_quota_refusals_total", tenant="suspended",
+                        quota="requests") == refused_before + 48
 
 
 def test_tenant_metrics_have_bounded_labels(env) -> None:
