@@ -28,6 +28,7 @@ from inference_service.frontend.cache_salt import SCOPES
 from inference_service.frontend.grpc_server import ServerConfig
 from inference_service.frontend.http.config import HttpConfig
 from inference_service.frontend.preload import read_preload_file
+from inference_service.frontend.tenants import read_tenants_file
 from inference_service.limits import RequestLimits
 
 log = logging.getLogger("loraplex.cli")
@@ -106,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
          "loaded version, never its name) and the operator's salt, and prompts reuse the longest cached prefix",
          default="on" if EngineConfig.prefix_cache else "off", choices=("on", "off"))
     _add(g, "--prefix-cache-scope", "who may share prefix-cached KV: shared (one namespace per weights, all clients), "
-         "listener (gRPC and HTTP never share), identity (clients of different trusted identities never share: gRPC "
-         "mTLS certificate subject; requests without one share their listener's namespace)",
+         "listener (gRPC and HTTP never share), identity (clients of different tenants never share, on both "
+         "front ends: --tenants-file token, --trusted-tenant-header or mTLS subject; anonymous requests share their "
+         "listener's namespace)",
          default=ServerConfig.prefix_cache_scope, choices=SCOPES)
     _add(g, "--prefix-cache-salt", "the operator's salt, mixed into every prefix-cache key (e.g. per deployment)")
     _add(g, "--stream-interval", "tokens per streamed message after a request's first token (its end is sent at "
@@ -202,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--tls-cert", "server certificate (PEM); enables TLS")
     _add(g, "--tls-key", "server private key (PEM)")
     _add(g, "--tls-client-ca", "CA (PEM) client certificates must chain to; enables mTLS")
+
+    g = p.add_argument_group("tenants (docs/architecture.md, Tenants)")
+    _add(g, "--tenants-file", "JSON or YAML {tenants: [{name, token_sha256 | token_file, admin, max_running, "
+         "max_queued, tokens_per_minute, weight, mtls_common_name}]}: bearer tokens (gRPC metadata or HTTP "
+         "Authorization) name tenants, and any other token is UNAUTHENTICATED (HTTP 401)")
+    _add(g, "--trusted-tenant-header", "header (gRPC metadata key) a gateway in front sets to name the tenant; "
+         "honoured only when set (empty: requests' headers never name a tenant)")
+    _add(g, "--tenant-metrics-top-k", "tenants with their own label in the loraplex_tenant_* series (the rest: "
+         "tenant=\"other\")", type=int, default=ServerConfig.tenant_metrics_top_k)
     return p
 
 
@@ -227,6 +238,13 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     if args.max_loras != "auto" and args.lora_memory_bytes is not None:
         raise ValueError("--lora-memory-bytes sizes the pool of --max-loras auto; "
                          f"--max-loras {args.max_loras} is a fixed count of slots: give one or the other")
+    tenants = read_tenants_file(args.tenants_file) if args.tenants_file else ()
+    header = (args.trusted_tenant_header or "").strip() or None
+    if header is not None and (not header.isascii() or not header.replace("-", "").isalnum()
+                               or header.lower() in ("authorization", "host", "content-type")):
+        raise ValueError(f"--trusted-tenant-header {header!r} is not a header name this server can trust")
+    if args.tenant_metrics_top_k < 0:
+        raise ValueError("--tenant-metrics-top-k must be >= 0")
     reason = admin_disabled_reason(args.listen, token, args.insecure_admin)
     if reason:
         log.warning("%s", reason)
@@ -291,6 +309,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         shutdown_grace_s=args.shutdown_grace_s,
         drain_delay_s=args.drain_delay_s,
         watchdog_stall_s=args.watchdog_stall_s,
+        tenants=tenants,
+        trusted_tenant_header=header,
+        tenant_metrics_top_k=args.tenant_metrics_top_k,
     )
     return engine_cfg, server_cfg
 
@@ -361,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = Engine(engine_cfg, metrics=sink)
     registry.register(EngineCollector(engine.stats))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
+    registry.register(server_cfg.tenancy.collector())
     engine.start()
     # Here, not in serve(): a process that runs many servers (the tests) would keep their cycles.
     freeze_startup_objects()

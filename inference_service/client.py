@@ -62,8 +62,10 @@ class InferenceClient:
         ignore_eos: bool = False,
         request_id: str = "",
         n: int | None = None,
+        priority: int = 0,
     ) -> pb.GenerateRequest:
-        """`n`: samples of the prompt (responses carry each one's `index`); unset means 1."""
+        """`n`: samples of the prompt (responses carry each one's `index`); unset means 1.
+        `priority`: lower is admitted first (within what the caller's tenant may ask for)."""
         req = pb.GenerateRequest(
             request_id=request_id,
             adapter=adapter or "",
@@ -85,6 +87,7 @@ class InferenceClient:
             req.max_new_tokens = max_new_tokens
         if n is not None:
             req.n = n
+        req.priority = priority
         return req
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,

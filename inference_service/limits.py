@@ -85,3 +85,13 @@ def shown(text: str, limit: int = SHOWN_MAX_CHARS) -> str:
         return text
     head = ascii(text[:limit])
     return head if len(text) <= limit else f"{head}...({len(text)} chars)"
+
+
+PRIORITY_BOUND = 2**31 - 1  # gRPC's int32
+
+
+def check_priority(priority: int) -> None:
+    """A request's scheduling priority: an int32 (lower first)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) \
+            or not -PRIORITY_BOUND - 1 <= priority <= PRIORITY_BOUND:
+        raise InvalidArgumentError(f"priority must be an integer from {-PRIORITY_BOUND - 1} to {PRIORITY_BOUND}")

@@ -38,6 +38,8 @@ INFERENCE_METRICS = {
     "loraplex_lora_adapters_resident", "loraplex_lora_adapter_resident",
     "loraplex_kv_cache_blocks", "loraplex_prefix_cache_queries_total", "loraplex_prefix_cache_hits_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "loraplex_tenant_requests_running", "loraplex_tenant_requests_waiting", "loraplex_tenant_generated_tokens_total",
+    "loraplex_tenant_quota_refusals_total",
 }
 CACHE_METRICS = {
     "loraplex_cache_bytes", "loraplex_cache_capacity_bytes", "loraplex_cache_entries", "loraplex_cache_leases",

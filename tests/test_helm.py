@@ -204,8 +204,10 @@ def test_pod_shape_all_features(all_docs: list[dict]) -> None:
                  "--preload-file=/etc/loraplex/preload/preload.yaml", "--kv-cache-bytes=21474836480",
                  "--adapter-source-allow=https://models.example.com/adapters/", "--dtype=bfloat16",
                  "--max-model-len=4096", "--watchdog-stall-s=30", "--shutdown-grace-s=23", "--drain-delay-s=1",
-                 "--preload-reload-s=2"):
+                 "--preload-reload-s=2", "--tenants-file=/etc/loraplex/tenants/tenants.yaml",
+                 "--trusted-tenant-header=x-tenant"):
         assert flag in inf["args"], flag
+    assert {"name": "tenants", "mountPath": "/etc/loraplex/tenants", "readOnly": True} in inf["volumeMounts"]
     assert inf["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "3"]
     assert {"name": "LORAPLEX_MAX_QUEUE", "value": "512"} in inf["env"]
     assert inf["envFrom"] == [{"configMapRef": {"name": "loraplex-extra-env"}}]

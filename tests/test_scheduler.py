@@ -16,7 +16,7 @@ from harness.engine_helpers import generate, load_adapters, run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.kv_cache import kv_bytes_per_block
-from inference_service.engine.request import FinishReason, Request, SamplingParams, WaitReason
+from inference_service.engine.request import FinishReason, Request, SamplingParams, TenantTag, WaitReason
 from inference_service.kernels.copy import CopyJob
 from inference_service.models.loader import builtin_tiny_config
 
@@ -193,3 +193,47 @@ def test_a_step_fills_with_resident_adapters_while_others_wait(tiny_adapters):
         core.abort(request_id)
     core.step()
     assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+
+
+def test_waiting_queue_follows_priority_then_arrival():
+    """vLLM's semantics: lower priority values are admitted first, equal ones first come first served
+    (all 0 by default: plain FCFS). One running request at a time makes admission order visible."""
+    core = _core(max_num_seqs=1)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    first = Request("first", [256, 65, 66], params)
+    core.add_request(first, None)
+    core.step()
+    for rid, priority in (("low", 5), ("mid", 0), ("urgent", -3), ("mid2", 0), ("low2", 5)):
+        request = Request(rid, [256, 65, 66], params)
+        request.priority = priority
+        core.add_request(request, None)
+    started: list[str] = ["first"]
+
+    def step() -> None:
+        for out in core.step():
+            if out.request_id not in started:
+                started.append(out.request_id)
+
+    while core.has_work():
+        step()
+    assert started == ["first", "urgent", "mid", "mid2", "low", "low2"]
+    assert core.runner.kv.num_used == 0
+
+
+def test_tenant_max_running_holds_its_requests_and_no_one_elses():
+    """A tenant at its max_running waits (WaitReason.TENANT_LIMIT) while other tenants' requests are
+    admitted past it: the limit is work-conserving for everyone else."""
+    core = _core(max_num_seqs=8)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    limited, other = TenantTag("a", max_running=1), TenantTag("b")
+    for rid, tenant in (("a1", limited), ("a2", limited), ("b1", other), ("b2", other)):
+        request = Request(rid, [256, 65, 66], params)
+        request.tenant = tenant
+        core.add_request(request, None)
+    core.step()
+    assert sorted(r.request_id for r in core.scheduler.running) == ["a1", "b1", "b2"]
+    (waiting,) = core.scheduler.waiting
+    assert waiting.request_id == "a2" and waiting.wait_reason is WaitReason.TENANT_LIMIT
+    outputs = run_to_completion(core)
+    assert all(outs[-1].finished for outs in outputs.values()) and len(outputs) == 4
+    assert core.runner.kv.num_used == 0

@@ -77,7 +77,8 @@ class FakeEngine:
     aborted: dict[str, FinishReason] = field(default_factory=dict)
     adapters: dict[str, FakeAdapter] = field(default_factory=dict)
 
-    def add_request(self, prompt_token_ids, params, adapter=None, request_id=None, cache_salt=None):
+    def add_request(self, prompt_token_ids, params, adapter=None, request_id=None, cache_salt=None, tenant=None,
+                    priority=0):
         if adapter == "missing":
             raise NotFoundError(f"unknown adapter {adapter!r}")
         if adapter == "busy":
@@ -86,6 +87,9 @@ class FakeEngine:
 
     def abort(self, request_id, reason=FinishReason.CANCELLED):
         self.aborted[request_id] = reason
+
+    def adapter_is_current(self, name):
+        return name in self.adapters
 
     def load_adapter(self, name, uri, sha256=None, pinned=False, preload=False):
         import concurrent.futures
@@ -187,8 +191,8 @@ def test_cancel_while_the_handler_waits_to_send_counts_cancelled():
     """A cancel that finds the handler suspended at `yield` reaches it as GeneratorExit, not
     CancelledError: still a cancel (aborted in the engine, counted CANCELLED), never an OK."""
     engine = FakeEngine()
-    engine.add_request = lambda prompt, params, adapter=None, request_id=None, cache_salt=None: _EndlessBigStream(  # type: ignore
-        engine, request_id, 0, 0.0)
+    engine.add_request = lambda prompt, params, adapter=None, request_id=None, cache_salt=None, tenant=None, \
+        priority=0: _EndlessBigStream(engine, request_id, 0, 0.0)  # type: ignore
 
     async def body(stub, *_):
         call = stub.Generate(_req(request_id="w1", max_new_tokens=30))

@@ -11,6 +11,8 @@ reason, code, tokens) is checked against what the client saw, stream by stream.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 import re
 import signal
@@ -32,6 +34,9 @@ pytestmark = pytest.mark.slow
 N_ADAPTERS = 9
 N_STREAMS = 220
 N_KILLED = 16  # streams of the client process that gets SIGKILLed
+# Tenants (issue 35) mixed in: three with tokens (and room to ask for priorities below 0), plus the
+# anonymous tenant; each request has a priority of its own. Quotas are generous: none refuses here.
+STORM_TENANTS = {"t0": "storm-token-0", "t1": "storm-token-1", "t2": "storm-token-2"}
 # Its streams use fewer adapters than there are slots (4), so all of them stream at once: over more,
 # some first messages would come only after other streams finished and freed their slots.
 KILLED_ADAPTERS = 3
@@ -65,6 +70,8 @@ LEAK_GAUGES = (
     "loraplex_kv_cache_usage_ratio",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
+    "loraplex_tenant_requests_running",
+    "loraplex_tenant_requests_waiting",
 )
 
 KILLED_CLIENT = """
@@ -85,9 +92,13 @@ for s in streams:
 @pytest.fixture(scope="module")
 def storm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("storm-adapters")
+    tenants = root / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [
+        {"name": name, "token_sha256": hashlib.sha256(token.encode()).hexdigest(), "min_priority": -10,
+         "max_running": 1000, "tokens_per_minute": 10_000_000} for name, token in STORM_TENANTS.items()]}))
     s = start_inference_server(
         ["--model", "builtin:tiny", "--max-loras", "4", "--max-queue", "1024",
-         "--adapter-source-allow", root.as_uri()],
+         "--adapter-source-allow", root.as_uri(), "--tenants-file", str(tenants)],
         log_dir=tmp_path_factory.mktemp("storm-logs"),
     )
     with InferenceClient(s.address) as c:
@@ -109,7 +120,10 @@ async def _one(stub, rng: random.Random, i: int) -> str:
     if kind == "cancel_after":  # long enough to still be decoding when the client cancels
         req.max_new_tokens = rng.randint(64, 160)
     timeout = rng.uniform(0.05, 0.6) if kind == "deadline" else 120
-    call = stub.Generate(req, timeout=timeout)
+    token = list(STORM_TENANTS.values())[i % 4] if i % 4 < 3 else None  # every 4th: anonymous
+    req.priority = (i % 7) - 3 if token else i % 3
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    call = stub.Generate(req, timeout=timeout, metadata=metadata)
     try:
         if kind == "cancel_early":  # most likely while waiting for its adapter's load or in the queue
             await asyncio.sleep(rng.uniform(0.003, 0.04))

@@ -154,6 +154,20 @@ def serving() -> gdash.Dashboard:
              "KV cache blocks", "KV blocks by state: held by requests, cached (prefix cache, reusable until "
              "evicted), free; all pods.", "none",
              (f"sum by (state) (loraplex_kv_cache_blocks{{{SEL}}})", "{{state}}"))))
+    d = (d.with_row(gdash.Row("Tenants"))
+         .with_panel(timeseries(
+             "Requests per tenant", "Each tenant's requests streaming and admitted but not yet streaming "
+             '(the service labels its top-K tenants by tokens served, the rest as tenant="other").', "none",
+             (f"sum by (tenant) (loraplex_tenant_requests_running{{{SEL}}})", "{{tenant}} running"),
+             (f"sum by (tenant) (loraplex_tenant_requests_waiting{{{SEL}}})", "{{tenant}} waiting")))
+         .with_panel(timeseries(
+             "Tokens / s per tenant", "Generated tokens per second per tenant (top-K plus other).", "short",
+             (f"sum by (tenant) (rate(loraplex_tenant_generated_tokens_total{{{SEL}}}[{RATE}]))", "{{tenant}}")))
+         .with_panel(timeseries(
+             "Quota refusals / s", "Requests refused by a tenant quota (RESOURCE_EXHAUSTED / HTTP 429), by "
+             "tenant and quota (requests in flight, tokens per minute).", "reqps",
+             (f"sum by (tenant, quota) (rate(loraplex_tenant_quota_refusals_total{{{SEL}}}[{RATE}]))",
+              "{{tenant}} {{quota}}"))))
     d = (d.with_row(gdash.Row("Errors and adapters"))
          .with_panel(timeseries(
              "gRPC errors / s", "Non-OK gRPC responses by status code and method.", "reqps",

@@ -28,6 +28,7 @@ from inference_service.engine.request import (
     CacheSalt,
     FinishReason,
     SamplingParams,
+    TenantTag,
     sample_request_id,
     sample_seed,
 )
@@ -43,7 +44,7 @@ from inference_service.engine.types import (
     test_faults_enabled,
     validate_request,
 )
-from inference_service.limits import adapter_name, check_n, check_request_id
+from inference_service.limits import adapter_name, check_n, check_priority, check_request_id
 from inference_service.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -117,14 +118,18 @@ class EngineClient(Protocol):
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
                     request_id: str | None = None, cache_salt: CacheSalt | None = None,
-                    group: str | None = None) -> RequestStream:
+                    group: str | None = None, tenant: TenantTag | None = None,
+                    priority: int = 0) -> RequestStream:
         """`cache_salt`: who may share this request's prefix-cached KV (frontend/cache_salt.py: from
         the operator's configuration and the transport's trusted identity, never from the request).
-        `group`: the id a request's n samples share (see `add_samples`)."""
+        `group`: the id a request's n samples share (see `add_samples`). `tenant`: whose request it
+        is (frontend/tenants.py, from the trusted side). `priority`: the waiting queue's order, lower
+        first (vLLM's semantics; the front end checks what the tenant may ask for)."""
         ...
 
     def add_samples(self, prompt_token_ids: list[int], params: SamplingParams, n: int, adapter: str | None = None,
-                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> list[RequestStream]:
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
+                    tenant: TenantTag | None = None, priority: int = 0) -> list[RequestStream]:
         """A request's `n` samples (OpenAI's `n`): one engine request each, stream i for sample i,
         sharing the prompt's prefill (engine.scheduler) with seeds of their own (request.sample_seed).
         All n are admitted or none; the caller aborts each stream's request id it has not seen end."""
@@ -198,7 +203,8 @@ class EngineClientBase(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None) -> None:
+                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
+                tenant: TenantTag | None = None, priority: int = 0) -> None:
         """Hands a checked request to the scheduler thread; UnavailableError when there is none."""
 
     @abc.abstractmethod
@@ -209,24 +215,29 @@ class EngineClientBase(abc.ABC):
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
                     request_id: str | None = None, cache_salt: CacheSalt | None = None,
-                    group: str | None = None) -> RequestStream:
+                    group: str | None = None, tenant: TenantTag | None = None,
+                    priority: int = 0) -> RequestStream:
         request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
+        check_priority(priority)
         if adapter and not self.adapter_is_current(adapter):  # the core checks again at intake
             raise NotFoundError(f"unknown adapter {adapter!r}")
         stream = self.streams.open(request_id, prompt_token_ids, params)
         try:
-            self._submit(request_id, prompt_token_ids, params, adapter, cache_salt, group)
+            self._submit(request_id, prompt_token_ids, params, adapter, cache_salt, group, tenant, priority)
         except UnavailableError:
             self.streams.close(request_id)
             raise
         return stream
 
     def add_samples(self, prompt_token_ids: list[int], params: SamplingParams, n: int, adapter: str | None = None,
-                    request_id: str | None = None, cache_salt: CacheSalt | None = None) -> list[RequestStream]:
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
+                    tenant: TenantTag | None = None, priority: int = 0) -> list[RequestStream]:
         check_n(n, self.model_info.limits.max_n)
         if n == 1:
-            return [self.add_request(prompt_token_ids, params, adapter, request_id, cache_salt)]
+            return [self.add_request(prompt_token_ids, params, adapter, request_id, cache_salt, tenant=tenant,
+                                     priority=priority)]
         request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
+        check_priority(priority)
         if adapter and not self.adapter_is_current(adapter):
             raise NotFoundError(f"unknown adapter {adapter!r}")
         ids = [sample_request_id(request_id, i, n) for i in range(n)]
@@ -243,7 +254,8 @@ class EngineClientBase(abc.ABC):
         sent = 0
         try:
             for sample_id, sample_params in zip(ids, samples, strict=True):
-                self._submit(sample_id, prompt_token_ids, sample_params, adapter, cache_salt, group)
+                self._submit(sample_id, prompt_token_ids, sample_params, adapter, cache_salt, group, tenant,
+                             priority)
                 sent += 1
         except UnavailableError:
             for sample_id in ids[:sent]:

@@ -29,7 +29,14 @@ from inference_service.engine.client import (
 )
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import CacheSalt, FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.engine.request import (
+    CacheSalt,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    TenantTag,
+)
 from inference_service.engine.streams import StreamTable
 from inference_service.engine.types import AdapterInfo, EngineStats
 from inference_service.lora.source import AdapterSource
@@ -236,9 +243,10 @@ class Engine(EngineClientBase):
         self.core.shutdown()
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None) -> None:
+                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
+                tenant: TenantTag | None = None, priority: int = 0) -> None:
         request = Request(request_id, prompt_token_ids, params)
-        request.cache_salt, request.group = cache_salt, group
+        request.cache_salt, request.group, request.tenant, request.priority = cache_salt, group, tenant, priority
         self._thread.add_request(request, adapter)
 
     def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:

@@ -45,7 +45,14 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.heap import freeze_startup_objects
 from inference_service.engine.in_process import CoreThread
-from inference_service.engine.request import CacheSalt, FinishReason, Request, RequestOutput, SamplingParams
+from inference_service.engine.request import (
+    CacheSalt,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    TenantTag,
+)
 from inference_service.engine.streams import Delta, StreamTable
 from inference_service.engine.types import EngineStats, ModelInfo
 from inference_service.metrics_sink import MetricsSink, NullMetrics
@@ -73,6 +80,8 @@ class AddRequest:
     arrival: float  # the front end's monotonic intake time: TTFT counts from it
     cache_salt: CacheSalt | None = None  # who may share its prefix-cached KV (frontend/cache_salt.py)
     group: str | None = None  # the id a request's n samples share (Request.group)
+    tenant: TenantTag | None = None  # whose request it is (frontend/tenants.py)
+    priority: int = 0  # lower first (Scheduler.add)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -315,7 +324,8 @@ def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThre
             if isinstance(message, AddRequest):
                 request = Request(message.request_id, message.prompt_token_ids, message.params)
                 request.timings.arrival = message.arrival  # TTFT counts from the front end's intake
-                request.cache_salt, request.group = message.cache_salt, message.group
+                request.cache_salt, request.group, request.tenant = message.cache_salt, message.group, message.tenant
+                request.priority = message.priority
                 thread.add_request(request, message.adapter)
             elif isinstance(message, AbortRequest):
                 thread.abort(message.request_id, message.reason)
@@ -432,9 +442,10 @@ class ProcessEngine(EngineClientBase):
     # ---- what EngineClientBase asks of an engine ----
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None) -> None:
+                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
+                tenant: TenantTag | None = None, priority: int = 0) -> None:
         self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic(), cache_salt,
-                              group))
+                              group, tenant, priority))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         try:

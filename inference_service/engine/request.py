@@ -26,6 +26,16 @@ MAX_REPETITION_PENALTY = 10.0
 CacheSalt = tuple[tuple[str, str], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class TenantTag:
+    """The tenant a request belongs to, named by the front end from its trusted side (its credential,
+    mTLS identity or an operator-declared header: frontend/tenants.py), never by a request field."""
+
+    name: str
+    weight: float = 1.0
+    max_running: int | None = None  # the scheduler runs at most this many of the tenant's requests at once
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
@@ -46,6 +56,7 @@ class WaitReason(enum.StrEnum):
     KV_CACHE = "kv_cache"
     GRAMMAR = "grammar"  # its constraint is being compiled (off the scheduler step)
     SAMPLES = "samples"  # one of n samples, waiting for the first sample's prompt blocks to be cached
+    TENANT_LIMIT = "tenant_limit"  # its tenant runs its max_running requests already (others go on)
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -246,6 +257,8 @@ class Request:
         # alone), the key chain of this request's full blocks and the root it started from
         # (engine.prefix_cache), and the prompt tokens its first admission found cached (-1: not yet).
         self.cache_salt: CacheSalt | None = None
+        self.tenant: TenantTag | None = None  # None: a caller that names no tenant (tests, benches)
+        self.priority = 0  # waiting-queue order: lower first, then arrival (Scheduler.add)
         self.cache_root: bytes | None = None
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1

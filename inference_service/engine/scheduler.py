@@ -2,9 +2,10 @@
 
 Each step: drain finished adapter loads, keep running requests going (decode or the next
 prefill chunk, preempting the newest by recompute when KV blocks run out), then admit waiting
-requests FCFS. A request whose adapter is not LOADED triggers its load and is skipped, so it
-never blocks the line; once a request has been passed over `aging_steps` times and still cannot
-get a slot, later requests stop overtaking it, so slots drain and nothing starves.
+requests by priority (lower first; FCFS among equals, and all are 0 unless a client asks). A
+request whose adapter is not LOADED triggers its load and is skipped, so it never blocks the line;
+once a request has been passed over `aging_steps` times and still cannot get a slot, later
+requests stop overtaking it, so slots drain and nothing starves.
 
 A request's n samples (`Request.group`) share its prompt's prefill: the first sample added leads,
 and with the prefix cache on the others wait (WaitReason.SAMPLES) until the leader's prompt blocks
@@ -61,10 +62,25 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
         if (request.group is not None and self.kv.prefix_caching and request.group not in self.leaders
                 and request.num_prompt_tokens > self.kv.block_size):  # at least one full block to share
             self.leaders[request.group] = request
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue by priority (lower first, vLLM's semantics), after every waiting
+        request of the same or a lower value: FCFS among equals. With every priority equal (the
+        default) this is an append; otherwise it walks back only past the requests it overtakes.
+        Aging still holds: a request past the aging barrier waits for the aged one's slot whatever
+        its priority, so no adapter starves."""
+        waiting = self.waiting
+        at = len(waiting)
+        while at and waiting[at - 1].priority > request.priority:
+            at -= 1
+        if at == len(waiting):
+            waiting.append(request)
+        else:
+            waiting.insert(at, request)
 
     def _held(self, request: Request) -> bool:
         """Whether a sample waits for its leader's prompt blocks: until the leader has its first
@@ -220,6 +236,7 @@ class Scheduler:
         admitted: list[Request] = []
         failed: list[tuple[Request, LoraplexError]] = []
         blocked = False
+        tenant_running = self._tenant_running()
         for request in self.waiting:
             reason = None
             if request.matcher is None and request.grammar is not None and not self._grammar_ready(request, failed):
@@ -232,6 +249,8 @@ class Scheduler:
                 reason = WaitReason.AGING  # an older request must get a slot first
             elif len(self.running) + len(admitted) >= self.config.max_num_seqs or budget == 0:
                 reason = WaitReason.BATCH_FULL
+            elif self._tenant_full(request, tenant_running):
+                reason = WaitReason.TENANT_LIMIT  # the line goes on without it
             elif request.adapter_uid is not None and self.lora.slot_of(request.adapter_uid) is None:
                 got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
                 reason = WaitReason.ADAPTER_LOADING if got_slot else WaitReason.SLOTS_FULL
@@ -240,6 +259,8 @@ class Scheduler:
                     request.timings.adapter_ready = time.monotonic()
                 num_tokens = self._admit_kv(request, budget)
                 if num_tokens:
+                    if request.tenant is not None and request.tenant.max_running is not None:
+                        tenant_running[request.tenant.name] = tenant_running.get(request.tenant.name, 0) + 1
                     admitted.append(request)
                     batch.items.append((request, num_tokens))
                     budget -= num_tokens
@@ -254,6 +275,21 @@ class Scheduler:
             self.running.append(request)
         for request, error in failed:
             self.finish(request, FinishReason.ERROR, error)
+
+    def _tenant_running(self) -> dict[str, int]:
+        """Running requests per tenant, for the tenants that have a max_running (O(running))."""
+        counts: dict[str, int] = {}
+        for request in self.running:
+            tenant = request.tenant
+            if tenant is not None and tenant.max_running is not None:
+                counts[tenant.name] = counts.get(tenant.name, 0) + 1
+        return counts
+
+    @staticmethod
+    def _tenant_full(request: Request, tenant_running: dict[str, int]) -> bool:
+        tenant = request.tenant
+        return (tenant is not None and tenant.max_running is not None
+                and tenant_running.get(tenant.name, 0) >= tenant.max_running)
 
     @staticmethod
     def _grammar_ready(request: Request, failed: list[tuple[Request, LoraplexError]]) -> bool:

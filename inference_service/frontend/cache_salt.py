@@ -6,9 +6,10 @@ field: `--prefix-cache-salt` (the operator's, mixed into every key), and `--pref
 - `shared` (default): one namespace per weights (base model or adapter version) for all clients:
   a prompt another client sent is a hit, which that client can observe as a faster first token.
 - `listener`: the gRPC and HTTP listeners never share.
-- `identity`: clients of different trusted identities never share (gRPC with mTLS: the client
-  certificate's subject common name). Requests without a trusted identity (HTTP, gRPC without
-  mTLS) share their listener's namespace: without an identity there is no tenant to tell apart.
+- `identity`: clients of different tenants never share (frontend/tenants.py: a bearer token of
+  --tenants-file or the admin token, the operator's trusted tenant header, or the mTLS client
+  certificate's subject), on either front end. Anonymous requests share their listener's
+  namespace: without an identity there is no tenant to tell apart.
 Typed (kind, value) pairs, so no listener, identity or operator salt can be spelled as another.
 """
 

@@ -43,6 +43,7 @@ from inference_service.frontend.grammar_check import COMPILE_CPU_S, shared_check
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
 from inference_service.frontend.preload import PreloadEntry, Preloader
+from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, TenantSpec, Ticket, tenant_identity
 from inference_service.limits import ADAPTER_NAME_PATTERN, shown
 
 log = logging.getLogger("loraplex.server")
@@ -93,6 +94,20 @@ class ServerConfig:
     # operator's salt mixed into every key
     prefix_cache_scope: str = "shared"
     prefix_cache_salt: str | None = None
+    # Tenants (frontend/tenants.py): --tenants-file's entries, the operator's trusted header, and the
+    # tenants with their own label in the per-tenant metrics
+    tenants: tuple[TenantSpec, ...] = ()
+    trusted_tenant_header: str | None = None
+    tenant_metrics_top_k: int = 10
+    _tenancy: Tenancy | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def tenancy(self) -> Tenancy:
+        """The tenant state both front ends of this server share (bindings, quotas, metrics)."""
+        if self._tenancy is None:
+            self._tenancy = Tenancy(self.tenants, self.admin_token, self.trusted_tenant_header,
+                                    self.tenant_metrics_top_k)
+        return self._tenancy
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -108,6 +123,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.intake = Intake(engine.model_info, engine.tokenizer, config.default_max_new_tokens)
         self.grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size, config.grammar_compile_cpu_s)
         self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
+        self.tenancy = config.tenancy
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The caller's tenant (frontend/tenants.py); UNAUTHENTICATED for a token the tenants file lacks."""
+        return self.tenancy.resolve(context.invocation_metadata(), grpc_identity(context.auth_context()))
 
     # ---- Generate -------------------------------------------------------------------------
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
@@ -119,28 +139,37 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         sample_ids: list[str] = []  # the engine's request id of each sample, once submitted
         ended: set[int] = set()  # samples whose final output was seen
         abort_reason = FinishReason.CANCELLED
+        ticket: Ticket | None = None
         try:
+            tenant = self._tenant(context)
+            self.tenancy.check_in_flight(tenant)  # at its cap: refused before any parsing
             request = _parse(pb.GenerateRequest, raw)
             request_id = request.request_id or uuid.uuid4().hex
             adapter = request.adapter or None
             intake = self.intake.from_grpc(request, request_id)
+            self.tenancy.check_visible(tenant, intake.adapter)  # another tenant's adapter: as if none
+            self.tenancy.check_priority(tenant, request.priority)
+            # The quotas first: a tenant over them costs no grammar compile and no adapter load.
+            ticket = self.tenancy.admit(tenant, intake.n, len(intake.prompt_token_ids), intake.params.max_new_tokens)
             if intake.params.grammar is not None:  # compiled once, bounded, before anything is submitted
                 await self.grammars.check(intake.params.grammar)
             await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
             salt = cache_salt(self.config.prefix_cache_scope, self.config.prefix_cache_salt, "grpc",
-                              grpc_identity(context.auth_context()))
+                              tenant_identity(tenant))
             if intake.n == 1:
                 streams = [self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
-                                                   request_id=intake.request_id, cache_salt=salt)]
+                                                   request_id=intake.request_id, cache_salt=salt, tenant=tenant.tag,
+                                                   priority=request.priority)]
             else:  # n samples sharing the prompt's prefill, each its own engine request
                 streams = self.engine.add_samples(intake.prompt_token_ids, intake.params, intake.n,
                                                   adapter=intake.adapter, request_id=intake.request_id,
-                                                  cache_salt=salt)
+                                                  cache_salt=salt, tenant=tenant.tag, priority=request.priority)
             sample_ids = [stream.request_id for stream in streams]
             counts = [0] * len(streams)
             engine_ended: RequestOutput | None = None
             async with contextlib.aclosing(merged(streams)) as outputs:
                 async for index, out in outputs:
+                    ticket.running()
                     counts[index] = out.generated_tokens or counts[index] + len(out.new_token_ids)
                     generated = sum(counts)
                     if out.finished:
@@ -158,6 +187,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await context.abort(grpc.StatusCode[code], str(error))
         except LoraplexError as e:
             code = e.code
+            if isinstance(e, QuotaExceeded):  # the retry hint, as HTTP's Retry-After
+                context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000) + 1)),))
             await context.abort(grpc.StatusCode[e.code], str(e))
         except (asyncio.CancelledError, _ClientGone) as e:
             code = _cancel_code(context)
@@ -174,6 +205,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             log.exception("Generate %s failed", shown(request_id))
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in request {request_id}")
         finally:
+            if ticket is not None:
+                ticket.release(generated)
             unfinished = [sample_id for index, sample_id in enumerate(sample_ids) if index not in ended]
             for sample_id in unfinished:  # every sample not seen ending, each once
                 self.engine.abort(sample_id, reason=abort_reason)
@@ -220,9 +253,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _load_adapter(self, request: pb.LoadAdapterRequest, context: Any) -> pb.LoadAdapterResponse:
         load = adapter_load(request.name, request.uri, request.sha256, self.uri_policy)
-        fut = self.engine.load_adapter(load.name, load.uri, sha256=load.sha256, pinned=request.pinned,
-                                       preload=request.preload)
-        info = await asyncio.wrap_future(fut)
+        with self.tenancy.loading(self._tenant(context), load.name, self.engine.adapter_is_current(load.name)):
+            fut = self.engine.load_adapter(load.name, load.uri, sha256=load.sha256, pinned=request.pinned,
+                                           preload=request.preload)
+            info = await asyncio.wrap_future(fut)
         log.info("adapter %s loaded from %s (pinned=%s preload=%s)", load.name, shown(load.uri), request.pinned,
                  request.preload)
         return pb.LoadAdapterResponse(adapter=_adapter_pb(info))
@@ -232,7 +266,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                  admin=True)
 
     async def _unload_adapter(self, request: pb.UnloadAdapterRequest, context: Any) -> pb.UnloadAdapterResponse:
-        await asyncio.wrap_future(self.engine.unload_adapter(adapter_name(request.name)))
+        name = adapter_name(request.name)
+        self.tenancy.check_unload(self._tenant(context), name)
+        await asyncio.wrap_future(self.engine.unload_adapter(name))
+        self.tenancy.bind(name, None)
         log.info("adapter %s unloaded", request.name)
         return pb.UnloadAdapterResponse()
 
@@ -250,7 +287,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         infos = await asyncio.wrap_future(self.engine.list_adapters(size + 1, after))
         page, more = infos[:size], len(infos) > size
         admin = self._is_admin(context)
-        resp = pb.ListAdaptersResponse(adapters=[_adapter_pb(a, with_uri=admin) for a in page])
+        tenant = self._tenant(context)
+        # A tenant sees its own adapters and unbound ones (a page may then hold fewer than page_size).
+        resp = pb.ListAdaptersResponse(adapters=[_adapter_pb(a, with_uri=admin) for a in page
+                                                 if self.tenancy.visible(tenant, a.name)])
         if more:
             resp.next_page_token = f"{page[-1].name}@{page[-1].version}"
         else:
@@ -267,6 +307,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 for entry, state in self.preloader.unregistered(registered)]
 
     def _is_admin(self, context: grpc.aio.ServicerContext) -> bool:
+        if self._tenant(context).admin:
+            return True
         try:
             self.auth.check(context.invocation_metadata())
         except LoraplexError:
@@ -329,7 +371,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> Any:
         code = "OK"
         try:
-            if admin:
+            tenant = self._tenant(context)  # an unknown token is UNAUTHENTICATED on every method
+            if admin and not (tenant.admin or tenant.from_token):
                 self.auth.check(context.invocation_metadata())
             return await fn(_parse(message, raw), context)
         except LoraplexError as e:

@@ -52,6 +52,7 @@ app.kubernetes.io/part-of: loraplex
 {{- define "loraplex.shmDir" -}}/var/lib/loraplex/staged{{- end }}
 {{- define "loraplex.preloadPath" -}}/etc/loraplex/preload/preload.yaml{{- end }}
 {{- define "loraplex.adminTokenPath" -}}/etc/loraplex/admin/{{ .Values.inference.adminToken.key }}{{- end }}
+{{- define "loraplex.tenantsPath" -}}/etc/loraplex/tenants/{{ .Values.inference.tenants.key }}{{- end }}
 {{- define "loraplex.tlsDir" -}}/etc/loraplex/tls{{- end }}
 {{- define "loraplex.kernelCacheDir" -}}/var/cache/loraplex/kernels{{- end }}
 {{/* Both containers' TCP listeners (gRPC, /metrics) bind every pod address: probes, Services and

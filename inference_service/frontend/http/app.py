@@ -49,6 +49,7 @@ from inference_service.frontend.http.protocol import (
     UnloadLoraAdapterRequest,
 )
 from inference_service.frontend.intake import adapter_load, adapter_name, optional_adapter
+from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, tenant_identity
 from inference_service.limits import shown
 
 log = logging.getLogger("loraplex.http")
@@ -75,8 +76,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     """The HTTP front end over `engine` on `listen` (host:port); `registry` is the one the gRPC
     process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason)."""
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None, openapi_url=None)
-    salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", None)
-    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template, salt)
+    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template)
+    tenancy = config.tenancy
     auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
     uri_policy = UriPolicy(config.adapter_source_allow)
     started = int(time.time())
@@ -87,7 +88,16 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     @app.exception_handler(LoraplexError)
     async def _loraplex_error(http: HttpRequest, exc: LoraplexError) -> JSONResponse:
         log.info("%s %s refused: %s %s", http.method, http.url.path, exc.code, exc)  # as gRPC logs each outcome
-        return loraplex_error_response(exc)
+        response = loraplex_error_response(exc)
+        if isinstance(exc, QuotaExceeded):
+            response.headers["Retry-After"] = exc.retry_after_header
+        elif exc.code == "UNAUTHENTICATED":
+            response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    def tenant_of(http: HttpRequest) -> Tenant:
+        """The caller's tenant (frontend/tenants.py); UNAUTHENTICATED (401) for a token the tenants file lacks."""
+        return tenancy.resolve(http.headers.items(), None)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(http: HttpRequest, exc: BodyTooLarge) -> JSONResponse:
@@ -114,17 +124,32 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         return error_response("internal error", 500, "INTERNAL")
 
     async def generate(http: HttpRequest, chat: bool) -> Response:
+        tenant = tenant_of(http)
+        tenancy.check_in_flight(tenant)  # at its cap: refused before the body is read
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
+        tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
+        try:
+            tenancy.check_priority(tenant, body.priority)
+        except InvalidArgumentError as e:
+            raise BadField(str(e), "priority") from None
         prompt_ids, params = await offload.run(openai.prepare, body)
-        if params.grammar is not None:  # compiled once, bounded, before anything is submitted
-            try:
-                await grammars.check(params.grammar)
-            except InvalidArgumentError as e:
-                raise BadField(str(e), _grammar_field(body)) from None
-        adapter = optional_adapter(adapter)
-        await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
-        gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n)
+        # The quotas first: a tenant over them costs no grammar compile and no adapter load.
+        ticket = tenancy.admit(tenant, body.n, len(prompt_ids), params.max_new_tokens)
+        try:
+            if params.grammar is not None:  # compiled once, bounded, before anything is submitted
+                try:
+                    await grammars.check(params.grammar)
+                except InvalidArgumentError as e:
+                    raise BadField(str(e), _grammar_field(body)) from None
+            adapter = optional_adapter(adapter)
+            await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
+        except BaseException:
+            ticket.release(0)
+            raise
+        salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
+        gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt, tenant.tag,
+                            ticket, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage))
@@ -153,6 +178,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         return await asyncio.wrap_future(engine.list_adapters())
 
     def is_admin(http: HttpRequest) -> bool:
+        if tenant_of(http).admin:
+            return True
         try:
             auth.check(http.headers.items())
         except LoraplexError:
@@ -164,40 +191,56 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         info = engine.model_info
         card = {"object": "model", "created": started, "owned_by": "loraplex", "max_model_len": info.max_context}
         data = [{**card, "id": name, "root": engine.config.model, "parent": None} for name in served_model_names]
-        latest = {a.name: a for a in await adapters()}  # listed by (name, version): the last one wins
+        tenant = tenant_of(http)
+        # listed by (name, version): the last one wins; a tenant sees its own adapters and unbound ones
+        latest = {a.name: a for a in await adapters() if tenancy.visible(tenant, a.name)}
         admin = is_admin(http)  # URIs only for admins, as ListAdapters: they say where tenants' weights live
         data += [{**card, "id": a.name, "root": a.uri if admin else a.name, "parent": base} for a in latest.values()]
         return JSONResponse({"object": "list", "data": data})
 
+    def admin_check(http: HttpRequest) -> Tenant:
+        """Admin routes: an admin or a tenant of the tenants file (which acts on its own adapters), or
+        the admin token rules of gRPC (auth.admin_disabled_reason)."""
+        tenant = tenant_of(http)
+        if not (tenant.admin or tenant.from_token):
+            auth.check(http.headers.items())
+        return tenant
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(http: HttpRequest) -> Response:
-        auth.check(http.headers.items())
+        tenant = admin_check(http)
         body = await offload.parse(http, LoadLoraAdapterRequest)
         if adapter_name(body.lora_name) in served_model_names:
             raise InvalidArgumentError(f"{body.lora_name!r} is the base model's name")
         path = body.lora_path
         load = adapter_load(body.lora_name, Path(path).absolute().as_uri() if path.startswith("/") else path,
                             body.sha256, uri_policy)
-        if not body.load_inplace and any(a.name == load.name for a in await adapters()):
-            raise InvalidArgumentError(
-                f"adapter {load.name!r} is already loaded (set load_inplace to replace it)")
-        await asyncio.wrap_future(engine.load_adapter(load.name, load.uri, sha256=load.sha256, preload=True))
+        registered = any(a.name == load.name for a in await adapters())
+        with tenancy.loading(tenant, load.name, registered):
+            if not body.load_inplace and registered:
+                raise InvalidArgumentError(
+                    f"adapter {load.name!r} is already loaded (set load_inplace to replace it)")
+            await asyncio.wrap_future(engine.load_adapter(load.name, load.uri, sha256=load.sha256, preload=True))
         log.info("adapter %s loaded from %s (HTTP)", load.name, load.uri)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(http: HttpRequest) -> Response:
-        auth.check(http.headers.items())
+        tenant = admin_check(http)
         body = await offload.parse(http, UnloadLoraAdapterRequest)
-        await asyncio.wrap_future(engine.unload_adapter(adapter_name(body.lora_name)))
+        name = adapter_name(body.lora_name)
+        tenancy.check_unload(tenant, name)
+        await asyncio.wrap_future(engine.unload_adapter(name))
+        tenancy.bind(name, None)
         log.info("adapter %s unloaded (HTTP)", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(http: HttpRequest) -> JSONResponse:
+        tenant = tenant_of(http)
         body = await offload.parse(http, TokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
-            await _known_adapter(engine, body.model)
+            await _known_adapter(engine, body.model, tenancy, tenant)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidArgumentError("give exactly one of prompt and messages")
         ids = await offload.run(openai.tokenize, body)
@@ -205,9 +248,10 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
 
     @app.post("/detokenize")
     async def detokenize(http: HttpRequest) -> JSONResponse:
+        tenant = tenant_of(http)
         body = await offload.parse(http, DetokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
-            await _known_adapter(engine, body.model)
+            await _known_adapter(engine, body.model, tenancy, tenant)
         return JSONResponse({"prompt": await offload.run(openai.detokenize, body.tokens)})
 
     @app.get("/health")
@@ -225,8 +269,9 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     return BodyLimit(app, config.max_message_bytes)
 
 
-async def _known_adapter(engine: EngineClient, name: str) -> None:
-    if not any(a.name == name for a in await asyncio.wrap_future(engine.list_adapters())):
+async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tenant: Tenant) -> None:
+    if not tenancy.visible(tenant, name) or not any(
+            a.name == name for a in await asyncio.wrap_future(engine.list_adapters())):
         raise NotFoundError(f"model {name!r} does not exist")
 
 

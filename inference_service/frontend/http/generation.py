@@ -25,7 +25,14 @@ from starlette.requests import Request as HttpRequest
 
 from adapter_cache.errors import InvalidArgumentError
 from inference_service.engine.client import EngineClient
-from inference_service.engine.request import CacheSalt, FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from inference_service.engine.request import (
+    CacheSalt,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TenantTag,
+    TokenLogprobs,
+)
 from inference_service.engine.streams import RequestStream, merged
 from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.http.errors import BadField, error_body, status_of
@@ -38,6 +45,7 @@ from inference_service.frontend.http.protocol import (
     _Sampling,
 )
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, engine_end_error
+from inference_service.frontend.tenants import Ticket
 from inference_service.limits import check_n
 from inference_service.structured import GrammarSpec, choice_spec, json_schema_spec
 
@@ -59,6 +67,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     status: int = 200
     closed: bool = False
+    ticket: Ticket | None = None  # its hold on its tenant's quotas (frontend/tenants.py), released by close
     finished: list[bool] = field(init=False)
     reasons: list[FinishReason | None] = field(init=False)
     generated: list[int] = field(init=False)
@@ -72,6 +81,8 @@ class Generation:
         return len(self.streams)
 
     def observe(self, index: int, out: RequestOutput) -> None:
+        if self.ticket is not None:
+            self.ticket.running()
         self.generated[index] = out.generated_tokens or self.generated[index] + len(out.new_token_ids)
         if out.finished:
             self.finished[index], self.reasons[index] = True, out.finish_reason
@@ -90,6 +101,8 @@ class Generation:
                 self.engine.abort(stream.request_id, reason=FinishReason.CANCELLED)
                 self.reasons[index] = FinishReason.CANCELLED
                 self.status = 499 if self.status == 200 else self.status
+        if self.ticket is not None:
+            self.ticket.release(sum(self.generated))
         reasons = sorted({r.value for r in self.reasons if r is not None})
         log.info("request %s adapter=%s finish=%s status=%d tokens=%d seconds=%.3f", self.request_id,
                  self.adapter or "-", ",".join(reasons) or "-", self.status, sum(self.generated),
@@ -107,10 +120,8 @@ class OpenAIGeneration:
     """Builds and runs completions / chat completions for the routes in app.py."""
 
     def __init__(self, engine: EngineClient, base_names: tuple[str, ...], default_max_new_tokens: int,
-                 chat_template: ChatTemplate | None, cache_salt: CacheSalt | None = None) -> None:
-        """`cache_salt`: this listener's prefix-cache namespace (HTTP has no trusted identity yet)."""
+                 chat_template: ChatTemplate | None) -> None:
         self.engine = engine
-        self.cache_salt = cache_salt
         self.base_names = base_names
         self.chat_template = chat_template
         self.intake = Intake(engine.model_info, engine.tokenizer, default_max_new_tokens)
@@ -213,17 +224,25 @@ class OpenAIGeneration:
         return self.intake.sampling(params)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-               prefix: str, n: int = 1) -> Generation:
+               prefix: str, n: int = 1, cache_salt: CacheSalt | None = None, tenant: TenantTag | None = None,
+               ticket: Ticket | None = None, priority: int = 0) -> Generation:
         """The request's n samples in the engine (n > 1: engine.client.add_samples, which shares the
-        prompt's prefill and gives each sample its own seed)."""
+        prompt's prefill and gives each sample its own seed). `cache_salt`: its prefix-cache namespace
+        (frontend/cache_salt.py); `tenant` and its quota `ticket` (frontend/tenants.py), which the
+        Generation releases when it closes (here, if the engine refuses the request)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        if n == 1:
-            streams = [self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id,
-                                               cache_salt=self.cache_salt)]
-        else:
-            streams = self.engine.add_samples(prompt_ids, params, n, adapter=adapter, request_id=request_id,
-                                              cache_salt=self.cache_salt)
-        return Generation(self.engine, request_id, adapter, len(prompt_ids), streams)
+        try:
+            if n == 1:
+                streams = [self.engine.add_request(prompt_ids, params, adapter=adapter, request_id=request_id,
+                                                   cache_salt=cache_salt, tenant=tenant, priority=priority)]
+            else:
+                streams = self.engine.add_samples(prompt_ids, params, n, adapter=adapter, request_id=request_id,
+                                                  cache_salt=cache_salt, tenant=tenant, priority=priority)
+        except BaseException:
+            if ticket is not None:
+                ticket.release(0)
+            raise
+        return Generation(self.engine, request_id, adapter, len(prompt_ids), streams, ticket=ticket)
 
     # ---- engine → response ----
 

@@ -75,6 +75,7 @@ class _Sampling(_Strict):
     min_tokens: int = 0  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
     structured_outputs: StructuredOutputs | None = None  # vLLM extension
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM extension: lower first
     # IGNORED_FIELDS
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -1,0 +1,526 @@
+"""Tenants: who sent a request (from the trusted side only), what they may see, and their quotas.
+
+A request's tenant comes from, in this order:
+1. `Authorization: Bearer <token>` (gRPC metadata or HTTP header): the admin token names the admin
+   principal (sees everything); a token of `--tenants-file` names its tenant. With a tenants file,
+   any other token, or an Authorization value that is not `Bearer <token>`, is UNAUTHENTICATED
+   (HTTP 401) on every route. Without one the header keeps its old meaning (admin routes only).
+2. `--trusted-tenant-header NAME` (set by the operator for a gateway in front; ignored otherwise):
+   the tenant that header names.
+3. The mTLS client certificate's subject common name: the tenant whose `mtls_common_name` (or
+   name) it is, else a tenant of that name with no limits.
+4. Nothing: the anonymous tenant (one tenant for every anonymous request).
+
+Adapters loaded by a tenant are bound to it: another tenant gets the answer a name that does not
+exist gets (NOT_FOUND, HTTP 404), and lists show a tenant its own adapters and unbound ones.
+
+Quotas (per tenant, from the tenants file): `max_running + max_queued` requests in flight (a request
+of n samples counts n), and `tokens_per_minute`, a token bucket that refills continuously and
+holds a minute's worth: a request reserves prompt + max_new_tokens per sample at admission and the
+unused part of its reservation is refunded when it ends. Refusals are RESOURCE_EXHAUSTED (HTTP 429)
+with a retry hint (`QuotaExceeded.retry_after_s`); the limits never touch other tenants' requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from adapter_cache.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from inference_service.engine.request import TenantTag
+
+ANONYMOUS = "anonymous"  # every request without a credential
+ADMIN = "admin"  # the admin token's principal
+OTHER = "other"  # the metric label of tenants outside the top-K
+RESERVED_NAMES = (ANONYMOUS, ADMIN, OTHER)
+MAX_TENANTS = 10_000
+MAX_TRACKED = 10_000  # tenants whose counts are kept one by one (the rest: `other`)
+_FIELDS = {"name", "token_sha256", "token_file", "admin", "max_running", "max_queued", "tokens_per_minute",
+           "weight", "mtls_common_name", "min_priority"}
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """One entry of --tenants-file."""
+
+    name: str
+    token_sha256: bytes | None = None  # the token's SHA-256 digest; the token itself is never kept
+    admin: bool = False
+    max_running: int | None = None
+    max_queued: int | None = None
+    tokens_per_minute: int | None = None
+    weight: float = 1.0
+    mtls_common_name: str | None = None
+    min_priority: int = 0  # the lowest (most urgent) request priority this tenant may ask for
+
+    @property
+    def max_in_flight(self) -> int | None:
+        if self.max_running is None and self.max_queued is None:
+            return None
+        return (self.max_running or 0) + (self.max_queued or 0)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A request's principal."""
+
+    name: str
+    admin: bool = False
+    spec: TenantSpec | None = None  # its limits; None: none
+    from_token: bool = False  # named by a bearer token of the tenants file
+
+    @property
+    def tag(self) -> TenantTag:
+        if self.spec is None:
+            return TenantTag(self.name)
+        return TenantTag(self.name, self.spec.weight, self.spec.max_running)
+
+
+ANONYMOUS_TENANT = Tenant(ANONYMOUS)
+ADMIN_TENANT = Tenant(ADMIN, admin=True)
+
+
+def tenant_identity(tenant: Tenant) -> str | None:
+    """The prefix-cache identity (frontend/cache_salt.py, scope `identity`) of a tenant: its name;
+    None for the anonymous tenant (which shares its listener's namespace)."""
+    return None if tenant.name == ANONYMOUS else tenant.name
+
+
+def _int(entry: Mapping[str, object], key: str, where: str) -> int | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}: {key} must be a non-negative integer")
+    return value
+
+
+def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
+    """`{tenants: [{name, token_sha256 | token_file, admin, max_running, max_queued, tokens_per_minute,
+    weight, mtls_common_name}]}` → specs; ValueError on anything else."""
+    import os
+
+    if not isinstance(data, dict) or set(data) != {"tenants"} or not isinstance(data["tenants"], list):
+        raise ValueError("tenants file: expected {tenants: [...]}")
+    specs: list[TenantSpec] = []
+    names: set[str] = set()
+    digests: set[bytes] = set()
+    for i, entry in enumerate(data["tenants"]):
+        where = f"tenants file entry {i}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected a mapping")
+        unknown = set(entry) - _FIELDS
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable():
+            raise ValueError(f"{where}: name must be a printable string of 1-128 characters")
+        if name in RESERVED_NAMES or name in names:
+            raise ValueError(f"{where}: tenant name {name!r} is reserved or repeated")
+        names.add(name)
+        digest: bytes | None = None
+        if "token_sha256" in entry and "token_file" in entry:
+            raise ValueError(f"{where}: give token_sha256 or token_file, not both")
+        if "token_sha256" in entry:
+            hexed = entry["token_sha256"]
+            if not isinstance(hexed, str) or len(hexed) != 64:
+                raise ValueError(f"{where}: token_sha256 must be 64 hex digits")
+            try:
+                digest = bytes.fromhex(hexed)
+            except ValueError:
+                raise ValueError(f"{where}: token_sha256 must be 64 hex digits") from None
+        elif "token_file" in entry:
+            path = entry["token_file"]
+            if not isinstance(path, str):
+                raise ValueError(f"{where}: token_file must be a path")
+            with open(os.path.join(base_dir, path), encoding="utf-8") as f:
+                token = f.read().strip()
+            if not token:
+                raise ValueError(f"{where}: token file {path} is empty")
+            digest = hashlib.sha256(token.encode()).digest()
+        if digest is not None:
+            if digest in digests:
+                raise ValueError(f"{where}: the same token names two tenants")
+            digests.add(digest)
+        admin = entry.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where}: admin must be true or false")
+        weight = entry.get("weight", 1.0)
+        if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight < math.inf:
+            raise ValueError(f"{where}: weight must be a positive number")
+        cn = entry.get("mtls_common_name")
+        if cn is not None and not isinstance(cn, str):
+            raise ValueError(f"{where}: mtls_common_name must be a string")
+        min_priority = entry.get("min_priority", 0)
+        if not isinstance(min_priority, int) or isinstance(min_priority, bool) or abs(min_priority) > 2**31 - 1:
+            raise ValueError(f"{where}: min_priority must be an int32")
+        specs.append(TenantSpec(name, digest, admin, _int(entry, "max_running", where),
+                                _int(entry, "max_queued", where), _int(entry, "tokens_per_minute", where),
+                                float(weight), cn, min_priority))
+    if len(specs) > MAX_TENANTS:
+        raise ValueError(f"tenants file: at most {MAX_TENANTS} tenants")
+    return tuple(specs)
+
+
+def read_tenants_file(path: str) -> tuple[TenantSpec, ...]:
+    """JSON, or YAML (a superset) when PyYAML is there; `token_file` paths are relative to the file."""
+    import os
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        data = yaml.safe_load(text)
+    return parse_tenants(data, os.path.dirname(os.path.abspath(path)))
+
+
+class QuotaExceeded(ResourceExhaustedError):
+    """A tenant over one of its quotas; `retry_after_s` is when a retry may pass."""
+
+    def __init__(self, message: str, retry_after_s: float, reason: str) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+@dataclass
+class _Usage:
+    """One tenant's live counts (under Tenancy._lock)."""
+
+    waiting: int = 0
+    running: int = 0
+    generated_tokens: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+    bucket: float = 0.0
+    bucket_at: float = 0.0
+
+
+class Ticket:
+    """One admitted request's hold on its tenant's quotas: `running()` at its first output, `release()`
+    once at its end (later calls do nothing)."""
+
+    def __init__(self, tenancy: Tenancy, tenant: Tenant, samples: int, prompt_tokens: int, reserved: int) -> None:
+        self._tenancy, self.tenant, self.samples, self.reserved = tenancy, tenant, samples, reserved
+        self.prompt_tokens = prompt_tokens
+        self._running = False
+        self._released = False
+
+    def running(self) -> None:
+        if not self._running and not self._released:
+            self._running = True
+            self._tenancy._move(self.tenant.name, self.samples)
+
+    def release(self, used_tokens: int) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._tenancy._release(self, used_tokens, self._running)
+
+
+class Tenancy:
+    """The front ends' shared tenant state: the directory, adapter bindings, quotas and metrics."""
+
+    def __init__(self, specs: Iterable[TenantSpec] = (), admin_token: str | None = None,
+                 trusted_header: str | None = None, metrics_top_k: int = 10,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.specs = tuple(specs)
+        self.enabled = bool(self.specs)  # a tenants file: unknown bearer tokens are refused everywhere
+        self._by_digest = [(s.token_sha256, s) for s in self.specs if s.token_sha256 is not None]
+        self._by_name = {s.name: s for s in self.specs}
+        self._by_cn = {s.mtls_common_name: s for s in self.specs if s.mtls_common_name}
+        self._admin = admin_token.encode() if admin_token else None
+        self.trusted_header = trusted_header.lower() if trusted_header else None
+        self.top_k = max(0, metrics_top_k)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._usage: dict[str, _Usage] = {}
+        self._folded = _Usage()  # counters of idle tenants no longer tracked one by one (_fold_idle)
+        self.bindings: dict[str, str] = {}  # adapter name → the tenant it is bound to
+
+    # ---- identity ----------------------------------------------------------------------------
+
+    def resolve(self, metadata: Iterable[tuple[str, str | bytes]] | None, mtls_identity: str | None) -> Tenant:
+        """The tenant of a request from its headers/metadata and its verified mTLS identity."""
+        authorization: str | bytes | None = None
+        header: str | bytes | None = None
+        for key, value in metadata or ():
+            k = key.lower()
+            if k == "authorization" and authorization is None:
+                authorization = value
+            elif self.trusted_header is not None and k == self.trusted_header and header is None:
+                header = value
+        if authorization is not None and (self.enabled or self._admin is not None):
+            tenant = self._from_token(authorization)
+            if tenant is not None:
+                return tenant
+        if header is not None:
+            name = header.decode("utf-8", "replace") if isinstance(header, bytes) else header
+            name = name.strip()
+            if not name or len(name) > 128 or not name.isprintable() or name in RESERVED_NAMES:
+                raise UnauthenticatedError(f"the {self.trusted_header} header does not name a tenant")
+            return self._named(name, admin_allowed=False)  # a header names a tenant, never an admin
+        if mtls_identity is not None:
+            spec = self._by_cn.get(mtls_identity) or self._by_name.get(mtls_identity)
+            name = spec.name if spec else mtls_identity
+            if name in RESERVED_NAMES:
+                raise UnauthenticatedError("the client certificate's subject is a reserved tenant name")
+            return self._named(name)
+        return ANONYMOUS_TENANT
+
+    def _named(self, name: str, admin_allowed: bool = True) -> Tenant:
+        spec = self._by_name.get(name)
+        return Tenant(name, admin=bool(admin_allowed and spec and spec.admin), spec=spec)
+
+    def _from_token(self, value: str | bytes) -> Tenant | None:
+        """The token's tenant; None: no tenants file and not the admin token (the old meaning: the
+        admin routes judge it)."""
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        scheme, _, token = raw.partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            if self.enabled:
+                raise UnauthenticatedError("the authorization must be 'Bearer <token>'")
+            return None
+        if self._admin is not None and hmac.compare_digest(token, self._admin):
+            return ADMIN_TENANT
+        digest = hashlib.sha256(token).digest()
+        found: TenantSpec | None = None
+        for known, spec in self._by_digest:  # every entry compared: the time says nothing of which
+            if hmac.compare_digest(digest, known):
+                found = spec
+        if found is not None:
+            return Tenant(found.name, admin=found.admin, spec=found, from_token=True)
+        if self.enabled:
+            raise UnauthenticatedError("unknown bearer token")
+        return None
+
+    # ---- adapters ----------------------------------------------------------------------------
+
+    def visible(self, tenant: Tenant, adapter: str | None) -> bool:
+        if adapter is None or tenant.admin:
+            return True
+        owner = self.bindings.get(adapter)
+        return owner is None or owner == tenant.name
+
+    def check_visible(self, tenant: Tenant, adapter: str | None) -> None:
+        """NOT_FOUND with the engine's own words for an unknown adapter: the name's existence stays hidden."""
+        if not self.visible(tenant, adapter):
+            raise NotFoundError(f"unknown adapter {adapter!r}")
+
+    @contextlib.contextmanager
+    def loading(self, tenant: Tenant, name: str, registered: bool) -> Iterator[None]:
+        """Around a LoadAdapter: a named, non-admin tenant binds the adapter to itself, and may only
+        (re)load a name nobody holds or one bound to it (PERMISSION_DENIED otherwise: adapter names
+        are one namespace). Admins and the anonymous tenant load unbound adapters (or keep the
+        binding of the name they replace). The binding is in place before the load starts, and
+        undone if the load fails."""
+        before = self.bindings.get(name)
+        if tenant.admin or tenant.name == ANONYMOUS:
+            if not self.visible(tenant, name):
+                raise PermissionDeniedError(f"adapter name {name!r} is not available to this tenant")
+            yield
+            return
+        if not (before == tenant.name or (before is None and not registered)):
+            raise PermissionDeniedError(f"adapter name {name!r} is not available to this tenant")
+        self.bindings[name] = tenant.name
+        try:
+            yield
+        except BaseException:
+            if before is None and self.bindings.get(name) == tenant.name:
+                self.bindings.pop(name, None)
+            raise
+
+    def check_unload(self, tenant: Tenant, name: str) -> None:
+        """Another tenant's adapter is NOT_FOUND (as a name that does not exist); an unbound one is
+        the operator's: PERMISSION_DENIED for a named, non-admin tenant."""
+        self.check_visible(tenant, name)
+        if not tenant.admin and tenant.name != ANONYMOUS and self.bindings.get(name) is None:
+            raise PermissionDeniedError(f"adapter {name!r} is not this tenant's to unload")
+
+    def bind(self, name: str, tenant: str | None) -> None:
+        if tenant is None:
+            self.bindings.pop(name, None)
+        else:
+            self.bindings[name] = tenant
+
+    # ---- quotas ------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_priority(tenant: Tenant, priority: int) -> None:
+        """A request may ask for a priority at or above its tenant's min_priority (0 by default, so
+        only tenants the operator allowed can jump ahead of the default); admins may ask for any."""
+        floor = tenant.spec.min_priority if tenant.spec is not None else 0
+        if not tenant.admin and priority < floor:
+            raise InvalidArgumentError(f"priority {priority} is below {floor}, the lowest this tenant may ask for")
+
+    def check_in_flight(self, tenant: Tenant) -> None:
+        """The in-flight cap alone, before the request is even parsed: a tenant at its cap costs the
+        front end no parsing or tokenizing (`admit` checks again, with the request's samples)."""
+        spec = tenant.spec
+        cap = spec.max_in_flight if spec is not None else None
+        if cap is None:
+            return
+        with self._lock:
+            usage = self._usage.get(tenant.name)
+            if usage is not None and usage.waiting + usage.running >= cap:
+                self._refuse(usage, "requests")
+                raise QuotaExceeded(f"tenant over its limit of {cap} requests running or queued", 1.0, "requests")
+
+    def admit(self, tenant: Tenant, samples: int, prompt_tokens: int, max_new_tokens: int) -> Ticket:
+        """The request's ticket, or QuotaExceeded (nothing held) / INVALID_ARGUMENT for a request
+        larger than its tenant's whole token rate."""
+        spec = tenant.spec
+        reserved = samples * (prompt_tokens + max_new_tokens)
+        with self._lock:
+            usage = self._usage.get(tenant.name)
+            if usage is None:
+                if len(self._usage) >= MAX_TRACKED:
+                    self._fold_idle()
+                usage = self._usage[tenant.name] = _Usage()
+            if spec is not None:
+                cap = spec.max_in_flight
+                if cap is not None and usage.waiting + usage.running + samples > cap:
+                    self._refuse(usage, "requests")
+                    raise QuotaExceeded(
+                        f"tenant over its limit of {cap} requests running or queued", 1.0, "requests")
+                rate = spec.tokens_per_minute
+                if rate is not None:
+                    if reserved > rate:
+                        raise InvalidArgumentError(
+                            f"the request reserves {reserved} tokens (prompt + max_new_tokens per sample), more "
+                            f"than its tenant's tokens_per_minute of {rate}")
+                    self._refill(usage, rate)
+                    if usage.bucket < reserved:
+                        self._refuse(usage, "tokens")
+                        wait = (reserved - usage.bucket) * 60.0 / rate
+                        raise QuotaExceeded(f"tenant over its limit of {rate} tokens per minute", wait, "tokens")
+                    usage.bucket -= reserved
+            usage.waiting += samples
+        return Ticket(self, tenant, samples, prompt_tokens, reserved)
+
+    def _refill(self, usage: _Usage, rate: int) -> None:
+        now = self._clock()
+        if usage.bucket_at == 0.0:
+            usage.bucket, usage.bucket_at = float(rate), now
+            return
+        usage.bucket = min(float(rate), usage.bucket + (now - usage.bucket_at) * rate / 60.0)
+        usage.bucket_at = now
+
+    def _fold_idle(self) -> None:
+        """Bounds the state that names from a trusted header or mTLS can create: idle tenants without a
+        tenants-file entry (no token bucket to keep) are folded into the `other` counters."""
+        for name in [n for n, u in self._usage.items()
+                     if not u.waiting and not u.running and n not in self._by_name]:
+            usage = self._usage.pop(name)
+            self._folded.generated_tokens += usage.generated_tokens
+            for reason, count in usage.refusals.items():
+                self._folded.refusals[reason] = self._folded.refusals.get(reason, 0) + count
+
+    @staticmethod
+    def _refuse(usage: _Usage, reason: str) -> None:
+        usage.refusals[reason] = usage.refusals.get(reason, 0) + 1
+
+    def _move(self, name: str, samples: int) -> None:
+        with self._lock:
+            usage = self._usage[name]
+            usage.waiting -= samples
+            usage.running += samples
+
+    def _release(self, ticket: Ticket, used_tokens: int, running: bool) -> None:
+        spec = ticket.tenant.spec
+        with self._lock:
+            usage = self._usage[ticket.tenant.name]
+            if running:
+                usage.running -= ticket.samples
+            else:
+                usage.waiting -= ticket.samples
+            usage.generated_tokens += max(0, used_tokens)
+            if spec is not None and spec.tokens_per_minute is not None:
+                self._refill(usage, spec.tokens_per_minute)
+                # prompt tokens stay spent; what the samples did not generate comes back
+                refund = max(0, ticket.reserved - used_tokens - ticket.prompt_tokens * ticket.samples)
+                usage.bucket = min(float(spec.tokens_per_minute), usage.bucket + refund)
+
+    def in_flight(self) -> dict[str, tuple[int, int]]:
+        """(waiting, running) per tenant (tests, leak checks)."""
+        with self._lock:
+            return {name: (u.waiting, u.running) for name, u in self._usage.items()}
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def collector(self) -> TenantCollector:
+        return TenantCollector(self)
+
+    def _labelled(self) -> list[tuple[str, _Usage]]:
+        """The top-K tenants by generated tokens (then by name) under their own names, the rest
+        summed as `other`."""
+        with self._lock:
+            items = [(n, _Usage(u.waiting, u.running, u.generated_tokens, dict(u.refusals)))
+                     for n, u in self._usage.items()]
+            folded = _Usage(0, 0, self._folded.generated_tokens, dict(self._folded.refusals))
+        items.sort(key=lambda kv: (-kv[1].generated_tokens, kv[0]))
+        top, rest = items[: self.top_k], items[self.top_k:]
+        if folded.generated_tokens or folded.refusals:
+            rest.append((OTHER, folded))
+        if rest:
+            other = _Usage()
+            for _, u in rest:
+                other.waiting += u.waiting
+                other.running += u.running
+                other.generated_tokens += u.generated_tokens
+                for reason, count in u.refusals.items():
+                    other.refusals[reason] = other.refusals.get(reason, 0) + count
+            top.append((OTHER, other))
+        return top
+
+
+class TenantCollector:
+    """Per-tenant series with bounded cardinality: at most top-K tenant labels plus `other`.
+    Membership is recomputed at each scrape (as AdapterTraffic's)."""
+
+    def __init__(self, tenancy: Tenancy) -> None:
+        self.tenancy = tenancy
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.tenancy._labelled()
+        running = GaugeMetricFamily("loraplex_tenant_requests_running",
+                                    "Requests of a tenant streaming (their first output sent)", labels=["tenant"])
+        waiting = GaugeMetricFamily("loraplex_tenant_requests_waiting",
+                                    "Requests of a tenant admitted, no output yet", labels=["tenant"])
+        tokens = CounterMetricFamily("loraplex_tenant_generated_tokens",
+                                     "Tokens generated for a tenant", labels=["tenant"])
+        refusals = CounterMetricFamily("loraplex_tenant_quota_refusals",
+                                       "Requests refused by a tenant quota (RESOURCE_EXHAUSTED / HTTP 429)",
+                                       labels=["tenant", "quota"])
+        for name, usage in rows:
+            running.add_metric([name], usage.running)
+            waiting.add_metric([name], usage.waiting)
+            tokens.add_metric([name], usage.generated_tokens)
+            for quota in ("requests", "tokens"):
+                refusals.add_metric([name, quota], usage.refusals.get(quota, 0))
+        yield from (running, waiting, tokens, refusals)
