@@ -14,6 +14,7 @@ without an allow-list.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -84,8 +85,18 @@ def load_status(client: InferenceClient, name: str, uri: str) -> grpc.StatusCode
     return OK
 
 
+def fresh(root: Path, name: str) -> Path:
+    """A path under `root` that nothing has used yet: a MachineBusy rerun (pyproject's --reruns) runs
+    the same test body again in the module's directories (seen: FileExistsError on the rerun)."""
+    for n in itertools.count():
+        path = root / (name if n == 0 else f"{name}-{n}")
+        if not path.exists() and not path.is_symlink():
+            return path
+    raise AssertionError("unreachable")
+
+
 def bad_copy(root: Path, case_id: str, edit: Callable[[Path], None]) -> Path:
-    path = root / case_id
+    path = fresh(root, case_id)
     shutil.copytree(root / "good", path)
     edit(path)
     return path
@@ -121,27 +132,29 @@ def test_hostile_adapter_file(server, base, client, dirs, case_id, edit, code):
 
 def test_symlinks_escaping_the_root(server, base, client, dirs):
     root, outside = dirs
-    (root / "dir-link").symlink_to(outside / "secret")
-    (root / "file-links").mkdir()
+    dir_link, file_links = fresh(root, "dir-link"), fresh(root, "file-links")
+    dir_link.symlink_to(outside / "secret")
+    file_links.mkdir()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
-        (root / "file-links" / name).symlink_to(outside / "secret" / name)
+        (file_links / name).symlink_to(outside / "secret" / name)
     with victim_beside(server, base):
-        assert load_status(client, "dir-link", (root / "dir-link").as_uri()) == DENIED  # at the URI check
-        assert load_status(client, "file-links", (root / "file-links").as_uri()) == DENIED  # at open time
+        assert load_status(client, dir_link.name, dir_link.as_uri()) == DENIED  # at the URI check
+        assert load_status(client, file_links.name, file_links.as_uri()) == DENIED  # at open time
     assert "peft_type" not in server.log()  # no file content echoed
 
 
 def test_a_directory_swapped_for_a_symlink_after_load_adapter(server, base, client, dirs):
     root, outside = dirs
-    shutil.copytree(root / "good", root / "swapped")
-    client.load_adapter("swapped", (root / "swapped").as_uri(), timeout=60)  # registered: no slot, no host copy
-    shutil.rmtree(root / "swapped")
-    (root / "swapped").symlink_to(outside / "secret")
+    swapped = fresh(root, "swapped")
+    shutil.copytree(root / "good", swapped)
+    client.load_adapter(swapped.name, swapped.as_uri(), timeout=60)  # registered: no slot, no host copy
+    shutil.rmtree(swapped)
+    swapped.symlink_to(outside / "secret")
     with victim_beside(server, base):
         # The request needs the adapter in a slot: the fetch re-checks the files and refuses them.
-        code = status_of(lambda: list(client.generate("x", adapter="swapped", max_new_tokens=4, timeout=60)))
+        code = status_of(lambda: list(client.generate("x", adapter=swapped.name, max_new_tokens=4, timeout=60)))
         assert code == DENIED
-    client.unload_adapter("swapped", timeout=60)
+    client.unload_adapter(swapped.name, timeout=60)
 
 
 def test_a_fifo_as_the_weights_file_and_other_adapters_still_load(server, base, client, dirs):
