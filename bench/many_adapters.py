@@ -134,6 +134,12 @@ def main() -> None:
               f"{info.max_loras} adapters of rank 16 at once (more of rank 8)")
         base, _ = measure(auto, prompts, [None] * args.requests, args, "base")
         print(f"base model: {base:8.1f} tokens/s", flush=True)
+        # The process warms up too: whichever point ran first read ~0.63 of base and the same 64
+        # adapters ~0.75 a minute later, in either order of points (its own warm-up run was not enough).
+        for w in range(2):
+            names = [names_all[a] for a in assignment(min(max(counts), args.requests), args.requests, "uniform")]
+            measure_against_base(auto, prompts, list(names), argparse.Namespace(**{**vars(args), "rounds": 1}),
+                                 f"process-warm-{w}")
         fixed = engine(checkpoint, adapters, args.baseline_slots)
         results: dict[tuple[str, int], float] = {}
         problems: list[str] = []
