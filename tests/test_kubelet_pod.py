@@ -34,6 +34,7 @@ root, in tests/test_server_drain.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -364,7 +365,10 @@ def test_every_option_install(mode: str, request: pytest.FixtureRequest, tmp_pat
         "Secret": {"loraplex-admin": {"token": token},
                    "loraplex-tls": {k: pki[k] for k in ("tls.crt", "tls.key", "ca.crt")},
                    "loraplex-s3": {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"},
-                   "loraplex-cache-extra": {"LORAPLEX_CACHE_FETCH_ATTEMPTS": "2"}},
+                   "loraplex-cache-extra": {"LORAPLEX_CACHE_FETCH_ATTEMPTS": "2"},
+                   # inference.tenants.existingSecret: one tenant, named by its token's digest.
+                   "loraplex-tenants": {"tenants.yaml": yaml.safe_dump({"tenants": [{
+                       "name": "team-a", "token_sha256": hashlib.sha256(b"kubelet-tenant-token").hexdigest()}]})}},
         "ConfigMap": {"loraplex-extra-env": {"LORAPLEX_ADAPTER_METRICS_TOP_K": "10"}},
     }
     docs = render_chart(ALL_VALUES, _overlay(root, adapters, adapter_bytes))
