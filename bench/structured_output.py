@@ -32,7 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.http_overhead import SMALL_MODEL, _free_port, _wait_healthy, make_small_model  # noqa: E402
+from bench.http_overhead import SMALL_MODEL, make_small_model  # noqa: E402
+from harness.ports import free_port, wait_http_healthy  # noqa: E402
 
 ADAPTERS = 3
 PROMPT_TOKENS = 32
@@ -139,7 +140,7 @@ def main() -> int:
         preload.write_text(json.dumps([{"name": f"a{i}", "uri": write_peft_adapter(Path(tmp) / f"a{i}", config,
                                                                                    rank=8, seed=i).as_uri()}
                                        for i in range(ADAPTERS)]))
-        http_port, grpc_port = _free_port(), _free_port()
+        http_port, grpc_port = free_port(), free_port()
         url = f"http://127.0.0.1:{http_port}"
         with open(Path(tmp) / "server.log", "wb") as log:
             server = subprocess.Popen(
@@ -150,7 +151,7 @@ def main() -> int:
                  "--preload-file", str(preload), "--served-model-name", "base"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
-            _wait_healthy(url, server)
+            wait_http_healthy(url, server)
             address = f"127.0.0.1:{grpc_port}"
             phase(address, argparse.Namespace(concurrency=args.concurrency, window=2.0), args.concurrency // 2, 99)
             free, mixed = [], []
