@@ -126,12 +126,12 @@ def run_http(args, log_dir: str) -> tuple[int, float]:
 
 
 
-def make_small_model(out: Path) -> Path:
+def make_small_model(out: Path, shape: dict[str, int] = SMALL_MODEL) -> Path:
     """Random weights in a Hugging Face checkpoint (save_pretrained), tokenizer-less: prompts are ids."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **SMALL_MODEL)
+    config = AutoConfig.for_model("llama", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **shape)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     return out

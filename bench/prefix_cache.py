@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.http_overhead import make_small_model  # noqa: E402
 from harness.ports import free_port, wait_http_healthy  # noqa: E402
 
 SMALL_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -172,16 +173,10 @@ def run_server(args, tmp: Path, prefix_cache: str) -> dict:
 
 
 def make_model_and_adapters(tmp: Path) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from inference_service.demo_adapters import write_peft_adapter
     from inference_service.models.config import ModelConfig
 
-    config = AutoConfig.for_model("llama", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **SMALL_MODEL)
-    torch.manual_seed(0)
-    out = tmp / "small"
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    out = make_small_model(tmp / "small", SMALL_MODEL)
     model_config = ModelConfig.from_hf(json.loads((out / "config.json").read_text()))
     for i, name in enumerate(ADAPTERS):
         write_peft_adapter(tmp / name, model_config, rank=8 * (1 + i % 2), alpha=16.0, seed=i)
