@@ -68,12 +68,15 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
     return groups[g];
 }
 
-// Asks for `rows` weight rows of `bytes` each ahead of their use: a decode step's groups each read
-// a different adapter's pages, and waiting for each to stream in (the hardware prefetcher starts a
-// stream only after misses) took two thirds of a step over 64 adapters.
-static inline void prefetch_rows(const void *const *rows_of, int64_t rows, int64_t bytes) {
-    for (int64_t j = 0; j < rows; j++)
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)rows_of[j] + b, 0, 2);
+// Asks for `span` bytes at `offset` into each of an adapter's pages (for rank `rank`: ceil(rank /
+// page_rank) of them; page p at base + p * stride) ahead of their use: a decode step's groups each
+// read a different adapter's pages, and waiting for each to stream in (the hardware prefetcher starts
+// a stream only after misses) took two thirds of a step over 64 adapters.
+static inline void prefetch_pages(const void *base, const int64_t *pages, int64_t rank, int64_t page_rank,
+                                  int64_t stride, int64_t offset, int64_t span) {
+    for (int64_t p = 0; p < rank; p += page_rank)
+        for (int64_t b = 0; b < span; b += 64)
+            __builtin_prefetch((const char *)base + pages[p / page_rank] * stride + offset + b, 0, 2);
 }
 
 // The register-blocked tiles for MR rows (1-4) of a group: a decode step's group is often one row,
@@ -163,17 +166,16 @@ static inline void prefetch_rows(const void *const *rows_of, int64_t rows, int64
                     for (int64_t j = 0; j < rank; j++)                                                     \
                         rows_of[j] = a + ((pages[gr.pages_at + j / page_rank] * n_modules + i) * page_rank \
                                           + j % page_rank) * in;                                           \
-                    if (i == 0) prefetch_rows((const void *const *)rows_of, rank, in * (int64_t)sizeof(T)); \
+                    const int64_t a_rows = page_rank * in * (int64_t)sizeof(T); /* a module's rows in a page */ \
+                    if (i == 0) /* this module's rows (later ones are asked for a module ahead) */         \
+                        prefetch_pages(a, pages + gr.pages_at, rank, page_rank, n_modules * a_rows, 0, a_rows); \
                     if (i + 1 < n_modules) /* the next module's rows: the same pages' next R rows */       \
-                        for (int64_t p = 0; p < rank; p += page_rank)                                      \
-                            for (int64_t b = 0; b < page_rank * in * (int64_t)sizeof(T); b += 64)          \
-                                __builtin_prefetch((const char *)(a + ((pages[gr.pages_at + p / page_rank] \
-                                    * n_modules + i + 1) * page_rank) * in) + b, 0, 2);                    \
-                    else /* the expand's first module */                                                   \
-                        for (int64_t p = 0; p < rank; p += page_rank)                                      \
-                            for (int64_t b = 0; b < page_rank * (cols[1] - cols[0]) * (int64_t)sizeof(T); b += 64) \
-                                __builtin_prefetch((const char *)(bs[0] + pages[gr.pages_at + p / page_rank] \
-                                    * page_rank * (cols[1] - cols[0])) + b, 0, 2);                         \
+                        prefetch_pages(a, pages + gr.pages_at, rank, page_rank, n_modules * a_rows,       \
+                                       (i + 1) * a_rows, a_rows);                                          \
+                    else { /* the expand's first module */                                                 \
+                        const int64_t b_page = page_rank * (cols[1] - cols[0]) * (int64_t)sizeof(T);       \
+                        prefetch_pages(bs[0], pages + gr.pages_at, rank, page_rank, b_page, 0, b_page);    \
+                    }                                                                                      \
                     float *y_i = y + r0 * ny + i * slot_rank;                                              \
                     int64_t j = 0;                                                                         \
                     for (; in % VL == 0 && j + 4 <= rank; j += 4)                                          \
@@ -195,11 +197,8 @@ static inline void prefetch_rows(const void *const *rows_of, int64_t rows, int64
                     for (int64_t j = 0; j < rank; j++)                                                     \
                         rows_of[j] = bs[i] + (pages[gr.pages_at + j / page_rank] * page_rank + j % page_rank) * width; \
                     if (i + 1 < n_modules) { /* the next module's pages */                                 \
-                        const int64_t nw = cols[i + 2] - cols[i + 1];                                      \
-                        for (int64_t p = 0; p < rank; p += page_rank)                                      \
-                            for (int64_t b = 0; b < page_rank * nw * (int64_t)sizeof(T); b += 64)          \
-                                __builtin_prefetch((const char *)(bs[i + 1] + pages[gr.pages_at + p / page_rank] \
-                                    * page_rank * nw) + b, 0, 2);                                          \
+                        const int64_t b_page = page_rank * (cols[i + 2] - cols[i + 1]) * (int64_t)sizeof(T); \
+                        prefetch_pages(bs[i + 1], pages + gr.pages_at, rank, page_rank, b_page, 0, b_page); \
                     }                                                                                      \
                     for (int64_t m = 0; m < rows; m++) /* this module's y rows */                          \
                         for (int64_t j = 0; j < rank; j++) ys[m * slot_rank + j] = y[(r0 + m) * ny + i * slot_rank + j]; \
