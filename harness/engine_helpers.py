@@ -15,8 +15,9 @@ from inference_service.engine.request import Request, RequestOutput, SamplingPar
 def make_core(max_loras: int = 2, **config: object) -> EngineCore:
     """builtin:tiny on the CPU (unless `device` says otherwise) with a few rank-8 slots and a small KV cache."""
     config.setdefault("device", "cpu")
+    config.setdefault("kv_cache_bytes", 4 << 20)
     return EngineCore(EngineConfig(model="builtin:tiny", max_loras=max_loras, max_lora_rank=8,  # type: ignore[arg-type]
-                                   kv_cache_bytes=4 << 20, **config))
+                                   **config))
 
 
 def load_adapters(core: EngineCore, adapters: dict[str, Path], timeout: float = 60.0, **kwargs: object) -> None:

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
          "listener's namespace)",
          default=ServerConfig.prefix_cache_scope, choices=SCOPES)
     _add(g, "--prefix-cache-salt", "the operator's salt, mixed into every prefix-cache key (e.g. per deployment)")
+    _add(g, "--fair-share", "on: admission follows each tenant's served tokens (the Virtual Token Counter, weighted "
+         "by the tenants file's weight) and a tenant holding more than its share of a full batch is preempted for "
+         "another's waiting request; off: first come, first served (by priority)",
+         default="on" if EngineConfig.fair_share else "off", choices=("on", "off"))
+    _add(g, "--fair-share-decode-weight", "fair share: what a generated token costs, in prompt tokens", type=float,
+         default=EngineConfig.fair_share_decode_weight)
     _add(g, "--stream-interval", "tokens per streamed message after a request's first token (its end is sent at "
          "once); 1 sends every token as it comes. Larger values cut the messages, and the front end's CPU, at "
          "hundreds of concurrent streams", type=int, default=EngineConfig.stream_interval)
@@ -283,6 +289,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         tokenizer=args.tokenizer,
         async_scheduling=args.async_scheduling,
         prefix_cache=args.prefix_cache == "on",
+        fair_share=args.fair_share == "on",
+        fair_share_decode_weight=args.fair_share_decode_weight,
         stream_interval=args.stream_interval,
     )
     server_cfg = ServerConfig(

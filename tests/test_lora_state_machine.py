@@ -2,7 +2,8 @@
 for the fixed-slot pool (`--max-loras N`) and the pool sized by memory (pages of rank rows).
 
 Rules: load / version-swap an adapter (optionally pinned or preloaded), pin (the same version loaded pinned), unload,
-start a request (an adapter or the base model) or a request's n samples (a group: the scheduler holds the
+start a request (an adapter or the base model; a tenant and a priority, so fair-share and priority
+preemptions happen) or a request's n samples (a group: the scheduler holds the
 samples after the first until its prompt blocks are cached; every plan checks no sample was admitted before,
 and none is held once its leader ended or has its first token), abort one, run a scheduler step, and complete any
 host staging or slot copy in any order. After every rule every invariant of "Slot pool
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -41,7 +43,7 @@ from adapter_cache.errors import FailedPreconditionError, NotFoundError, Resourc
 from harness.adapters import write_tiny_adapter
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import FinishReason, Request, SamplingParams, WaitReason
+from inference_service.engine.request import FinishReason, Request, SamplingParams, TenantTag, WaitReason
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.mem_pool import bytes_per_page
 from inference_service.lora.registry import AdapterState
@@ -52,6 +54,7 @@ MAX_EXAMPLES = 400
 STEPS = 60
 MAX_RANK = 8
 NAMES = ("a", "b", "c")
+TENANTS = (None, TenantTag("x"), TenantTag("y", weight=2.0), TenantTag("z", max_running=1))
 # Different ranks, scalings and target modules, so a reused slot must be fully overwritten.
 URI_SPECS = [
     dict(seed=1, rank=4, alpha=8.0),  # all 7 modules
@@ -245,18 +248,24 @@ class SlotPoolMachine(RuleBasedStateMachine):
         self.unload_futures.append(self.lora.unload_adapter(name))
         assert name not in self.lora._registry.current
 
-    @rule(name=st.sampled_from((None, *NAMES)), prompt_len=st.integers(1, 40), new_tokens=st.integers(1, 4))
-    def start_request(self, name: str | None, prompt_len: int, new_tokens: int) -> None:
+    @rule(name=st.sampled_from((None, *NAMES)), prompt_len=st.integers(1, 40), new_tokens=st.integers(1, 4),
+          tenant=st.sampled_from(TENANTS), priority=st.sampled_from((0, 0, 2, -1)))
+    def start_request(self, name: str | None, prompt_len: int, new_tokens: int, tenant: TenantTag | None,
+                      priority: int) -> None:
+        """A request of a tenant (fair share: admission by served tokens, preemption for a seat) at a
+        priority (preemption for a seat or for KV memory)."""
         rid = f"r{self.ids}"
         self.ids += 1
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         prompt = [(7 * i + self.ids) % 250 + 3 for i in range(prompt_len)]
         self.core.validate(prompt, params)
+        request = Request(rid, prompt, params)
+        request.tenant, request.priority = tenant, priority
         if name is not None and name not in self.lora._registry.current:
             with pytest.raises(NotFoundError):
-                self.core.add_request(Request(rid, prompt, params), name)
+                self.core.add_request(request, name)
             return
-        self.core.add_request(Request(rid, prompt, params), name)
+        self.core.add_request(request, name)
         uid = self.core.scheduler.requests[rid].adapter_uid
         assert uid == (self.lora.uid_of(name) if name else None)  # new requests get the current version
         self.live[rid] = uid
@@ -387,6 +396,10 @@ class SlotPoolMachine(RuleBasedStateMachine):
         for uid, entry in registry.versions.items():
             assert entry.refs == {rid for rid, u in self.live.items() if u == uid}, uid
         assert all(u is None or u in registry.versions for u in self.live.values())
+        # Fair share: exactly the live requests' tenants are live, each counted once per request.
+        requests = self.core.scheduler.requests.values()
+        assert self.core.scheduler.fair.live == Counter(r.tenant.name if r.tenant else "" for r in requests)
+        assert set(self.core.scheduler.fair.counters) == set(self.core.scheduler.fair.live)
         # Held blocks are exactly the live tables' (prefix-cache hits share blocks: counted once).
         blocks = {b for r in self.core.scheduler.requests.values() for b in r.block_table}
         assert self.core.runner.kv.num_used == len(blocks)

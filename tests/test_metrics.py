@@ -77,6 +77,7 @@ class FakeStats:
     lora_pool_bytes_used: int = 300
     lora_resident_by_rank: tuple = ((8, 2), (16, 1))
     lora_evictions_by_cause: tuple = (("capacity", 4), ("drained", 1), ("failed", 0))
+    preemptions_by_cause: tuple = (("fair_share", 3),)
     updated_at: float = 1.7e9
 
 
@@ -132,6 +133,8 @@ def test_exposition_has_every_required_series_with_values():
     assert s[("loraplex_lora_pool_adapters", (("rank", "16"),))] == 1
     assert s[("loraplex_lora_pool_evictions_total", (("cause", "capacity"),))] == 4
     assert s[("loraplex_requests_waiting", (("reason", "adapter"),))] == 2
+    preemptions = {dict(labels)["cause"]: v for (n, labels), v in s.items() if n == "loraplex_preemptions_total"}
+    assert preemptions == {"kv_cache": 0, "priority": 0, "fair_share": 3}  # every cause, 0 until it happens
     assert s[("loraplex_kv_cache_usage_ratio", ())] == 0.25
     # Held blocks are the usage (and leak) gauge; cached ones nobody holds are counted apart.
     assert [s[("loraplex_kv_cache_blocks", (("state", k),))] for k in ("held", "cached", "free")] == [25, 40, 35]

@@ -46,6 +46,11 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     aging_steps: int = 64  # a request skipped this many steps stops later ones overtaking it
+    # Fair share across tenants (engine.fair_share, the Virtual Token Counter): admission by the
+    # tenants' served tokens and preemption of a tenant holding more than its share of the batch;
+    # off: first come, first served (by priority). A generated token costs this many prompt tokens.
+    fair_share: bool = True
+    fair_share_decode_weight: float = 2.0
     # allowed URI prefixes; the local source opens files only under the file:// ones. Empty: the engine
     # confines nothing (the server refuses every URI without --adapter-source-allow)
     adapter_source_allow: tuple[str, ...] = ()

@@ -385,6 +385,7 @@ class EngineCore:
             lora_pool_bytes_used=lora.pool_bytes_used,
             lora_resident_by_rank=lora.resident_by_rank,
             lora_evictions_by_cause=lora.evictions_by_cause,
+            preemptions_by_cause=tuple(self.scheduler.preemptions.items()),
             updated_at=time.time(),
         )
 

@@ -45,6 +45,10 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+# Why a running request was preempted by recompute (the scheduler's; the preemptions metric's label).
+PREEMPTION_CAUSES = ("kv_cache", "priority", "fair_share")
+
+
 class WaitReason(enum.StrEnum):
     """Why the scheduler last passed over a waiting request (metrics label, aging)."""
 
@@ -57,6 +61,7 @@ class WaitReason(enum.StrEnum):
     GRAMMAR = "grammar"  # its constraint is being compiled (off the scheduler step)
     SAMPLES = "samples"  # one of n samples, waiting for the first sample's prompt blocks to be cached
     TENANT_LIMIT = "tenant_limit"  # its tenant runs its max_running requests already (others go on)
+    PREEMPTED = "preempted"  # preempted by recompute (PREEMPTION_CAUSES), not considered again yet
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -259,6 +264,7 @@ class Request:
         self.cache_salt: CacheSalt | None = None
         self.tenant: TenantTag | None = None  # None: a caller that names no tenant (tests, benches)
         self.priority = 0  # waiting-queue order: lower first, then arrival (Scheduler.add)
+        self.charged_tokens = 0  # positions charged to its tenant's fair-share counter (never twice)
         self.cache_root: bytes | None = None
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1

@@ -1,11 +1,20 @@
-"""Continuous batching with adapter-aware admission.
+"""Continuous batching with adapter-aware, tenant-fair admission.
 
 Each step: drain finished adapter loads, keep running requests going (decode or the next
-prefill chunk, preempting the newest by recompute when KV blocks run out), then admit waiting
-requests by priority (lower first; FCFS among equals, and all are 0 unless a client asks). A
-request whose adapter is not LOADED triggers its load and is skipped, so it never blocks the line;
-once a request has been passed over `aging_steps` times and still cannot get a slot, later
-requests stop overtaking it, so slots drain and nothing starves.
+prefill chunk, preempting by recompute when KV blocks run out: the lowest priority, then the
+newest), then admit waiting requests by priority (lower first, vLLM's semantics; all are 0 unless
+a client asks), then by their tenant's fair-share counter (engine.fair_share: the tenant that got
+the least service first), then FCFS. A request whose adapter is not LOADED triggers its load and is
+skipped, so it never blocks the line; once a request has been passed over `aging_steps` times and
+still cannot get a slot, later requests stop overtaking it, so slots drain and nothing starves.
+
+When no seat (`max_num_seqs`) or KV memory is free, a waiting request that could run now preempts
+a running one by recompute: first one of lower priority (the lowest, then the newest); else, under
+fair share and at equal priority, the newest of the tenant holding the most seats per weight,
+provided that tenant holds more seats per weight than the waiting one's would after admission and
+has had at least as much service (its counter). The first rule lets urgent work in at once; the
+second gives a light tenant a seat within one step beside a tenant that fills the batch, and never
+moves a seat between tenants already at equal shares, so preemptions cannot ping-pong.
 
 A request's n samples (`Request.group`) share its prompt's prefill: the first sample added leads,
 and with the prefix cache on the others wait (WaitReason.SAMPLES) until the leader's prompt blocks
@@ -16,17 +25,19 @@ shorter than one block past its last token, they are not held and prefill separa
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 
 import torch
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from inference_service.engine.batch import ScheduledBatch
 from inference_service.engine.config import EngineConfig
+from inference_service.engine.fair_share import ANONYMOUS, FairShare
 from inference_service.engine.grammar import new_matcher
 from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.model_runner import StepResults
@@ -52,6 +63,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.finished_this_step: list[Request] = []
         self.num_preemptions = 0
+        self.preemptions: Counter[str] = Counter()  # by cause (request.PREEMPTION_CAUSES)
+        self.fair = FairShare(decode_weight=config.fair_share_decode_weight, enabled=config.fair_share)
         # Prefix cache, in tokens: what admissions looked up and what they found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -62,6 +75,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
         self.requests[request.request_id] = request
+        self.fair.joined(tenant_of(request))
         self._enqueue(request)
         if (request.group is not None and self.kv.prefix_caching and request.group not in self.leaders
                 and request.num_prompt_tokens > self.kv.block_size):  # at least one full block to share
@@ -114,6 +128,7 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.error = reason, error
+        self.fair.left(tenant_of(request))
         if request.group is not None and self.leaders.get(request.group) is request:
             del self.leaders[request.group]  # its samples go on without it (or are ended by their caller)
         self.kv.release(request.block_table)
@@ -129,7 +144,10 @@ class Scheduler:
         async scheduling the next step is planned before that, so it must count them)."""
         now = time.monotonic()
         for request, num_tokens in batch.items:
+            start = request.num_computed_tokens
             request.num_computed_tokens += num_tokens
+            self.fair.charge(tenant_of(request), self._cost(request, start, request.num_computed_tokens))
+            request.charged_tokens = max(request.charged_tokens, request.num_computed_tokens)
             batch.tables.append(request.block_table)
             batch.ends.append(request.num_computed_tokens)
             if request.timings.first_scheduled is None:
@@ -196,15 +214,17 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if request.num_pending_tokens and len(request.output_token_ids) + request.num_pending_tokens \
-                    >= request.params.max_new_tokens:
+            if _ends_in_flight(request):
                 continue  # its in-flight step samples its last token (async scheduling)
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_tokens
             if target > len(request.block_table) * block_size:  # most decode steps fit their last block
                 while not self.kv.can_grow(request.block_table, target):
-                    victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
-                    self._preempt(victim)
+                    # The lowest priority first, then the newest (running is in admission order);
+                    # this request itself when it is that one.
+                    victim = max(((r.priority, i, r) for i, r in enumerate(self.running) if id(r) not in scheduled),
+                                 key=lambda c: c[:2], default=(0, 0, None))[2]
+                    self._preempt(victim, "kv_cache")
                     if victim is request:
                         break
                 if request.status is not RequestStatus.RUNNING:
@@ -215,17 +235,25 @@ class Scheduler:
             budget -= num_tokens
         return budget
 
-    def _preempt(self, request: Request | None) -> None:
-        """Recompute preemption: drop the KV blocks; the request re-prefills prompt + output later."""
+    def _preempt(self, request: Request | None, cause: str) -> None:
+        """Recompute preemption: drop the KV blocks (its full blocks stay prefix-cached, so the
+        recompute mostly hits them); the request re-prefills prompt + output later, back in the
+        waiting queue at its place by priority and arrival. Its adapter reference stays: it is
+        still live, and `finish` releases that once."""
         assert request is not None, "nothing left to preempt"
         self.running.remove(request)
         self.kv.release(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        request.wait_reason = WaitReason.PREEMPTED  # until the next pass considers it (this one may not)
+        place = (request.priority, request.arrival_seq)
+        at = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_seq) > place), len(self.waiting))
+        self.waiting.insert(at, request)
         self.num_preemptions += 1
-        log.info("preempted %s (KV cache full); it will recompute", request.request_id)
+        self.preemptions[cause] += 1
+        log.info("preempted %s of tenant %r (%s); it will recompute", shown(request.request_id),
+                 tenant_of(request), cause)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         barrier = self._aging_barrier()
@@ -233,12 +261,10 @@ class Scheduler:
         needed |= {
             r.adapter_uid for r in self.waiting if r.adapter_uid and (barrier is None or r.arrival_seq <= barrier)
         }
-        admitted: list[Request] = []
+        admission = _Admission(batch, budget, Counter(tenant_of(r) for r in self.running))
         failed: list[tuple[Request, LoraplexError]] = []
         blocked = False
-        tenant_running = self._tenant_running()
-        for request in self.waiting:
-            reason = None
+        for request in self._admission_order(admission.tentative):
             if request.matcher is None and request.grammar is not None and not self._grammar_ready(request, failed):
                 reason = WaitReason.GRAMMAR  # compiling off the step; the line goes on without it
             elif self._held(request):
@@ -247,49 +273,134 @@ class Scheduler:
                 reason = WaitReason.QUEUED
             elif barrier is not None and request.arrival_seq > barrier and request.adapter_uid is not None:
                 reason = WaitReason.AGING  # an older request must get a slot first
-            elif len(self.running) + len(admitted) >= self.config.max_num_seqs or budget == 0:
+            elif admission.budget == 0:
                 reason = WaitReason.BATCH_FULL
-            elif self._tenant_full(request, tenant_running):
+            elif self._tenant_full(request, admission.seats):
                 reason = WaitReason.TENANT_LIMIT  # the line goes on without it
-            elif request.adapter_uid is not None and self.lora.slot_of(request.adapter_uid) is None:
-                got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
-                reason = WaitReason.ADAPTER_LOADING if got_slot else WaitReason.SLOTS_FULL
             else:
-                if request.timings.adapter_ready is None:
-                    request.timings.adapter_ready = time.monotonic()
-                num_tokens = self._admit_kv(request, budget)
-                if num_tokens:
-                    if request.tenant is not None and request.tenant.max_running is not None:
-                        tenant_running[request.tenant.name] = tenant_running.get(request.tenant.name, 0) + 1
-                    admitted.append(request)
-                    batch.items.append((request, num_tokens))
-                    budget -= num_tokens
+                reason = self._try_admit(request, admission, needed)
+                if reason is None:
                     continue
-                reason = WaitReason.KV_CACHE
-                blocked = True  # FCFS for memory: no overtaking on KV, or long prompts would starve
+                blocked = reason is WaitReason.KV_CACHE  # FCFS for memory: no overtaking on KV, or long prompts starve
             request.skipped_steps += 1
             request.wait_reason = reason
-        for request in admitted:
+        for request in admission.admitted:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
         for request, error in failed:
             self.finish(request, FinishReason.ERROR, error)
 
-    def _tenant_running(self) -> dict[str, int]:
-        """Running requests per tenant, for the tenants that have a max_running (O(running))."""
-        counts: dict[str, int] = {}
-        for request in self.running:
-            tenant = request.tenant
-            if tenant is not None and tenant.max_running is not None:
-                counts[tenant.name] = counts.get(tenant.name, 0) + 1
-        return counts
+    def _try_admit(self, request: Request, admission: _Admission, needed: set[str]) -> WaitReason | None:
+        """Admit `request` into this step if a seat, its adapter and KV memory are there, preempting
+        for a seat or for memory where the preemption rules allow (see the module's docstring).
+        None: admitted; else why it waits."""
+        victim: tuple[Request, str] | None = None
+        if len(self.running) + len(admission.admitted) >= self.config.max_num_seqs:
+            victim = self._victim(request, admission)
+            if victim is None:
+                return WaitReason.BATCH_FULL
+        if request.adapter_uid is not None and self.lora.slot_of(request.adapter_uid) is None:
+            # Preempt only once it could run: meanwhile its adapter loads beside the full batch.
+            got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
+            return WaitReason.ADAPTER_LOADING if got_slot else WaitReason.SLOTS_FULL
+        if victim is not None:
+            self._preempt_planned(admission, *victim)
+        if request.timings.adapter_ready is None:
+            request.timings.adapter_ready = time.monotonic()
+        while not (num_tokens := self._admit_kv(request, admission.budget)):
+            victim = self._victim(request, admission)
+            if victim is None:
+                return WaitReason.KV_CACHE
+            self._preempt_planned(admission, *victim)
+        tenant = tenant_of(request)
+        admission.admitted.append(request)
+        admission.batch.items.append((request, num_tokens))
+        admission.budget -= num_tokens
+        admission.seats[tenant] += 1
+        start = request.num_computed_tokens
+        admission.tentative[tenant] = admission.tentative.get(tenant, 0.0) + self._cost(request, start,
+                                                                                       start + num_tokens)
+        return None
+
+    def _preempt_planned(self, admission: _Admission, victim: Request, cause: str) -> None:
+        """Preempt a running request this step may have planned: its row leaves the step first."""
+        for i, (request, num_tokens) in enumerate(admission.batch.items):
+            if request is victim:
+                del admission.batch.items[i]
+                admission.budget += num_tokens
+                break
+        self._preempt(victim, cause)
+        admission.seats[tenant_of(victim)] -= 1
+        admission.no_victim.clear()
+
+    def _victim(self, request: Request, admission: _Admission) -> tuple[Request, str] | None:
+        """The running request `request` may preempt, and why (None: none). Memoized per (tenant,
+        priority) until the next preemption: a backlog of one tenant costs O(running) a step, not
+        O(running) per waiting request."""
+        tenant = tenant_of(request)
+        key = (tenant, request.priority)
+        if key in admission.no_victim:
+            return None
+        candidates = [r for r in self.running if not _ends_in_flight(r)]
+        lower = [r for r in candidates if r.priority > request.priority]
+        if lower:
+            return max(lower, key=lambda r: (r.priority, r.arrival_seq)), "priority"
+        best: Request | None = None
+        if self.fair.enabled:
+            mine = self.fair.counter(tenant) + admission.tentative.get(tenant, 0.0)
+            my_share = (admission.seats[tenant] + 1) / weight_of(request)
+            best_rank: tuple[float, int] = (0.0, 0)
+            for r in candidates:
+                other = tenant_of(r)
+                if other == tenant or r.priority != request.priority:
+                    continue
+                share = admission.seats[other] / weight_of(r)
+                if share <= my_share or self.fair.counter(other) + admission.tentative.get(other, 0.0) < mine:
+                    continue
+                if best is None or (share, r.arrival_seq) > best_rank:
+                    best, best_rank = r, (share, r.arrival_seq)
+        if best is None:
+            admission.no_victim.add(key)
+            return None
+        return best, "fair_share"
+
+    def _admission_order(self, tentative: dict[str, float]) -> Iterator[Request]:
+        """Waiting requests in the order admission considers them: priority, then the tenant's
+        fair-share counter (with what this pass admitted for it, `tentative`, read as the caller
+        goes), then arrival. A snapshot: requests preempted during the pass wait for the next."""
+        if not self.fair.enabled or len(self.fair.live) <= 1:
+            yield from list(self.waiting)  # one tenant (or fair share off): priority, then arrival
+            return
+        queues: dict[str, deque[Request]] = {}
+        for request in self.waiting:  # each tenant's queue keeps the waiting queue's order
+            queues.setdefault(tenant_of(request), deque()).append(request)
+
+        def head(tenant: str) -> tuple[int, float, int, str]:
+            first = queues[tenant][0]
+            return first.priority, self.fair.counter(tenant) + tentative.get(tenant, 0.0), first.arrival_seq, tenant
+
+        heap = [head(tenant) for tenant in queues]
+        heapq.heapify(heap)
+        while heap:
+            tenant = heapq.heappop(heap)[3]
+            yield queues[tenant].popleft()
+            if queues[tenant]:
+                heapq.heappush(heap, head(tenant))
+
+    def _cost(self, request: Request, start: int, end: int) -> float:
+        """Fair-share cost of computing positions [start, end): positions computed before (a
+        recompute after preemption) and prefix-cache hits (never computed) are free."""
+        start = max(start, request.charged_tokens)
+        if end <= start:
+            return 0.0
+        prefill = max(0, min(end, request.num_prompt_tokens) - start)
+        return self.fair.cost(prefill, end - start - prefill, weight_of(request))
 
     @staticmethod
-    def _tenant_full(request: Request, tenant_running: dict[str, int]) -> bool:
+    def _tenant_full(request: Request, seats: Counter[str]) -> bool:
         tenant = request.tenant
-        return (tenant is not None and tenant.max_running is not None
-                and tenant_running.get(tenant.name, 0) >= tenant.max_running)
+        return tenant is not None and tenant.max_running is not None and seats[tenant.name] >= tenant.max_running
 
     @staticmethod
     def _grammar_ready(request: Request, failed: list[tuple[Request, LoraplexError]]) -> bool:
@@ -356,3 +467,28 @@ class Scheduler:
             if request.wait_reason is WaitReason.SLOTS_FULL:
                 return request.arrival_seq
         return None
+
+
+class _Admission:
+    """One pass of admission: the step being filled and what the pass changed so far."""
+
+    def __init__(self, batch: ScheduledBatch, budget: int, seats: Counter[str]) -> None:
+        self.batch, self.budget = batch, budget
+        self.seats = seats  # running requests per tenant, with this pass's admissions and preemptions
+        self.admitted: list[Request] = []
+        self.tentative: dict[str, float] = {}  # fair-share cost of this pass's admissions, per tenant
+        self.no_victim: set[tuple[str, int]] = set()  # (tenant, priority) that found none since a preemption
+
+
+def tenant_of(request: Request) -> str:
+    return request.tenant.name if request.tenant is not None else ANONYMOUS
+
+
+def weight_of(request: Request) -> float:
+    return request.tenant.weight if request.tenant is not None else 1.0
+
+
+def _ends_in_flight(request: Request) -> bool:
+    """Its in-flight step samples its last token (async scheduling): nothing left to run or to preempt."""
+    return bool(request.num_pending_tokens) and \
+        len(request.output_token_ids) + request.num_pending_tokens >= request.params.max_new_tokens

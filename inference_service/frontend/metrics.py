@@ -26,7 +26,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from adapter_cache.adapter_format import LoadTier
-from inference_service.engine.request import WaitReason
+from inference_service.engine.request import PREEMPTION_CAUSES, WaitReason
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 
 __all__ = ["MetricsSink", "NullMetrics", "PrometheusMetrics", "EngineCollector", "build_registry", "serve_metrics"]
@@ -227,6 +227,15 @@ class EngineCollector(Collector):
         for cause, count in s.lora_evictions_by_cause:
             evictions.add_metric([cause], count)
         yield evictions
+        preemptions = CounterMetricFamily(
+            "loraplex_preemptions",
+            "Running requests preempted by recompute, by cause: kv_cache (no KV memory to grow), priority (for a "
+            "waiting request of higher priority), fair_share (for a tenant below its share of the batch).",
+            labels=["cause"],
+        )
+        for cause, count in sorted({**dict.fromkeys(PREEMPTION_CAUSES, 0), **dict(s.preemptions_by_cause)}.items()):
+            preemptions.add_metric([cause], count)
+        yield preemptions
         yield _gauge("loraplex_requests_running", "Requests in the running batch.", s.requests_running)
         waiting = GaugeMetricFamily(
             "loraplex_requests_waiting", "Requests waiting, by what they wait for.", labels=["reason"]
