@@ -381,6 +381,58 @@ def test_priority_within_what_the_tenant_may_ask(env) -> None:
     assert_clean(server)
 
 
+@pytest.mark.parametrize("fair", ["on", "off"])
+def test_fair_share_and_priority_preempt_a_tenant_filling_the_batch(tmp_path, fair) -> None:
+    """Through the real server (--max-num-seqs 2): alpha keeps four long streams going, two running
+    and two queued. An urgent request (priority -3) runs to its end while every alpha stream is still
+    going (priority preemption, fair share on or off); then so does beta's short one at priority 0
+    with fair share on (it preempts one of alpha's seats), while with it off it waits behind alpha's
+    queued requests: the control that shows the check would fail without fair share. Every gauge is
+    back at zero after."""
+    server = start_inference_server(["--tenants-file", str(_tenants_file(tmp_path)), "--max-num-seqs", "2",
+                                     "--fair-share", fair, "--max-new-tokens-limit", "1000"],
+                                    log_dir=tmp_path, http=True)
+    done: list[str] = []
+    first_tokens = threading.Semaphore(0)
+
+    def heavy(i: int) -> None:
+        body = {"model": BASE, "prompt": f"heavy {i}", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.http_url + "/v1/completions", headers=_headers("alpha"), json=body,
+                          timeout=120) as r:
+            assert r.status_code == 200
+            for j, _ in enumerate(r.iter_lines()):
+                if j == 0:
+                    first_tokens.release()
+        done.append(f"heavy {i}")
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(heavy, i) for i in range(4)]
+            for _ in range(2):
+                assert first_tokens.acquire(timeout=60)
+            with InferenceClient(server.address) as c:
+                urgent = c.request("urgent", max_new_tokens=4, ignore_eos=True)
+                urgent.priority = -3
+                last = list(c.stub.Generate(urgent, metadata=_md("beta"), timeout=60))[-1]
+            assert last.finish_reason == pb.FINISH_REASON_LENGTH
+            urgent_before = list(done)
+            light = _complete(server, _headers("beta"), max_tokens=4)
+            assert light.status_code == 200, light.text
+            light_before = list(done)
+            for stream in streams:
+                stream.result(timeout=300)
+        preemptions = {dict(labels)["cause"]: v for (n, labels), v in server.samples().items()
+                       if n == "loraplex_preemptions_total"}
+        if fair == "on":
+            assert light_before == [] and preemptions["fair_share"] >= 1, (light_before, preemptions)
+        else:
+            assert light_before and preemptions["fair_share"] == 0, (light_before, preemptions)
+        assert urgent_before == [] and preemptions["priority"] >= 1, (urgent_before, preemptions)
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
 # ---- units ----------------------------------------------------------------------------------------
 
 def test_tenants_file_is_checked() -> None:
