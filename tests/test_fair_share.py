@@ -259,3 +259,66 @@ def test_priority_preemption_frees_kv_memory_and_outputs_are_unchanged():
         outputs.setdefault(rid, []).extend(t for o in outs for t in o.new_token_ids)
     assert outputs == expected
     _no_leak(core)
+
+
+def test_a_seat_preemption_pauses_and_resumes_without_recompute():
+    """Preempted for a seat, a request keeps its KV blocks; when it gets a seat back it goes on from
+    where it stopped: no prefix-cache lookup, no recompute (one token that step)."""
+    core = make_core(max_num_seqs=2)
+    heavy = TenantTag("heavy")
+    for i in range(2):
+        _add(core, f"h{i}", heavy)
+    for _ in range(3):
+        core.step()
+    paused = core.scheduler.requests["h1"]
+    computed, table = paused.num_computed_tokens, list(paused.block_table)
+    _add(core, "l0", TenantTag("light"), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    core.step()
+    queries = core.scheduler.prefix_queries  # with l0's admission
+    assert core.scheduler.preemptions == {"fair_share": 1}
+    assert paused in core.scheduler.waiting and paused.block_table == table
+    assert paused.num_computed_tokens == computed
+    steps: list[list[tuple[str, int]]] = []
+    plan = core.runner.plan
+
+    def recording_plan(batch):  # type: ignore[no-untyped-def]
+        steps.append([(r.request_id, n) for r, n in batch.items])
+        return plan(batch)
+
+    core.runner.plan = recording_plan  # type: ignore[method-assign]
+    core.runner.run = lambda batch: core.runner.execute(recording_plan(batch), {})  # type: ignore[method-assign]
+    while paused not in core.scheduler.running:
+        core.step()
+    assert ("h1", 1) in steps[-1], steps[-1]  # one decode token: nothing recomputed
+    assert core.scheduler.prefix_queries == queries  # no lookup: h1 was not admitted anew
+    run_to_completion(core)
+    _no_leak(core)
+
+
+def test_paused_blocks_are_dropped_before_a_running_request_is_preempted():
+    """Memory short while a request is paused: its blocks go first (it will recompute), no running
+    request is preempted for memory, and every output equals a run without pressure."""
+    block = kv_bytes_per_block(builtin_tiny_config(), 16, torch.float32)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    reference = make_core(max_num_seqs=8)
+    for rid, seed in (("h0", 0), ("h1", 1), ("l0", 2)):
+        _add(reference, rid, None, params, seed=seed, length=40)
+    expected = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in run_to_completion(reference).items()}
+
+    core = make_core(max_num_seqs=2, kv_cache_bytes=7 * block, prefix_cache=False)
+    heavy = TenantTag("heavy")
+    outputs: dict[str, list[int]] = {}
+    for rid, seed in (("h0", 0), ("h1", 1)):
+        _add(core, rid, heavy, params, seed=seed, length=40)  # 3 blocks each: 6 of 7
+    for out in core.step():
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    _add(core, "l0", TenantTag("light"), params, seed=2, length=40)  # a seat from h1, and 3 blocks
+    for out in core.step():
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert {r.request_id for r in core.scheduler.running} == {"h0", "l0"}
+    assert core.scheduler.requests["h1"].block_table == []  # paused, then its blocks dropped for l0's
+    assert core.scheduler.preemptions == {"fair_share": 1}
+    for rid, outs in run_to_completion(core).items():
+        outputs.setdefault(rid, []).extend(t for o in outs for t in o.new_token_ids)
+    assert outputs == expected
+    _no_leak(core)

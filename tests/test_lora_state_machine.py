@@ -270,6 +270,15 @@ class SlotPoolMachine(RuleBasedStateMachine):
         assert uid == (self.lora.uid_of(name) if name else None)  # new requests get the current version
         self.live[rid] = uid
 
+    @rule(tenant=st.sampled_from(TENANTS[1:]), count=st.integers(2, 4), prompt_len=st.integers(1, 40),
+          new_tokens=st.integers(4, 10))
+    def start_burst(self, tenant: TenantTag, count: int, prompt_len: int, new_tokens: int) -> None:
+        """Several longer base-model requests of one tenant at once: with a small batch, another
+        tenant's next request preempts one of them for a seat (paused, then resumed or its blocks
+        dropped under memory pressure)."""
+        for _ in range(count):
+            self.start_request(None, prompt_len, new_tokens, tenant, 0)
+
     @rule(name=st.sampled_from((None, *NAMES)), prompt_len=st.integers(1, 40), new_tokens=st.integers(1, 4),
           n=st.integers(2, 3))
     def start_samples(self, name: str | None, prompt_len: int, new_tokens: int, n: int) -> None:

@@ -30,7 +30,7 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 
@@ -220,6 +220,8 @@ class Scheduler:
             target = request.num_computed_tokens + num_tokens
             if target > len(request.block_table) * block_size:  # most decode steps fit their last block
                 while not self.kv.can_grow(request.block_table, target):
+                    if self._drop_paused_kv():
+                        continue  # a paused request's blocks first: it was not running anyway
                     # The lowest priority first, then the newest (running is in admission order);
                     # this request itself when it is that one.
                     victim = max(((r.priority, i, r) for i, r in enumerate(self.running) if id(r) not in scheduled),
@@ -235,16 +237,17 @@ class Scheduler:
             budget -= num_tokens
         return budget
 
-    def _preempt(self, request: Request | None, cause: str) -> None:
-        """Recompute preemption: drop the KV blocks (its full blocks stay prefix-cached, so the
-        recompute mostly hits them); the request re-prefills prompt + output later, back in the
-        waiting queue at its place by priority and arrival. Its adapter reference stays: it is
-        still live, and `finish` releases that once."""
+    def _preempt(self, request: Request | None, cause: str, keep_kv: bool = False) -> None:
+        """Take a running request out of the batch, back into the waiting queue at its place by
+        priority and arrival. `keep_kv` (a preemption for a seat): it is paused, keeps its KV blocks
+        and resumes where it stopped, unless memory runs short first (`_drop_paused_kv`). Otherwise
+        (for memory) recompute: its blocks are dropped (the full ones stay prefix-cached, so the
+        recompute mostly hits them) and it re-prefills prompt + output later. Its adapter reference
+        stays either way: it is still live, and `finish` releases that once."""
         assert request is not None, "nothing left to preempt"
         self.running.remove(request)
-        self.kv.release(request.block_table)
-        request.block_table = []
-        request.num_computed_tokens = 0
+        if not keep_kv:
+            self._drop_kv(request)
         request.status = RequestStatus.WAITING
         request.wait_reason = WaitReason.PREEMPTED  # until the next pass considers it (this one may not)
         place = (request.priority, request.arrival_seq)
@@ -252,8 +255,26 @@ class Scheduler:
         self.waiting.insert(at, request)
         self.num_preemptions += 1
         self.preemptions[cause] += 1
-        log.info("preempted %s of tenant %r (%s); it will recompute", shown(request.request_id),
-                 tenant_of(request), cause)
+        log.info("preempted %s of tenant %r (%s); it %s", shown(request.request_id), tenant_of(request), cause,
+                 "keeps its KV blocks and resumes" if keep_kv else "will recompute")
+
+    def _drop_kv(self, request: Request) -> None:
+        self.kv.release(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+
+    def _drop_paused_kv(self, keep: Collection[Request] = ()) -> bool:
+        """Free the blocks of one paused request (the lowest priority, then the newest), which will
+        recompute; False when no paused request holds any. `keep`: waiting requests that are not
+        paused (the one being admitted, and those this pass admitted: still in the waiting queue,
+        holding the blocks of their planned step). O(waiting), on memory pressure only."""
+        paused = [r for r in self.waiting if r.block_table and not any(r is k for k in keep)]
+        if not paused:
+            return False
+        victim = max(paused, key=lambda r: (r.priority, r.arrival_seq))
+        self._drop_kv(victim)
+        log.info("dropped the KV blocks of paused %s (memory); it will recompute", shown(victim.request_id))
+        return True
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         barrier = self._aging_barrier()
@@ -305,10 +326,13 @@ class Scheduler:
             got_slot = self.lora.ensure_loading(request.adapter_uid, needed)
             return WaitReason.ADAPTER_LOADING if got_slot else WaitReason.SLOTS_FULL
         if victim is not None:
-            self._preempt_planned(admission, *victim)
+            self._preempt_planned(admission, *victim, keep_kv=True)
         if request.timings.adapter_ready is None:
             request.timings.adapter_ready = time.monotonic()
-        while not (num_tokens := self._admit_kv(request, admission.budget)):
+        num_tokens = self._resume(request, admission.budget) if request.block_table else 0
+        while not num_tokens and not (num_tokens := self._admit_kv(request, admission.budget)):
+            if self._drop_paused_kv(keep=(request, *admission.admitted)):
+                continue
             victim = self._victim(request, admission)
             if victim is None:
                 return WaitReason.KV_CACHE
@@ -323,14 +347,25 @@ class Scheduler:
                                                                                        start + num_tokens)
         return None
 
-    def _preempt_planned(self, admission: _Admission, victim: Request, cause: str) -> None:
+    def _resume(self, request: Request, budget: int) -> int:
+        """A paused request's tokens this step, its blocks grown for them; 0 when memory is short,
+        having dropped its blocks (it recomputes like a new request)."""
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        target = request.num_computed_tokens + num_tokens
+        if num_tokens and self.kv.can_grow(request.block_table, target):
+            request.block_table = self.kv.grown(request.block_table, target)
+            return num_tokens
+        self._drop_kv(request)
+        return 0
+
+    def _preempt_planned(self, admission: _Admission, victim: Request, cause: str, keep_kv: bool = False) -> None:
         """Preempt a running request this step may have planned: its row leaves the step first."""
         for i, (request, num_tokens) in enumerate(admission.batch.items):
             if request is victim:
                 del admission.batch.items[i]
                 admission.budget += num_tokens
                 break
-        self._preempt(victim, cause)
+        self._preempt(victim, cause, keep_kv)
         admission.seats[tenant_of(victim)] -= 1
         admission.no_victim.clear()
 
