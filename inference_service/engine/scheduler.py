@@ -9,7 +9,9 @@ skipped, so it never blocks the line; once a request has been passed over `aging
 still cannot get a slot, later requests stop overtaking it, so slots drain and nothing starves.
 
 When no seat (`max_num_seqs`) or KV memory is free, a waiting request that could run now preempts
-a running one by recompute: first one of lower priority (the lowest, then the newest); else, under
+a running one: for a seat it is paused (it keeps its KV blocks and resumes where it stopped; paused
+requests' blocks are the first dropped when memory runs short), for memory it recomputes later.
+The victim is first one of lower priority (the lowest, then the newest); else, under
 fair share and at equal priority, the newest of the tenant holding the most seats per weight,
 provided that tenant holds more seats per weight than the waiting one's would after admission and
 has had at least as much service (its counter). The first rule lets urgent work in at once; the
