@@ -39,7 +39,7 @@ INFERENCE_METRICS = {
     "loraplex_kv_cache_blocks", "loraplex_prefix_cache_queries_total", "loraplex_prefix_cache_hits_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
     "loraplex_tenant_requests_running", "loraplex_tenant_requests_waiting", "loraplex_tenant_generated_tokens_total",
-    "loraplex_tenant_quota_refusals_total",
+    "loraplex_tenant_quota_refusals_total", "loraplex_preemptions_total",
 }
 CACHE_METRICS = {
     "loraplex_cache_bytes", "loraplex_cache_capacity_bytes", "loraplex_cache_entries", "loraplex_cache_leases",

@@ -167,7 +167,12 @@ def serving() -> gdash.Dashboard:
              "Quota refusals / s", "Requests refused by a tenant quota (RESOURCE_EXHAUSTED / HTTP 429), by "
              "tenant and quota (requests in flight, tokens per minute).", "reqps",
              (f"sum by (tenant, quota) (rate(loraplex_tenant_quota_refusals_total{{{SEL}}}[{RATE}]))",
-              "{{tenant}} {{quota}}"))))
+              "{{tenant}} {{quota}}")))
+         .with_panel(timeseries(
+             "Preemptions / s", "Running requests preempted, by cause: fair_share (a seat for a tenant below its "
+             "share; the request is paused), priority (for a more urgent request), kv_cache (memory; it "
+             "recomputes).", "reqps",
+             (f"sum by (cause) (rate(loraplex_preemptions_total{{{SEL}}}[{RATE}]))", "{{cause}}"))))
     d = (d.with_row(gdash.Row("Errors and adapters"))
          .with_panel(timeseries(
              "gRPC errors / s", "Non-OK gRPC responses by status code and method.", "reqps",
