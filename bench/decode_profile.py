@@ -1,0 +1,132 @@
+"""Where a decode step's time goes, by op (issue 36, deliverable 2's profile), on the real model.
+
+Runs batch-B decode steps of the base model (and of 8 resident adapters with `--adapters`) in-process
+under torch.profiler and prints, per op, its self CPU time per step and its share of the step's wall
+time. Our C kernels (called through ctypes, invisible to the profiler) and the engine's stages are
+labelled with record_function for the run (`[name]` rows: the time inside them that no torch op
+under them accounts for); what nothing accounts for is the rest of the step loop's Python.
+Same engine set-up as bench/roofline.py (SmolLM2-135M-Instruct, bf16 by default).
+
+    .venv/bin/python bench/decode_profile.py [--batch 32] [--adapters] [--dtype bfloat16] [--top 18]
+
+Last line: RESULT decode_profile_ops_share=<ops' self time / step wall time> (no target: a profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.roofline import PROMPT_TOKENS, engine  # noqa: E402
+from harness.engine_helpers import load_adapters  # noqa: E402
+from harness.real_model import FETCH_HINT, real_model_path  # noqa: E402
+from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from inference_service.engine.core import EngineCore  # noqa: E402
+from inference_service.engine.request import Request, SamplingParams  # noqa: E402
+
+STEPS = 16
+
+
+def label(owner: object, attr: str, name: str) -> None:
+    """Run `owner.attr` under record_function(`[name]`) (a module function or a class's method)."""
+    inner = getattr(owner, attr)
+
+    def labelled(*args: object, **kwargs: object) -> object:
+        with record_function(f"[{name}]"):
+            return inner(*args, **kwargs)
+
+    setattr(owner, attr, labelled)
+
+
+def label_engine() -> None:
+    from inference_service.engine import model_runner
+    from inference_service.engine.output_processor import OutputProcessor
+    from inference_service.engine.scheduler import Scheduler
+    from inference_service.kernels import fused, paged_attention
+    from inference_service.lora.backend import CpuLoRAOp
+
+    for owner, attr, name in (
+        (fused, "add_rms_norm_", "C: add + RMS norm"), (fused, "rope_and_cache", "C: RoPE + KV write"),
+        (fused, "silu_mul", "C: SiLU x mul"), (paged_attention, "decode_attention", "C: paged decode attention"),
+        (CpuLoRAOp, "apply", "C: LoRA shrink + expand"), (Scheduler, "schedule", "py: schedule"),
+        (Scheduler, "postprocess", "py: postprocess"), (OutputProcessor, "on_token", "py: output processing"),
+        (model_runner.ModelRunner, "plan", "py: plan"), (model_runner.ModelRunner, "_tensors", "py: input tensors"),
+        (model_runner, "process_logits", "logits processors"), (model_runner, "sample", "sampling"),
+        (model_runner, "step_logprobs", "logprobs"),
+    ):
+        label(owner, attr, name)
+
+
+def profiled_steps(core: EngineCore, batch: int, names: list[str | None]) -> tuple[float, list[tuple[str, float]]]:
+    """Wall seconds per decode step and (op, self CPU seconds per step), largest first."""
+    params = SamplingParams(max_new_tokens=STEPS + 12, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(10, 1000, (PROMPT_TOKENS,), generator=gen).tolist()
+        core.add_request(Request(f"p{i}", prompt, params), names[i % len(names)])
+    produced: set[str] = set()
+    while len(produced) < batch:  # every prompt prefilled, then a few decode steps to warm up
+        produced |= {out.request_id for out in core.step() if out.new_token_ids}
+    for _ in range(3):
+        core.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            core.step()
+        wall = (time.perf_counter() - start) / STEPS
+    while core.has_work():
+        core.step()
+    ops = [(e.key, e.self_cpu_time_total / 1e6 / STEPS) for e in prof.key_averages()]
+    return wall, sorted(ops, key=lambda op: -op[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="a .gguf file or checkpoint directory (default: SmolLM2)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--adapters", action="store_true", help="8 resident adapters (r8/r16, all modules) mixed")
+    parser.add_argument("--top", type=int, default=18)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    model = args.model or str(real_model_path() or "")
+    if not model:
+        sys.exit(f"the real model is missing: {FETCH_HINT}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}", flush=True)
+    label_engine()
+    core = engine(model, args.dtype, "auto")
+    names: list[str | None] = [None]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.adapters:
+            config = core.runner.model.config
+            adapters = {f"ad{i}": write_peft_adapter(Path(tmp) / f"ad{i}", config, rank=8 if i % 2 else 16,
+                                                     alpha=16.0, seed=i, scale=0.05) for i in range(8)}
+            load_adapters(core, adapters, preload=True)
+            names = list(adapters)
+        wall, ops = profiled_steps(core, args.batch, names)
+    core.shutdown()
+    accounted = sum(seconds for _, seconds in ops)
+    print(f"batch {args.batch}{' over 8 adapters' if args.adapters else ''}, {args.dtype}: "
+          f"{wall * 1e3:.2f} ms a step (profiled), ops {accounted * 1e3:.2f} ms")
+    print(f"{'op':<44} {'ms/step':>8} {'share':>6}")
+    for name, seconds in ops[:args.top]:
+        print(f"{name[:44]:<44} {seconds * 1e3:>8.3f} {seconds / wall:>6.1%}")
+    rest = accounted - sum(seconds for _, seconds in ops[:args.top])
+    print(f"{'(other ops)':<44} {rest * 1e3:>8.3f} {rest / wall:>6.1%}")
+    print(f"{'(no op: Python, waits)':<44} {(wall - accounted) * 1e3:>8.3f} {(wall - accounted) / wall:>6.1%}")
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(f"RESULT decode_profile_ops_share={accounted / wall:.3f}")
+
+
+if __name__ == "__main__":
+    main()
