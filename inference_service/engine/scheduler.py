@@ -84,14 +84,14 @@ class Scheduler:
             self.leaders[request.group] = request
 
     def _enqueue(self, request: Request) -> None:
-        """Into the waiting queue by priority (lower first, vLLM's semantics), after every waiting
-        request of the same or a lower value: FCFS among equals. With every priority equal (the
-        default) this is an append; otherwise it walks back only past the requests it overtakes.
-        Aging still holds: a request past the aging barrier waits for the aged one's slot whatever
-        its priority, so no adapter starves."""
-        waiting = self.waiting
+        """Into the waiting queue at its place by priority (lower first, vLLM's semantics), then
+        arrival: FCFS among equals. A new request walks back only past those it overtakes (with
+        every priority equal, the default, this is an append); a preempted one goes back to its
+        place by its original arrival. Aging still holds: a request past the aging barrier waits for
+        the aged one's slot whatever its priority, so no adapter starves."""
+        waiting, place = self.waiting, (request.priority, request.arrival_seq)
         at = len(waiting)
-        while at and waiting[at - 1].priority > request.priority:
+        while at and (waiting[at - 1].priority, waiting[at - 1].arrival_seq) > place:
             at -= 1
         if at == len(waiting):
             waiting.append(request)
@@ -252,9 +252,7 @@ class Scheduler:
             self._drop_kv(request)
         request.status = RequestStatus.WAITING
         request.wait_reason = WaitReason.PREEMPTED  # until the next pass considers it (this one may not)
-        place = (request.priority, request.arrival_seq)
-        at = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_seq) > place), len(self.waiting))
-        self.waiting.insert(at, request)
+        self._enqueue(request)
         self.num_preemptions += 1
         self.preemptions[cause] += 1
         log.info("preempted %s of tenant %r (%s); it %s", shown(request.request_id), tenant_of(request), cause,
@@ -270,7 +268,8 @@ class Scheduler:
         recompute; False when no paused request holds any. `keep`: waiting requests that are not
         paused (the one being admitted, and those this pass admitted: still in the waiting queue,
         holding the blocks of their planned step). O(waiting), on memory pressure only."""
-        paused = [r for r in self.waiting if r.block_table and not any(r is k for k in keep)]
+        kept = {id(r) for r in keep}
+        paused = [r for r in self.waiting if r.block_table and id(r) not in kept]
         if not paused:
             return False
         victim = max(paused, key=lambda r: (r.priority, r.arrival_seq))
@@ -284,10 +283,10 @@ class Scheduler:
         needed |= {
             r.adapter_uid for r in self.waiting if r.adapter_uid and (barrier is None or r.arrival_seq <= barrier)
         }
-        admission = _Admission(batch, budget, Counter(tenant_of(r) for r in self.running))
+        admission = _Admission(batch, budget, Counter(tenant_of(r) for r in self.running), self.fair)
         failed: list[tuple[Request, LoraplexError]] = []
         blocked = False
-        for request in self._admission_order(admission.tentative):
+        for request in self._admission_order(admission):
             if request.matcher is None and request.grammar is not None and not self._grammar_ready(request, failed):
                 reason = WaitReason.GRAMMAR  # compiling off the step; the line goes on without it
             elif self._held(request):
@@ -385,7 +384,7 @@ class Scheduler:
             return max(lower, key=lambda r: (r.priority, r.arrival_seq)), "priority"
         best: Request | None = None
         if self.fair.enabled:
-            mine = self.fair.counter(tenant) + admission.tentative.get(tenant, 0.0)
+            mine = admission.service(tenant)
             my_share = (admission.seats[tenant] + 1) / weight_of(request)
             best_rank: tuple[float, int] = (0.0, 0)
             for r in candidates:
@@ -393,7 +392,7 @@ class Scheduler:
                 if other == tenant or r.priority != request.priority:
                     continue
                 share = admission.seats[other] / weight_of(r)
-                if share <= my_share or self.fair.counter(other) + admission.tentative.get(other, 0.0) < mine:
+                if share <= my_share or admission.service(other) < mine:
                     continue
                 if best is None or (share, r.arrival_seq) > best_rank:
                     best, best_rank = r, (share, r.arrival_seq)
@@ -402,9 +401,9 @@ class Scheduler:
             return None
         return best, "fair_share"
 
-    def _admission_order(self, tentative: dict[str, float]) -> Iterator[Request]:
+    def _admission_order(self, admission: _Admission) -> Iterator[Request]:
         """Waiting requests in the order admission considers them: priority, then the tenant's
-        fair-share counter (with what this pass admitted for it, `tentative`, read as the caller
+        service (its fair-share counter with what this pass admitted for it, read as the caller
         goes), then arrival. A snapshot: requests preempted during the pass wait for the next."""
         if not self.fair.enabled or len(self.fair.live) <= 1:
             yield from list(self.waiting)  # one tenant (or fair share off): priority, then arrival
@@ -415,7 +414,7 @@ class Scheduler:
 
         def head(tenant: str) -> tuple[int, float, int, str]:
             first = queues[tenant][0]
-            return first.priority, self.fair.counter(tenant) + tentative.get(tenant, 0.0), first.arrival_seq, tenant
+            return first.priority, admission.service(tenant), first.arrival_seq, tenant
 
         heap = [head(tenant) for tenant in queues]
         heapq.heapify(heap)
@@ -509,12 +508,16 @@ class Scheduler:
 class _Admission:
     """One pass of admission: the step being filled and what the pass changed so far."""
 
-    def __init__(self, batch: ScheduledBatch, budget: int, seats: Counter[str]) -> None:
-        self.batch, self.budget = batch, budget
+    def __init__(self, batch: ScheduledBatch, budget: int, seats: Counter[str], fair: FairShare) -> None:
+        self.batch, self.budget, self.fair = batch, budget, fair
         self.seats = seats  # running requests per tenant, with this pass's admissions and preemptions
         self.admitted: list[Request] = []
         self.tentative: dict[str, float] = {}  # fair-share cost of this pass's admissions, per tenant
         self.no_victim: set[tuple[str, int]] = set()  # (tenant, priority) that found none since a preemption
+
+    def service(self, tenant: str) -> float:
+        """The tenant's fair-share counter with what this pass admitted for it."""
+        return self.fair.counter(tenant) + self.tentative.get(tenant, 0.0)
 
 
 def tenant_of(request: Request) -> str:
