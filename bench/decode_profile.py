@@ -27,12 +27,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.roofline import PROMPT_TOKENS, engine  # noqa: E402
+from bench.roofline import engine, mixed_adapters, submit  # noqa: E402
 from harness.engine_helpers import load_adapters  # noqa: E402
 from harness.real_model import FETCH_HINT, real_model_path  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
 from inference_service.engine.core import EngineCore  # noqa: E402
-from inference_service.engine.request import Request, SamplingParams  # noqa: E402
 
 STEPS = 16
 
@@ -69,11 +67,7 @@ def label_engine() -> None:
 
 def profiled_steps(core: EngineCore, batch: int, names: list[str | None]) -> tuple[float, list[tuple[str, float]]]:
     """Wall seconds per decode step and (op, self CPU seconds per step), largest first."""
-    params = SamplingParams(max_new_tokens=STEPS + 12, ignore_eos=True)
-    gen = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        prompt = torch.randint(10, 1000, (PROMPT_TOKENS,), generator=gen).tolist()
-        core.add_request(Request(f"p{i}", prompt, params), names[i % len(names)])
+    submit(core, batch, names, "p", STEPS + 12)
     produced: set[str] = set()
     while len(produced) < batch:  # every prompt prefilled, then a few decode steps to warm up
         produced |= {out.request_id for out in core.step() if out.new_token_ids}
@@ -109,8 +103,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.adapters:
             config = core.runner.model.config
-            adapters = {f"ad{i}": write_peft_adapter(Path(tmp) / f"ad{i}", config, rank=8 if i % 2 else 16,
-                                                     alpha=16.0, seed=i, scale=0.05) for i in range(8)}
+            adapters = mixed_adapters(Path(tmp), config, 8)
             load_adapters(core, adapters, preload=True)
             names = list(adapters)
         wall, ops = profiled_steps(core, args.batch, names)

@@ -113,9 +113,8 @@ def write_tenants(tmp: Path) -> tuple[Path, dict[str, str]]:
 class Load:
     """The client side of one phase against one server."""
 
-    def __init__(self, httpx, client, server: Server, tokens: dict[str, str], model: str, tally: Tally) -> None:
-        self.httpx, self.client, self.server, self.tokens, self.model, self.tally = \
-            httpx, client, server, tokens, model, tally
+    def __init__(self, client, server: Server, tokens: dict[str, str], model: str, tally: Tally) -> None:
+        self.client, self.server, self.tokens, self.model, self.tally = client, server, tokens, model, tally
         self.rng = random.Random(hash(server.name) & 0xFFFF)
 
     def prompt(self, n: int) -> str:
@@ -187,7 +186,7 @@ async def phase(httpx, server: Server, tokens: dict[str, str], args, heavy: tupl
     tally = Tally()
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        load = Load(httpx, client, server, tokens, args.served_model, tally)
+        load = Load(client, server, tokens, args.served_model, tally)
         heavy_tasks = [asyncio.create_task(load.heavy(t, 4 * MAX_NUM_SEQS)) for t in heavy]
         if heavy:
             await asyncio.sleep(args.ramp)

@@ -94,14 +94,25 @@ def roofline_s(config: ModelConfig, machine: Machine, dtype: torch.dtype, batch:
     return max(memory, compute)
 
 
-def decode_step_s(core: EngineCore, batch: int, names: list[str | None], tag: str) -> tuple[float, float]:
-    """The median decode step with `batch` requests submitted (prefill steps excluded), and the tokens
-    per second over those steps (with more adapters than slots not every request runs in a step)."""
-    params = SamplingParams(max_new_tokens=TIMED_STEPS + 8, ignore_eos=True)
+def submit(core: EngineCore, batch: int, names: list[str | None], tag: str, new_tokens: int) -> None:
+    """`batch` greedy requests of PROMPT_TOKENS random tokens, over `names` (None: the base model) in turn."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     gen = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(10, 1000, (PROMPT_TOKENS,), generator=gen).tolist()
         core.add_request(Request(f"{tag}-{i}", prompt, params), names[i % len(names)])
+
+
+def mixed_adapters(root: Path, config: ModelConfig, count: int) -> dict[str, Path]:
+    """PEFT adapters ad0..ad{count-1} of ranks 16 and 8 alternating, on all modules."""
+    return {f"ad{i}": write_peft_adapter(root / f"ad{i}", config, rank=8 if i % 2 else 16, alpha=16.0, seed=i,
+                                         scale=0.05) for i in range(count)}
+
+
+def decode_step_s(core: EngineCore, batch: int, names: list[str | None], tag: str) -> tuple[float, float]:
+    """The median decode step with `batch` requests submitted (prefill steps excluded), and the tokens
+    per second over those steps (with more adapters than slots not every request runs in a step)."""
+    submit(core, batch, names, tag, TIMED_STEPS + 8)
     produced: dict[str, int] = {}
     while len(produced) < batch or min(produced.values()) < 1:  # every prompt prefilled
         for out in core.step():
@@ -142,8 +153,7 @@ def main() -> None:
           f"GFLOP/s, fp32 {machine.gemm_flops[torch.float32] / 1e9:.0f} GFLOP/s; model {config.name or model}: "
           f"{matrix_parameters(config) / 1e6:.1f} M matrix parameters ({args.dtype})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = {f"ad{i}": write_peft_adapter(Path(tmp) / f"ad{i}", config, rank=8 if i % 2 else 16,
-                                                 alpha=16.0, seed=i, scale=0.05) for i in range(16)}
+        adapters = mixed_adapters(Path(tmp), config, 16)
         load_adapters(base, {n: p for n, p in adapters.items() if int(n[2:]) < 8}, pinned=False, preload=True)
         fixed = engine(model, args.dtype, 8)
         load_adapters(fixed, adapters)  # 16 adapters over 8 slots: loaded by the requests
