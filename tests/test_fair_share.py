@@ -285,8 +285,7 @@ def test_a_seat_preemption_pauses_and_resumes_without_recompute():
         steps.append([(r.request_id, n) for r, n in batch.items])
         return plan(batch)
 
-    core.runner.plan = recording_plan  # type: ignore[method-assign]
-    core.runner.run = lambda batch: core.runner.execute(recording_plan(batch), {})  # type: ignore[method-assign]
+    core.runner.plan = recording_plan  # type: ignore[method-assign]  # ModelRunner.run plans through it
     while paused not in core.scheduler.running:
         core.step()
     assert ("h1", 1) in steps[-1], steps[-1]  # one decode token: nothing recomputed
