@@ -23,7 +23,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from harness.ports import free_port  # noqa: E402
 from inference_service.api import inference_pb2 as pb  # noqa: E402
 from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
 from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
@@ -130,10 +130,7 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str, str, Path]:
     log = tmp / "server.log"
     args = [sys.executable, "-m", "inference_service.cli", "--listen", "127.0.0.1:0", "--metrics-port", "0",
             "--adapter-source-allow", tmp.as_uri(), "--preload-file", str(preload), "--max-queue", "4096"]
-    # A free metrics port: bind one, release it, hand it over.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
+    metrics_port = free_port()
     args[args.index("--metrics-port") + 1] = str(metrics_port)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,

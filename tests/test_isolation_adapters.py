@@ -86,7 +86,7 @@ def load_status(client: InferenceClient, name: str, uri: str) -> grpc.StatusCode
 
 
 def fresh(root: Path, name: str) -> Path:
-    """A path under `root` that nothing has used yet: a MachineBusy rerun (pyproject's --reruns) runs
+    """A path under `root` that nothing has used yet: a timing rerun (pyproject's --reruns) runs
     the same test body again in the module's directories (seen: FileExistsError on the rerun)."""
     for n in itertools.count():
         path = root / (name if n == 0 else f"{name}-{n}")

@@ -12,24 +12,27 @@
 - the check itself: a victim that stopped streaming before the attack ended, or paused between runs,
   fails;
 - a victim slowed by other processes on the machine (real CPU burners outside this test's process
-  tree) fails as MachineBusy, which pytest reruns (the faults above fail either way: a MachineBusy
-  is an AssertionError, and a real fault fails its reruns too).
+  tree) fails as MachineBusy, and any other timing failure as VictimSlow; pytest reruns both (the
+  host's CPUs change speed under the guest: harness/host_speed.py) and nothing else (the faults above
+  fail either way: both are AssertionErrors, and a real fault fails its reruns too).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from harness.cpu_accounting import foreign_load
-from harness.inference_server import InferenceServer, start_inference_server
+from harness.inference_server import ROOT, InferenceServer, start_inference_server
 from harness.isolation import (
     FRESH_RUNS,
     MIN_RUNS,
@@ -40,6 +43,7 @@ from harness.isolation import (
     Contention,
     MachineBusy,
     VictimResult,
+    VictimSlow,
     _fail,
     check_victim,
     resident_adapter,
@@ -188,6 +192,20 @@ def test_a_victim_slowed_by_other_processes_is_a_busy_machine_not_a_verdict(serv
     assert contention is not None and contention.machine_busy, contention
     with pytest.raises(MachineBusy, match="other processes used"):
         _fail("a slow victim", contention)
+
+
+def test_timing_failures_and_only_those_are_rerun():
+    """A slow victim with no other process on the machine is a VictimSlow; pytest's --only-rerun
+    (pyproject.toml) matches it and MachineBusy, and not a failure of tokens, codes or leaks."""
+    with pytest.raises(VictimSlow, match="a slow victim"):
+        _fail("a slow victim", Contention(foreign_alone=0.0, foreign_timed=0.0, waiting_alone=0.3, waiting_timed=0.3))
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        addopts = tomllib.load(f)["tool"]["pytest"]["ini_options"]["addopts"]
+    pattern = re.search(r"--only-rerun (\S+)", addopts)
+    assert pattern is not None, addopts
+    for error, rerun in ((VictimSlow("slow"), True), (MachineBusy("busy"), True),
+                         (AssertionError("the victim's tokens changed beside the attack"), False)):
+        assert bool(re.search(pattern.group(1), f"{type(error).__name__}: {error}")) == rerun, error
 
 
 def _run(start: float, seconds: float, tokens: list[int]) -> dict:

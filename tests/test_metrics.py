@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import urllib.request
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.ports import free_port
 from harness.tools import require_tool
 from inference_service.frontend.metrics import (
     EngineCollector,
@@ -203,9 +203,7 @@ def test_promtool_check_metrics_clean_except_fixed_names():
 def test_served_over_http():
     registry, sink = _registry(FakeStats())
     _feed(sink)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = serve_metrics(registry, port)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -21,7 +21,7 @@ from typing import Any
 
 import uvicorn
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from inference_service.frontend.http.config import HttpConfig
@@ -122,16 +122,30 @@ def _peer(client: tuple[str, int] | None) -> str:
 class _ReadinessGate:
     """`GET /health` answers 503 while the server should get no traffic (draining, required preloads
     missing, engine stuck or dead: what gRPC readiness says), so a gateway routing this port moves
-    away when gRPC clients do; otherwise the app answers it."""
+    away when gRPC clients do; otherwise the app answers it.
+
+    Meanwhile every response says `Connection: close`: a gateway's keep-alive connections would
+    otherwise go on carrying new requests here until the drain closes them, and a request sent on
+    one just as it closes is reset; a new connection goes where the gateway's routing now says."""
 
     def __init__(self, app: ASGIApp, ready: Callable[[], bool]) -> None:
         self.app, self.ready = app, ready
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/health" and not self.ready():
-            await Response(status_code=503)(scope, receive, send)
+        if scope["type"] != "http" or self.ready():
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        if scope["path"] == "/health":
+            await Response(status_code=503, headers={"connection": "close"})(scope, receive, send)
+            return
+
+        async def send_closing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
 
 
 def _listen(config: HttpConfig) -> socket.socket:
