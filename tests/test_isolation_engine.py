@@ -261,14 +261,17 @@ def test_1500_idle_adapters_do_not_slow_decoding_and_the_cap_holds(server, base,
     """`base` was timed with (almost) nothing registered; the victim must keep that speed with the
     registry full of idle adapters, while a client pages through all of them."""
     uri = (adapters / "good").as_uri()
-    missing = MAX_REGISTERED - len(_names_registered(stub))
-    assert missing >= 1500
+    # The module's other tests registered a few names; idle-* are this test's own, already there when
+    # this is a rerun (a VictimSlow rerun keeps the module's server): loading one again is a no-op.
+    others = [n for n in _names_registered(stub) if not n.startswith("idle-")]
+    idle = MAX_REGISTERED - len(others)
+    assert idle >= 1500
 
     def load(i: int) -> None:
         stub.LoadAdapter(pb.LoadAdapterRequest(name=f"idle-{i:05d}", uri=uri), metadata=ADMIN, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(load, range(missing)))
+        list(pool.map(load, range(idle)))
     with victim_beside(server, base):
         names = _names_registered(stub)
         first = stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30)
