@@ -14,22 +14,18 @@ Last line: RESULT decode_profile_ops_share=<ops' self time / step wall time> (no
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.roofline import engine, mixed_adapters, submit  # noqa: E402
+from bench.roofline import engine, mixed_adapters, real_model_parser, real_model_start, submit  # noqa: E402
 from harness.engine_helpers import load_adapters  # noqa: E402
-from harness.real_model import FETCH_HINT, real_model_path  # noqa: E402
 from inference_service.engine.core import EngineCore  # noqa: E402
 
 STEPS = 16
@@ -85,18 +81,12 @@ def profiled_steps(core: EngineCore, batch: int, names: list[str | None]) -> tup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="", help="a .gguf file or checkpoint directory (default: SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser = real_model_parser(__doc__)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--adapters", action="store_true", help="8 resident adapters (r8/r16, all modules) mixed")
     parser.add_argument("--top", type=int, default=18)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    model = args.model or str(real_model_path() or "")
-    if not model:
-        sys.exit(f"the real model is missing: {FETCH_HINT}")
-    print(f"load average at start: {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}", flush=True)
+    model, _ = real_model_start(args)
     label_engine()
     core = engine(model, args.dtype, "auto")
     names: list[str | None] = [None]

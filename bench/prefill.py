@@ -21,8 +21,6 @@ RESULT chunked_prefill_itl_p99_vs_whole=<that p99 / the p99 with the prompt in o
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import statistics
 import sys
@@ -33,8 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package
 
-from bench.roofline import Machine, matrix_parameters, measure_machine  # noqa: E402
-from harness.real_model import FETCH_HINT, real_model_path  # noqa: E402
+from bench.roofline import (  # noqa: E402
+    Machine,
+    matrix_parameters,
+    measure_machine,
+    real_model_parser,
+    real_model_start,
+)
 from inference_service.engine.config import EngineConfig  # noqa: E402
 from inference_service.engine.core import EngineCore  # noqa: E402
 from inference_service.engine.request import Request, SamplingParams  # noqa: E402
@@ -121,20 +124,12 @@ def p99(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="", help="a .gguf file or checkpoint directory (default: SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser = real_model_parser(__doc__)
     parser.add_argument("--budgets", default="128,256", type=lambda v: [int(b) for b in v.split(",")],
                         help="step token budgets to run the long prompt's chunked prefill with, besides "
                              f"the default {CHUNK} and the whole prompt ({WHOLE})")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    model = args.model or str(real_model_path() or "")
-    if not model:
-        sys.exit(f"the real model is missing: {FETCH_HINT}")
-    dtype = getattr(torch, args.dtype)
-    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads "
-          f"{torch.get_num_threads()}", flush=True)
+    model, dtype = real_model_start(args)
     whole = engine(model, args.dtype, WHOLE)
     config: ModelConfig = whole.runner.model.config
     machine = measure_machine(matrix_parameters(config) * (torch.finfo(dtype).bits // 8))

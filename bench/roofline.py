@@ -133,18 +133,28 @@ def engine(model: str, dtype: str, max_loras: int | str) -> EngineCore:
                                    kv_cache_bytes=512 << 20))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def real_model_parser(doc: str) -> argparse.ArgumentParser:
+    """The real-model benches' flags: --model and --dtype."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="a .gguf file or checkpoint directory (default: SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    args = parser.parse_args()
+    return parser
+
+
+def real_model_start(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """The model to run (exits with the fetch hint without one) and its dtype; prints the load first."""
     logging.basicConfig(level=logging.WARNING)
     model = args.model or str(real_model_path() or "")
     if not model:
         sys.exit(f"the real model is missing: {FETCH_HINT}")
-    dtype = getattr(torch, args.dtype)
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads "
           f"{torch.get_num_threads()}", flush=True)
+    return model, getattr(torch, args.dtype)
+
+
+def main() -> None:
+    args = real_model_parser(__doc__).parse_args()
+    model, dtype = real_model_start(args)
     base = engine(model, args.dtype, "auto")
     config: ModelConfig = base.runner.model.config
     width = torch.finfo(dtype).bits // 8
