@@ -150,6 +150,17 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(monkeypatch):
     assert calls, "the fallback run should have asked for the kernel and been refused"
 
 
+def test_engine_output_is_the_same_without_prepacked_weights(monkeypatch, tmp_path):
+    """Where oneDNN's packing is missing or disagrees (`linear._packing_works` false: `pack` gives
+    None), every projection and the LM head take F.linear, with adapters and without."""
+    adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
+    packed, _ = generate(adapters)
+    monkeypatch.setattr(dense, "_packing_works", lambda dtype: False)
+    model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
+    assert model.packed_lm_head is None and all(p.packed is None for p in model.layers[0].projections())
+    assert generate(adapters)[0] == packed
+
+
 def forget_kernels() -> None:
     for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function, fused._function):
         cached.cache_clear()
