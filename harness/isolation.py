@@ -236,7 +236,7 @@ class VictimSlow(AssertionError):
     independently, in bursts of seconds, with the guest idle (another tenant of the host on the
     sibling hyperthread or the memory bus: not steal, and no PMU to count it), and the victim
     followed: with no attack at all, its mean over 4 runs exceeded this check's bound against the 3
-    runs before them in 1 to 14 of 112-192 windows (0.5-7%), the engine core's CPU time per run
+    runs before them in 1 to 14 of 112-192 windows (0.9-7%), the engine core's CPU time per run
     rising with its wall time (0.58 s in the fastest fifth of runs, 1.01 s in the slowest). A probe
     process cannot correct for it: its vCPU's speed is not the server's (correlation 0.1-0.4)."""
 
