@@ -17,6 +17,7 @@ from inference_service.engine.request import Request, SamplingParams
 from inference_service.kernels import build, fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
+from inference_service.kernels import amx_linear
 from inference_service.models import linear as dense
 from inference_service.models.attention import CpuPagedAttention, GatherScratch, TorchPagedAttention
 from inference_service.models.batch import AttentionBatch, PrefillSegment
@@ -125,11 +126,12 @@ def test_attention_backends_agree_on_a_mixed_step(dtype):
     torch.testing.assert_close(c_out.float(), torch_out.float(), atol=tolerance, rtol=tolerance)
 
 
-def generate(adapters: dict[str, Path] | None = None) -> tuple[list[list[int]], str]:
+def generate(adapters: dict[str, Path] | None = None, dtype: str = "float32") -> tuple[list[list[int]], str]:
     """Greedy tokens of 6 requests of different lengths (cycling through base model and the
     adapters), and the name of the LoRA op the engine used."""
     adapters = adapters or {}
-    core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu", max_num_seqs=8, max_loras=2, max_lora_rank=8))
+    core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu", dtype=dtype, max_num_seqs=8, max_loras=2,
+                                   max_lora_rank=8))
     load_adapters(core, adapters, preload=True)
     names = [None, *adapters]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -161,8 +163,55 @@ def test_engine_output_is_the_same_without_prepacked_weights(monkeypatch, tmp_pa
     assert generate(adapters)[0] == packed
 
 
+needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100, 300])
+def test_amx_linear_is_the_fp32_product_rounded_once(rows, bias):
+    """Every row count (a partial 16-row tile, two, several 32-row blocks and more than one block
+    chunk) against the fp32 product rounded to bf16: equal but where fp32 summation order moves a
+    value across a rounding boundary: within one bf16 step plus fp32 summation's own error bound."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 1536, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 1536, generator=gen).to(torch.bfloat16)
+    packed = dense.pack(weight)
+    assert isinstance(packed, amx_linear.AMXWeight)
+    got = dense.linear(x, weight, b, packed)
+    expected = x.float() @ weight.float().T + (b.float() if bias else 0)
+    rounded = expected.to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    summation = 1536 * 2**-24 * (x.float().abs() @ weight.float().abs().T)  # fp32's order error bound
+    assert ((got.float() - expected).abs() <= expected.abs() * 2**-7 + summation).all()
+    assert (got == rounded).float().mean() > 0.99
+
+
+def test_pack_keeps_onednn_where_amx_cannot_run(monkeypatch):
+    """fp32, a width that is not a multiple of 32 (builtin:tiny's LM head) and a CPU without AMX
+    (forced) take oneDNN's packed weight."""
+    bf16 = torch.randn(64, 64).to(torch.bfloat16)
+    assert isinstance(dense.pack(torch.randn(64, 64)), dense.OneDNNWeight)
+    assert isinstance(dense.pack(torch.randn(258, 64).to(torch.bfloat16)), dense.OneDNNWeight)
+    monkeypatch.setattr(amx_linear, "available", lambda: False)
+    assert isinstance(dense.pack(bf16), dense.OneDNNWeight)
+
+
+@needs_amx
+def test_engine_output_is_the_same_on_onednn_as_on_amx(monkeypatch, tmp_path):
+    """bf16 end to end with an adapter: the AMX projections and oneDNN's (forced) give the same tokens."""
+    adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
+    on_amx, _ = generate(adapters, "bfloat16")
+    monkeypatch.setattr(amx_linear, "available", lambda: False)
+    model, _ = load_model(BUILTIN_TINY, CPU, torch.bfloat16)
+    assert all(isinstance(p.packed, dense.OneDNNWeight) for p in model.layers[0].projections())
+    assert generate(adapters, "bfloat16")[0] == on_amx
+
+
 def forget_kernels() -> None:
-    for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function, fused._function):
+    for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function, fused._function,
+                   amx_linear._function):
         cached.cache_clear()
 
 

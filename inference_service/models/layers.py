@@ -126,7 +126,7 @@ class LoRALinear(nn.Module):
         self.weight = frozen_param(start, in_features, device, dtype)
         self.bias = frozen_param(start, None, device, dtype) if bias else None
         self.lora = LoRASlices(targets)
-        self.packed: torch.Tensor | None = None
+        self.packed: dense.PackedWeight | None = None
 
     def pack(self) -> None:
         self.packed = dense.pack(self.weight.data)

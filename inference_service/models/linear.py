@@ -1,36 +1,62 @@
-"""Dense projections, with weights prepacked once for oneDNN on CPU.
+"""Dense projections, with weights prepacked once for the CPU GEMM.
 
-MKL's GEMM behind `F.linear` repacks the weight on every call; at decode batch sizes that repacking
-is 15-30% of a projection (more in bf16). A oneDNN-packed weight (what torch's own inductor uses
-when it freezes a CPU model) skips it and works for any batch size. The packing op is private to
-torch, so it is probed once per process and the plain path is kept wherever it is missing or
-disagrees with `F.linear`.
+Two packed forms, chosen per weight when the model is loaded (`pack`):
+- AMX (`kernels/amx_linear`): bf16 on CPUs with AMX. A decode step's projections only stream their
+  weights, and this kernel reads them at ~1.7x oneDNN's rate there (docs/architecture.md, "Decode
+  against the machine's roofline"); from 64 rows up to the 512 of a default prefill chunk it is
+  level with oneDNN.
+- oneDNN (`torch.ops.mkldnn._linear_pointwise`): everywhere else on CPU. MKL's GEMM behind
+  `F.linear` repacks the weight on every call; at decode batch sizes that repacking is 15-30% of
+  a projection (more in bf16). A oneDNN-packed weight (what torch's own inductor uses when it
+  freezes a CPU model) skips it. The packing op is private to torch, so it is probed once per
+  process and the plain path is kept wherever it is missing or disagrees with `F.linear`.
+Either replaces the dense weight, which the caller then drops (held once).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from inference_service.kernels import amx_linear
+
 log = logging.getLogger(__name__)
 
 
+class PackedWeight(Protocol):
+    """A projection's weight in a GEMM's own layout: out = x @ W^T (+ bias)."""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class OneDNNWeight:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed(x, bias)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of weight [out, in], or None where the plain path should be used."""
-    if weight.device.type != "cpu" or not _packing_works(weight.dtype):
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed copy of weight [out, in], or None where the plain path should be used."""
+    if weight.device.type != "cpu":
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    amx = amx_linear.pack(weight)
+    if amx is not None:
+        return amx
+    return OneDNNWeight(weight) if _packing_works(weight.dtype) else None
 
 
 @functools.cache
@@ -41,8 +67,7 @@ def _packing_works(dtype: torch.dtype) -> bool:
         x = torch.randn(5, 32, generator=gen).to(dtype)
         bias = torch.randn(48, generator=gen).to(dtype)
         expected = F.linear(x, weight, bias)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        got = linear(x, weight, bias, packed)
+        got = linear(x, weight, bias, OneDNNWeight(weight))
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2
         if got.dtype == dtype and torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
             return True

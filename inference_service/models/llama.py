@@ -132,7 +132,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.lora_op: LoRAOp = TorchLoRAOp(device)  # the engine picks the op for its device
         self.attention: AttentionBackend = make_attention_backend(device, dtype)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: dense.PackedWeight | None = None
 
     def pack_weights(self) -> None:
         """Once the weights are in: prepack the projections for the CPU GEMM (no-op elsewhere)."""

@@ -1,0 +1,73 @@
+"""bf16 projections on Intel AMX (`amx_linear.c`), for CPUs that have it.
+
+`pack` turns a weight [N, K] into the kernel's layout, or gives None where the kernel cannot run
+(no AMX, the kernel not built, `LORAPLEX_CPU_KERNELS=0`, not bf16, N or K not a multiple of 32);
+the caller then keeps oneDNN. `AMXWeight` is the packed weight, called like a projection.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from inference_service.kernels.build import load_library
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # the kernel's column and depth block
+_VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class AMXWeight:
+    """A weight [N, K] in the kernel's blocked layout: out = x @ W^T (+ bias) for any number of rows."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        self.out_features, self.in_features = n, k
+        # [N/32, 32, K/32, 16, 2] -> [N/32][K/32][16 k-pairs][32 n][2]: each 2 KiB block one k-slab
+        # of 32 columns, VNNI-paired as AMX's B operand reads it.
+        self.blocks = (
+            weight.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+        )
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        fn = _function()
+        assert fn is not None, "an AMXWeight exists only where the kernel runs"
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        b = None if bias is None else bias.contiguous()  # held: the kernel reads it by address
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        if x2.shape[0]:
+            fn(x2.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
+               x2.shape[0], self.out_features, self.in_features)
+        return out.reshape(*lead, self.out_features)
+
+
+def pack(weight: torch.Tensor) -> AMXWeight | None:
+    """The AMX layout of weight [N, K], or None where the kernel cannot take it."""
+    n, k = weight.shape
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % BLOCK or k % BLOCK:
+        return None
+    return AMXWeight(weight) if available() else None
+
+
+def available() -> bool:
+    return _function() is not None
+
+
+@functools.cache
+def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    library = load_library("amx_linear")
+    if library is None:
+        return None
+    library.amx_linear_init.restype = ctypes.c_int
+    if not library.amx_linear_init():
+        log.info("no AMX on this CPU (or the kernel denied its tile state): bf16 projections use oneDNN")
+        return None
+    fn = library.amx_linear_bf16
+    fn.restype = None
+    fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3
+    return fn
