@@ -14,10 +14,9 @@ from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import build, fused
+from inference_service.kernels import amx_linear, build, fused
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
-from inference_service.kernels import amx_linear
 from inference_service.models import linear as dense
 from inference_service.models.attention import CpuPagedAttention, GatherScratch, TorchPagedAttention
 from inference_service.models.batch import AttentionBatch, PrefillSegment
