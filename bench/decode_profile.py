@@ -46,12 +46,13 @@ def label_engine() -> None:
     from inference_service.engine import model_runner
     from inference_service.engine.output_processor import OutputProcessor
     from inference_service.engine.scheduler import Scheduler
-    from inference_service.kernels import fused, paged_attention
+    from inference_service.kernels import amx_linear, fused, paged_attention
     from inference_service.lora.backend import CpuLoRAOp
 
     for owner, attr, name in (
         (fused, "add_rms_norm_", "C: add + RMS norm"), (fused, "rope_and_cache", "C: RoPE + KV write"),
-        (fused, "silu_mul", "C: SiLU x mul"), (paged_attention, "decode_attention", "C: paged decode attention"),
+        (amx_linear.AMXWeight, "__call__", "C: AMX linear"), (fused, "silu_mul", "C: SiLU x mul"),
+        (paged_attention, "decode_attention", "C: paged decode attention"),
         (CpuLoRAOp, "apply", "C: LoRA shrink + expand"), (Scheduler, "schedule", "py: schedule"),
         (Scheduler, "postprocess", "py: postprocess"), (OutputProcessor, "on_token", "py: output processing"),
         (model_runner.ModelRunner, "plan", "py: plan"), (model_runner.ModelRunner, "_tensors", "py: input tensors"),

@@ -27,6 +27,8 @@ class AMXWeight:
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
         self.out_features, self.in_features = n, k
+        self._fn = _function()
+        assert self._fn is not None, "an AMXWeight exists only where the kernel runs"
         # [N/32, 32, K/32, 16, 2] -> [N/32][K/32][16 k-pairs][32 n][2]: each 2 KiB block one k-slab
         # of 32 columns, VNNI-paired as AMX's B operand reads it.
         self.blocks = (
@@ -34,16 +36,15 @@ class AMXWeight:
         )
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        fn = _function()
-        assert fn is not None, "an AMXWeight exists only where the kernel runs"
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        flat = x.dim() != 2
+        x2 = (x.reshape(-1, self.in_features) if flat else x).contiguous()
         b = None if bias is None else bias.contiguous()  # held: the kernel reads it by address
-        out = x2.new_empty(x2.shape[0], self.out_features)
-        if x2.shape[0]:
-            fn(x2.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-               x2.shape[0], self.out_features, self.in_features)
-        return out.reshape(*lead, self.out_features)
+        rows = x2.shape[0]
+        out = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
+        if rows:
+            self._fn(x2.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
+                     rows, self.out_features, self.in_features)
+        return out.reshape(*x.shape[:-1], self.out_features) if flat else out
 
 
 def pack(weight: torch.Tensor) -> AMXWeight | None:

@@ -11,10 +11,11 @@
 
 #include "common.h"
 
-// Threads only for batches big enough to repay waking them (a decode step's rows are not).
+// Threads only for work big enough to repay waking them: a 32-row decode step's SiLU x mul (49 K
+// elements on SmolLM2) runs in 0.6 of its one-thread time on two.
 #define PARALLEL_ROWS(rows, cols)                                                                          \
     const int64_t work = (rows) * (cols);                                                                  \
-    _Pragma("omp parallel for if (work >= 65536) schedule(static)")
+    _Pragma("omp parallel for if (work >= 16384) schedule(static)")
 
 #define DEFINE_FUSED(SUFFIX, T, LOAD, STORE, ROUND)                                                       \
     /* out = weight * round(x / rms(x)); with `delta`, first residual += delta (x is the new residual). */ \

@@ -61,8 +61,9 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
                 float *scores = malloc(sizeof(float) * (size_t)(nh * (len > 0 ? len : 1)));             \
                 float *acc = calloc((size_t)(nh * head_dim), sizeof(float));                            \
                 float *qs = malloc(sizeof(float) * (size_t)(nh * head_dim));                            \
-                if (!scores || !acc || !qs) {                                                           \
-                    free(scores); free(acc); free(qs);                                                  \
+                float *kf = malloc(sizeof(float) * (size_t)(per_chunk * head_dim));                     \
+                if (!scores || !acc || !qs || !kf) {                                                    \
+                    free(scores); free(acc); free(qs); free(kf);                                        \
                     failed = 1;                                                                         \
                     continue;                                                                           \
                 }                                                                                       \
@@ -71,20 +72,26 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
                 for (int64_t t = 0; t < len; t++) {                                                     \
                     const T *k = token_part(k_cache, sizeof(T), table, t, len, block_size, row, first,  \
                                             fetch_bytes);                                               \
+                    /* The token's K part widened once, not once per query head of its group. */        \
+                    _Pragma("omp simd")                                                                 \
+                    for (int64_t i = 0; i < per_chunk * head_dim; i++) kf[i] = LOAD(k, i);              \
                     for (int64_t h = 0; h < nh; h++) {                                                  \
-                        const T *kh = k + (h / group) * head_dim;                                       \
+                        const float *kh = kf + (h / group) * head_dim;                                  \
                         const float *qh = qs + h * head_dim;                                            \
                         float s = 0.f;                                                                  \
                         _Pragma("omp simd reduction(+:s)")                                              \
-                        for (int64_t d = 0; d < head_dim; d++) s += qh[d] * LOAD(kh, d);                \
+                        for (int64_t d = 0; d < head_dim; d++) s += qh[d] * kh[d];                      \
                         scores[h * len + t] = s;                                                        \
                     }                                                                                   \
                 }                                                                                       \
                 for (int64_t h = 0; h < nh; h++) {                                                      \
                     float *sh = scores + h * len, mx = -INFINITY, sum = 0.f;                            \
+                    _Pragma("omp simd reduction(max:mx)")                                               \
                     for (int64_t t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;                     \
+                    _Pragma("omp simd reduction(+:sum)")                                                \
                     for (int64_t t = 0; t < len; t++) { sh[t] = vec_expf(sh[t] - mx); sum += sh[t]; }       \
                     const float inv = sum > 0.f ? 1.f / sum : 0.f;                                      \
+                    _Pragma("omp simd")                                                                 \
                     for (int64_t t = 0; t < len; t++) sh[t] *= inv;                                     \
                 }                                                                                       \
                 for (int64_t t = 0; t < len; t++) {                                                     \
@@ -99,7 +106,7 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
                     }                                                                                   \
                 }                                                                                       \
                 for (int64_t i = 0; i < nh * head_dim; i++) STORE(out, (b * q_heads + h0) * head_dim + i, acc[i]); \
-                free(scores); free(acc); free(qs);                                                      \
+                free(scores); free(acc); free(qs); free(kf);                                            \
             }                                                                                           \
         }                                                                                               \
         return failed ? -2 : 0;                                                                         \
