@@ -15,6 +15,9 @@
 // bs[i] = Bt of module i [pages, R, cols[i+1] - cols[i]], groups: runs of rows on one adapter,
 // y: scratch [T, n·max_rank] with max_rank at least every run's rank.
 // Products accumulate in fp32; bf16 inputs are widened and the sum rounded once into out.
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,10 +46,21 @@ static inline vf vload_f32(const float *p) {
     return v;
 }
 static inline vf vload_bf16(const uint16_t *p) {
+#ifdef __AVX512F__  // one widening move (GCC splits the generic conversion into two 256-bit halves)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
     vh h;
     memcpy(&h, p, sizeof h);
     vu wide = __builtin_convertvector(h, vu) << 16;
     return (vf)wide;
+#endif
+}
+static inline vf vbroadcast(const float *p) {
+#ifdef __AVX512F__
+    return (vf)_mm512_set1_ps(*p);
+#else
+    return (vf){0} + *p;
+#endif
 }
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -59,6 +73,20 @@ static inline float hsum(vf v) {  // a tree of halves: 4 adds of falling width, 
 
 static inline void add_into_f32(float *p, int64_t i, float f) { p[i] += f; }
 static inline void add_into_bf16(uint16_t *p, int64_t i, float f) { store_bf16(p, i, load_bf16(p, i) + f); }
+// o[0..VL) += s, rounded once to the output's dtype.
+static inline void vadd_into_f32(float *o, vf s) {
+    const vf sum = vload_f32(o) + s;
+    memcpy(o, &sum, sizeof sum);
+}
+static inline void vadd_into_bf16(uint16_t *o, vf s) {
+#ifdef __AVX512BF16__  // the hardware's round-to-nearest-even narrowing, one instruction
+    const __m256bh r = _mm512_cvtneps_pbh((__m512)(vload_bf16(o) + s));
+    memcpy(o, &r, sizeof r);
+#else
+    const vf sum = vload_bf16(o) + s;
+    for (int k = 0; k < VL; k++) store_bf16(o, k, sum[k]);
+#endif
+}
 
 // The group and first row of task `task` (tasks are tiles of TILE_ROWS rows, group after group).
 static inline Group tile_of(const Group *groups, const int64_t *first_task, int64_t task, int64_t *row0) {
@@ -98,22 +126,20 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
             for (int q = 0; q < 4; q++) y_i[(m0 + mm) * ny + j + q] = hsum(s[mm][q]);                   \
     } while (0)
 // Expand: out[r0 + m0 + mm, cols_i + c0 ..+ 4·VL] += Σ_j ys[m0 + mm, j] · (Bt row j of module i).
-#define EXPAND_TILE(MR, T, VLOAD, ADD_INTO)                                                             \
+#define EXPAND_TILE(MR, T, VLOAD, VADD_INTO)                                                             \
     do {                                                                                                \
         vf s[MR][4] = {{{0}}};                                                                          \
         for (int64_t j = 0; j < rank; j++) {                                                            \
             vf w[4];                                                                                    \
             for (int q = 0; q < 4; q++) w[q] = VLOAD(rows_of[j] + c0 + q * VL);                         \
             _Pragma("GCC unroll 4") for (int mm = 0; mm < MR; mm++) {                                    \
-                const vf yv = (vf){0} + ys[(m0 + mm) * slot_rank + j];                                  \
+                const vf yv = vbroadcast(ys + (m0 + mm) * slot_rank + j);                                \
                 for (int q = 0; q < 4; q++) s[mm][q] += yv * w[q];                                      \
             }                                                                                           \
         }                                                                                               \
         for (int mm = 0; mm < MR; mm++) {                                                               \
-            float sum[4 * VL];                                                                          \
-            memcpy(sum, s[mm], sizeof sum);                                                             \
             T *o = out + (r0 + m0 + mm) * out_stride + cols[i] + c0;                                    \
-            _Pragma("omp simd") for (int k = 0; k < 4 * VL; k++) ADD_INTO(o, k, sum[k]);                 \
+            for (int q = 0; q < 4; q++) VADD_INTO(o + q * VL, s[mm][q]);                                \
         }                                                                                               \
     } while (0)
 // MR = min(4, rows - m0), as a constant for each tile body.
@@ -126,7 +152,7 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
         else TILE(1, __VA_ARGS__);                                                                      \
     } while (0)
 
-#define DEFINE_LORA(NAME, T, WIDEN, VLOAD, ADD_INTO)                                                       \
+#define DEFINE_LORA(NAME, T, WIDEN, VLOAD, ADD_INTO, VADD_INTO)                                                       \
     int NAME(const T *x, T *out, int64_t out_stride, const T *a, const T *const *bs, const int64_t *cols,   \
              int64_t n_modules, int64_t page_rank, int64_t slot_rank, int64_t in, const Group *groups,      \
              int64_t num_groups, const int64_t *pages, float *y) {                                         \
@@ -204,7 +230,7 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
                         for (int64_t j = 0; j < rank; j++) ys[m * slot_rank + j] = y[(r0 + m) * ny + i * slot_rank + j]; \
                     int64_t c0 = 0;                                                                        \
                     for (; c0 + 4 * VL <= width; c0 += 4 * VL)                                             \
-                        for (int64_t m0 = 0; m0 < rows; m0 += 4) BY_ROWS_LEFT(EXPAND_TILE, T, VLOAD, ADD_INTO); \
+                        for (int64_t m0 = 0; m0 < rows; m0 += 4) BY_ROWS_LEFT(EXPAND_TILE, T, VLOAD, VADD_INTO); \
                     if (c0 == width) continue;                                                             \
                     const int64_t tail = width - c0;                                                       \
                     memset(acc, 0, sizeof(float) * (size_t)(rows * tail));                                 \
@@ -230,8 +256,8 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
         return failed ? -2 : 0;                                                                            \
     }
 
-DEFINE_LORA(lora_apply_f32, float, load_f32, vload_f32, add_into_f32)
-DEFINE_LORA(lora_apply_bf16, uint16_t, load_bf16, vload_bf16, add_into_bf16)
+DEFINE_LORA(lora_apply_f32, float, load_f32, vload_f32, add_into_f32, vadd_into_f32)
+DEFINE_LORA(lora_apply_bf16, uint16_t, load_bf16, vload_bf16, add_into_bf16, vadd_into_bf16)
 
 // dst[c, r] = scale * src[r, c] for src [rows, cols] (row stride src_stride) and dst [cols, rows]
 // (row stride dst_stride): an adapter load writing B rank-major with the adapter's scaling folded in.
