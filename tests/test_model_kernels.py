@@ -14,7 +14,7 @@ from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import amx_linear, build, fused
+from inference_service.kernels import amx_linear, build, fused, greedy
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
@@ -187,6 +187,38 @@ def test_amx_linear_is_the_fp32_product_rounded_once(rows, bias):
     assert (got == rounded).float().mean() > 0.99
 
 
+@needs_amx
+def test_amx_float_output_is_the_bf16_product_widened():
+    """The LM head's fp32 logits in one pass: exactly `.float()` of the bf16 product."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(320, 64, generator=gen).to(torch.bfloat16)
+    packed = dense.pack(weight)
+    assert isinstance(packed, amx_linear.AMXWeight)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        got = dense.linear_float(x, weight, None, packed)
+        assert got.dtype == torch.float32 and torch.equal(got, packed(x, None).float())
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_greedy_pick_is_torch_max(vocab):
+    """First argmax and the row's finiteness as `max(dim=-1)` gives them: ties (small integers), a
+    NaN anywhere, a +inf maximum, an all -inf row, -inf entries beside finite ones."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 3, (8, vocab), generator=gen).float()
+    logits[1, vocab // 2] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, vocab - 1] = float("inf")
+    logits[4, : vocab // 2] = float("-inf")
+    picked = greedy.argmax_rows(logits)
+    assert picked is not None, "the kernel should build with the compiler on these machines"
+    best = logits.max(dim=-1)
+    finite = torch.isfinite(best.values)
+    assert torch.equal(picked[1], finite) and not finite[1:4].any()
+    assert torch.equal(picked[0][finite], best.indices[finite])
+    assert greedy.argmax_rows(logits.to(torch.bfloat16)) is None  # the sampler keeps torch's max
+
+
 def test_pack_keeps_onednn_where_amx_cannot_run(monkeypatch):
     """fp32, a width that is not a multiple of 32 (builtin:tiny's LM head) and a CPU without AMX
     (forced) take oneDNN's packed weight."""
@@ -210,7 +242,7 @@ def test_engine_output_is_the_same_on_onednn_as_on_amx(monkeypatch, tmp_path):
 
 def forget_kernels() -> None:
     for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function, fused._function,
-                   amx_linear._function):
+                   amx_linear._function, greedy._function):
         cached.cache_clear()
 
 

@@ -47,7 +47,9 @@ static void configure(int rows0, int rows1) {
 }
 
 // One 32 x 32 output block: rows m0 .. m0 + mr of x against the column block at `blocks`.
-static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bias, uint16_t *out,
+// `out` holds bf16, or with `out_f32` fp32 (the bf16-rounded values widened: what `.float()` of the
+// bf16 product gives, in the one pass).
+static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bias, void *out, int out_f32,
                   int64_t m0, int64_t mr, int64_t n0, int64_t n, int64_t k, int prefetch) {
     const int64_t kblocks = k / 32;
     const int two = mr > 16;
@@ -88,13 +90,21 @@ static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bia
     for (int64_t r = 0; r < mr; r++) {
         const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), bias_lo);
         const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[r][16]), bias_hi);
-        _mm512_storeu_si512((void *)(out + (m0 + r) * n + n0), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        const __m512bh rounded = _mm512_cvtne2ps_pbh(hi, lo);
+        if (out_f32) {
+            float *o = (float *)out + (m0 + r) * n + n0;
+            _mm512_storeu_ps(o, _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)rounded)));
+            _mm512_storeu_ps(o + 16, _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)rounded, 1)));
+        } else {
+            _mm512_storeu_si512((void *)((uint16_t *)out + (m0 + r) * n + n0), (__m512i)rounded);
+        }
     }
 }
 
-// out [m, n] = x [m, k] @ W^T (+ bias [n] unless NULL); n and k multiples of 32, x and out dense.
-void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
-                     int64_t n, int64_t k) {
+// out [m, n] = x [m, k] @ W^T (+ bias [n] unless NULL), in bf16 or (out_f32) fp32; n and k multiples of
+// 32, x and out dense.
+void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
+                     int64_t n, int64_t k, int out_f32) {
     const int64_t nblocks = n / 32, mblocks = (m + 31) / 32, kblocks = k / 32;
 #pragma omp parallel
     {
@@ -110,7 +120,7 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
                         configured = mr;
                     }
                     // Weights come from memory on a column block's first row block only.
-                    block(x, packed + nb * kblocks * 1024, bias, out, m0, mr, nb * 32, n, k, mb == chunk);
+                    block(x, packed + nb * kblocks * 1024, bias, out, out_f32, m0, mr, nb * 32, n, k, mb == chunk);
                 }
             }
         }
@@ -121,8 +131,8 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
 #else
 int amx_linear_init(void) { return 0; }  // built without AMX: the caller keeps oneDNN
 
-void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
-                     int64_t n, int64_t k) {
-    (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k;
+void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
+                     int64_t n, int64_t k, int out_f32) {
+    (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)out_f32;
 }
 #endif

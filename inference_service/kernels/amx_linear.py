@@ -36,14 +36,22 @@ class AMXWeight:
         )
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._run(x, bias, torch.bfloat16)
+
+    def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`self(x, bias).float()` in one pass: the bf16-rounded products written as fp32."""
+        return self._run(x, bias, torch.float32)
+
+    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        assert x.dtype == torch.bfloat16
         flat = x.dim() != 2
         x2 = (x.reshape(-1, self.in_features) if flat else x).contiguous()
         b = None if bias is None else bias.contiguous()  # held: the kernel reads it by address
         rows = x2.shape[0]
-        out = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
+        out = torch.empty(rows, self.out_features, dtype=dtype)
         if rows:
             self._fn(x2.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                     rows, self.out_features, self.in_features)
+                     rows, self.out_features, self.in_features, dtype == torch.float32)
         return out.reshape(*x.shape[:-1], self.out_features) if flat else out
 
 
@@ -70,5 +78,5 @@ def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return None
     fn = library.amx_linear_bf16
     fn.restype = None
-    fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3
+    fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
     return fn

@@ -32,6 +32,10 @@ class PackedWeight(Protocol):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
+    def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`self(x, bias).float()` (the LM head's logits), in one pass where the GEMM can."""
+        ...
+
 
 class OneDNNWeight:
     def __init__(self, weight: torch.Tensor) -> None:
@@ -40,6 +44,9 @@ class OneDNNWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
+    def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self(x, bias).float()
+
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
@@ -47,6 +54,15 @@ def linear(
     if packed is None:
         return F.linear(x, weight, bias)
     return packed(x, bias)
+
+
+def linear_float(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+) -> torch.Tensor:
+    """`linear(...).float()`: the product rounded to the weight's dtype, as fp32."""
+    if packed is None:
+        return F.linear(x, weight, bias).float()
+    return packed.float_output(x, bias)
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:

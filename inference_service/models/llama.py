@@ -157,7 +157,7 @@ class LlamaModel(nn.Module):
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, batch, kv, self.lora_op, self.attention)
         x = self.norm(x.index_select(0, batch.logits_rows))
-        return dense.linear(x, self.lm_head, None, self.packed_lm_head).float()
+        return dense.linear_float(x, self.lm_head, None, self.packed_lm_head)
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or extra weights are errors."""
