@@ -23,6 +23,7 @@ from inference_service.models.batch import AttentionBatch, PrefillSegment
 from inference_service.models.loader import BUILTIN_TINY, load_model
 
 CPU = torch.device("cpu")
+needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,6 +96,30 @@ def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, h
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@needs_amx
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (12, 2, 64), (4, 2, 128),
+                                                      (16, 1, 128)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_amx_decode_attention_matches_gather_and_sdpa(q_heads, kv_heads, head_dim, block_size):
+    """The AMX variant (bf16, head_dim 64 and 128): query groups of 1 to 16 heads (in sub-blocks of
+    its registers), contexts ending inside a tile, on a tile's edge and past several blocks."""
+    assert cpu_kernels._amx_kernel(q_heads, kv_heads, head_dim, block_size) is not None
+    gen = torch.Generator().manual_seed(q_heads * 1000 + head_dim + block_size)
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 0, 64])
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = width * len(lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens)
+    assert got is not None
+    assert not got[6].any(), "an empty context attends to nothing"
+    live = lens > 0
+    expected = _gather_sdpa(q.float()[live], k_cache.float(), v_cache.float(), tables[live], lens[live])
+    torch.testing.assert_close(got[live].float(), expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_backends_agree_on_a_mixed_step(dtype):
     """The C backend (decode in place) and the torch backend (gather + SDPA) on one step with decode
@@ -160,9 +185,6 @@ def test_engine_output_is_the_same_without_prepacked_weights(monkeypatch, tmp_pa
     model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
     assert model.packed_lm_head is None and all(p.packed is None for p in model.layers[0].projections())
     assert generate(adapters)[0] == packed
-
-
-needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
 
 
 @needs_amx

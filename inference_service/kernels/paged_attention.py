@@ -35,13 +35,14 @@ def decode_attention(
     context_lens [B] int64. None where the kernel cannot run (caller falls back)."""
     if not _supported(q, k_cache, v_cache, block_tables, context_lens):
         return None
-    kernel = _kernel(q.dtype)
+    batch, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    kernel = _amx_kernel(q_heads, kv_heads, head_dim, block_size) if q.dtype == torch.bfloat16 else None
+    kernel = kernel or _kernel(q.dtype)
     if kernel is None:
         return None
     q = q.contiguous()
     out = torch.empty_like(q)
-    batch, q_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
     status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), batch, q_heads, kv_heads, head_dim, block_size, block_tables.shape[1], head_dim**-0.5,
@@ -68,10 +69,24 @@ def _supported(q, k_cache, v_cache, block_tables, context_lens) -> bool:  # type
 
 @functools.cache
 def _kernel(dtype: torch.dtype) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _symbol(_SYMBOLS[dtype])
+
+
+@functools.cache
+def _amx_kernel(q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The bf16 kernel on AMX tile products, where the CPU has AMX and the shapes fit it."""
+    library = load_library("paged_decode_attention")
+    shape = (ctypes.c_int64(q_heads), ctypes.c_int64(kv_heads), ctypes.c_int64(head_dim), ctypes.c_int64(block_size))
+    if library is None or not library.paged_decode_attention_bf16_amx_fits(*shape):
+        return None
+    return _symbol("paged_decode_attention_bf16_amx")
+
+
+def _symbol(name: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     library = load_library("paged_decode_attention")
     if library is None:
         return None
-    fn = getattr(library, _SYMBOLS[dtype])
+    fn = getattr(library, name)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
     return fn
