@@ -52,6 +52,7 @@ def label_engine() -> None:
     for owner, attr, name in (
         (fused, "add_rms_norm_", "C: add + RMS norm"), (fused, "rope_and_cache", "C: RoPE + KV write"),
         (amx_linear.AMXWeight, "__call__", "C: AMX linear"), (fused, "silu_mul", "C: SiLU x mul"),
+        (amx_linear.AMXWeight, "float_output", "C: AMX linear, LM head"),
         (paged_attention, "decode_attention", "C: paged decode attention"),
         (CpuLoRAOp, "apply", "C: LoRA shrink + expand"), (Scheduler, "schedule", "py: schedule"),
         (Scheduler, "postprocess", "py: postprocess"), (OutputProcessor, "on_token", "py: output processing"),
