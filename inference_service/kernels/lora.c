@@ -30,6 +30,9 @@ typedef struct {
 } Group;
 
 #define TILE_ROWS 8  // rows of a group per task: enough to reuse each weight row from L1
+#ifndef AHEAD
+#define AHEAD 256  // elements ahead the shrink and expand ask for the weight rows they stream
+#endif
 
 // Register-blocked inner kernels (GCC/Clang vector extensions, lowered to whatever SIMD the
 // host has): 4 rows x 4 weight rows of dot products in the shrink, 4 rows x 64 output columns
@@ -88,23 +91,26 @@ static inline void vadd_into_bf16(uint16_t *o, vf s) {
 #endif
 }
 
+// A thread's scratch buffer `which`, kept between calls and grown when a call needs more: a fresh
+// malloc + free per call of the ~100 KiB ones went back to the kernel and faulted its pages in
+// again every call (page faults showed in a step's profile). NULL when out of memory.
+static void *scratch(int which, size_t bytes) {
+    static __thread void *buffers[4];
+    static __thread size_t sizes[4];
+    if (sizes[which] < bytes) {
+        void *grown = realloc(buffers[which], bytes);
+        if (!grown) return NULL;
+        buffers[which] = grown, sizes[which] = bytes;
+    }
+    return buffers[which];
+}
+
 // The group and first row of task `task` (tasks are tiles of TILE_ROWS rows, group after group).
 static inline Group tile_of(const Group *groups, const int64_t *first_task, int64_t task, int64_t *row0) {
     int64_t g = 0;
     while (first_task[g + 1] <= task) g++;
     *row0 = groups[g].first_row + (task - first_task[g]) * TILE_ROWS;
     return groups[g];
-}
-
-// Asks for `span` bytes at `offset` into each of an adapter's pages (for rank `rank`: ceil(rank /
-// page_rank) of them; page p at base + p * stride) ahead of their use: a decode step's groups each
-// read a different adapter's pages, and waiting for each to stream in (the hardware prefetcher starts
-// a stream only after misses) took two thirds of a step over 64 adapters.
-static inline void prefetch_pages(const void *base, const int64_t *pages, int64_t rank, int64_t page_rank,
-                                  int64_t stride, int64_t offset, int64_t span) {
-    for (int64_t p = 0; p < rank; p += page_rank)
-        for (int64_t b = 0; b < span; b += 64)
-            __builtin_prefetch((const char *)base + pages[p / page_rank] * stride + offset + b, 0, 2);
 }
 
 // The register-blocked tiles for MR rows (1-4) of a group: a decode step's group is often one row,
@@ -115,6 +121,7 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
     do {                                                                                                \
         vf s[MR][4] = {{{0}}};                                                                          \
         for (int64_t d = 0; d < in; d += VL) {                                                          \
+            if (m0 == 0 && (d & 31) == 0) for (int q = 0; q < 4; q++) __builtin_prefetch(rows_of[j + q] + d + AHEAD, 0, 3); \
             vf w[4];                                                                                    \
             for (int q = 0; q < 4; q++) w[q] = VLOAD(rows_of[j + q] + d);                               \
             _Pragma("GCC unroll 4") for (int mm = 0; mm < MR; mm++) {                                    \
@@ -129,6 +136,11 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
 #define EXPAND_TILE(MR, T, VLOAD, VADD_INTO)                                                             \
     do {                                                                                                \
         vf s[MR][4] = {{{0}}};                                                                          \
+        if (m0 == 0)                                                                                    \
+            for (int64_t j = 0; j < rank; j++) {                                                        \
+                __builtin_prefetch(rows_of[j] + c0 + AHEAD, 0, 3);                                      \
+                __builtin_prefetch((const char *)(rows_of[j] + c0 + AHEAD) + 64, 0, 3);                 \
+            }                                                                                           \
         for (int64_t j = 0; j < rank; j++) {                                                            \
             vf w[4];                                                                                    \
             for (int q = 0; q < 4; q++) w[q] = VLOAD(rows_of[j] + c0 + q * VL);                         \
@@ -170,10 +182,10 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
         int failed = 0;                                                                                    \
         _Pragma("omp parallel")                                                                            \
         {                                                                                                  \
-            float *xs = calloc((size_t)(TILE_ROWS * in), sizeof(float));                                   \
-            float *acc = malloc(sizeof(float) * (size_t)(TILE_ROWS * max_width));                          \
-            float *ys = calloc((size_t)(TILE_ROWS * slot_rank), sizeof(float));                            \
-            const T **rows_of = malloc(sizeof(T *) * (size_t)(slot_rank + 4)); /* weight row j's address */ \
+            float *xs = scratch(0, sizeof(float) * (size_t)(TILE_ROWS * in));                              \
+            float *acc = scratch(1, sizeof(float) * (size_t)(TILE_ROWS * max_width));                      \
+            float *ys = scratch(2, sizeof(float) * (size_t)(TILE_ROWS * slot_rank));                       \
+            const T **rows_of = scratch(3, sizeof(T *) * (size_t)(slot_rank + 4)); /* weight row j's address */ \
             const int ok = xs && acc && ys && rows_of;                                                     \
             if (!ok) failed = 1;                                                                           \
             /* One task (a tile of up to TILE_ROWS rows of one group) at a time, shrink then expand:   \
@@ -192,16 +204,6 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
                     for (int64_t j = 0; j < rank; j++)                                                     \
                         rows_of[j] = a + ((pages[gr.pages_at + j / page_rank] * n_modules + i) * page_rank \
                                           + j % page_rank) * in;                                           \
-                    const int64_t a_rows = page_rank * in * (int64_t)sizeof(T); /* a module's rows in a page */ \
-                    if (i == 0) /* this module's rows (later ones are asked for a module ahead) */         \
-                        prefetch_pages(a, pages + gr.pages_at, rank, page_rank, n_modules * a_rows, 0, a_rows); \
-                    if (i + 1 < n_modules) /* the next module's rows: the same pages' next R rows */       \
-                        prefetch_pages(a, pages + gr.pages_at, rank, page_rank, n_modules * a_rows,       \
-                                       (i + 1) * a_rows, a_rows);                                          \
-                    else { /* the expand's first module */                                                 \
-                        const int64_t b_page = page_rank * (cols[1] - cols[0]) * (int64_t)sizeof(T);       \
-                        prefetch_pages(bs[0], pages + gr.pages_at, rank, page_rank, b_page, 0, b_page);    \
-                    }                                                                                      \
                     float *y_i = y + r0 * ny + i * slot_rank;                                              \
                     int64_t j = 0;                                                                         \
                     for (; in % VL == 0 && j + 4 <= rank; j += 4)                                          \
@@ -222,10 +224,6 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
                     const int64_t width = cols[i + 1] - cols[i];                                           \
                     for (int64_t j = 0; j < rank; j++)                                                     \
                         rows_of[j] = bs[i] + (pages[gr.pages_at + j / page_rank] * page_rank + j % page_rank) * width; \
-                    if (i + 1 < n_modules) { /* the next module's pages */                                 \
-                        const int64_t b_page = page_rank * (cols[i + 2] - cols[i + 1]) * (int64_t)sizeof(T); \
-                        prefetch_pages(bs[i + 1], pages + gr.pages_at, rank, page_rank, b_page, 0, b_page); \
-                    }                                                                                      \
                     for (int64_t m = 0; m < rows; m++) /* this module's y rows */                          \
                         for (int64_t j = 0; j < rank; j++) ys[m * slot_rank + j] = y[(r0 + m) * ny + i * slot_rank + j]; \
                     int64_t c0 = 0;                                                                        \
@@ -247,10 +245,6 @@ static inline void prefetch_pages(const void *base, const int64_t *pages, int64_
                     }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
-            free(xs);                                                                                      \
-            free(acc);                                                                                     \
-            free(ys);                                                                                      \
-            free(rows_of);                                                                                 \
         }                                                                                                  \
         free(first_task);                                                                                  \
         return failed ? -2 : 0;                                                                            \
