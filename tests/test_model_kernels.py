@@ -189,11 +189,12 @@ def test_engine_output_is_the_same_without_prepacked_weights(monkeypatch, tmp_pa
 
 @needs_amx
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100, 300, 530, 1100])
 def test_amx_linear_is_the_fp32_product_rounded_once(rows, bias):
-    """Every row count (a partial 16-row tile, two, several 32-row blocks and more than one block
-    chunk) against the fp32 product rounded to bf16: equal but where fp32 summation order moves a
-    value across a rounding boundary: within one bf16 step plus fp32 summation's own error bound."""
+    """Every row count (a partial 16-row tile, two, several 32-row blocks, more than one block
+    chunk, and the many-rows path that splits rows between threads, with a partial last block)
+    against the fp32 product rounded to bf16: equal but where fp32 summation order moves a value
+    across a rounding boundary: within one bf16 step plus fp32 summation's own error bound."""
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 1536, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
