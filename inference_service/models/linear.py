@@ -4,7 +4,7 @@ Two packed forms, chosen per weight when the model is loaded (`pack`):
 - AMX (`kernels/amx_linear`): bf16 on CPUs with AMX. A decode step's projections only stream their
   weights, and this kernel reads them at ~1.5x oneDNN's rate there (docs/architecture.md, "Decode
   against the machine's roofline"); from 64 rows up to the 512 of a default prefill chunk it is
-  level with oneDNN, and slower above (2.1 against 3.1 TFLOP/s at 2048 rows in one step).
+  level with oneDNN, and ~0.85 of its rate at 2048 rows in one step.
 - oneDNN (`torch.ops.mkldnn._linear_pointwise`): everywhere else on CPU. MKL's GEMM behind
   `F.linear` repacks the weight on every call; at decode batch sizes that repacking is 15-30% of
   a projection (more in bf16). A oneDNN-packed weight (what torch's own inductor uses when it
