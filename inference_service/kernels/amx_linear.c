@@ -13,29 +13,20 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "common.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#ifdef LORAPLEX_AMX
+#include <omp.h>
+
 #define PREFETCH_BLOCKS 2  // how far ahead a thread prefetches its weights (measured best of 1-8)
 #define CHUNK_BLOCKS 8     // 32-row blocks of x kept hot in L2 while a thread walks its columns
 
 // 1 where the kernel can run: built with AMX and the kernel lets this process use the tile state.
-int amx_linear_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int amx_linear_init(void) { return amx_permitted(); }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void configure(int rows0, int rows1) {
+// Tiles for a row block of `mr` rows (1-32): rows0 = the first 16-row tile's, rows1 the second's.
+static void configure(int64_t mr) {
+    const int rows0 = mr < 16 ? (int)mr : 16, rows1 = mr > 16 ? (int)(mr - 16) : 1;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -85,8 +76,8 @@ static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bia
     }
     __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
     if (bias) {
-        bias_lo = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const void *)(bias + n0)));
-        bias_hi = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const void *)(bias + n0 + 16)));
+        bias_lo = widen16_bf16(bias + n0);
+        bias_hi = widen16_bf16(bias + n0 + 16);
     }
     for (int64_t r = 0; r < mr; r++) {
         const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), bias_lo);
@@ -121,10 +112,7 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
 #pragma omp for schedule(static) nowait
                 for (int64_t mb = 0; mb < mblocks; mb++) {
                     const int64_t m0 = mb * 32, mr = m - m0 < 32 ? m - m0 : 32;
-                    if (configured != mr) {
-                        configure(mr < 16 ? (int)mr : 16, mr > 16 ? (int)(mr - 16) : 1);
-                        configured = mr;
-                    }
+                    if (configured != mr) configure(configured = mr);
                     for (int64_t nb = g0; nb < g1; nb++)
                         block(x, packed + nb * kblocks * 1024, bias, out, out_f32, m0, mr, nb * 32, n, k, 0);
                 }
@@ -142,10 +130,7 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
             for (int64_t nb = 0; nb < nblocks; nb++) {
                 for (int64_t mb = chunk; mb < chunk_end; mb++) {
                     const int64_t m0 = mb * 32, mr = m - m0 < 32 ? m - m0 : 32;
-                    if (configured != mr) {
-                        configure(mr < 16 ? (int)mr : 16, mr > 16 ? (int)(mr - 16) : 1);
-                        configured = mr;
-                    }
+                    if (configured != mr) configure(configured = mr);
                     // Weights come from memory on a column block's first row block only.
                     block(x, packed + nb * kblocks * 1024, bias, out, out_f32, m0, mr, nb * 32, n, k, mb == chunk);
                 }

@@ -1,5 +1,6 @@
 // What the CPU kernels share: fp32/bf16 element access (arithmetic is fp32; bf16 is widened on
-// load and rounded to nearest even on store) and an exp their vectorised loops can inline.
+// load and rounded to nearest even on store), an exp their vectorised loops can inline, and on
+// CPUs with AMX the tile set-up its kernels need.
 #ifndef LORAPLEX_KERNELS_COMMON_H
 #define LORAPLEX_KERNELS_COMMON_H
 
@@ -50,5 +51,30 @@ static inline float vec_expf(float x) {
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LORAPLEX_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// 1 where Linux lets this process use AMX's tile state (asked once per process is enough; asking
+// again is harmless). Without it the first tile instruction faults.
+static inline int amx_permitted(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+// The tile configuration `_tile_loadconfig` takes (palette 1): rows and bytes per row of tmm0-7.
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+// 16 bf16 values widened to fp32 in one move.
+static inline __m512 widen16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
 
 #endif

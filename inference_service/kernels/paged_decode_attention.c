@@ -124,43 +124,12 @@ DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, load_bf16, store_bf16)
 //   P V     per KV head, its group's sums held in registers while its tokens' V rows stream by.
 // The portable kernel spent ~60% of a batch-32 step's attention on per-token dot products and
 // their horizontal sums, and the rest re-reading and re-widening V per query head.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attention_tiles;
+#ifdef LORAPLEX_AMX
 
 int paged_decode_attention_bf16_amx_fits(int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size) {
     const int64_t group = q_heads / kv_heads;
     return (head_dim == 64 || head_dim == 128) && q_heads <= 64 && group >= 1 && group <= 16 &&
-           (16 % block_size == 0 || block_size % 16 == 0) &&
-           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
-
-// exp of 16 lanes: vec_expf's steps (common.h), lane-wise.
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
-    const __m512 big = _mm512_set1_ps(12582912.f);
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big), big);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+           (16 % block_size == 0 || block_size % 16 == 0) && amx_permitted();
 }
 
 // P V for `heads` (<= GB) query heads of one KV head, HD-wide: sums in registers over the tokens.
@@ -174,7 +143,7 @@ static inline __m512 widen16(const uint16_t *p) {
         for (int64_t t = 0; t < len; t++) {                                                                \
             const uint16_t *v = token_part(v_cache, 2, table, t, len, block_size, row, j * HD, HD * 2);    \
             __m512 vv[HD / 16];                                                                            \
-            for (int d = 0; d < HD / 16; d++) vv[d] = widen16(v + 16 * d);                                 \
+            for (int d = 0; d < HD / 16; d++) vv[d] = widen16_bf16(v + 16 * d);                                 \
             for (int g = 0; g < GB; g++) {                                                                 \
                 if (g >= heads) break;                                                                     \
                 const __m512 p = _mm512_set1_ps(probs[t * lanes + h0 + g]);                                \
@@ -199,7 +168,7 @@ int paged_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k_cache, 
     int failed = 0;
 #pragma omp parallel
     {
-        attention_tiles cfg;
+        tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
         cfg.rows[0] = (uint8_t)tile_rows, cfg.colsb[0] = (uint16_t)(group * 4);  // S^T [tokens, group]
@@ -243,19 +212,32 @@ int paged_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k_cache, 
                     _tile_stored(0, probs + t0 * lanes + j * group, lanes * 4);
                 }
             }
-            // Softmax down each head's column, 16 heads at a time (lanes past q_heads are unused).
+            // Softmax down each head's column, the heads side by side in a vector (lanes past
+            // q_heads are unused).
             for (int64_t l = 0; l < lanes; l += 16) {
-                const __m512 sc = _mm512_set1_ps(scale);
-                __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-                for (int64_t t = 0; t < len; t++) mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_load_ps(probs + t * lanes + l), sc));
+                float mx[16], sum[16] = {0};
+#pragma omp simd
+                for (int h = 0; h < 16; h++) mx[h] = -INFINITY;
                 for (int64_t t = 0; t < len; t++) {
-                    const __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(probs + t * lanes + l), sc), mx));
-                    _mm512_store_ps(probs + t * lanes + l, e);
-                    sum = _mm512_add_ps(sum, e);
+                    float *st = probs + t * lanes + l;
+#pragma omp simd
+                    for (int h = 0; h < 16; h++) mx[h] = st[h] * scale > mx[h] ? st[h] * scale : mx[h];
                 }
-                const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
-                for (int64_t t = 0; t < len; t++)
-                    _mm512_store_ps(probs + t * lanes + l, _mm512_mul_ps(_mm512_load_ps(probs + t * lanes + l), inv));
+                for (int64_t t = 0; t < len; t++) {
+                    float *st = probs + t * lanes + l;
+#pragma omp simd
+                    for (int h = 0; h < 16; h++) {
+                        st[h] = vec_expf(st[h] * scale - mx[h]);
+                        sum[h] += st[h];
+                    }
+                }
+#pragma omp simd
+                for (int h = 0; h < 16; h++) sum[h] = 1.f / sum[h];
+                for (int64_t t = 0; t < len; t++) {
+                    float *st = probs + t * lanes + l;
+#pragma omp simd
+                    for (int h = 0; h < 16; h++) st[h] *= sum[h];
+                }
             }
             for (int64_t j = 0; j < kv_heads; j++) {
                 const int gb = head_dim == 64 ? 4 : 2;
