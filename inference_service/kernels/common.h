@@ -52,6 +52,14 @@ static inline float vec_expf(float x) {
     return p * scale;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// 16 bf16 values widened to fp32 in one move (GCC splits the generic conversion in two halves).
+static inline __m512 widen16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LORAPLEX_AMX 1
 #include <immintrin.h>
@@ -71,10 +79,6 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-// 16 bf16 values widened to fp32 in one move.
-static inline __m512 widen16_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 #endif
 
 #endif

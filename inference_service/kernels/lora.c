@@ -15,9 +15,6 @@
 // bs[i] = Bt of module i [pages, R, cols[i+1] - cols[i]], groups: runs of rows on one adapter,
 // y: scratch [T, n·max_rank] with max_rank at least every run's rank.
 // Products accumulate in fp32; bf16 inputs are widened and the sum rounded once into out.
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,8 +50,8 @@ static inline vf vload_f32(const float *p) {
     return v;
 }
 static inline vf vload_bf16(const uint16_t *p) {
-#ifdef __AVX512F__  // one widening move (GCC splits the generic conversion into two 256-bit halves)
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#ifdef __AVX512F__
+    return (vf)widen16_bf16(p);
 #else
     vh h;
     memcpy(&h, p, sizeof h);
@@ -125,7 +122,8 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
     do {                                                                                                \
         vf s[MR][4] = {{{0}}};                                                                          \
         for (int64_t d = 0; d < in; d += VL) {                                                          \
-            if (m0 == 0 && (d & 31) == 0) for (int q = 0; q < 4; q++) __builtin_prefetch(rows_of[j + q] + d + AHEAD, 0, 3); \
+            if (m0 == 0 && (d * (int64_t)sizeof(*rows_of[0])) % 64 == 0) /* once a cache line */          \
+                for (int q = 0; q < 4; q++) __builtin_prefetch(rows_of[j + q] + d + AHEAD, 0, 3);       \
             vf w[4];                                                                                    \
             for (int q = 0; q < 4; q++) w[q] = VLOAD(rows_of[j + q] + d);                               \
             _Pragma("GCC unroll 4") for (int mm = 0; mm < MR; mm++) {                                    \
@@ -141,10 +139,9 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
     do {                                                                                                \
         vf s[MR][4] = {{{0}}};                                                                          \
         if (m0 == 0)                                                                                    \
-            for (int64_t j = 0; j < rank; j++) {                                                        \
-                __builtin_prefetch(rows_of[j] + c0 + AHEAD, 0, 3);                                      \
-                __builtin_prefetch((const char *)(rows_of[j] + c0 + AHEAD) + 64, 0, 3);                 \
-            }                                                                                           \
+            for (int64_t j = 0; j < rank; j++) /* the tile's columns' lines, AHEAD on */                \
+                for (int64_t b = 0; b < 4 * VL * (int64_t)sizeof(*rows_of[0]); b += 64)                 \
+                    __builtin_prefetch((const char *)(rows_of[j] + c0 + AHEAD) + b, 0, 3);              \
         for (int64_t j = 0; j < rank; j++) {                                                            \
             vf w[4];                                                                                    \
             for (int q = 0; q < 4; q++) w[q] = VLOAD(rows_of[j] + c0 + q * VL);                         \
