@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from inference_service.kernels.build import load_library
+from inference_service.kernels.build import address, load_library
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,12 @@ def pack(weight: torch.Tensor) -> AMXWeight | None:
 
 def available() -> bool:
     return _function() is not None
+
+
+def kernel_address() -> int | None:
+    """The C function's address (`amx_linear_bf16`), or None where it does not run."""
+    fn = _function()
+    return None if fn is None else address(fn)
 
 
 @functools.cache

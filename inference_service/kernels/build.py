@@ -52,6 +52,13 @@ def load_library(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    """A loaded kernel's address, for C that calls it (kernels/decode_stack.c)."""
+    value = ctypes.cast(fn, ctypes.c_void_p).value
+    assert value is not None
+    return value
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("LORAPLEX_KERNEL_CACHE") or Path.home() / ".cache" / "loraplex" / "kernels"
     return Path(root)

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from inference_service.kernels.build import load_library
+from inference_service.kernels.build import address, load_library
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _VOID_P, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -71,6 +71,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = gate_up.new_empty(rows, inter)
     fn(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out
+
+
+def kernel_address(name: str, dtype: torch.dtype) -> int | None:
+    """The address of the C function `name` (add_rms_norm, rope_and_cache, silu_mul) for dtype, or None."""
+    fn = _function(name, dtype) if dtype in _SUFFIX else None
+    return None if fn is None else address(fn)
 
 
 def _fits(*tensors: torch.Tensor | None) -> bool:

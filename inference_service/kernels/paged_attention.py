@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from inference_service.kernels.build import load_library
+from inference_service.kernels.build import address, load_library
 
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
@@ -37,8 +37,7 @@ def decode_attention(
         return None
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    kernel = _amx_kernel(q_heads, kv_heads, head_dim, block_size) if q.dtype == torch.bfloat16 else None
-    kernel = kernel or _kernel(q.dtype)
+    kernel = _choose(q.dtype, q_heads, kv_heads, head_dim, block_size)
     if kernel is None:
         return None
     q = q.contiguous()
@@ -50,6 +49,21 @@ def decode_attention(
     if status != 0:
         raise MemoryError("paged decode attention kernel: out of memory for its scratch buffers")
     return out
+
+
+def kernel_address(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> int | None:
+    """The address of the C function `decode_attention` calls for these shapes (same arguments), or None."""
+    if dtype not in _SYMBOLS or q_heads % kv_heads:
+        return None
+    kernel = _choose(dtype, q_heads, kv_heads, head_dim, block_size)
+    return None if kernel is None else address(kernel)
+
+
+def _choose(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
+            block_size: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The AMX kernel where it fits, else the portable one for the dtype."""
+    kernel = _amx_kernel(q_heads, kv_heads, head_dim, block_size) if dtype == torch.bfloat16 else None
+    return kernel or _kernel(dtype)
 
 
 def _supported(q, k_cache, v_cache, block_tables, context_lens) -> bool:  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from inference_service.kernels.build import load_library
+from inference_service.kernels.build import address, load_library
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 
 _APPLY = {torch.float32: "lora_apply_f32", torch.bfloat16: "lora_apply_bf16"}
@@ -34,6 +34,7 @@ class CpuLoRAOp:
     def __init__(self, dtype: torch.dtype) -> None:
         self._fn = _function(_APPLY[dtype])
         assert self._fn is not None, "check available() first"
+        self.kernel_address = address(self._fn)  # for C that calls the kernel (kernels/decode_stack.c)
         # Per projection (keyed by its buffers' addresses, all of them: a buffer freed and another
         # allocated at its address must not find the old one's layout): the B pointers and column
         # offsets the kernel takes.
@@ -48,7 +49,7 @@ class CpuLoRAOp:
         x = x.contiguous()
         assert batch.runs is not None and batch.run_pages is not None
         assert x.dtype == out.dtype == a.dtype and out.stride(1) == 1 and a.is_contiguous()
-        pointers, cols = self._layout(a, bs)
+        pointers, cols = self.layout(a, bs)
         num_modules = len(bs)
         page_rank = a.shape[1] // num_modules
         scratch = torch.empty(x.shape[0], num_modules * batch.max_rank, dtype=torch.float32)
@@ -60,7 +61,8 @@ class CpuLoRAOp:
         if status != 0:
             raise MemoryError("LoRA kernel: out of memory for its scratch buffers")
 
-    def _layout(self, a: torch.Tensor, bs: list[SlicedB]) -> tuple[ctypes.Array, torch.Tensor]:
+    def layout(self, a: torch.Tensor, bs: list[SlicedB]) -> tuple[ctypes.Array, torch.Tensor]:
+        """The kernel's B pointer array and column offsets [n + 1] for one projection's buffers."""
         key = (a.data_ptr(), *(s.b.data_ptr() for s in bs), *(s.end for s in bs))
         layout = self._layouts.get(key)
         if layout is None:

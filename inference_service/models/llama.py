@@ -20,6 +20,7 @@ from inference_service.models import linear as dense
 from inference_service.models.attention import AttentionBackend, KVLayer, make_attention_backend
 from inference_service.models.batch import ForwardBatch
 from inference_service.models.config import ModelConfig
+from inference_service.models.decode_stack import DecodeStack
 from inference_service.models.layers import (
     GatedMLP,
     LoRALinear,
@@ -133,6 +134,22 @@ class LlamaModel(nn.Module):
         self.lora_op: LoRAOp = TorchLoRAOp(device)  # the engine picks the op for its device
         self.attention: AttentionBackend = make_attention_backend(device, dtype)
         self.packed_lm_head: dense.PackedWeight | None = None
+        # Decode steps in one C call where the kernels allow (decode_stack.py); built on first use,
+        # once the engine has set the LoRA op. False: not built yet.
+        self._decode_stack: DecodeStack | None | bool = False
+
+    def plain_llama_layers(self) -> bool:
+        """True if no layer overrides a step of LLaMA's forward (the decode stack runs LLaMA's)."""
+        base = LlamaDecoderLayer
+        return all(getattr(type(layer), step) is getattr(base, step)
+                   for layer in self.layers for step in ("forward", "self_attention", "normalize_qk"))
+
+    def decode_stack(self) -> DecodeStack | None:
+        stack = self._decode_stack
+        if stack is False or (isinstance(stack, DecodeStack) and not stack.current()):
+            stack = self._decode_stack = DecodeStack.build(self) if self.plain_llama_layers() else None
+        assert stack is None or isinstance(stack, DecodeStack)
+        return stack
 
     def pack_weights(self) -> None:
         """Once the weights are in: prepack the projections for the CPU GEMM (no-op elsewhere)."""
@@ -149,14 +166,20 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             for slices in layer.lora_slices():
                 slices.buffers = buffers[(layer.index, slices.modules)]
+        self._decode_stack = False
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, batch, kv, self.lora_op, self.attention)
-        x = self.norm(x.index_select(0, batch.logits_rows))
+        stack = self.decode_stack()
+        normed = stack.run(x, rope, batch, kv_caches) if stack is not None else None
+        if normed is not None:
+            x = normed.index_select(0, batch.logits_rows)  # the norm is per row: select after it
+        else:
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, rope, batch, kv, self.lora_op, self.attention)
+            x = self.norm(x.index_select(0, batch.logits_rows))
         return dense.linear_float(x, self.lm_head, None, self.packed_lm_head)
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:

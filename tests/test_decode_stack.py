@@ -1,0 +1,151 @@
+"""The decode stack (a LLaMA decode step in one C call, models/decode_stack.py) against the layer
+forward it replaces: the same logits bit for bit, step by step in a real engine with adapters, and
+the layer forward wherever the stack cannot run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.adapters import write_tiny_adapter
+from harness.engine_helpers import load_adapters, run_to_completion
+from harness.real_model import require_real_model
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
+from inference_service.kernels import amx_linear
+from inference_service.lora.ops import TorchLoRAOp
+from inference_service.models import decode_stack
+from inference_service.models.llama import LlamaDecoderLayer, LlamaModel
+from inference_service.models.loader import BUILTIN_TINY
+
+needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
+
+
+class BothPaths:
+    """Wraps a model's forward: each step runs the layer forward (the stack switched off), then the
+    stack, and records whether the stack ran and whether the logits are equal bit for bit."""
+
+    def __init__(self, model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.model, self.monkeypatch = model, monkeypatch
+        self.stack_steps = self.layer_steps = 0
+        self.mismatches: list[float] = []
+        self.forward = model.forward
+        model.forward = self  # type: ignore[method-assign]
+
+    def __call__(self, batch, kv_caches) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        run = decode_stack.DecodeStack.run
+        ran: list[bool] = []
+
+        def counted(stack, *args):  # type: ignore[no-untyped-def]
+            out = run(stack, *args)
+            ran.append(out is not None)
+            return out
+
+        with self.monkeypatch.context() as patch:
+            patch.setattr(decode_stack.DecodeStack, "run", lambda *args: None)
+            reference = self.forward(batch, kv_caches)
+            patch.setattr(decode_stack.DecodeStack, "run", counted)
+            logits = self.forward(batch, kv_caches)  # rewrites the step's K/V with the same values
+        if not any(ran):
+            self.layer_steps += 1
+            return reference
+        self.stack_steps += 1
+        if not torch.equal(logits, reference):
+            self.mismatches.append((logits - reference).abs().max().item())
+        return logits
+
+
+def run_mixed(core: EngineCore, names: list[str | None], prompts: list[list[int]], new_tokens: int) -> None:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(f"r{i}", prompt, params), names[i % len(names)])
+    run_to_completion(core)
+
+
+def tiny_engine(tmp_path: Path, dtype: str = "bfloat16") -> tuple[EngineCore, list[str | None]]:
+    adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4),
+                "b": write_tiny_adapter(tmp_path / "b", seed=2, rank=8)}
+    core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu", dtype=dtype, max_num_seqs=8, max_loras=2,
+                                   max_lora_rank=8))
+    load_adapters(core, adapters, preload=True)
+    return core, [None, *adapters]
+
+
+@needs_amx
+def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_path):
+    """builtin:tiny (head_dim 32: the portable attention kernel), base and two adapters of ranks 4
+    and 8 in one batch, prompts of different lengths: every decode step's logits bit for bit."""
+    core, names = tiny_engine(tmp_path)
+    both = BothPaths(core.runner.model, monkeypatch)
+    run_mixed(core, names, [list(range(3, 3 + 5 * i + 1)) for i in range(6)], 24)
+    core.shutdown()
+    assert both.stack_steps >= 20 and both.layer_steps >= 1  # decodes in C, the prefill in Python
+    assert both.mismatches == []
+
+
+@needs_amx
+def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp_path):
+    """SmolLM2 (head_dim 64: the AMX attention kernel), 30 layers, bf16, base and two PEFT adapters
+    on all seven modules (r8 and r16), one batch."""
+    from bench.roofline import mixed_adapters
+
+    path = require_real_model()
+    core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", max_num_seqs=8,
+                                   max_loras=2, max_lora_rank=16))
+    adapters = mixed_adapters(tmp_path, core.runner.model.config, 2)
+    load_adapters(core, adapters, preload=True)
+    both = BothPaths(core.runner.model, monkeypatch)
+    run_mixed(core, [None, *adapters], [list(range(100, 100 + 7 * i + 3)) for i in range(6)], 12)
+    core.shutdown()
+    assert both.stack_steps >= 10 and both.mismatches == []
+
+
+def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
+    """fp32 (no AMX projections), bf16 with AMX forced off (oneDNN projections), the switch, and a
+    family that overrides a step of LLaMA's layer: each keeps the layer forward."""
+    core, names = tiny_engine(tmp_path, "float32")
+    run_mixed(core, names, [[3, 4, 5]], 2)
+    assert core.runner.model.decode_stack() is None
+    core.shutdown()
+    monkeypatch.setattr(amx_linear, "available", lambda: False)
+    core, names = tiny_engine(tmp_path / "onednn")
+    assert core.runner.model.decode_stack() is None
+    core.shutdown()
+    monkeypatch.undo()
+    if not amx_linear.available():
+        return  # the cases below need a stack that would otherwise be built
+    monkeypatch.setenv("LORAPLEX_DECODE_STACK", "0")
+    core, names = tiny_engine(tmp_path / "off")
+    assert core.runner.model.decode_stack() is None
+    core.shutdown()
+    monkeypatch.delenv("LORAPLEX_DECODE_STACK")
+
+    class NormedQK(LlamaDecoderLayer):
+        def normalize_qk(self, qkv: torch.Tensor) -> None:
+            pass
+
+    core, names = tiny_engine(tmp_path / "family")
+    model = core.runner.model
+    assert model.decode_stack() is not None
+    model.layers[1].__class__ = NormedQK
+    model._decode_stack = False  # as a model of that family starts
+    assert model.decode_stack() is None
+    core.shutdown()
+
+
+@needs_amx
+def test_stack_leaves_adapter_steps_to_a_lora_op_it_cannot_call(monkeypatch, tmp_path):
+    """With torch's LoRA op (fp32 pages) the stack takes base-model steps only; adapter steps run
+    the layer forward, and both give the layer forward's logits."""
+    core, names = tiny_engine(tmp_path)
+    model = core.runner.model
+    model.lora_op = TorchLoRAOp(model.device)  # pages stay the model's dtype: the torch op reads them
+    both = BothPaths(model, monkeypatch)
+    run_mixed(core, [None], [[3, 4, 5, 6]] * 2, 6)
+    base_steps = both.stack_steps
+    run_mixed(core, names[1:], [[3, 4, 5, 6]] * 2, 6)
+    core.shutdown()
+    assert base_steps >= 4 and both.stack_steps == base_steps and both.mismatches == []
