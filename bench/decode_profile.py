@@ -4,7 +4,9 @@ Runs batch-B decode steps of the base model (and of 8 resident adapters with `--
 under torch.profiler and prints, per op, its self CPU time per step and its share of the step's wall
 time. Our C kernels (called through ctypes, invisible to the profiler) and the engine's stages are
 labelled with record_function for the run (`[name]` rows: the time inside them that no torch op
-under them accounts for); what nothing accounts for is the rest of the step loop's Python.
+under them accounts for); what nothing accounts for is the rest of the step loop's Python. Where
+the decode stack runs (all layers in one C call, models/decode_stack.py), it is one row, and its
+own clock splits it by op (`stack:` rows, summed over the layers; the final norm is in the first).
 Same engine set-up as bench/roofline.py (SmolLM2-135M-Instruct, bf16 by default).
 
     .venv/bin/python bench/decode_profile.py [--batch 32] [--adapters] [--dtype bfloat16] [--top 18]
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.roofline import engine, mixed_adapters, real_model_parser, real_model_start, submit  # noqa: E402
 from harness.engine_helpers import load_adapters  # noqa: E402
 from inference_service.engine.core import EngineCore  # noqa: E402
+from inference_service.models.decode_stack import OPS, DecodeStack  # noqa: E402
 
 STEPS = 16
 
@@ -54,6 +58,7 @@ def label_engine() -> None:
         (amx_linear.AMXWeight, "__call__", "C: AMX linear"), (fused, "silu_mul", "C: SiLU x mul"),
         (amx_linear.AMXWeight, "float_output", "C: AMX linear, LM head"),
         (paged_attention, "decode_attention", "C: paged decode attention"),
+        (DecodeStack, "run", "C: decode stack, all layers"),
         (CpuLoRAOp, "apply", "C: LoRA shrink + expand"), (Scheduler, "schedule", "py: schedule"),
         (Scheduler, "postprocess", "py: postprocess"), (OutputProcessor, "on_token", "py: output processing"),
         (model_runner.ModelRunner, "plan", "py: plan"), (model_runner.ModelRunner, "_tensors", "py: input tensors"),
@@ -71,14 +76,24 @@ def profiled_steps(core: EngineCore, batch: int, names: list[str | None]) -> tup
         produced |= {out.request_id for out in core.step() if out.new_token_ids}
     for _ in range(3):
         core.step()
+    stack = core.runner.model.decode_stack()
+    if stack is not None:
+        stack.profile = torch.zeros(len(OPS), dtype=torch.float64)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(STEPS):
             core.step()
         wall = (time.perf_counter() - start) / STEPS
+    in_stack: dict[str, float] = {}
+    if stack is not None and stack.profile is not None:
+        seconds = (stack.profile / STEPS).tolist()
+        stack.profile = None
+        for name, s in zip(OPS, seconds, strict=True):
+            in_stack[name] = in_stack.get(name, 0.0) + s
     while core.has_work():
         core.step()
     ops = [(e.key, e.self_cpu_time_total / 1e6 / STEPS) for e in prof.key_averages()]
+    ops += [(f"  stack: {name}", s) for name, s in in_stack.items() if s > 0]
     return wall, sorted(ops, key=lambda op: -op[1])
 
 
@@ -100,13 +115,13 @@ def main() -> None:
             names = list(adapters)
         wall, ops = profiled_steps(core, args.batch, names)
     core.shutdown()
-    accounted = sum(seconds for _, seconds in ops)
+    accounted = sum(seconds for name, seconds in ops if not name.startswith("  stack:"))  # within the stack's row
     print(f"batch {args.batch}{' over 8 adapters' if args.adapters else ''}, {args.dtype}: "
           f"{wall * 1e3:.2f} ms a step (profiled), ops {accounted * 1e3:.2f} ms")
     print(f"{'op':<44} {'ms/step':>8} {'share':>6}")
     for name, seconds in ops[:args.top]:
         print(f"{name[:44]:<44} {seconds * 1e3:>8.3f} {seconds / wall:>6.1%}")
-    rest = accounted - sum(seconds for _, seconds in ops[:args.top])
+    rest = accounted - sum(seconds for name, seconds in ops[:args.top] if not name.startswith("  stack:"))
     print(f"{'(other ops)':<44} {rest * 1e3:>8.3f} {rest / wall:>6.1%}")
     print(f"{'(no op: Python, waits)':<44} {(wall - accounted) * 1e3:>8.3f} {(wall - accounted) / wall:>6.1%}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

@@ -14,6 +14,7 @@
 // norm's): the fused add-and-norm rounds the sum exactly as the separate add did.
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef void (*linear_fn)(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
                           int64_t n, int64_t k, int out_f32);
@@ -70,14 +71,37 @@ typedef struct {
     // Activations, each [rows, its width]: the normed input of a projection, qkv, q, attention's
     // output, o's and down's output (the residual's next delta), gate_up, SiLU x mul's.
     uint16_t *normed, *qkv, *q, *attn, *delta, *gate_up, *act;
+    double *op_seconds;  // NULL, or [OPS] seconds added up per op across the layers (a profile)
 } Step;
 
-static int project(const Kernels *k, const Projection *p, const Step *s, const uint16_t *x, uint16_t *out) {
+// The ops of a layer as a profile names them (models/decode_stack.py's OPS, same order).
+enum { NORM, QKV, QKV_LORA, ROPE, ATTENTION, O, O_LORA, ADD_NORM, GATE_UP, GATE_UP_LORA, SILU, DOWN, DOWN_LORA, OPS };
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// With a profile asked for, the time since the last mark goes to `op`.
+static inline void mark(const Step *s, double *last, int op) {
+    if (s->op_seconds == NULL) return;
+    const double t = now();
+    s->op_seconds[op] += t - *last;
+    *last = t;
+}
+
+// The projection (op), then its LoRA (op + 1).
+static int project(const Kernels *k, const Projection *p, const Step *s, const uint16_t *x, uint16_t *out,
+                   double *last, int op) {
     k->linear(x, p->weight, p->bias, out, s->rows, p->out_features, p->in_features, 0);
+    mark(s, last, op);
     if (p->lora_a == NULL || s->lora_num_runs == 0) return 0;
-    return k->lora(x, out, p->out_features, p->lora_a, p->lora_b, p->lora_cols, p->lora_modules,
-                   p->lora_page_rank, s->lora_max_rank, p->in_features, s->lora_runs, s->lora_num_runs,
-                   s->lora_run_pages, s->lora_scratch);
+    const int status = k->lora(x, out, p->out_features, p->lora_a, p->lora_b, p->lora_cols, p->lora_modules,
+                               p->lora_page_rank, s->lora_max_rank, p->in_features, s->lora_runs,
+                               s->lora_num_runs, s->lora_run_pages, s->lora_scratch);
+    mark(s, last, op + 1);
+    return status;
 }
 
 // residual [rows, hidden] holds the embeddings on entry and the last layer's output on return;
@@ -88,24 +112,33 @@ int decode_stack_bf16(const Kernels *k, const Layer *layers, int64_t num_layers,
     const int64_t rows = s->rows, q_size = s->q_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * s->kv_heads * s->head_dim;
     int status = 0;
+    double last = s->op_seconds ? now() : 0.;
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const Layer *layer = &layers[i];
         k->add_rms_norm(residual, i ? s->delta : NULL, layer->input_norm, s->normed, rows, s->hidden, s->eps);
-        if ((status = project(k, &layer->qkv, s, s->normed, s->qkv))) break;
+        mark(s, &last, NORM);
+        if ((status = project(k, &layer->qkv, s, s->normed, s->qkv, &last, QKV))) break;
         k->rope_and_cache(s->qkv, rows, qkv_size, s->q_heads, s->kv_heads, s->head_dim, s->cos, s->sin,
                           s->slot_mapping, layer->k_cache, layer->v_cache);
         for (int64_t r = 0; r < rows; r++)  // attention reads q dense: [rows, q_heads, head_dim]
             memcpy(s->q + r * q_size, s->qkv + r * qkv_size, sizeof(uint16_t) * (size_t)q_size);
+        mark(s, &last, ROPE);
         if ((status = k->attention(s->q, layer->k_cache, layer->v_cache, s->block_tables, s->context_lens, s->attn,
                                    rows, s->q_heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks,
                                    s->scale)))
             break;
-        if ((status = project(k, &layer->o, s, s->attn, s->delta))) break;
+        mark(s, &last, ATTENTION);
+        if ((status = project(k, &layer->o, s, s->attn, s->delta, &last, O))) break;
         k->add_rms_norm(residual, s->delta, layer->post_attention_norm, s->normed, rows, s->hidden, s->eps);
-        if ((status = project(k, &layer->gate_up, s, s->normed, s->gate_up))) break;
+        mark(s, &last, ADD_NORM);
+        if ((status = project(k, &layer->gate_up, s, s->normed, s->gate_up, &last, GATE_UP))) break;
         k->silu_mul(s->gate_up, s->act, rows, s->intermediate);
-        status = project(k, &layer->down, s, s->act, s->delta);
+        mark(s, &last, SILU);
+        status = project(k, &layer->down, s, s->act, s->delta, &last, DOWN);
     }
-    if (status == 0) k->add_rms_norm(residual, num_layers ? s->delta : NULL, s->final_norm, out, rows, s->hidden, s->eps);
+    if (status == 0) {
+        k->add_rms_norm(residual, num_layers ? s->delta : NULL, s->final_norm, out, rows, s->hidden, s->eps);
+        mark(s, &last, NORM);
+    }
     return status;
 }

@@ -62,7 +62,13 @@ class _Step(ctypes.Structure):
                                   "lora_runs", "lora_run_pages")),
         ("lora_num_runs", _I64), ("lora_max_rank", _I64), ("lora_scratch", _P),
         *((name, _P) for name in ("normed", "qkv", "q", "attn", "delta", "gate_up", "act")),
+        ("op_seconds", _P),
     ]
+
+
+# What `DecodeStack.profile` adds time to (decode_stack.c's enum, same order).
+OPS = ("input add + RMS norm", "qkv", "qkv LoRA", "RoPE + KV write", "attention", "o", "o LoRA",
+       "post-attention add + RMS norm", "gate_up", "gate_up LoRA", "SiLU x mul", "down", "down LoRA")
 
 
 _ACTIVATIONS = ("normed", "qkv", "q", "attn", "delta", "gate_up", "act")
@@ -94,6 +100,8 @@ class DecodeStack:
                         2 * c.intermediate_size, c.intermediate_size)
         self._workspace = torch.empty(0, dtype=torch.bfloat16)
         self._lora_scratch = torch.empty(0, dtype=torch.float32)
+        # Seconds per op (OPS) added up over the steps run while set (bench/decode_profile.py).
+        self.profile: torch.Tensor | None = None
 
     @classmethod
     def build(cls, model: LlamaModel) -> DecodeStack | None:
@@ -168,6 +176,7 @@ class DecodeStack:
             lora_run_pages=None if lora is None else lora.run_pages.data_ptr(),  # type: ignore[union-attr]
             lora_num_runs=0 if lora is None else lora.runs.shape[0],  # type: ignore[union-attr]
             lora_max_rank=max_rank, lora_scratch=self._lora_scratch.data_ptr(), **offsets,
+            op_seconds=None if self.profile is None else self.profile.data_ptr(),
         )
         out = torch.empty_like(x)
         status = self._run_fn(ctypes.byref(self.kernels), table, len(table), ctypes.byref(step),
