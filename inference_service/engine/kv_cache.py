@@ -7,6 +7,7 @@ import math
 import torch
 
 from inference_service.engine.block_pool import BlockPool
+from inference_service.kernels import hugepages
 from inference_service.models.config import ModelConfig
 
 
@@ -26,7 +27,7 @@ class KVCache:
         self.pool = BlockPool(num_blocks, prefix_caching)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.layers = [
-            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            (hugepages.zeros(shape, dtype, device), hugepages.zeros(shape, dtype, device))
             for _ in range(config.num_layers)
         ]
         self.block_size = block_size

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from inference_service.kernels.build import address, load_library
+from inference_service.kernels.hugepages import Arena
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +25,16 @@ _VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
 class AMXWeight:
     """A weight [N, K] in the kernel's blocked layout: out = x @ W^T (+ bias) for any number of rows."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, storage: torch.Tensor | None = None) -> None:
+        """`storage`: N * K elements to hold the packed weight (else a tensor of its own)."""
         n, k = weight.shape
         self.out_features, self.in_features = n, k
         self._fn = _function()
         assert self._fn is not None, "an AMXWeight exists only where the kernel runs"
         # [N/32, 32, K/32, 16, 2] -> [N/32][K/32][16 k-pairs][32 n][2]: each 2 KiB block one k-slab
         # of 32 columns, VNNI-paired as AMX's B operand reads it.
-        self.blocks = (
-            weight.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
-        )
+        blocks = weight.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
+        self.blocks = blocks.contiguous() if storage is None else storage.view(blocks.shape).copy_(blocks)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._run(x, bias, torch.bfloat16)
@@ -55,12 +56,20 @@ class AMXWeight:
         return out.reshape(*x.shape[:-1], self.out_features) if flat else out
 
 
-def pack(weight: torch.Tensor) -> AMXWeight | None:
-    """The AMX layout of weight [N, K], or None where the kernel cannot take it."""
+def packable(weight: torch.Tensor) -> bool:
+    """True if `pack` takes this weight [N, K] (bf16 on CPU, N and K multiples of 32, AMX here)."""
     n, k = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % BLOCK or k % BLOCK:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not n % BLOCK and not k % BLOCK and (
+        available()
+    )
+
+
+def pack(weight: torch.Tensor, arena: Arena | None = None) -> AMXWeight | None:
+    """The AMX layout of weight [N, K] (cut from `arena` when given), or None where the kernel cannot
+    take it."""
+    if not packable(weight):
         return None
-    return AMXWeight(weight) if available() else None
+    return AMXWeight(weight, None if arena is None else arena.take(weight.numel()))
 
 
 def available() -> bool:

@@ -35,6 +35,7 @@ import itertools
 import torch
 
 from adapter_cache.adapter_format import BaseModelShapes, HostAdapter
+from inference_service.kernels import hugepages
 from inference_service.kernels.copy import CopyJob, CopyProgram
 from inference_service.lora.backend import transpose_into
 from inference_service.lora.ops import SlicedB
@@ -89,12 +90,12 @@ class LoRAMemoryPool:
                 in_features = shapes.features[group[0]][0]
                 outs = [shapes.features[module][1] for module in group]
                 assert all(shapes.features[m][0] == in_features for m in group), f"{group} must share an input"
-                a = torch.empty(total, len(group) * page_rank, in_features, device=device, dtype=dtype)
+                a = hugepages.empty((total, len(group) * page_rank, in_features), dtype, device)
                 a[self.zero_page].zero_()
                 sliced, col = [], 0
                 for i, (module, out_features) in enumerate(zip(group, outs, strict=True)):
                     shape = (page_rank, out_features) if b_rank_major else (out_features, page_rank)
-                    b = torch.empty(total, *shape, device=device, dtype=dtype)
+                    b = hugepages.empty((total, *shape), dtype, device)
                     b[self.zero_page].zero_()
                     b_view = b.transpose(1, 2) if b_rank_major else b
                     self.buffers[(layer, module)] = (a[:, i * page_rank : (i + 1) * page_rank], b_view)

@@ -14,6 +14,7 @@ from torch import nn
 
 from adapter_cache.errors import FailedPreconditionError
 from inference_service.kernels import fused
+from inference_service.kernels.hugepages import Arena
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB
 from inference_service.models import linear as dense
 from inference_service.models.config import ModelConfig
@@ -128,8 +129,8 @@ class LoRALinear(nn.Module):
         self.lora = LoRASlices(targets)
         self.packed: dense.PackedWeight | None = None
 
-    def pack(self) -> None:
-        self.packed = dense.pack(self.weight.data)
+    def pack(self, arena: Arena | None = None) -> None:
+        self.packed = dense.pack(self.weight.data, arena)
         if self.packed is not None:
             self.weight.data = self.weight.data.new_empty(0)
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.kernels import amx_linear
+from inference_service.kernels.hugepages import Arena
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,18 @@ def linear_float(
     return packed.float_output(x, bias)
 
 
-def pack(weight: torch.Tensor) -> PackedWeight | None:
-    """The packed copy of weight [out, in], or None where the plain path should be used."""
+def arena_for(weights: list[torch.Tensor]) -> Arena | None:
+    """One huge-page arena for the packed copies of those `weights` the AMX kernel takes (None if none)."""
+    numel = sum(w.numel() for w in weights if amx_linear.packable(w))
+    return Arena(numel, torch.bfloat16) if numel else None
+
+
+def pack(weight: torch.Tensor, arena: Arena | None = None) -> PackedWeight | None:
+    """The packed copy of weight [out, in], or None where the plain path should be used. An AMX copy
+    is cut from `arena` (`arena_for` the model's weights) when given."""
     if weight.device.type != "cpu":
         return None
-    amx = amx_linear.pack(weight)
+    amx = amx_linear.pack(weight, arena)
     if amx is not None:
         return amx
     return OneDNNWeight(weight) if _packing_works(weight.dtype) else None

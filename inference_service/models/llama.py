@@ -15,6 +15,7 @@ from torch import nn
 
 from adapter_cache.errors import FailedPreconditionError
 from inference_service.kernels import fused
+from inference_service.kernels.hugepages import Arena
 from inference_service.lora.ops import LoRAOp, SlicedB, TorchLoRAOp
 from inference_service.models import linear as dense
 from inference_service.models.attention import AttentionBackend, KVLayer, make_attention_backend
@@ -58,9 +59,9 @@ class LlamaDecoderLayer(nn.Module):
     def lora_slices(self) -> list[LoRASlices]:
         return [p.lora for p in self.projections()]
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, arena: Arena | None = None) -> None:
         for projection in self.projections():
-            projection.pack()
+            projection.pack(arena)
 
     def forward(
         self,
@@ -152,12 +153,15 @@ class LlamaModel(nn.Module):
         return stack
 
     def pack_weights(self) -> None:
-        """Once the weights are in: prepack the projections for the CPU GEMM (no-op elsewhere)."""
-        self.packed_lm_head = dense.pack(self.lm_head.data)
+        """Once the weights are in: prepack the projections for the CPU GEMM (no-op elsewhere), the AMX
+        copies into one arena on 2 MiB pages."""
+        arena = dense.arena_for([self.lm_head.data, *(p.weight.data for layer in self.layers
+                                                      for p in layer.projections())])
+        self.packed_lm_head = dense.pack(self.lm_head.data, arena)
         if self.packed_lm_head is not None:
             self.lm_head.data = self.lm_head.data.new_empty(0)
         for layer in self.layers:
-            layer.pack_weights()
+            layer.pack_weights(arena)
 
     def attach_lora_buffers(
         self, buffers: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[SlicedB]]]
