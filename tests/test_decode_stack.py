@@ -87,6 +87,34 @@ def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_pat
 
 
 @needs_amx
+def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path):
+    """A checkpoint with biases on every projection (Qwen2's q/k/v, `mlp_bias`), random, bf16, with an
+    adapter: the stack adds each bias where the AMX projection does."""
+    from safetensors.torch import load_file, save_file
+
+    from harness.models import AdapterSpec, make_adapter, make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "model", "llama", seed=5, attention_bias=True, mlp_bias=True)
+    (weights,) = checkpoint.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    gen = torch.Generator().manual_seed(6)
+    biases = [name for name in tensors if name.endswith(".bias")]
+    tensors.update({name: torch.randn(tensors[name].shape, generator=gen) for name in biases})
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert len(biases) == 2 * 7
+    adapter = make_adapter(checkpoint, tmp_path / "r8", AdapterSpec("r8", 8, 16, seed=7))
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", dtype="bfloat16", max_loras=1,
+                                   max_lora_rank=8, kv_cache_bytes=4 << 20))
+    assert core.runner.model.layers[0].qkv.bias is not None
+    load_adapters(core, {"r8": adapter}, preload=True)
+    both = BothPaths(core.runner.model, monkeypatch)
+    run_mixed(core, [None, "r8"], [[5, 9, 14], [3, 4, 5, 6, 7, 8], [20, 21]], 10)
+    run_mixed(core, [None], [[5, 9, 14], [30, 31]], 6)  # base-model steps alone
+    core.shutdown()
+    assert both.stack_steps >= 14 and both.mismatches == []
+
+
+@needs_amx
 def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp_path):
     """SmolLM2 (head_dim 64: the AMX attention kernel), 30 layers, bf16, base and two PEFT adapters
     on all seven modules (r8 and r16), one batch."""
@@ -99,8 +127,9 @@ def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp
     load_adapters(core, adapters, preload=True)
     both = BothPaths(core.runner.model, monkeypatch)
     run_mixed(core, [None, *adapters], [list(range(100, 100 + 7 * i + 3)) for i in range(6)], 12)
+    run_mixed(core, [None], [list(range(200, 200 + 9 * i + 5)) for i in range(4)], 6)  # base model alone
     core.shutdown()
-    assert both.stack_steps >= 10 and both.mismatches == []
+    assert both.stack_steps >= 15 and both.mismatches == []
 
 
 def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
