@@ -180,7 +180,9 @@ int paged_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k_cache, 
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)(q_heads * head_dim));
         const int ok = qt && probs && acc;
         if (!ok) failed = 1;
-#pragma omp for schedule(dynamic, 1)
+        // Guided, not one sequence each in turn: a thread's run of consecutive sequences reads blocks
+        // that were mostly allocated together (30 layers at batch 32: 2.31-2.37 -> 2.14-2.19 ms).
+#pragma omp for schedule(guided)
         for (int64_t b = 0; b < (ok ? batch : 0); b++) {
             const int64_t len = lens[b];
             const int64_t *table = tables + b * max_blocks;
@@ -195,6 +197,14 @@ int paged_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k_cache, 
                     for (int64_t p = 0; p < 16; p++)
                         for (int64_t g = 0; g < group; g++)
                             qt[((j * slices + s) * 16 + p) * group + g] = qw[(j * group + g) * head_dim / 2 + s * 16 + p];
+            // V's rows asked into L2 now, to arrive while the scores run: P V's own prefetch runs only
+            // PREFETCH_TOKENS rows ahead of a loop that does a few FMAs a row (30 layers at batch 32:
+            // 2.27-2.30 -> 1.99-2.20 ms; K's rows asked for the same way gained nothing).
+            for (int64_t t = 0; t < len; t += block_size) {
+                const char *vb = (const char *)(v_cache + table[t / block_size] * block_size * row);
+                const int64_t n = (len - t < block_size ? len - t : block_size) * row * 2;
+                for (int64_t o = 0; o < n; o += 64) _mm_prefetch(vb + o, _MM_HINT_T1);
+            }
             for (int64_t t0 = 0; t0 < len; t0 += tile_rows) {
                 const int64_t first_row = table[t0 / block_size] * block_size + t0 % block_size;
                 if (t0 + tile_rows < len) {  // the next tile's K rows
