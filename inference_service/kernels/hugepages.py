@@ -35,14 +35,16 @@ def enabled() -> bool:
 
 def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """`torch.empty(shape)`, on 2 MiB pages where it is a CPU tensor of at least one such page (its
-    memory then comes zeroed)."""
+    memory then comes zeroed, and is faulted in as it is first written)."""
     tensor = _mapped(shape, dtype, torch.device(device))
     return tensor if tensor is not None else torch.empty(shape, dtype=dtype, device=device)
 
 
 def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`torch.zeros(shape)`, on 2 MiB pages as `empty`. Written now (as torch.zeros does), so that
+    its pages are faulted in here and not in the middle of serving (the KV cache)."""
     tensor = _mapped(shape, dtype, torch.device(device))
-    return tensor if tensor is not None else torch.zeros(shape, dtype=dtype, device=device)
+    return tensor.zero_() if tensor is not None else torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _mapped(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
