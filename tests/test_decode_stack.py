@@ -118,12 +118,14 @@ def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path)
 def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp_path):
     """SmolLM2 (head_dim 64: the AMX attention kernel), 30 layers, bf16, base and two PEFT adapters
     on all seven modules (r8 and r16), one batch."""
-    from bench.roofline import mixed_adapters
+    from inference_service.demo_adapters import write_peft_adapter
 
     path = require_real_model()
     core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", max_num_seqs=8,
                                    max_loras=2, max_lora_rank=16))
-    adapters = mixed_adapters(tmp_path, core.runner.model.config, 2)
+    config = core.runner.model.config
+    adapters = {f"r{rank}": write_peft_adapter(tmp_path / f"r{rank}", config, rank=rank, alpha=16.0, seed=rank,
+                                               scale=0.05) for rank in (16, 8)}
     load_adapters(core, adapters, preload=True)
     both = BothPaths(core.runner.model, monkeypatch)
     run_mixed(core, [None, *adapters], [list(range(100, 100 + 7 * i + 3)) for i in range(6)], 12)
