@@ -67,7 +67,7 @@ typedef struct {
     // This step's LoRA runs (lora/ops.py's LoRABatch.runs, run_pages); num_runs 0: base model only.
     const int64_t *lora_runs, *lora_run_pages;
     int64_t lora_num_runs, lora_max_rank;
-    float *lora_scratch;  // [rows, 3 * lora_max_rank] at least
+    float *lora_scratch;  // [rows, modules x lora_max_rank] for the most modules of a projection with LoRA
     // Activations, each [rows, its width]: the normed input of a projection, qkv, q, attention's
     // output, o's and down's output (the residual's next delta), gate_up, SiLU x mul's.
     uint16_t *normed, *qkv, *q, *attn, *delta, *gate_up, *act;

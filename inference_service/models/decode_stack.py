@@ -85,6 +85,7 @@ class _Layers:
     kv_caches: Sequence[KVLayer]
     table: ctypes.Array | None  # None: these caches or buffers are not the kernels' (layer forward)
     keep_alive: list[object]
+    lora_modules: int = 0  # the most modules of one projection with LoRA (the LoRA scratch's width / rank)
 
 
 class DecodeStack:
@@ -127,10 +128,6 @@ class DecodeStack:
         """False once the model's LoRA op was replaced (the stack is then rebuilt)."""
         return self.model.lora_op is self.lora_op
 
-    def forget_layers(self) -> None:
-        """New LoRA buffers were attached: the layer table is rebuilt on the next step."""
-        self._layers = None
-
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
             kv_caches: Sequence[KVLayer]) -> torch.Tensor | None:
         """The final norm of the stack's output [T, hidden] for a decode-only batch (x, the embeddings,
@@ -163,8 +160,9 @@ class DecodeStack:
             offsets[name] = base + 2 * at
             at += rows * width
         max_rank = lora.max_rank if lora is not None else 0
-        if self._lora_scratch.numel() < rows * 3 * max_rank:
-            self._lora_scratch = torch.empty(rows * 3 * max_rank * 5 // 4, dtype=torch.float32)
+        scratch = rows * self._layers.lora_modules * max_rank  # the kernel's y [rows, modules x rank]
+        if self._lora_scratch.numel() < scratch:
+            self._lora_scratch = torch.empty(scratch * 5 // 4, dtype=torch.float32)
         _, block_size, _, _ = kv_caches[0][0].shape
         step = _Step(
             rows=rows, hidden=c.hidden_size, q_heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -206,7 +204,9 @@ class DecodeStack:
                 if not self._describe(getattr(entry, name), projection, keep_alive):
                     return unusable
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-        return _Layers(kv_caches, table, keep_alive)
+        modules = max((p.lora_modules for entry in table for p in (entry.qkv, entry.o, entry.gate_up, entry.down)
+                       if p.lora_a), default=0)
+        return _Layers(kv_caches, table, keep_alive, modules)
 
     def _describe(self, entry: _Projection, projection: LoRALinear, keep_alive: list[object]) -> bool:
         packed = projection.packed
