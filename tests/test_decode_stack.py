@@ -18,6 +18,7 @@ from inference_service.engine.request import Request, SamplingParams
 from inference_service.kernels import amx_linear
 from inference_service.lora.ops import TorchLoRAOp
 from inference_service.models import decode_stack
+from inference_service.models.layers import GatedMLP
 from inference_service.models.llama import LlamaDecoderLayer, LlamaModel
 from inference_service.models.loader import BUILTIN_TINY
 
@@ -163,6 +164,16 @@ def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
     assert model.decode_stack() is not None
     model.layers[1].__class__ = NormedQK
     model._decode_stack = False  # as a model of that family starts
+    assert model.decode_stack() is None
+    model.layers[1].__class__ = LlamaDecoderLayer
+
+    class OtherMLP(GatedMLP):  # a family with its own MLP (another activation, say)
+        pass
+
+    model._decode_stack = False
+    assert model.decode_stack() is not None
+    model.layers[0].feed_forward.__class__ = OtherMLP
+    model._decode_stack = False
     assert model.decode_stack() is None
     core.shutdown()
 

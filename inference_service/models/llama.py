@@ -140,10 +140,16 @@ class LlamaModel(nn.Module):
         self._decode_stack: DecodeStack | None | bool = False
 
     def plain_llama_layers(self) -> bool:
-        """True if no layer overrides a step of LLaMA's forward (the decode stack runs LLaMA's)."""
+        """True if no layer overrides a step of LLaMA's forward or swaps one of its parts (the decode
+        stack runs LLaMA's)."""
         base = LlamaDecoderLayer
-        return all(getattr(type(layer), step) is getattr(base, step)
-                   for layer in self.layers for step in ("forward", "self_attention", "normalize_qk"))
+        steps = ("forward", "self_attention", "normalize_qk")
+        return type(self.norm) is RMSNorm and all(
+            all(getattr(type(layer), step) is getattr(base, step) for step in steps)
+            and type(layer.feed_forward) is GatedMLP
+            and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is RMSNorm
+            for layer in self.layers
+        )
 
     def decode_stack(self) -> DecodeStack | None:
         stack = self._decode_stack
