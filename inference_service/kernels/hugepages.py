@@ -1,10 +1,11 @@
 """Large host tensors on 2 MiB pages (transparent huge pages, asked for with madvise).
 
-Why: a decode step streams every weight once, and reads the KV cache and the adapters' pages; on
-4 KiB pages each 4 KiB costs a TLB walk. On this project's CI-class host (THP in `madvise` mode, so
-nothing gets huge pages unasked) a plain sequential read went from 22 to 31 GB/s on 2 MiB pages and
-the AMX projections from ~20 to ~22 GB/s (docs/architecture.md, "Decode against the machine's
-roofline"). Advice only: where the kernel declines (THP off, not Linux) the memory is ordinary.
+Why: a decode step streams every weight once; on 4 KiB pages each 4 KiB costs a TLB walk. On this
+project's CI-class host (THP in `madvise` mode, so nothing gets huge pages unasked) a plain sequential
+read went from 22 to 31 GB/s on 2 MiB pages and the AMX projections from ~20 to ~22 GB/s
+(docs/architecture.md, "Decode against the machine's roofline"). Used for the packed weights (one
+arena) and the adapter pool; the KV cache stays on small pages (engine/kv_cache.py says why). Advice
+only: where the kernel declines (THP off, not Linux) the memory is ordinary.
 
 A tensor's memory is an anonymous mapping of its own, 2 MiB more than it needs so that the tensor can
 start on a 2 MiB boundary; the tensor's storage is exactly its bytes, and the slack around it is never
@@ -40,15 +41,8 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.
     return tensor if tensor is not None else torch.empty(shape, dtype=dtype, device=device)
 
 
-def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """`torch.zeros(shape)`, on 2 MiB pages as `empty`. Written now (as torch.zeros does), so that
-    its pages are faulted in here and not in the middle of serving (the KV cache)."""
-    tensor = _mapped(shape, dtype, torch.device(device))
-    return tensor.zero_() if tensor is not None else torch.zeros(shape, dtype=dtype, device=device)
-
-
 def _mapped(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """A zeroed tensor on its own mapping, advised onto 2 MiB pages; None where that does not apply."""
+    """A tensor on its own (zeroed) mapping, advised onto 2 MiB pages; None where that does not apply."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < HUGE_PAGE or not enabled() or not _supported():
