@@ -26,15 +26,16 @@ needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU w
 
 
 class BothPaths:
-    """Wraps a model's forward: each step runs the layer forward (the stack switched off), then the
-    stack, and records whether the stack ran and whether the logits are equal bit for bit."""
+    """Wraps a model's pass through its layers (`hidden`, the LM head's input): each step runs the
+    layer forward (the stack switched off), then the stack, and records whether the stack ran and
+    whether the two LM head inputs (hence the logits) are equal bit for bit."""
 
     def __init__(self, model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
         self.model, self.monkeypatch = model, monkeypatch
         self.stack_steps = self.layer_steps = 0
         self.mismatches: list[float] = []
-        self.forward = model.forward
-        model.forward = self  # type: ignore[method-assign]
+        self.hidden = model.hidden
+        model.hidden = self  # type: ignore[method-assign]
 
     def __call__(self, batch, kv_caches) -> torch.Tensor:  # type: ignore[no-untyped-def]
         run = decode_stack.DecodeStack.run
@@ -47,16 +48,16 @@ class BothPaths:
 
         with self.monkeypatch.context() as patch:
             patch.setattr(decode_stack.DecodeStack, "run", lambda *args: None)
-            reference = self.forward(batch, kv_caches)
+            reference = self.hidden(batch, kv_caches)
             patch.setattr(decode_stack.DecodeStack, "run", counted)
-            logits = self.forward(batch, kv_caches)  # rewrites the step's K/V with the same values
+            hidden = self.hidden(batch, kv_caches)  # rewrites the step's K/V with the same values
         if not any(ran):
             self.layer_steps += 1
             return reference
         self.stack_steps += 1
-        if not torch.equal(logits, reference):
-            self.mismatches.append((logits - reference).abs().max().item())
-        return logits
+        if not torch.equal(hidden, reference):
+            self.mismatches.append((hidden.float() - reference.float()).abs().max().item())
+        return hidden
 
 
 def run_mixed(core: EngineCore, names: list[str | None], prompts: list[list[int]], new_tokens: int) -> None:

@@ -223,6 +223,86 @@ def test_amx_float_output_is_the_bf16_product_widened():
         assert got.dtype == torch.float32 and torch.equal(got, packed(x, None).float())
 
 
+@needs_amx
+@pytest.mark.parametrize("vocab", [32, 320, 4096])
+@pytest.mark.parametrize("rows", [1, 5, 17, 32, 33, 100, 300])
+def test_amx_greedy_pick_is_the_pick_from_the_logits(rows, vocab):
+    """The LM head's fused pick (no logits written) against the pick from its fp32 logits: small
+    integers make exact ties within a thread's columns and, with the weight's second half a copy of
+    its first, between the threads' halves; a NaN in one row's input, an overflow to +inf in
+    another's, a NaN bias column (every row) and a +inf bias column. One column block (one thread
+    idle), several, and more rows than one 256-row chunk."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    weight = torch.randint(-2, 3, (vocab, 64), generator=gen).to(torch.bfloat16)
+    weight[vocab // 2:] = weight[: vocab - vocab // 2]
+    x = torch.randint(-2, 3, (rows, 64), generator=gen).to(torch.bfloat16)
+    if rows > 2:
+        x[1, 5] = float("nan")
+        x[2] = 3e38
+    packed = dense.pack(weight)
+    assert isinstance(packed, amx_linear.AMXWeight)
+    plain = torch.randint(-3, 3, (vocab,), generator=gen).to(torch.bfloat16)
+    nan_column, inf_column = plain.clone(), plain.clone()
+    nan_column[vocab // 3] = float("nan")
+    inf_column[vocab - 1] = float("inf")
+    for bias in (None, plain, nan_column, inf_column):
+        expected = greedy.argmax_rows(packed.float_output(x, bias))
+        assert expected is not None
+        got = dense.greedy_pick(x, bias, packed)
+        assert got is not None and got[0].dtype == torch.int64 and got[1].dtype == torch.bool
+        assert torch.equal(got[1], expected[1])
+        assert torch.equal(got[0][expected[1]], expected[0][expected[1]])
+        if bias is plain:
+            assert expected[1][3:].all() and (rows <= 2 or not expected[1][1:3].any())
+    assert not expected[1].any()  # the +inf column is every row's maximum
+
+
+@needs_amx
+def test_engine_greedy_tokens_are_the_same_with_the_fused_pick(monkeypatch, tmp_path):
+    """SmolLM2 in bf16 (its LM head on AMX), base and an adapter: the tokens of greedy requests
+    picked in the LM head equal those picked from the logits (the fused pick refused), and a batch
+    with a row that reads its logits (logprobs) takes the logits for the whole step."""
+    from harness.real_model import require_real_model
+    from inference_service.demo_adapters import write_peft_adapter
+
+    core = EngineCore(EngineConfig(model=str(require_real_model()), device="cpu", dtype="bfloat16",
+                                   max_num_seqs=8, max_loras=1, max_lora_rank=8))
+    model = core.runner.model
+    adapter = write_peft_adapter(tmp_path / "r8", model.config, rank=8, alpha=16.0, seed=8, scale=0.05)
+    load_adapters(core, {"r8": adapter}, preload=True)
+    fused = model.greedy
+    picks: list[int] = []
+
+    def counted(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        picks.append(hidden.shape[0])
+        return fused(hidden)
+
+    def run(tag: str, params: SamplingParams) -> list[list[int]]:
+        for i in range(4):
+            core.add_request(Request(f"{tag}{i}", list(range(100, 106 + 5 * i)), params), [None, "r8"][i % 2])
+        outputs = run_to_completion(core)
+        return [[t for o in outputs[f"{tag}{i}"] for t in o.new_token_ids] for i in range(4)]
+
+    greedy_params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    monkeypatch.setattr(model, "greedy", counted)
+    on_head = run("a", greedy_params)
+    assert sum(picks) >= 4 * 12  # every sampled row of every step
+    monkeypatch.setattr(model, "greedy", lambda hidden: None)
+    assert run("b", greedy_params) == on_head
+    picks.clear()
+    monkeypatch.setattr(model, "greedy", counted)
+    assert run("c", SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1)) == on_head
+    assert picks == []
+    core.shutdown()
+
+
+def test_greedy_pick_is_none_without_amx():
+    """oneDNN's packed weight and a plain weight have no fused pick: the runner takes the logits."""
+    x = torch.randn(3, 64)
+    assert dense.greedy_pick(x, None, dense.pack(torch.randn(64, 64))) is None
+    assert dense.greedy_pick(x, None, None) is None
+
+
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
 def test_greedy_pick_is_torch_max(vocab):
     """First argmax and the row's finiteness as `max(dim=-1)` gives them: ties (small integers), a

@@ -16,7 +16,7 @@ from inference_service.engine.batch import ScheduledBatch
 from inference_service.engine.grammar import accept, mask_logits
 from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.request import Request, SamplingParams, TokenLogprobs
-from inference_service.engine.sampling import process_logits, sample, step_logprobs
+from inference_service.engine.sampling import NON_FINITE, process_logits, sample, step_logprobs
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch
 from inference_service.models.batch import AttentionBatch, ForwardBatch, PrefillSegment
@@ -47,6 +47,11 @@ class PlannedRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # a copy, only where the params' logits processing reads the history
     matcher: object | None  # structured output: the request's grammar matcher, where the row samples
+
+    @property
+    def argmax_only(self) -> bool:
+        """The row needs only its logits' first argmax (greedy, nothing else reads its logits)."""
+        return self.matcher is None and self.params.argmax_only
 
 
 class ModelRunner:
@@ -103,9 +108,16 @@ class ModelRunner:
         forward, sampled = self._tensors(rows)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():
-            logits = self.model(forward, self.kv.layers)
+            hidden = self.model.hidden(forward, self.kv.layers)
             if not sampled:
                 return {}
+            # Rows that want only the top token (plain greedy: no logits processing, logprobs,
+            # grammar or logits handed back) let the LM head pick it without writing the logits.
+            picked = self.model.greedy(hidden) if all(r.argmax_only for r in sampled) else None
+            if picked is not None:
+                tokens: list[int] = torch.where(picked[1], picked[0], NON_FINITE).tolist()
+                return {r.request_id: (t, None, None) for r, t in zip(sampled, tokens, strict=True)}
+            logits = self.model.logits(hidden)
             processed = process_logits(logits, sampled, self.tokenizer.eos_token_ids)  # return_logits: raw
             matchers = [r.matcher for r in sampled]
             constrained = any(m is not None for m in matchers)

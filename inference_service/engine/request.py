@@ -175,6 +175,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+    @functools.cached_property
+    def argmax_only(self) -> bool:
+        """Greedy, and nothing reads the logits besides the pick (no processing, logprobs, grammar
+        or logits handed back): the LM head may pick the token without writing the logits."""
+        return (self.greedy and not self.processes_logits and self.logprobs is None and not self.return_logits
+                and self.grammar is None)
+
 
 @dataclass
 class Timings:

@@ -10,7 +10,9 @@
 // (the VNNI pairs AMX's B operand wants), so a block holds the two B tiles of 16 columns each.
 // Tiles: tmm0-3 accumulate a 32 x 32 output block (rows 0-15 / 16-31 x columns 0-15 / 16-31),
 // tmm4-5 hold x's two 16-row tiles, tmm6-7 the block's two B tiles.
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -38,11 +40,10 @@ static void configure(int64_t mr) {
     _tile_loadconfig(&cfg);
 }
 
-// One 32 x 32 output block: rows m0 .. m0 + mr of x against the column block at `blocks`.
-// `out` holds bf16, or with `out_f32` fp32 (the bf16-rounded values widened: what `.float()` of the
-// bf16 product gives, in the one pass).
-static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bias, void *out, int out_f32,
-                  int64_t m0, int64_t mr, int64_t n0, int64_t n, int64_t k, int prefetch) {
+// The fp32 products of one 32 x 32 output block into c: rows m0 .. m0 + mr of x against the column
+// block at `blocks` (rows past mr are left as they were).
+static inline void accumulate(const uint16_t *x, const uint16_t *blocks, float c[32][32], int64_t m0, int64_t mr,
+                              int64_t k, int prefetch) {
     const int64_t kblocks = k / 32;
     const int two = mr > 16;
     const uint16_t *xa = x + m0 * k;
@@ -67,22 +68,39 @@ static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bia
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    float c[32][32] __attribute__((aligned(64)));
     _tile_stored(0, &c[0][0], 128);
     _tile_stored(1, &c[0][16], 128);
     if (two) {
         _tile_stored(2, &c[16][0], 128);
         _tile_stored(3, &c[16][16], 128);
     }
-    __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+}
+
+// Row r of a block's products plus bias, rounded to bf16 once (columns 0-15 low, 16-31 high).
+static inline __m512bh rounded_row(float c[32][32], int64_t r, __m512 bias_lo, __m512 bias_hi) {
+    return _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(&c[r][16]), bias_hi),
+                               _mm512_add_ps(_mm512_load_ps(&c[r][0]), bias_lo));
+}
+
+static inline void load_bias(const uint16_t *bias, int64_t n0, __m512 *lo, __m512 *hi) {
+    *lo = *hi = _mm512_setzero_ps();
     if (bias) {
-        bias_lo = widen16_bf16(bias + n0);
-        bias_hi = widen16_bf16(bias + n0 + 16);
+        *lo = widen16_bf16(bias + n0);
+        *hi = widen16_bf16(bias + n0 + 16);
     }
+}
+
+// One 32 x 32 output block: rows m0 .. m0 + mr of x against the column block at `blocks`.
+// `out` holds bf16, or with `out_f32` fp32 (the bf16-rounded values widened: what `.float()` of the
+// bf16 product gives, in the one pass).
+static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bias, void *out, int out_f32,
+                  int64_t m0, int64_t mr, int64_t n0, int64_t n, int64_t k, int prefetch) {
+    float c[32][32] __attribute__((aligned(64)));
+    accumulate(x, blocks, c, m0, mr, k, prefetch);
+    __m512 bias_lo, bias_hi;
+    load_bias(bias, n0, &bias_lo, &bias_hi);
     for (int64_t r = 0; r < mr; r++) {
-        const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), bias_lo);
-        const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[r][16]), bias_hi);
-        const __m512bh rounded = _mm512_cvtne2ps_pbh(hi, lo);
+        const __m512bh rounded = rounded_row(c, r, bias_lo, bias_hi);
         if (out_f32) {
             float *o = (float *)out + (m0 + r) * n + n0;
             _mm512_storeu_ps(o, _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)rounded)));
@@ -140,11 +158,109 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
     }
 }
 
+// The greedy pick from x [m, k] @ W^T (+ bias) without writing the logits: per row the first index
+// of the maximum of the bf16-rounded products (what torch's argmax of `.float()` of the bf16 logits
+// gives) and whether that maximum is finite with no NaN in the row (greedy.c's rule). The LM head of
+// a step whose rows all sample greedily: its [m, vocab] fp32 logits were ~12% more bytes to write
+// than the weights it reads, and a second pass to read back.
+void amx_argmax_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, int64_t m, int64_t n,
+                     int64_t k, int64_t *idx, uint8_t *finite) {
+    const int64_t nblocks = n / 32, mblocks = (m + 31) / 32, kblocks = k / 32;
+    const int threads = omp_get_max_threads();
+    // Per thread and row: its best value, that value's first column, and whether it saw a NaN.
+    float *thread_best = malloc(sizeof(float) * threads * m);
+    int64_t *thread_at = malloc(sizeof(int64_t) * threads * m);
+    uint8_t *thread_nan = malloc(threads * m);
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num();
+        // 16 lanes per row: lane l sees columns l, l + 16, l + 32, ... in increasing order, so a
+        // strict `>` keeps the first column of each lane's maximum.
+        __m512 *best = aligned_alloc(64, sizeof(__m512) * m);
+        __m512i *at = aligned_alloc(64, sizeof(__m512i) * m);
+        __mmask16 *nan = calloc(m, sizeof(__mmask16));
+        for (int64_t r = 0; r < m; r++) {
+            best[r] = _mm512_set1_ps(-INFINITY);
+            at[r] = _mm512_setzero_si512();
+        }
+        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        float c[32][32] __attribute__((aligned(64)));
+        int64_t configured = -1;
+        for (int64_t chunk = 0; chunk < mblocks; chunk += CHUNK_BLOCKS) {
+            const int64_t chunk_end = chunk + CHUNK_BLOCKS < mblocks ? chunk + CHUNK_BLOCKS : mblocks;
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < nblocks; nb++) {
+                __m512 bias_lo, bias_hi;
+                load_bias(bias, nb * 32, &bias_lo, &bias_hi);
+                const __m512i cols_lo = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(nb * 32)));
+                const __m512i cols_hi = _mm512_add_epi32(cols_lo, _mm512_set1_epi32(16));
+                for (int64_t mb = chunk; mb < chunk_end; mb++) {
+                    const int64_t m0 = mb * 32, mr = m - m0 < 32 ? m - m0 : 32;
+                    if (configured != mr) configure(configured = mr);
+                    accumulate(x, packed + nb * kblocks * 1024, c, m0, mr, k, mb == chunk);
+                    for (int64_t r = 0; r < mr; r++) {
+                        const __m512i rounded = (__m512i)rounded_row(c, r, bias_lo, bias_hi);
+                        const __m512 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(rounded));
+                        const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(rounded, 1));
+                        __m512 b = best[m0 + r];
+                        __m512i a = at[m0 + r];
+                        __mmask16 g = _mm512_cmp_ps_mask(lo, b, _CMP_GT_OQ);
+                        b = _mm512_mask_mov_ps(b, g, lo);
+                        a = _mm512_mask_mov_epi32(a, g, cols_lo);
+                        g = _mm512_cmp_ps_mask(hi, b, _CMP_GT_OQ);
+                        best[m0 + r] = _mm512_mask_mov_ps(b, g, hi);
+                        at[m0 + r] = _mm512_mask_mov_epi32(a, g, cols_hi);
+                        nan[m0 + r] |= _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+                    }
+                }
+            }
+        }
+        if (configured >= 0) _tile_release();
+        for (int64_t r = 0; r < m; r++) {
+            float lanes[16] __attribute__((aligned(64)));
+            int32_t lane_at[16] __attribute__((aligned(64)));
+            _mm512_store_ps(lanes, best[r]);
+            _mm512_store_si512((__m512i *)lane_at, at[r]);
+            float v = lanes[0];
+            int64_t a = lane_at[0];
+            for (int l = 1; l < 16; l++)
+                if (lanes[l] > v || (lanes[l] == v && lane_at[l] < a)) v = lanes[l], a = lane_at[l];
+            thread_best[t * m + r] = v;
+            thread_at[t * m + r] = a;
+            thread_nan[t * m + r] = nan[r] != 0;
+        }
+        free(best);
+        free(at);
+        free(nan);
+    }
+    for (int64_t r = 0; r < m; r++) {  // threads that ran no column block hold -inf at column 0
+        float v = thread_best[r];
+        int64_t a = thread_at[r];
+        int any_nan = thread_nan[r];
+        for (int t = 1; t < threads; t++) {
+            const float w = thread_best[t * m + r];
+            const int64_t wa = thread_at[t * m + r];
+            any_nan |= thread_nan[t * m + r];
+            if (w > v || (w == v && wa < a)) v = w, a = wa;
+        }
+        idx[r] = a;
+        finite[r] = !any_nan && isfinite(v);
+    }
+    free(thread_best);
+    free(thread_at);
+    free(thread_nan);
+}
+
 #else
 int amx_linear_init(void) { return 0; }  // built without AMX: the caller keeps oneDNN
 
 void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
                      int64_t n, int64_t k, int out_f32) {
     (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)out_f32;
+}
+
+void amx_argmax_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, int64_t m, int64_t n,
+                     int64_t k, int64_t *idx, uint8_t *finite) {
+    (void)x, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)idx, (void)finite;
 }
 #endif

@@ -43,6 +43,20 @@ class AMXWeight:
         """`self(x, bias).float()` in one pass: the bf16-rounded products written as fp32."""
         return self._run(x, bias, torch.float32)
 
+    def argmax(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first argmax [S] int64, maximum finite [S] bool) of `self.float_output(x, bias)` for x [S, K],
+        as `greedy.argmax_rows` picks, without writing the products (the LM head of a greedy step)."""
+        assert x.dtype == torch.bfloat16 and x.dim() == 2
+        x = x.contiguous()
+        b = None if bias is None else bias.contiguous()
+        rows = x.shape[0]
+        idx = torch.empty(rows, dtype=torch.int64)
+        finite = torch.empty(rows, dtype=torch.bool)
+        if rows:
+            _argmax_function()(x.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(), rows,
+                               self.out_features, self.in_features, idx.data_ptr(), finite.data_ptr())
+        return idx, finite
+
     def _run(self, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         assert x.dtype == torch.bfloat16
         flat = x.dim() != 2
@@ -80,6 +94,16 @@ def kernel_address() -> int | None:
     """The C function's address (`amx_linear_bf16`), or None where it does not run."""
     fn = _function()
     return None if fn is None else address(fn)
+
+
+@functools.cache
+def _argmax_function() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    library = load_library("amx_linear")
+    assert library is not None and _function() is not None
+    fn = library.amx_argmax_bf16
+    fn.restype = None
+    fn.argtypes = [_VOID_P] * 3 + [_INT64] * 3 + [_VOID_P] * 2
+    return fn
 
 
 @functools.cache

@@ -66,6 +66,13 @@ def linear_float(
     return packed.float_output(x, bias)
 
 
+def greedy_pick(x: torch.Tensor, bias: torch.Tensor | None,
+                packed: PackedWeight | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first argmax, maximum finite) per row of `linear_float(x, ...)` without the products, where
+    the packed GEMM can fuse the pick (AMX); else None and the caller takes the logits."""
+    return packed.argmax(x, bias) if isinstance(packed, amx_linear.AMXWeight) else None
+
+
 def arena_for(weights: list[torch.Tensor]) -> Arena | None:
     """One huge-page arena for the packed copies of those `weights` the AMX kernel takes (None if none)."""
     numel = sum(w.numel() for w in weights if amx_linear.packable(w))

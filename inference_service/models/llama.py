@@ -178,19 +178,29 @@ class LlamaModel(nn.Module):
                 slices.buffers = buffers[(layer.index, slices.modules)]
         self._decode_stack = False
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
+        return self.logits(self.hidden(batch, kv_caches))
+
+    @torch.inference_mode()
+    def hidden(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
+        """The final norm's output [S, hidden] at `batch.logits_rows` (what the LM head reads)."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions, x.dtype)
         stack = self.decode_stack()
         normed = stack.run(x, rope, batch, kv_caches) if stack is not None else None
         if normed is not None:
-            x = normed.index_select(0, batch.logits_rows)  # the norm is per row: select after it
-        else:
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, rope, batch, kv, self.lora_op, self.attention)
-            x = self.norm(x.index_select(0, batch.logits_rows))
-        return dense.linear_float(x, self.lm_head, None, self.packed_lm_head)
+            return normed.index_select(0, batch.logits_rows)  # the norm is per row: select after it
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, batch, kv, self.lora_op, self.attention)
+        return self.norm(x.index_select(0, batch.logits_rows))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return dense.linear_float(hidden, self.lm_head, None, self.packed_lm_head)
+
+    @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return dense.greedy_pick(hidden, None, self.packed_lm_head)
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or extra weights are errors."""

@@ -30,7 +30,20 @@ class CausalLM(Protocol):
     attention: AttentionBackend
 
     def __call__(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
-        """Next-token logits [S, vocab] (fp32) of `batch.logits_rows`."""
+        """Next-token logits [S, vocab] (fp32) of `batch.logits_rows`: `logits(hidden(...))`."""
+        ...
+
+    def hidden(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
+        """The LM head's input [S, hidden] at `batch.logits_rows` (the forward pass through the layers)."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: fp32 logits [S, vocab] (the products rounded to the model's dtype)."""
+        ...
+
+    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the LM head can fuse it: per row of `logits(hidden)` its first argmax and whether its
+        maximum is finite (no NaN in the row), without the logits; else None."""
         ...
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None: ...
