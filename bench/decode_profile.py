@@ -22,7 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# isort: off
+import inference_service  # noqa: F401 - first: the server's OpenMP settings, before torch loads libgomp
 import torch
+# isort: on
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -32,7 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# isort: off
+import inference_service  # first: the server's OpenMP settings, before torch loads libgomp
 import torch
+# isort: on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 
@@ -116,7 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     counts = [int(c) for c in args.counts.split(",")]
-    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; OpenMP wait: "
+          f"{inference_service.openmp_wait_policy()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         checkpoint = make_checkpoint(root / "model", "llama", **MODEL)

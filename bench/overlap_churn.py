@@ -28,7 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# isort: off
+import inference_service  # noqa: F401 - first: the server's OpenMP settings, before torch loads libgomp
 import torch
+# isort: on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 

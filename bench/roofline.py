@@ -31,7 +31,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# isort: off
+import inference_service  # first: the server's OpenMP settings, before torch loads libgomp
 import torch
+# isort: on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package
 
@@ -161,7 +164,7 @@ def real_model_start(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     if not model:
         sys.exit(f"the real model is missing: {FETCH_HINT}")
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads "
-          f"{torch.get_num_threads()}", flush=True)
+          f"{torch.get_num_threads()}; OpenMP wait: {inference_service.openmp_wait_policy()}", flush=True)
     return model, getattr(torch, args.dtype)
 
 

@@ -1,12 +1,26 @@
 """loraplex's inference server (the engine, its front ends and the models)."""
 import os
+import sys
 
-# OpenMP threads that wait at a barrier sleep at once instead of spinning (unless the operator chose
-# otherwise; it must be set before torch loads libgomp). The engine's two or more torch threads meet
-# at a barrier in every op of every step, and this process's own threads (front ends, adapter loads,
-# grammar compiles) and any neighbour share the cores: with spinning waiters, a thread preempted at a
-# barrier made the others burn their slices, and a decode step on the 2-core machine slowed ~10x at
-# load 3 (64 requests: 400-1200 tok/s spinning, 2700-4000 sleeping; the prefix-cache hit step's worst
-# 854 ms vs 93 ms). Dedicated cores may prefer OMP_WAIT_POLICY=ACTIVE (docs/architecture.md).
+# How long an OpenMP thread spins at a barrier before it sleeps: set before torch loads libgomp
+# (unless the operator chose: OMP_WAIT_POLICY or GOMP_SPINCOUNT), ~50 us of spinning, then sleep.
+# A decode step is ~400 parallel regions (the decode stack calls a kernel per op and layer):
+# - sleeping at once (PASSIVE) woke the other thread through the hypervisor at every region: a
+#   SmolLM2 batch-32 step took 52 ms instead of 19 on an idle 2-core VM;
+# - spinning long (libgomp's default, or ACTIVE) burns whole time slices when a neighbour holds a
+#   core: 61 ms beside one busy process, 105-139 ms beside two (PASSIVE 39 and 87-97);
+# - 1000 spins: 21 ms idle, 47 beside one, 49-51 beside two (docs/architecture.md, "OpenMP threads
+#   spin briefly at barriers").
+SPIN_COUNT = "1000"
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+# libgomp reads its settings once, when torch loads it: imported after torch, the above came too late.
+OPENMP_SETTINGS_APPLY = "torch" not in sys.modules
+
+
+def openmp_wait_policy() -> str:
+    """The OpenMP wait policy this process runs with, in words (benches print it)."""
+    chosen = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    if not OPENMP_SETTINGS_APPLY:
+        return "libgomp's default (torch was imported before inference_service)"
+    return ", ".join(chosen) or "libgomp's default"
