@@ -60,6 +60,7 @@ def label_engine() -> None:
         (fused, "add_rms_norm_", "C: add + RMS norm"), (fused, "rope_and_cache", "C: RoPE + KV write"),
         (amx_linear.AMXWeight, "__call__", "C: AMX linear"), (fused, "silu_mul", "C: SiLU x mul"),
         (amx_linear.AMXWeight, "float_output", "C: AMX linear, LM head"),
+        (amx_linear.AMXWeight, "argmax", "C: AMX LM head, greedy pick"),
         (paged_attention, "decode_attention", "C: paged decode attention"),
         (DecodeStack, "run", "C: decode stack, all layers"),
         (CpuLoRAOp, "apply", "C: LoRA shrink + expand"), (Scheduler, "schedule", "py: schedule"),

@@ -514,11 +514,11 @@ class InProcess:
     """The EngineCore stepping requests itself, no transport at all: the real regime's baseline."""
 
     def __init__(self, model: str, adapters: dict[str, str], streams: int, max_loras: int,
-                 tokenizer: str = "byte") -> None:
+                 tokenizer: str = "byte", dtype: str = "float32") -> None:
         from inference_service.engine.config import EngineConfig
         from inference_service.engine.in_process import EngineCore
 
-        self.core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", tokenizer=tokenizer,
+        self.core = EngineCore(EngineConfig(model=model, device="cpu", dtype=dtype, tokenizer=tokenizer,
                                             max_loras=max_loras, max_num_seqs=streams))
         self.names, self.streams, self.rounds = list(adapters), streams, 0
         for name, uri in adapters.items():
@@ -616,10 +616,10 @@ def run_real(args: argparse.Namespace, tmp: Path) -> float:
     for threads, engine_core, (label, used) in itertools.product(
             args.model_threads, args.engine_core, (("base", {}), ("8 adapters / 4 slots", adapters))):
         torch.set_num_threads(threads or default_threads)  # this thread steps the in-process engine
-        inproc = InProcess(str(checkpoint), used, streams, 4, tokenizer)
+        inproc = InProcess(str(checkpoint), used, streams, 4, tokenizer, args.dtype)
         server = start_server([sys.executable, "-m", "inference_service.cli"],
                               ["--engine-core", engine_core,
-                               "--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
+                               "--model", str(checkpoint), "--device", "cpu", "--dtype", args.dtype,
                                "--tokenizer", tokenizer, "--max-loras", "4",
                                "--max-num-seqs", str(streams),
                                "--adapter-source-allow", tmp.as_uri()], tmp, threads or None)
@@ -719,6 +719,8 @@ def main() -> int:
     p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                    help="the real regime's reference: the in-process engine with a bare grpc.aio server writing "
                    "each of its steps' tokens to the load generator")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the real regime's dtype (bfloat16: AMX and the decode stack where the CPU has AMX)")
     p.add_argument("--real-turns", type=int, default=5,
                    help=f"turns the in-process and gRPC sides take, {ROUNDS_PER_TURN} rounds each")
     p.add_argument("--stream-interval", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
