@@ -52,9 +52,9 @@ class AMXWeight:
         rows = x.shape[0]
         idx = torch.empty(rows, dtype=torch.int64)
         finite = torch.empty(rows, dtype=torch.bool)
-        if rows:
-            _argmax_function()(x.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(), rows,
-                               self.out_features, self.in_features, idx.data_ptr(), finite.data_ptr())
+        if rows and _argmax_function()(x.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(),
+                                       rows, self.out_features, self.in_features, idx.data_ptr(), finite.data_ptr()):
+            raise MemoryError("AMX greedy pick: its per-thread state could not be allocated")
         return idx, finite
 
     def _run(self, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -101,7 +101,7 @@ def _argmax_function() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     library = load_library("amx_linear")
     assert library is not None and _function() is not None
     fn = library.amx_argmax_bf16
-    fn.restype = None
+    fn.restype = ctypes.c_int
     fn.argtypes = [_VOID_P] * 3 + [_INT64] * 3 + [_VOID_P] * 2
     return fn
 
