@@ -10,7 +10,8 @@ The roofline of a decode step at batch b is the larger of
   - the time to read the weights once (every matrix of the step, the embedding row gather aside) and
     the KV cache of b sequences at their mean context, at the measured read bandwidth, and
   - the time of the step's matrix FLOPs (2 x matrix parameters x b, attention's 4 x b x context x
-    heads x head_dim per layer) at the measured GEMM FLOP/s of the serving dtype.
+    heads x head_dim per layer) at the measured GEMM FLOP/s of the serving dtype (or fp32's, where
+    that is faster: a CPU without bf16 arithmetic can widen bf16 weights and compute in fp32).
 A step's time is the median over its decode steps (prefill excluded), in-process (EngineCore.step).
 
 Model: SmolLM2-135M-Instruct (the Q4_1 GGUF scripts/fetch_model.sh fetches, dequantized at load), or
@@ -84,13 +85,18 @@ def measure_machine(weight_bytes: int) -> Machine:
     print(f"sequential read: {reads[False]:.1f} GB/s on 4 KiB pages, {reads[True]:.1f} GB/s on 2 MiB pages",
           flush=True)
     read = max(reads.values())
-    flops = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        n = 2048
+    return Machine(read, {dtype: gemm_flops(dtype) for dtype in (torch.bfloat16, torch.float32)})
+
+
+def gemm_flops(dtype: torch.dtype) -> float:
+    """A square GEMM's FLOP/s at 2048, or at 512 where a 2048 one would take minutes (bf16 on a CPU
+    without bf16 arithmetic: torch's scalar fallback)."""
+    for n in (512, 2048):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        flops[dtype] = 2 * n**3 / best_of(lambda a=a, b=b: a @ b, 5)
-    return Machine(read, flops)
+        first = best_of(lambda a=a, b=b: a @ b, 1)
+        if n == 512 and first * 64 > 10:
+            break
+    return 2 * n**3 / best_of(lambda a=a, b=b: a @ b, 5 if n == 2048 else 2)
 
 
 def matrix_parameters(config: ModelConfig) -> int:
@@ -106,8 +112,15 @@ def roofline_s(config: ModelConfig, machine: Machine, dtype: torch.dtype, batch:
     kv_bytes = batch * context * config.num_layers * 2 * config.kv_size * width
     memory = (params * width + kv_bytes) / (machine.read_gbps * 1e9)
     attention_flops = 4 * batch * context * config.num_heads * config.head_dim * config.num_layers
-    compute = (2 * params * batch + attention_flops) / machine.gemm_flops[dtype]
+    compute = (2 * params * batch + attention_flops) / compute_flops(machine, dtype)
     return max(memory, compute)
+
+
+def compute_flops(machine: Machine, dtype: torch.dtype) -> float:
+    """The FLOP/s a step in `dtype` can reach: its own GEMM's, or fp32's where that is faster. Where the
+    CPU has no bf16 arithmetic (AVX2 only) torch's bf16 GEMM runs a scalar path (~0.1 GFLOP/s against
+    fp32's ~70 here), and bf16 weights widened to fp32 compute at fp32's rate: the roofline is that."""
+    return max(machine.gemm_flops[dtype], machine.gemm_flops[torch.float32])
 
 
 def submit(core: EngineCore, batch: int, names: list[str | None], tag: str, new_tokens: int) -> None:

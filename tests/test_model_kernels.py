@@ -14,7 +14,7 @@ from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import amx_linear, build, fused, greedy
+from inference_service.kernels import amx_linear, avx2_linear, build, fused, greedy
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
@@ -24,6 +24,8 @@ from inference_service.models.loader import BUILTIN_TINY, load_model
 
 CPU = torch.device("cpu")
 needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
+needs_avx2_kernel = pytest.mark.skipif(not avx2_linear.available(),
+                                       reason="needs a CPU with AVX2 and FMA but no AVX-512 (and a compiler)")
 # Whether this CPU lets oneDNN pack bf16 weights (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an AVX2-only
 # CPU such as AMD Zen 1, where `pack` keeps bf16 on F.linear).
 ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -189,6 +191,7 @@ def test_engine_output_is_the_same_without_prepacked_weights(monkeypatch, tmp_pa
     adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
     packed, _ = generate(adapters)
     monkeypatch.setattr(dense, "_packing_works", lambda dtype: False)
+    monkeypatch.setattr(avx2_linear, "available", lambda: False)
     model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
     assert model.packed_lm_head is None and all(p.packed is None for p in model.layers[0].projections())
     assert generate(adapters)[0] == packed
@@ -333,6 +336,7 @@ def test_pack_keeps_onednn_where_amx_cannot_run(monkeypatch):
     """fp32, a width that is not a multiple of 32 (builtin:tiny's LM head) and a CPU without AMX
     (forced) take oneDNN's packed weight; bf16 only where oneDNN can pack it, else the plain path."""
     bf16 = torch.randn(64, 64).to(torch.bfloat16)
+    monkeypatch.setattr(avx2_linear, "available", lambda: False)  # an AVX-512 CPU, or no AVX2
     assert isinstance(dense.pack(torch.randn(64, 64)), dense.OneDNNWeight)
     bf16_form = dense.OneDNNWeight if ONEDNN_BF16 else type(None)
     assert isinstance(dense.pack(torch.randn(258, 64).to(torch.bfloat16)), bf16_form)
@@ -399,3 +403,44 @@ def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):
     assert isinstance(core.runner.model.lora_op, lora_kernel.CpuLoRAOp)
     assert isinstance(core.runner.model.attention, CpuPagedAttention)
     core.shutdown()
+
+
+@needs_avx2_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 32, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 1), (48, 64), (96, 577)])
+def test_avx2_linear_is_the_fp32_product(rows, bias, out_features, in_features):
+    """The AVX2 kernel against the fp64 product: every row-block remainder (6 rows a block), one to
+    several panels, an odd depth, with and without bias, and 3-D inputs."""
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = dense.pack(weight)
+    assert isinstance(packed, avx2_linear.AVX2Weight)
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(packed(x, b), expected.float(), atol=1e-5 * in_features**0.5, rtol=1e-5)
+    assert torch.equal(packed(x.reshape(1, rows, in_features), b), packed(x, b).reshape(1, rows, out_features))
+    assert torch.equal(packed.float_output(x, b), packed(x, b))
+
+
+@needs_avx2_kernel
+def test_avx2_linear_takes_fp32_widths_of_16_only(monkeypatch):
+    """bf16, a width that is not a multiple of 16 (builtin:tiny's LM head: 258) keep the other paths;
+    the model's fp32 projections take the kernel."""
+    assert avx2_linear.pack(torch.randn(64, 64).to(torch.bfloat16)) is None
+    assert avx2_linear.pack(torch.randn(258, 64)) is None
+    assert isinstance(dense.pack(torch.randn(258, 64)), dense.OneDNNWeight)
+    model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
+    assert all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
+
+
+@needs_avx2_kernel
+def test_engine_output_is_the_same_on_onednn_as_on_the_avx2_kernel(monkeypatch, tmp_path):
+    """fp32 end to end with an adapter: the AVX2 projections and oneDNN's (forced) give the same tokens."""
+    adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
+    on_avx2, _ = generate(adapters)
+    monkeypatch.setattr(avx2_linear, "available", lambda: False)
+    model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
+    assert all(isinstance(p.packed, dense.OneDNNWeight) for p in model.layers[0].projections())
+    assert generate(adapters)[0] == on_avx2

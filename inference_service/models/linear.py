@@ -1,16 +1,18 @@
 """Dense projections, with weights prepacked once for the CPU GEMM.
 
-Two packed forms, chosen per weight when the model is loaded (`pack`):
+Three packed forms, chosen per weight when the model is loaded (`pack`):
 - AMX (`kernels/amx_linear`): bf16 on CPUs with AMX. A decode step's projections only stream their
   weights, and this kernel reads them at ~1.5x oneDNN's rate there (docs/architecture.md, "Decode
   against the machine's roofline"); from 64 rows up to the 512 of a default prefill chunk it is
   level with oneDNN, and ~0.85 of its rate at 2048 rows in one step.
+- AVX2 (`kernels/avx2_linear`): fp32 on CPUs with AVX2 but no AVX-512 (AMD Zen 1-3), where
+  oneDNN's kernels read a decode step's weights at a third of a plain read's rate.
 - oneDNN (`torch.ops.mkldnn._linear_pointwise`): everywhere else on CPU. MKL's GEMM behind
   `F.linear` repacks the weight on every call; at decode batch sizes that repacking is 15-30% of
   a projection (more in bf16). A oneDNN-packed weight (what torch's own inductor uses when it
   freezes a CPU model) skips it. The packing op is private to torch, so it is probed once per
   process and the plain path is kept wherever it is missing or disagrees with `F.linear`.
-Either replaces the dense weight, which the caller then drops (held once).
+Each replaces the dense weight, which the caller then drops (held once).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from inference_service.kernels import amx_linear
+from inference_service.kernels import amx_linear, avx2_linear
 from inference_service.kernels.hugepages import Arena
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,9 @@ def pack(weight: torch.Tensor, arena: Arena | None = None) -> PackedWeight | Non
     amx = amx_linear.pack(weight, arena)
     if amx is not None:
         return amx
+    avx2 = avx2_linear.pack(weight)
+    if avx2 is not None:
+        return avx2
     return OneDNNWeight(weight) if _packing_works(weight.dtype) else None
 
 
