@@ -425,7 +425,7 @@ def test_avx2_linear_is_the_fp32_product(rows, bias, out_features, in_features):
 
 
 @needs_avx2_kernel
-def test_avx2_linear_takes_fp32_widths_of_16_only(monkeypatch):
+def test_avx2_linear_takes_fp32_widths_of_16_only():
     """bf16, a width that is not a multiple of 16 (builtin:tiny's LM head: 258) keep the other paths;
     the model's fp32 projections take the kernel."""
     assert avx2_linear.pack(torch.randn(64, 64).to(torch.bfloat16)) is None

@@ -15,6 +15,7 @@ import torch
 
 from inference_service.kernels.build import address, load_library
 from inference_service.kernels.hugepages import Arena
+from inference_service.kernels.projection_rows import project_rows
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +60,12 @@ class AMXWeight:
 
     def _run(self, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         assert x.dtype == torch.bfloat16
-        flat = x.dim() != 2
-        x2 = (x.reshape(-1, self.in_features) if flat else x).contiguous()
-        b = None if bias is None else bias.contiguous()  # held: the kernel reads it by address
-        rows = x2.shape[0]
-        out = torch.empty(rows, self.out_features, dtype=dtype)
-        if rows:
-            self._fn(x2.data_ptr(), self.blocks.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                     rows, self.out_features, self.in_features, dtype == torch.float32)
-        return out.reshape(*x.shape[:-1], self.out_features) if flat else out
+
+        def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
+            self._fn(x2, self.blocks.data_ptr(), b, out, rows, self.out_features, self.in_features,
+                     dtype == torch.float32)
+
+        return project_rows(x, bias, self.in_features, self.out_features, dtype, kernel)
 
 
 def packable(weight: torch.Tensor) -> bool:

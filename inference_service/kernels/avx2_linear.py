@@ -17,6 +17,7 @@ import logging
 import torch
 
 from inference_service.kernels.build import load_library
+from inference_service.kernels.projection_rows import project_rows
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +37,11 @@ class AVX2Weight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert x.dtype == torch.float32
-        flat = x.dim() != 2
-        x2 = (x.reshape(-1, self.in_features) if flat else x).contiguous()
-        b = None if bias is None else bias.contiguous()  # held: the kernel reads it by address
-        rows = x2.shape[0]
-        out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows:
-            self._fn(x2.data_ptr(), self.panels.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                     rows, self.out_features, self.in_features)
-        return out.reshape(*x.shape[:-1], self.out_features) if flat else out
+
+        def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
+            self._fn(x2, self.panels.data_ptr(), b, out, rows, self.out_features, self.in_features)
+
+        return project_rows(x, bias, self.in_features, self.out_features, torch.float32, kernel)
 
     def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self(x, bias)  # already fp32
