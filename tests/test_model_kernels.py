@@ -40,8 +40,9 @@ def test_prepacked_linear_matches_f_linear(dtype, rows):
     x = torch.randn(rows, 64, generator=gen).to(dtype)
     packed = dense.pack(weight)
     if dtype == torch.bfloat16 and not ONEDNN_BF16:
-        # oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: the plain path serves it
-        assert packed is None
+        # oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU the
+        # AVX2 kernel takes it (where built), else the plain path
+        assert isinstance(packed, avx2_linear.AVX2Weight if avx2_linear.available() else type(None))
     else:
         assert packed is not None, "oneDNN packing should be available in torch's CPU build"
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
@@ -405,13 +406,17 @@ def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):
     core.shutdown()
 
 
+AVX2_SHAPES = [(16, 1), (48, 64), (96, 577)]  # one to several panels (an odd count), an odd depth
+AVX2_ROWS = [1, 2, 3, 5, 6, 7, 8, 12, 13, 32, 300]  # every remainder of the 6-row tile, 1-2 rows over panel pairs
+
+
 @needs_avx2_kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 32, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(16, 1), (48, 64), (96, 577)])
+@pytest.mark.parametrize("rows", AVX2_ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), AVX2_SHAPES)
 def test_avx2_linear_is_the_fp32_product(rows, bias, out_features, in_features):
-    """The AVX2 kernel against the fp64 product: every row-block remainder (6 rows a block), one to
-    several panels, an odd depth, with and without bias, and 3-D inputs."""
+    """The AVX2 kernel against the fp64 product, with and without bias, and 3-D inputs; each row's
+    output is the same whatever else is in the batch (one sum order for every row count)."""
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -419,20 +424,48 @@ def test_avx2_linear_is_the_fp32_product(rows, bias, out_features, in_features):
     packed = dense.pack(weight)
     assert isinstance(packed, avx2_linear.AVX2Weight)
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    torch.testing.assert_close(packed(x, b), expected.float(), atol=1e-5 * in_features**0.5, rtol=1e-5)
-    assert torch.equal(packed(x.reshape(1, rows, in_features), b), packed(x, b).reshape(1, rows, out_features))
-    assert torch.equal(packed.float_output(x, b), packed(x, b))
+    got = packed(x, b)
+    torch.testing.assert_close(got, expected.float(), atol=1e-5 * in_features**0.5, rtol=1e-5)
+    assert torch.equal(packed(x.reshape(1, rows, in_features), b), got.reshape(1, rows, out_features))
+    assert torch.equal(packed.float_output(x, b), got)
+    for row in {0, rows // 2, rows - 1}:
+        assert torch.equal(packed(x[row:row + 1], b), got[row:row + 1]), f"row {row} alone differs"
 
 
 @needs_avx2_kernel
-def test_avx2_linear_takes_fp32_widths_of_16_only():
-    """bf16, a width that is not a multiple of 16 (builtin:tiny's LM head: 258) keep the other paths;
-    the model's fp32 projections take the kernel."""
-    assert avx2_linear.pack(torch.randn(64, 64).to(torch.bfloat16)) is None
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", AVX2_ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), AVX2_SHAPES)
+def test_avx2_bf16_linear_is_the_fp32_kernel_on_the_widened_values_rounded_once(rows, bias, out_features,
+                                                                             in_features):
+    """bf16 weights (interleaved panels, widened as read): exactly the fp32 kernel's sums on the same
+    values widened, rounded once to bf16 (nearest even); `float_output` is that bf16 value widened."""
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features + 1)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    packed, packed_f32 = dense.pack(weight), dense.pack(weight.float())
+    assert isinstance(packed, avx2_linear.AVX2Weight) and isinstance(packed_f32, avx2_linear.AVX2Weight)
+    got = packed(x, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert torch.equal(got, packed_f32(x.float(), None if b is None else b.float()).to(torch.bfloat16))
+    wide = packed.float_output(x, b)
+    assert wide.dtype == torch.float32 and torch.equal(wide, got.float())
+    assert torch.equal(packed(x.reshape(rows, 1, in_features), b), got.reshape(rows, 1, out_features))
+    for row in {0, rows - 1}:
+        assert torch.equal(packed(x[row:row + 1], b), got[row:row + 1]), f"row {row} alone differs"
+
+
+@needs_avx2_kernel
+def test_avx2_linear_takes_fp32_and_bf16_widths_of_16_only():
+    """fp16 and a width that is not a multiple of 16 (builtin:tiny's LM head: 258) keep the other paths;
+    the model's fp32 and bf16 projections take the kernel."""
+    assert avx2_linear.pack(torch.randn(64, 64).to(torch.float16)) is None
     assert avx2_linear.pack(torch.randn(258, 64)) is None
     assert isinstance(dense.pack(torch.randn(258, 64)), dense.OneDNNWeight)
-    model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
-    assert all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
+    for dtype in (torch.float32, torch.bfloat16):
+        model, _ = load_model(BUILTIN_TINY, CPU, dtype)
+        assert all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
 
 
 @needs_avx2_kernel
@@ -444,3 +477,15 @@ def test_engine_output_is_the_same_on_onednn_as_on_the_avx2_kernel(monkeypatch, 
     model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
     assert all(isinstance(p.packed, dense.OneDNNWeight) for p in model.layers[0].projections())
     assert generate(adapters)[0] == on_avx2
+
+
+@needs_avx2_kernel
+def test_bf16_engine_output_is_the_same_on_the_avx2_kernel_as_on_f_linear(monkeypatch, tmp_path):
+    """bf16 end to end with an adapter: the AVX2 kernel's projections and the plain path's (forced;
+    oneDNN cannot pack bf16 on such a CPU) give the same tokens."""
+    adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
+    on_avx2, _ = generate(adapters, "bfloat16")
+    monkeypatch.setattr(avx2_linear, "available", lambda: False)
+    model, _ = load_model(BUILTIN_TINY, CPU, torch.bfloat16)
+    assert not any(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
+    assert generate(adapters, "bfloat16")[0] == on_avx2

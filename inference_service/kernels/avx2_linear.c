@@ -1,5 +1,7 @@
-// fp32 projections on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel): out [M, N] =
-// x [M, K] W^T (+ bias), for the row counts of a decode step.
+// fp32 and bf16 projections on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel):
+// out [M, N] = x [M, K] W^T (+ bias), for the row counts of a decode step. bf16 weights are widened
+// to fp32 as they are read (such CPUs have no bf16 arithmetic; torch's bf16 GEMM runs 1-7 GFLOP/s
+// there), so bf16 halves the bytes a memory-bound step reads and computes at fp32's rate.
 //
 // Why not oneDNN: on such a CPU its packed fp32 GEMM reads a decode step's weights at 5-7 GB/s at one
 // to eight rows (a plain read reaches ~22 GB/s), so a batch-1 step took 4x its memory roofline; MKL's
@@ -7,10 +9,13 @@
 // panel every row block of x passes while the panel is in L1/L2.
 //
 // Weight layout (`pack` in avx2_linear.py): [N/16][K][16], a panel of 16 columns holding, per k, the
-// 16 weights of that input: two ymm loads a k. Registers: up to 6 rows x 16 columns of accumulators
-// (12 ymm), the two weight vectors and one broadcast of x.
-// Each output is one fp32 sum over k in increasing order, whatever the thread count.
+// 16 weights of that input: two ymm loads a k in fp32, one in bf16. Registers: up to 6 rows x 16
+// columns of accumulators (12 ymm), the two weight vectors and one broadcast of x.
+// Each output is one fp32 sum over k in increasing order, whatever the thread count and batch.
 #include <stdint.h>
+#include <stdlib.h>
+
+#include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -20,50 +25,176 @@
 
 int avx2_linear_init(void) { return 1; }
 
-// Rows m0 .. m0 + MR of x against one panel: MR is a constant at each call, so the accumulators
-// stay in registers.
-static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *panel, const float *bias,
-                                                             float *out, int64_t m0, int64_t n0, int64_t n, int64_t k,
-                                                             const int mr) {
-    __m256 acc[MAX_ROWS][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const float *xr = x + m0 * k;
-    for (int64_t kk = 0; kk < k; kk++) {
-        const __m256 w0 = _mm256_loadu_ps(panel + kk * PANEL), w1 = _mm256_loadu_ps(panel + kk * PANEL + 8);
-        for (int r = 0; r < mr; r++) {
-            const __m256 xv = _mm256_broadcast_ss(xr + r * k + kk);
-            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-        }
-    }
-    const __m256 b0 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
-    const __m256 b1 = bias ? _mm256_loadu_ps(bias + n0 + 8) : _mm256_setzero_ps();
-    for (int r = 0; r < mr; r++) {
-        float *o = out + (m0 + r) * n + n0;
-        _mm256_storeu_ps(o, _mm256_add_ps(acc[r][0], b0));
-        _mm256_storeu_ps(o + 8, _mm256_add_ps(acc[r][1], b1));
+// The output's element types: fp32, bf16 (rounded to nearest even), or fp32 holding the bf16-rounded
+// value (the LM head's logits of a bf16 model: `F.linear(...).float()`).
+enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_BF16_AS_F32 = 2 };
+
+// A panel's 16 weights of one k as two fp32 vectors: columns 0-7 and 8-15. bf16 panels hold them
+// interleaved (c0 c8 c1 c9 ... c7 c15, `pack`), so one 32-byte load splits with a shift (even
+// elements: c0-7) and a mask (odd: c8-15); a bf16 is the top half of its fp32.
+static inline __attribute__((always_inline)) void weights_at(const void *panel, int64_t kk, const int wide, __m256 *w0,
+                                                             __m256 *w1) {
+    if (wide) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + kk * PANEL));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else {
+        *w0 = _mm256_loadu_ps((const float *)panel + kk * PANEL);
+        *w1 = _mm256_loadu_ps((const float *)panel + kk * PANEL + 8);
     }
 }
+
+static inline __m256i bf16_round_bits(__m256 v) {  // fp32 bits rounded to nearest even at bit 16
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+}
+
+// 16 sums (+ bias) of one row and panel into out at element `at`, in the output's type.
+static inline __attribute__((always_inline)) void store16(__m256 v0, __m256 v1, void *out, int64_t at,
+                                                          const int out_kind) {
+    if (out_kind == OUT_F32) {
+        _mm256_storeu_ps((float *)out + at, v0);
+        _mm256_storeu_ps((float *)out + at + 8, v1);
+        return;
+    }
+    const __m256i hi0 = _mm256_srli_epi32(bf16_round_bits(v0), 16), hi1 = _mm256_srli_epi32(bf16_round_bits(v1), 16);
+    if (out_kind == OUT_BF16) {  // packus interleaves 128-bit lanes; the permute puts them back in order
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi0, hi1), 0xD8);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), packed);
+    } else {
+        _mm256_storeu_ps((float *)out + at, _mm256_castsi256_ps(_mm256_slli_epi32(hi0, 16)));
+        _mm256_storeu_ps((float *)out + at + 8, _mm256_castsi256_ps(_mm256_slli_epi32(hi1, 16)));
+    }
+}
+
+// The bias of panel p's 16 columns as two fp32 vectors (zero without a bias).
+static inline __attribute__((always_inline)) void bias_at(const void *bias, int64_t p, const int wide, __m256 b[2]) {
+    b[0] = b[1] = _mm256_setzero_ps();
+    if (!bias) return;
+    if (wide) {  // bias is plain bf16 (not interleaved)
+        const __m128i *src = (const __m128i *)((const uint16_t *)bias + p * PANEL);
+        b[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(src)), 16));
+        b[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1)), 16));
+    } else {
+        b[0] = _mm256_loadu_ps((const float *)bias + p * PANEL);
+        b[1] = _mm256_loadu_ps((const float *)bias + p * PANEL + 8);
+    }
+}
+
+// out rows m0 .. m0 + MR, panels p .. p + NP (1, or 2 for MR <= 2) = x's rows (fp32) against the
+// panels, fp32 (`wide` 0) or bf16 (`wide` 1), + bias. MR, NP and wide are constants at each call, so
+// the accumulators stay in registers (acc[r][2q + h]: row m0 + r, columns 8h .. 8h + 7 of panel
+// p + q). Two panels at one or two rows: each FMA chain waits on its previous FMA, and 2 chains a row
+// were too few to keep the loads busy (a 1-row bf16 projection read its weights at 60% of a plain
+// read's rate). Each sum runs over k in increasing order whatever MR and NP are, so a row's output
+// does not depend on its batch.
+static inline __attribute__((always_inline)) void tile(const float *x, const void *packed, const void *bias,
+                                                       void *out, int64_t m0, int64_t p, int64_t n, int64_t k,
+                                                       const int mr, const int np, const int wide,
+                                                       const int out_kind) {
+    const size_t panel_bytes = (size_t)k * PANEL * (wide ? 2 : 4);
+    const char *panels = (const char *)packed + p * panel_bytes;
+    __m256 acc[MAX_ROWS][4];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_setzero_ps();
+    const float *xr = x + m0 * k;
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m256 w[4];
+        for (int q = 0; q < np; q++) weights_at(panels + q * panel_bytes, kk, wide, &w[2 * q], &w[2 * q + 1]);
+        for (int r = 0; r < mr; r++) {
+            const __m256 xv = _mm256_broadcast_ss(xr + r * k + kk);
+            for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+        }
+    }
+    for (int q = 0; q < np; q++) {
+        __m256 b[2];
+        bias_at(bias, p + q, wide, b);
+        for (int r = 0; r < mr; r++)
+            store16(_mm256_add_ps(acc[r][2 * q], b[0]), _mm256_add_ps(acc[r][2 * q + 1], b[1]), out,
+                    (m0 + r) * n + (p + q) * PANEL, out_kind);
+    }
+}
+
+#define TILE(MR, NP) tile(x, packed, bias, out, m0, p, n, k, MR, NP, wide, out_kind)
+
+// Rows m0 .. m of x against panels p .. p + np (np 1 or 2): 6-row tiles panel by panel, then the
+// remainder (1-2 rows over both panels at once, 3-5 panel by panel).
+static inline __attribute__((always_inline)) void rows_against(const float *x, const void *packed, const void *bias,
+                                                               void *out, int64_t p0, const int np, int64_t m,
+                                                               int64_t n, int64_t k, const int wide,
+                                                               const int out_kind) {
+    int64_t full = m - m % MAX_ROWS;
+    for (int64_t p = p0; p < p0 + np; p++)
+        for (int64_t m0 = 0; m0 < full; m0 += MAX_ROWS) TILE(MAX_ROWS, 1);
+    int64_t m0 = full;
+    if (m - full <= 2 && np == 2) {
+        const int64_t p = p0;
+        if (m - full == 2) TILE(2, 2);
+        else if (m - full == 1) TILE(1, 2);
+        return;
+    }
+    for (int64_t p = p0; p < p0 + np; p++) switch (m - full) {
+            case 5: TILE(5, 1); break;
+            case 4: TILE(4, 1); break;
+            case 3: TILE(3, 1); break;
+            case 2: TILE(2, 1); break;
+            case 1: TILE(1, 1); break;
+            default: break;
+        }
+}
+
+// Every thread takes one contiguous run of panel pairs (an odd last panel alone). One function per
+// (wide, out_kind): OpenMP outlines the loop's body, and only literal constants inside it let the
+// compiler drop the dtype branches from the inner loops.
+#define DEFINE_LINEAR(NAME, WIDE, OUT_KIND)                                                                 \
+    static void NAME(const float *x, const void *packed, const void *bias, void *out, int64_t m, int64_t n, \
+                     int64_t k) {                                                                           \
+        const int64_t panels = n / PANEL, pairs = (panels + 1) / 2;                                         \
+        _Pragma("omp parallel for schedule(static)")                                                        \
+        for (int64_t i = 0; i < pairs; i++) {                                                               \
+            if (2 * i + 1 < panels) rows_against(x, packed, bias, out, 2 * i, 2, m, n, k, WIDE, OUT_KIND);  \
+            else rows_against(x, packed, bias, out, 2 * i, 1, m, n, k, WIDE, OUT_KIND);                     \
+        }                                                                                                   \
+    }
+
+DEFINE_LINEAR(linear_f32, 0, OUT_F32)
+DEFINE_LINEAR(linear_bf16, 1, OUT_BF16)
+DEFINE_LINEAR(linear_bf16_float_output, 1, OUT_BF16_AS_F32)
 
 // out [m, n] = x [m, k] @ W^T (+ bias [n] unless NULL); n a multiple of 16, x and out dense, packed
 // in the panel layout.
 void avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
                      int64_t k) {
-    const int64_t panels = n / PANEL;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const float *panel = packed + p * k * PANEL;
-        int64_t m0 = 0;
-        for (; m0 + MAX_ROWS <= m; m0 += MAX_ROWS) panel_rows(x, panel, bias, out, m0, p * PANEL, n, k, MAX_ROWS);
-        switch (m - m0) {
-            case 5: panel_rows(x, panel, bias, out, m0, p * PANEL, n, k, 5); break;
-            case 4: panel_rows(x, panel, bias, out, m0, p * PANEL, n, k, 4); break;
-            case 3: panel_rows(x, panel, bias, out, m0, p * PANEL, n, k, 3); break;
-            case 2: panel_rows(x, panel, bias, out, m0, p * PANEL, n, k, 2); break;
-            case 1: panel_rows(x, panel, bias, out, m0, p * PANEL, n, k, 1); break;
-            default: break;
-        }
+    linear_f32(x, packed, bias, out, m, n, k);
+}
+
+// A thread's fp32 buffer of at least `floats`, kept between calls (grown when needed); NULL when out
+// of memory.
+static float *scratch(int64_t floats) {
+    static __thread float *buffer;
+    static __thread int64_t size;
+    if (size < floats) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        size = buffer ? floats : 0;
     }
+    return buffer;
+}
+
+// bf16 weights (interleaved panels, 2 bytes an element), bf16 x and bias: half the bytes of fp32 to
+// read, the arithmetic in fp32 (this CPU has no bf16 instructions). x is widened once into the
+// calling thread's buffer. out: bf16, or with `float_output` fp32 holding the bf16-rounded values.
+// Returns 0, or -1 when the buffer could not be allocated (out untouched).
+int avx2_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m, int64_t n,
+                     int64_t k, int float_output) {
+    float *xf = scratch(m * k);
+    if (!xf) return -1;
+#pragma omp parallel for if (m * k >= 65536) schedule(static)
+    for (int64_t i = 0; i < m * k; i++) xf[i] = load_bf16(x, i);
+    if (float_output) linear_bf16_float_output(xf, packed, bias, out, m, n, k);
+    else linear_bf16(xf, packed, bias, out, m, n, k);
+    return 0;
 }
 
 #else
@@ -72,5 +203,11 @@ int avx2_linear_init(void) { return 0; }  // AVX-512 CPUs keep oneDNN (whose ker
 void avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
                      int64_t k) {
     (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k;
+}
+
+int avx2_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m, int64_t n,
+                     int64_t k, int float_output) {
+    (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)float_output;
+    return -1;
 }
 #endif

@@ -1,11 +1,13 @@
-"""fp32 projections on CPUs with AVX2 and FMA but no AVX-512 (`avx2_linear.c`).
+"""fp32 and bf16 projections on CPUs with AVX2 and FMA but no AVX-512 (`avx2_linear.c`).
 
 On such CPUs (AMD Zen 1-3, older Intel) oneDNN's packed fp32 GEMM reads a decode step's weights at a
 third of a plain read's rate; this kernel reads them at 1.2-2.8x its rate at 1-8 rows and matches or
-beats it up to a 256-row prefill chunk (docs/architecture.md, "Decode on an AVX2-only CPU").
+beats it up to a 256-row prefill chunk (docs/architecture.md, "Decode on an AVX2-only CPU"). Such
+CPUs have no bf16 arithmetic (torch's bf16 GEMM runs at 1-7 GFLOP/s there, and oneDNN will not pack
+bf16): bf16 weights keep the same panels in bf16, widened to fp32 as the kernel reads them.
 `pack` turns a weight [N, K] into 16-column panels, or gives None where the kernel cannot take it
-(not fp32, N not a multiple of 16, an AVX-512 CPU, the kernel not built, `LORAPLEX_CPU_KERNELS=0`);
-the caller then keeps oneDNN.
+(not fp32 or bf16, N not a multiple of 16, an AVX-512 CPU, the kernel not built,
+`LORAPLEX_CPU_KERNELS=0`); the caller then keeps oneDNN or `F.linear`.
 """
 
 from __future__ import annotations
@@ -22,53 +24,70 @@ from inference_service.kernels.projection_rows import project_rows
 log = logging.getLogger(__name__)
 
 PANEL = 16  # the kernel's column panel
+DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class AVX2Weight:
-    """A weight [N, K] as [N/16][K][16] panels: out = x @ W^T (+ bias) for any number of rows, in fp32."""
+    """A weight [N, K] (fp32 or bf16) as [N/16][K][16] panels: out = x @ W^T (+ bias) for any number of
+    rows, in the weight's dtype (x and bias in it too)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
         self.out_features, self.in_features = n, k
-        self._fn = _function()
-        assert self._fn is not None, "an AVX2Weight exists only where the kernel runs"
-        self.panels = weight.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+        self.dtype = weight.dtype
+        functions = _functions()
+        assert functions is not None, "an AVX2Weight exists only where the kernel runs"
+        self._f32, self._bf16 = functions
+        panels = weight.reshape(n // PANEL, PANEL, k).permute(0, 2, 1)
+        if self.dtype == torch.bfloat16:  # per k: c0 c8 c1 c9 ... c7 c15 (the kernel splits even/odd)
+            panels = panels.reshape(n // PANEL, k, 2, PANEL // 2).transpose(-1, -2)
+        self.panels = panels.contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        assert x.dtype == torch.float32
-
-        def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
-            self._fn(x2, self.panels.data_ptr(), b, out, rows, self.out_features, self.in_features)
-
-        return project_rows(x, bias, self.in_features, self.out_features, torch.float32, kernel)
+        return self._run(x, bias, self.dtype)
 
     def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self(x, bias)  # already fp32
+        """`self(x, bias).float()` in one pass (bf16: the bf16-rounded products written as fp32)."""
+        return self._run(x, bias, torch.float32)
+
+    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        assert x.dtype == self.dtype
+
+        def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
+            n, k = self.out_features, self.in_features
+            if self.dtype == torch.float32:
+                self._f32(x2, self.panels.data_ptr(), b, out, rows, n, k)
+            elif self._bf16(x2, self.panels.data_ptr(), b, out, rows, n, k, out_dtype == torch.float32):
+                raise MemoryError("AVX2 bf16 projection: its per-thread buffers could not be allocated")
+
+        return project_rows(x, bias, self.in_features, self.out_features, out_dtype, kernel)
 
 
 def pack(weight: torch.Tensor) -> AVX2Weight | None:
     """The panel layout of weight [N, K], or None where the kernel cannot take it."""
     n, _ = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or n % PANEL or not available():
+    if weight.device.type != "cpu" or weight.dtype not in DTYPES or n % PANEL or not available():
         return None
     return AVX2Weight(weight)
 
 
 def available() -> bool:
-    return _function() is not None
+    return _functions() is not None
 
 
 @functools.cache
-def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    """(avx2_linear_f32, avx2_linear_bf16), or None where the kernel does not run."""
     library = load_library("avx2_linear")
     if library is None:
         return None
     library.avx2_linear_init.restype = ctypes.c_int
     if not library.avx2_linear_init():
-        log.info("an AVX-512 CPU (or one without AVX2/FMA): fp32 projections use oneDNN")
+        log.info("an AVX-512 CPU (or one without AVX2/FMA): projections use oneDNN")
         return None
-    fn = library.avx2_linear_f32
-    fn.restype = None
-    fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3
-    return fn
+    f32, bf16 = library.avx2_linear_f32, library.avx2_linear_bf16
+    f32.restype, bf16.restype = None, ctypes.c_int
+    f32.argtypes = [_VOID_P] * 4 + [_INT64] * 3
+    bf16.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
+    return f32, bf16
