@@ -15,14 +15,23 @@ from harness.real_model import require_real_model
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import amx_linear
+from inference_service.kernels import amx_linear, avx2_linear
 from inference_service.lora.ops import TorchLoRAOp
 from inference_service.models import decode_stack
 from inference_service.models.layers import GatedMLP
 from inference_service.models.llama import LlamaDecoderLayer, LlamaModel
 from inference_service.models.loader import BUILTIN_TINY
 
-needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
+# The dtypes a stack is built for on this CPU: bf16 on the AMX projections, bf16 and fp32 on the AVX2
+# ones (a CPU with AVX2 but no AVX-512); none elsewhere (oneDNN's projections are not C-callable).
+STACK_DTYPES = ["bfloat16"] if amx_linear.available() else ["bfloat16", "float32"] if avx2_linear.available() else []
+needs_stack = pytest.mark.skipif(not STACK_DTYPES, reason="needs a CPU with AMX, or with AVX2 and no AVX-512")
+each_stack_dtype = pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+
+
+def require_stack(dtype: str) -> None:
+    if dtype not in STACK_DTYPES:
+        pytest.skip(f"no decode stack in {dtype} on this CPU (it runs in {STACK_DTYPES or 'none'})")
 
 
 class BothPaths:
@@ -76,11 +85,12 @@ def tiny_engine(tmp_path: Path, dtype: str = "bfloat16") -> tuple[EngineCore, li
     return core, [None, *adapters]
 
 
-@needs_amx
-def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_path):
+@each_stack_dtype
+def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_path, dtype):
     """builtin:tiny (head_dim 32: the portable attention kernel), base and two adapters of ranks 4
     and 8 in one batch, prompts of different lengths: every decode step's logits bit for bit."""
-    core, names = tiny_engine(tmp_path)
+    require_stack(dtype)
+    core, names = tiny_engine(tmp_path, dtype)
     both = BothPaths(core.runner.model, monkeypatch)
     run_mixed(core, names, [list(range(3, 3 + 5 * i + 1)) for i in range(6)], 24)
     core.shutdown()
@@ -88,10 +98,11 @@ def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_pat
     assert both.mismatches == []
 
 
-@needs_amx
-def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path):
-    """A checkpoint with biases on every projection (Qwen2's q/k/v, `mlp_bias`), random, bf16, with an
-    adapter: the stack adds each bias where the AMX projection does."""
+@each_stack_dtype
+def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path, dtype):
+    """A checkpoint with biases on every projection (Qwen2's q/k/v, `mlp_bias`), random, with an
+    adapter: the stack adds each bias where the packed projection does."""
+    require_stack(dtype)
     from safetensors.torch import load_file, save_file
 
     from harness.models import AdapterSpec, make_adapter, make_checkpoint
@@ -105,7 +116,7 @@ def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path)
     save_file(tensors, str(weights), metadata={"format": "pt"})
     assert len(biases) == 2 * 7
     adapter = make_adapter(checkpoint, tmp_path / "r8", AdapterSpec("r8", 8, 16, seed=7))
-    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", dtype="bfloat16", max_loras=1,
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", dtype=dtype, max_loras=1,
                                    max_lora_rank=8, kv_cache_bytes=4 << 20))
     assert core.runner.model.layers[0].qkv.bias is not None
     load_adapters(core, {"r8": adapter}, preload=True)
@@ -116,10 +127,10 @@ def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path)
     assert both.stack_steps >= 14 and both.mismatches == []
 
 
-@needs_amx
+@needs_stack
 def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp_path):
-    """SmolLM2 (head_dim 64: the AMX attention kernel), 30 layers, bf16, base and two PEFT adapters
-    on all seven modules (r8 and r16), one batch."""
+    """SmolLM2 (head_dim 64: the AMX attention kernel where the CPU has AMX), 30 layers, bf16, base and
+    two PEFT adapters on all seven modules (r8 and r16), one batch."""
     from inference_service.demo_adapters import write_peft_adapter
 
     path = require_real_model()
@@ -137,8 +148,9 @@ def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp
 
 
 def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
-    """fp32 (no AMX projections), bf16 with AMX forced off (oneDNN projections), the switch, and a
-    family that overrides a step of LLaMA's layer: each keeps the layer forward."""
+    """Projections on oneDNN (AMX and AVX2 forced off, fp32 and bf16), the switch, and a family that
+    overrides a step of LLaMA's layer: each keeps the layer forward."""
+    monkeypatch.setattr(avx2_linear, "available", lambda: False)  # an AVX-512 CPU without AMX
     core, names = tiny_engine(tmp_path, "float32")
     run_mixed(core, names, [[3, 4, 5]], 2)
     assert core.runner.model.decode_stack() is None
@@ -148,7 +160,7 @@ def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
     assert core.runner.model.decode_stack() is None
     core.shutdown()
     monkeypatch.undo()
-    if not amx_linear.available():
+    if "bfloat16" not in STACK_DTYPES:
         return  # the cases below need a stack that would otherwise be built
     monkeypatch.setenv("LORAPLEX_DECODE_STACK", "0")
     core, names = tiny_engine(tmp_path / "off")
@@ -179,7 +191,7 @@ def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
     core.shutdown()
 
 
-@needs_amx
+@needs_stack
 def test_stack_leaves_adapter_steps_to_a_lora_op_it_cannot_call(monkeypatch, tmp_path):
     """With torch's LoRA op (fp32 pages) the stack takes base-model steps only; adapter steps run
     the layer forward, and both give the layer forward's logits."""

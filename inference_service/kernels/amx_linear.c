@@ -112,9 +112,9 @@ static void block(const uint16_t *x, const uint16_t *blocks, const uint16_t *bia
 }
 
 // out [m, n] = x [m, k] @ W^T (+ bias [n] unless NULL), in bf16 or (out_f32) fp32; n and k multiples of
-// 32, x and out dense.
-void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
-                     int64_t n, int64_t k, int out_f32) {
+// 32, x and out dense. Returns 0.
+int amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
+                    int64_t n, int64_t k, int out_f32) {
     const int64_t nblocks = n / 32, mblocks = (m + 31) / 32, kblocks = k / 32;
     if (mblocks >= 16 && mblocks >= 2 * omp_get_max_threads()) {
         // Many rows (a prefill step): threads take row blocks, and walk the columns in groups whose
@@ -137,7 +137,7 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
             }
             if (configured >= 0) _tile_release();
         }
-        return;
+        return 0;
     }
 #pragma omp parallel
     {
@@ -156,6 +156,7 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
         }
         if (configured >= 0) _tile_release();
     }
+    return 0;  // an int like the other projection kernels' (kernels/decode_stack.c checks it)
 }
 
 // The greedy pick from x [m, k] @ W^T (+ bias) without writing the logits: per row the first index
@@ -264,9 +265,10 @@ int amx_argmax_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
 #else
 int amx_linear_init(void) { return 0; }  // built without AMX: the caller keeps oneDNN
 
-void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
-                     int64_t n, int64_t k, int out_f32) {
+int amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
+                    int64_t n, int64_t k, int out_f32) {
     (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)out_f32;
+    return -3;
 }
 
 int amx_argmax_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, int64_t m, int64_t n,

@@ -114,6 +114,6 @@ def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         log.info("no AMX on this CPU (or the kernel denied its tile state): bf16 projections use oneDNN")
         return None
     fn = library.amx_linear_bf16
-    fn.restype = None
+    fn.restype = ctypes.c_int  # always 0
     fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
     return fn

@@ -163,10 +163,13 @@ DEFINE_LINEAR(linear_bf16, 1, OUT_BF16)
 DEFINE_LINEAR(linear_bf16_float_output, 1, OUT_BF16_AS_F32)
 
 // out [m, n] = x [m, k] @ W^T (+ bias [n] unless NULL); n a multiple of 16, x and out dense, packed
-// in the panel layout.
-void avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
-                     int64_t k) {
+// in the panel layout. `float_output` (fp32 already) is there for the signature the bf16 kernel and
+// the AMX one share (kernels/decode_stack.c calls any of them). Returns 0.
+int avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
+                    int64_t k, int float_output) {
+    (void)float_output;
     linear_f32(x, packed, bias, out, m, n, k);
+    return 0;
 }
 
 // A thread's fp32 buffer of at least `floats`, kept between calls (grown when needed); NULL when out
@@ -200,9 +203,10 @@ int avx2_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
 #else
 int avx2_linear_init(void) { return 0; }  // AVX-512 CPUs keep oneDNN (whose kernels use it); no AVX2: too
 
-void avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
-                     int64_t k) {
-    (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k;
+int avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
+                    int64_t k, int float_output) {
+    (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)float_output;
+    return -1;
 }
 
 int avx2_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m, int64_t n,

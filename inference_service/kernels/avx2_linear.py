@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from inference_service.kernels.build import load_library
+from inference_service.kernels.build import address, load_library
 from inference_service.kernels.projection_rows import project_rows
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,10 @@ class AVX2Weight:
         assert x.dtype == self.dtype
 
         def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
-            n, k = self.out_features, self.in_features
-            if self.dtype == torch.float32:
-                self._f32(x2, self.panels.data_ptr(), b, out, rows, n, k)
-            elif self._bf16(x2, self.panels.data_ptr(), b, out, rows, n, k, out_dtype == torch.float32):
-                raise MemoryError("AVX2 bf16 projection: its per-thread buffers could not be allocated")
+            fn = self._f32 if self.dtype == torch.float32 else self._bf16
+            if fn(x2, self.panels.data_ptr(), b, out, rows, self.out_features, self.in_features,
+                  out_dtype == torch.float32):
+                raise MemoryError("AVX2 bf16 projection: its buffer for x could not be allocated")
 
         return project_rows(x, bias, self.in_features, self.out_features, out_dtype, kernel)
 
@@ -76,6 +75,14 @@ def available() -> bool:
     return _functions() is not None
 
 
+def kernel_address(dtype: torch.dtype) -> int | None:
+    """The C function's address for weights of `dtype` (avx2_linear_f32 or _bf16), or None."""
+    functions = _functions()
+    if functions is None or dtype not in DTYPES:
+        return None
+    return address(functions[DTYPES.index(dtype)])
+
+
 @functools.cache
 def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
     """(avx2_linear_f32, avx2_linear_bf16), or None where the kernel does not run."""
@@ -87,7 +94,7 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: i
         log.info("an AVX-512 CPU (or one without AVX2/FMA): projections use oneDNN")
         return None
     f32, bf16 = library.avx2_linear_f32, library.avx2_linear_bf16
-    f32.restype, bf16.restype = None, ctypes.c_int
-    f32.argtypes = [_VOID_P] * 4 + [_INT64] * 3
-    bf16.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
+    for fn in (f32, bf16):  # the same signature (kernels/decode_stack.c calls either)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
     return f32, bf16

@@ -1,4 +1,4 @@
-// A LLaMA decoder stack's decode step, every layer, in one call from Python (bf16 on CPU).
+// A LLaMA decoder stack's decode step, every layer, in one call from Python (bf16 or fp32 on CPU).
 //
 // Why: in a decode step the kernels themselves are most of the work, but the Python between them
 // (about a dozen calls into C and torch per layer: argument conversion, output allocation, views,
@@ -6,7 +6,9 @@
 // other core spun in OpenMP's barrier. This runner calls the same kernels in the same order as
 // models/llama.py's layer forward, on the same values, so its results are bit-identical to that
 // path; the Python side (models/decode_stack.py) passes their addresses, so each kernel is still
-// built and loaded once, by its own module.
+// built and loaded once, by its own module. The kernels are those of the model's dtype (their
+// `_bf16` or `_f32` versions); this file only moves their pointers, so it takes activations as
+// bytes and the element size from the step.
 //
 // One layer: norm -> qkv (+LoRA) -> RoPE and the K/V cache write -> paged decode attention ->
 // o (+LoRA) -> residual add and norm -> gate_up (+LoRA) -> SiLU x mul -> down (+LoRA). The residual
@@ -16,25 +18,25 @@
 #include <string.h>
 #include <time.h>
 
-typedef void (*linear_fn)(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m,
-                          int64_t n, int64_t k, int out_f32);
-typedef void (*add_rms_norm_fn)(uint16_t *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out,
-                                int64_t rows, int64_t cols, float eps);
-typedef void (*rope_and_cache_fn)(uint16_t *qkv, int64_t rows, int64_t row_stride, int64_t q_heads,
-                                  int64_t kv_heads, int64_t head_dim, const uint16_t *cos, const uint16_t *sin,
-                                  const int64_t *cache_rows, uint16_t *k_cache, uint16_t *v_cache);
-typedef void (*silu_mul_fn)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
-typedef int (*attention_fn)(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                            const int64_t *tables, const int64_t *lens, uint16_t *out, int64_t batch,
-                            int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t max_blocks, float scale);
-typedef int (*lora_fn)(const uint16_t *x, uint16_t *out, int64_t out_stride, const uint16_t *a,
-                       const uint16_t *const *bs, const int64_t *cols, int64_t n_modules, int64_t page_rank,
-                       int64_t slot_rank, int64_t in, const int64_t *runs, int64_t num_runs, const int64_t *pages,
-                       float *y);
+// The kernels' signatures with their element pointers as void: each is called with tensors of its
+// own dtype (bf16 as uint16_t, or float).
+typedef int (*linear_fn)(const void *x, const void *packed, const void *bias, void *out, int64_t m, int64_t n,
+                         int64_t k, int out_f32);
+typedef void (*add_rms_norm_fn)(void *residual, const void *delta, const void *weight, void *out, int64_t rows,
+                                int64_t cols, float eps);
+typedef void (*rope_and_cache_fn)(void *qkv, int64_t rows, int64_t row_stride, int64_t q_heads, int64_t kv_heads,
+                                  int64_t head_dim, const void *cos, const void *sin, const int64_t *cache_rows,
+                                  void *k_cache, void *v_cache);
+typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter);
+typedef int (*attention_fn)(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                            const int64_t *lens, void *out, int64_t batch, int64_t q_heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale);
+typedef int (*lora_fn)(const void *x, void *out, int64_t out_stride, const void *a, const void *const *bs,
+                       const int64_t *cols, int64_t n_modules, int64_t page_rank, int64_t slot_rank, int64_t in,
+                       const int64_t *runs, int64_t num_runs, const int64_t *pages, float *y);
 
 typedef struct {
-    linear_fn linear;  // amx_linear_bf16
+    linear_fn linear;  // amx_linear_bf16, avx2_linear_bf16 or avx2_linear_f32
     add_rms_norm_fn add_rms_norm;
     rope_and_cache_fn rope_and_cache;
     silu_mul_fn silu_mul;
@@ -43,26 +45,27 @@ typedef struct {
 } Kernels;
 
 typedef struct {
-    const uint16_t *weight;  // packed for `linear`
-    const uint16_t *bias;    // or NULL
+    const void *weight;  // packed for `linear`
+    const void *bias;    // or NULL
     int64_t out_features, in_features;
     // The LoRA slot buffers of this projection's modules (lora/backend.py's layout); lora_a NULL: none.
-    const uint16_t *lora_a;
-    const uint16_t *const *lora_b;
+    const void *lora_a;
+    const void *const *lora_b;
     const int64_t *lora_cols;
     int64_t lora_modules, lora_page_rank;
 } Projection;
 
 typedef struct {
-    const uint16_t *input_norm, *post_attention_norm;
+    const void *input_norm, *post_attention_norm;
     Projection qkv, o, gate_up, down;
-    uint16_t *k_cache, *v_cache;
+    void *k_cache, *v_cache;
 } Layer;
 
 typedef struct {
+    int64_t element_size;  // of the model's dtype: 2 (bf16) or 4 (fp32)
     int64_t rows, hidden, q_heads, kv_heads, head_dim, intermediate, block_size, max_blocks;
     float eps, scale;
-    const uint16_t *cos, *sin, *final_norm;  // cos/sin [rows, head_dim]
+    const void *cos, *sin, *final_norm;  // cos/sin [rows, head_dim]
     const int64_t *slot_mapping, *block_tables, *context_lens;
     // This step's LoRA runs (lora/ops.py's LoRABatch.runs, run_pages); num_runs 0: base model only.
     const int64_t *lora_runs, *lora_run_pages;
@@ -70,7 +73,7 @@ typedef struct {
     float *lora_scratch;  // [rows, modules x lora_max_rank] for the most modules of a projection with LoRA
     // Activations, each [rows, its width]: the normed input of a projection, qkv, q, attention's
     // output, o's and down's output (the residual's next delta), gate_up, SiLU x mul's.
-    uint16_t *normed, *qkv, *q, *attn, *delta, *gate_up, *act;
+    void *normed, *qkv, *q, *attn, *delta, *gate_up, *act;
     double *op_seconds;  // NULL, or [OPS] seconds added up per op across the layers (a profile)
 } Step;
 
@@ -92,14 +95,14 @@ static inline void mark(const Step *s, double *last, int op) {
 }
 
 // The projection (op), then its LoRA (op + 1).
-static int project(const Kernels *k, const Projection *p, const Step *s, const uint16_t *x, uint16_t *out,
-                   double *last, int op) {
-    k->linear(x, p->weight, p->bias, out, s->rows, p->out_features, p->in_features, 0);
+static int project(const Kernels *k, const Projection *p, const Step *s, const void *x, void *out, double *last,
+                   int op) {
+    int status = k->linear(x, p->weight, p->bias, out, s->rows, p->out_features, p->in_features, 0);
     mark(s, last, op);
-    if (p->lora_a == NULL || s->lora_num_runs == 0) return 0;
-    const int status = k->lora(x, out, p->out_features, p->lora_a, p->lora_b, p->lora_cols, p->lora_modules,
-                               p->lora_page_rank, s->lora_max_rank, p->in_features, s->lora_runs,
-                               s->lora_num_runs, s->lora_run_pages, s->lora_scratch);
+    if (status || p->lora_a == NULL || s->lora_num_runs == 0) return status;
+    status = k->lora(x, out, p->out_features, p->lora_a, p->lora_b, p->lora_cols, p->lora_modules, p->lora_page_rank,
+                     s->lora_max_rank, p->in_features, s->lora_runs, s->lora_num_runs, s->lora_run_pages,
+                     s->lora_scratch);
     mark(s, last, op + 1);
     return status;
 }
@@ -107,9 +110,8 @@ static int project(const Kernels *k, const Projection *p, const Step *s, const u
 // residual [rows, hidden] holds the embeddings on entry and the last layer's output on return;
 // `out` [rows, hidden] gets its final norm. 0, or a kernel's failure status (its scratch could not be
 // allocated), with the step abandoned.
-int decode_stack_bf16(const Kernels *k, const Layer *layers, int64_t num_layers, const Step *s, uint16_t *residual,
-                      uint16_t *out) {
-    const int64_t rows = s->rows, q_size = s->q_heads * s->head_dim;
+int decode_stack(const Kernels *k, const Layer *layers, int64_t num_layers, const Step *s, void *residual, void *out) {
+    const int64_t rows = s->rows, q_size = s->q_heads * s->head_dim, element = s->element_size;
     const int64_t qkv_size = q_size + 2 * s->kv_heads * s->head_dim;
     int status = 0;
     double last = s->op_seconds ? now() : 0.;
@@ -121,7 +123,8 @@ int decode_stack_bf16(const Kernels *k, const Layer *layers, int64_t num_layers,
         k->rope_and_cache(s->qkv, rows, qkv_size, s->q_heads, s->kv_heads, s->head_dim, s->cos, s->sin,
                           s->slot_mapping, layer->k_cache, layer->v_cache);
         for (int64_t r = 0; r < rows; r++)  // attention reads q dense: [rows, q_heads, head_dim]
-            memcpy(s->q + r * q_size, s->qkv + r * qkv_size, sizeof(uint16_t) * (size_t)q_size);
+            memcpy((char *)s->q + r * q_size * element, (const char *)s->qkv + r * qkv_size * element,
+                   (size_t)(q_size * element));
         mark(s, &last, ROPE);
         if ((status = k->attention(s->q, layer->k_cache, layer->v_cache, s->block_tables, s->context_lens, s->attn,
                                    rows, s->q_heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks,

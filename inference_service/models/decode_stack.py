@@ -6,8 +6,9 @@ core waited. `DecodeStack.run` hands the whole step to C, which calls the very k
 forward calls, in the same order, so the result is bit-identical (tests/test_decode_stack.py).
 
 Where it applies (`build` checks once, `run` per step; otherwise the layer forward runs):
-- bf16 on CPU, every projection on the AMX kernel, the fused per-token ops and the C decode
-  attention built, and the C LoRA op (or no adapters in the step);
+- on CPU, every projection on one packed kernel that C can call (AMX's, in bf16; AVX2's, in bf16 or
+  fp32), the fused per-token ops and the C decode attention built for the model's dtype, and the C
+  LoRA op (or no adapters in the step);
 - layers that are plain LLaMA's: a family that overrides a step (Qwen3's q/k norms) keeps Python;
 - batches of decodes alone (a prefill's attention is torch's SDPA);
 - not switched off by `LORAPLEX_DECODE_STACK=0`.
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inference_service.kernels import amx_linear, fused
+from inference_service.kernels import amx_linear, avx2_linear, fused
 from inference_service.kernels import paged_attention as attention_kernels
 from inference_service.kernels.build import load_library
 from inference_service.lora.backend import CpuLoRAOp
@@ -55,7 +56,7 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [
-        *((name, _I64) for name in ("rows", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
+        *((name, _I64) for name in ("element_size", "rows", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                     "block_size", "max_blocks")),
         ("eps", _F32), ("scale", _F32),
         *((name, _P) for name in ("cos", "sin", "final_norm", "slot_mapping", "block_tables", "context_lens",
@@ -99,7 +100,7 @@ class DecodeStack:
         # Widths of the activations (_ACTIVATIONS' order), each [rows, width] in one workspace.
         self._widths = (c.hidden_size, c.q_size + 2 * c.kv_size, c.q_size, c.q_size, c.hidden_size,
                         2 * c.intermediate_size, c.intermediate_size)
-        self._workspace = torch.empty(0, dtype=torch.bfloat16)
+        self._workspace = torch.empty(0, dtype=model.dtype)
         self._lora_scratch = torch.empty(0, dtype=torch.float32)
         # Seconds per op (OPS) added up over the steps run while set (bench/decode_profile.py).
         self.profile: torch.Tensor | None = None
@@ -107,14 +108,17 @@ class DecodeStack:
     @classmethod
     def build(cls, model: LlamaModel) -> DecodeStack | None:
         run_fn = _run_function()
-        if not enabled() or run_fn is None or model.dtype != torch.bfloat16 or model.device.type != "cpu":
+        if not enabled() or run_fn is None or model.device.type != "cpu":
             return None
         projections = [p for layer in model.layers for p in layer.projections()]
-        if not all(isinstance(p.packed, amx_linear.AMXWeight) for p in projections):
+        if all(isinstance(p.packed, amx_linear.AMXWeight) for p in projections):
+            linear = amx_linear.kernel_address()
+        elif all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in projections):
+            linear = avx2_linear.kernel_address(model.dtype)
+        else:
             return None
         if not fused.available(model.device, model.dtype) or not isinstance(model.attention, CpuPagedAttention):
             return None
-        linear = amx_linear.kernel_address()
         norm, rope, silu = (fused.kernel_address(name, model.dtype) for name in ("add_rms_norm", "rope_and_cache",
                                                                                  "silu_mul"))
         if linear is None or norm is None or rope is None or silu is None:
@@ -153,11 +157,11 @@ class DecodeStack:
         c, rows = self.model.config, x.shape[0]
         needed = rows * sum(self._widths)
         if self._workspace.numel() < needed:
-            self._workspace = torch.empty(needed * 5 // 4, dtype=torch.bfloat16)  # headroom: batches vary
-        base = self._workspace.data_ptr()
+            self._workspace = torch.empty(needed * 5 // 4, dtype=self.model.dtype)  # headroom: batches vary
+        base, element_size = self._workspace.data_ptr(), self._workspace.element_size()
         offsets, at = {}, 0
         for name, width in zip(_ACTIVATIONS, self._widths, strict=True):
-            offsets[name] = base + 2 * at
+            offsets[name] = base + element_size * at
             at += rows * width
         max_rank = lora.max_rank if lora is not None else 0
         scratch = rows * self._layers.lora_modules * max_rank  # the kernel's y [rows, modules x rank]
@@ -165,7 +169,8 @@ class DecodeStack:
             self._lora_scratch = torch.empty(scratch * 5 // 4, dtype=torch.float32)
         _, block_size, _, _ = kv_caches[0][0].shape
         step = _Step(
-            rows=rows, hidden=c.hidden_size, q_heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            element_size=element_size, rows=rows, hidden=c.hidden_size, q_heads=c.num_heads,
+            kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             intermediate=c.intermediate_size, block_size=block_size, max_blocks=tables.shape[1],
             eps=c.rms_norm_eps, scale=c.head_dim**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
             final_norm=self.model.norm.weight.data_ptr(), slot_mapping=att.slot_mapping.data_ptr(),
@@ -210,14 +215,15 @@ class DecodeStack:
 
     def _describe(self, entry: _Projection, projection: LoRALinear, keep_alive: list[object]) -> bool:
         packed = projection.packed
-        assert isinstance(packed, amx_linear.AMXWeight)  # build() checked
+        assert isinstance(packed, amx_linear.AMXWeight | avx2_linear.AVX2Weight)  # build() checked
         bias = projection.bias
         if bias is not None:
             if bias.dtype != self.model.dtype:
                 return False
             bias = bias.data.contiguous()
             keep_alive.append(bias)
-        entry.weight, entry.bias = packed.blocks.data_ptr(), None if bias is None else bias.data_ptr()
+        storage = packed.blocks if isinstance(packed, amx_linear.AMXWeight) else packed.panels
+        entry.weight, entry.bias = storage.data_ptr(), None if bias is None else bias.data_ptr()
         entry.out_features, entry.in_features = packed.out_features, packed.in_features
         buffers = projection.lora.buffers
         entry.lora_a = None
@@ -239,7 +245,7 @@ def _run_function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     library = load_library("decode_stack")
     if library is None:
         return None
-    fn = library.decode_stack_bf16
+    fn = library.decode_stack
     fn.restype = ctypes.c_int
     fn.argtypes = [_P, _P, _I64, _P, _P, _P]
     return fn
