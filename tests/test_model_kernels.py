@@ -84,7 +84,10 @@ def _gather_sdpa(q, k_cache, v_cache, tables, lens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (6, 3, 8)])
+# Query groups of 1, 2, 3, 4 and 9 heads (the vector path takes them 4 at a time, then 3, 2 or 1), head
+# dims that are multiples of 16, of 8 only (a last 8-wide step), and of neither (the scalar path).
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (6, 3, 8), (9, 3, 64), (18, 2, 24),
+                                                      (4, 2, 12)])
 @pytest.mark.parametrize("batch", [6, 1])  # a task per sequence; a task per KV head (fewer sequences than threads)
 def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, head_dim, batch):
     gen = torch.Generator().manual_seed(q_heads * 100 + head_dim)

@@ -43,7 +43,133 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
     return base + cache_row(table, t, block_size) * row * element_size;
 }
 
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
+// As token_part, from the sequence's cache rows listed once (`rows` [len]): token_part's division
+// and remainder by the block size, for each token and its prefetch in both passes, cost more than
+// the token's arithmetic on CPUs with a slow 64-bit divide (~40 cycles each on AMD Zen 1).
+static inline const void *listed_token_part(const void *cache, int64_t element_size, const int64_t *rows,
+                                            int64_t t, int64_t len, int64_t row, int64_t first, int64_t fetch_bytes) {
+    const char *base = (const char *)cache + first * element_size;
+    if (t + PREFETCH_TOKENS < len) prefetch_bytes(base + rows[t + PREFETCH_TOKENS] * row * element_size, fetch_bytes);
+    return base + rows[t] * row * element_size;
+}
+
+// The vector path, for head_dim a multiple of 8 (GCC/Clang vector extensions: AVX2's ymm, two SSE or
+// NEON registers). The scalar path's dot product, one `omp simd` reduction, was one chain of
+// dependent FMAs, nine of them per token for SmolLM2's query heads, and its P.V kept the output in
+// memory, a load and a store per 8 products: on an AVX2 CPU it ran at 3-6 GB/s of KV. Here the query
+// heads of a KV head (up to 4 at a time) share each K and V load, read straight from the cache
+// (bf16 widened in registers), and P.V sums each 16 output dims of those heads in registers over
+// all the tokens.
+typedef float vf8 __attribute__((vector_size(32)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+
+static inline vf8 load8(const float *p) {
+    vf8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store8(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
+// 8 elements of the cache at p, as fp32 (`wide`: bf16; a constant at each call).
+static inline __attribute__((always_inline)) vf8 cache8(const void *p, const int wide) {
+    if (!wide) return load8((const float *)p);
+    vh8 h;
+    memcpy(&h, p, sizeof h);
+    const vu8 bits = __builtin_convertvector(h, vu8) << 16;
+    vf8 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+static inline float hsum8(vf8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// scores[j * len + t] = qs[j] . k for NB heads (qs [NB, D] fp32; k: the cache's D elements).
+static inline __attribute__((always_inline)) void dots8(const float *qs, const char *k, int64_t d_len, float *scores,
+                                                        int64_t len, int64_t t, const int nb, const int wide) {
+    const int64_t elem = wide ? 2 : 4;
+    vf8 acc[4][2];
+    for (int j = 0; j < nb; j++) acc[j][0] = acc[j][1] = (vf8){0};
+    int64_t d = 0;
+    for (; d + 16 <= d_len; d += 16) {
+        const vf8 k0 = cache8(k + d * elem, wide), k1 = cache8(k + (d + 8) * elem, wide);
+        for (int j = 0; j < nb; j++) {
+            acc[j][0] += load8(qs + j * d_len + d) * k0;
+            acc[j][1] += load8(qs + j * d_len + d + 8) * k1;
+        }
+    }
+    if (d < d_len) {
+        const vf8 k0 = cache8(k + d * elem, wide);
+        for (int j = 0; j < nb; j++) acc[j][0] += load8(qs + j * d_len + d) * k0;
+    }
+    for (int j = 0; j < nb; j++) scores[j * len + t] = hsum8(acc[j][0] + acc[j][1]);
+}
+
+// out [NB, D] = sum over tokens t of p[j * len + t] * V_t for NB heads sharing one KV head, whose
+// part of token t's cache row starts at v_base + rows[t] * row_bytes.
+static inline __attribute__((always_inline)) void pv8(float *out, const float *p, int64_t len, const char *v_base,
+                                                      const int64_t *rows, int64_t row_bytes, int64_t d_len,
+                                                      const int nb, const int wide) {
+    const int64_t elem = wide ? 2 : 4;
+    for (int64_t d = 0; d < d_len; d += 16) {
+        const int pair = d + 16 <= d_len;  // else a last 8
+        vf8 acc[4][2];
+        for (int j = 0; j < nb; j++) acc[j][0] = acc[j][1] = (vf8){0};
+        for (int64_t t = 0; t < len; t++) {
+            const char *v = v_base + rows[t] * row_bytes + d * elem;
+            if (d == 0 && t + PREFETCH_TOKENS < len)  // the first pass reads V from memory
+                prefetch_bytes(v_base + rows[t + PREFETCH_TOKENS] * row_bytes, d_len * elem);
+            const vf8 v0 = cache8(v, wide), v1 = pair ? cache8(v + 8 * elem, wide) : (vf8){0};
+            for (int j = 0; j < nb; j++) {
+                const float pj = p[j * len + t];
+                acc[j][0] += pj * v0;
+                acc[j][1] += pj * v1;
+            }
+        }
+        for (int j = 0; j < nb; j++) {
+            store8(out + j * d_len + d, acc[j][0]);
+            if (pair) store8(out + j * d_len + d + 8, acc[j][1]);
+        }
+    }
+}
+
+// The `group` heads of one KV head, 4 at a time: NB must be a constant in dots8 and pv8.
+#define BY_FOURS(CALL)                                                           \
+    do {                                                                         \
+        int64_t j = 0;                                                           \
+        for (; j + 4 <= group; j += 4) CALL(4);                                  \
+        switch (group - j) {                                                     \
+            case 3: CALL(3); break;                                              \
+            case 2: CALL(2); break;                                              \
+            case 1: CALL(1); break;                                              \
+            default: break;                                                      \
+        }                                                                        \
+    } while (0)
+
+// Scores [group, len] and out [group, D] of the query heads qs [group, D] of one KV head, whose part
+// of each cache row starts `first` elements in.
+static inline __attribute__((always_inline)) void group_scores(const float *qs, const void *k_cache, const int64_t *rows,
+                                                               int64_t len, int64_t row, int64_t first, int64_t d_len,
+                                                               int64_t group, float *scores, const int wide) {
+    const int64_t elem = wide ? 2 : 4;
+    for (int64_t t = 0; t < len; t++) {
+        const char *k = listed_token_part(k_cache, elem, rows, t, len, row, first, d_len * elem);
+#define DOTS(NB) dots8(qs + j * d_len, k, d_len, scores + j * len, len, t, NB, wide)
+        BY_FOURS(DOTS);
+#undef DOTS
+    }
+}
+
+static inline __attribute__((always_inline)) void group_values(float *out, const float *scores, const void *v_cache,
+                                                               const int64_t *rows, int64_t len, int64_t row,
+                                                               int64_t first, int64_t d_len, int64_t group,
+                                                               const int wide) {
+    const int64_t elem = wide ? 2 : 4;
+    const char *v_base = (const char *)v_cache + first * elem;
+#define PV(NB) pv8(out + j * d_len, scores + j * len, len, v_base, rows, row * elem, d_len, NB, wide)
+    BY_FOURS(PV);
+#undef PV
+}
+
+#define DEFINE_KERNEL(NAME, T, LOAD, STORE, WIDE)                                                              \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables, const int64_t *lens,  \
              T *out, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, \
              int64_t max_blocks, float scale) {                                                         \
@@ -62,16 +188,23 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
                 float *acc = calloc((size_t)(nh * head_dim), sizeof(float));                            \
                 float *qs = malloc(sizeof(float) * (size_t)(nh * head_dim));                            \
                 float *kf = malloc(sizeof(float) * (size_t)(per_chunk * head_dim));                     \
-                if (!scores || !acc || !qs || !kf) {                                                    \
-                    free(scores); free(acc); free(qs); free(kf);                                        \
+                int64_t *rows = malloc(sizeof(int64_t) * (size_t)(len > 0 ? len : 1));                  \
+                if (!scores || !acc || !qs || !kf || !rows) {                                           \
+                    free(scores); free(acc); free(qs); free(kf); free(rows);                            \
                     failed = 1;                                                                         \
                     continue;                                                                           \
                 }                                                                                       \
+                for (int64_t t = 0; t < len; t++) rows[t] = cache_row(table, t, block_size);            \
                 for (int64_t i = 0; i < nh * head_dim; i++)                                             \
                     qs[i] = LOAD(q, (b * q_heads + h0) * head_dim + i) * scale;                         \
+                if (head_dim % 8 == 0) {                                                                \
+                    for (int64_t g = 0; g < per_chunk; g++)                                             \
+                        group_scores(qs + g * group * head_dim, k_cache, rows, len, row, first + g * head_dim, \
+                                     head_dim, group, scores + g * group * len, WIDE);                  \
+                } else                                                                                  \
                 for (int64_t t = 0; t < len; t++) {                                                     \
-                    const T *k = token_part(k_cache, sizeof(T), table, t, len, block_size, row, first,  \
-                                            fetch_bytes);                                               \
+                    const T *k = listed_token_part(k_cache, sizeof(T), rows, t, len, row, first,       \
+                                                   fetch_bytes);                                        \
                     /* The token's K part widened once, not once per query head of its group. */        \
                     _Pragma("omp simd")                                                                 \
                     for (int64_t i = 0; i < per_chunk * head_dim; i++) kf[i] = LOAD(k, i);              \
@@ -94,9 +227,14 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
                     _Pragma("omp simd")                                                                 \
                     for (int64_t t = 0; t < len; t++) sh[t] *= inv;                                     \
                 }                                                                                       \
+                if (head_dim % 8 == 0) {                                                                \
+                    for (int64_t g = 0; g < per_chunk; g++)                                             \
+                        group_values(acc + g * group * head_dim, scores + g * group * len, v_cache, rows, len, \
+                                     row, first + g * head_dim, head_dim, group, WIDE);                 \
+                } else                                                                                  \
                 for (int64_t t = 0; t < len; t++) {                                                     \
-                    const T *v = token_part(v_cache, sizeof(T), table, t, len, block_size, row, first,  \
-                                            fetch_bytes);                                               \
+                    const T *v = listed_token_part(v_cache, sizeof(T), rows, t, len, row, first,       \
+                                                   fetch_bytes);                                        \
                     for (int64_t h = 0; h < nh; h++) {                                                  \
                         const T *vh = v + (h / group) * head_dim;                                       \
                         float *ah = acc + h * head_dim;                                                 \
@@ -106,14 +244,14 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
                     }                                                                                   \
                 }                                                                                       \
                 for (int64_t i = 0; i < nh * head_dim; i++) STORE(out, (b * q_heads + h0) * head_dim + i, acc[i]); \
-                free(scores); free(acc); free(qs); free(kf);                                            \
+                free(scores); free(acc); free(qs); free(kf); free(rows);                                \
             }                                                                                           \
         }                                                                                               \
         return failed ? -2 : 0;                                                                         \
     }
 
-DEFINE_KERNEL(paged_decode_attention_f32, float, load_f32, store_f32)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_KERNEL(paged_decode_attention_f32, float, load_f32, store_f32, 0)
+DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, load_bf16, store_bf16, 1)
 
 // bf16 on CPUs with AMX (head_dim 64 or 128, at most 64 query heads, blocks of a divisor of 16 tokens
 // or a multiple of 16: `paged_decode_attention_bf16_amx_fits`). A task is one sequence, as above.
