@@ -5,8 +5,8 @@
    `--max-num-batched-tokens` 4096), the median of REPEATS, against the prefill's roofline: its
    matrix FLOPs (2 x matrix parameters x prompt tokens, the LM head once: only the last position's
    logits are computed) plus causal attention's (2 x n^2 x heads x head_dim per layer: QK^T and PV
-   over half the square) at the GEMM FLOP/s bench/roofline.py measures, or the weights' read time if
-   that is longer.
+   over half the square) at the GEMM FLOP/s bench/roofline.py measures (the dtype's own, or fp32's
+   where that is faster: `compute_flops`), or the weights' read time if that is longer.
 2. STREAMS requests decode; a 2048-token prompt arrives; every step's time is an inter-token gap for
    the decoding streams. Chunked prefill at the default 512-token step budget (and `--budgets`)
    against the whole prompt in one step: the p99 and the worst gap while the prompt is prefilled,
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness pack
 
 from bench.roofline import (  # noqa: E402
     Machine,
+    compute_flops,
     matrix_parameters,
     measure_machine,
     real_model_parser,
@@ -68,7 +69,7 @@ def prefill_roofline_s(config: ModelConfig, machine: Machine, dtype: torch.dtype
     head = config.hidden_size * config.vocab_size
     body = matrix_parameters(config) - head
     attention = 2 * tokens * tokens * config.num_heads * config.head_dim * config.num_layers
-    compute = (2 * body * tokens + 2 * head + attention) / machine.gemm_flops[dtype]
+    compute = (2 * body * tokens + 2 * head + attention) / compute_flops(machine, dtype)
     memory = matrix_parameters(config) * width / (machine.read_gbps * 1e9)
     return max(compute, memory)
 
@@ -137,7 +138,7 @@ def main() -> None:
     config: ModelConfig = whole.runner.model.config
     machine = measure_machine(matrix_parameters(config) * (torch.finfo(dtype).bits // 8))
     print(f"machine: read {machine.read_gbps:.1f} GB/s; GEMM {args.dtype} {machine.gemm_flops[dtype] / 1e9:.0f} "
-          f"GFLOP/s", flush=True)
+          f"GFLOP/s (the roofline's: {compute_flops(machine, dtype) / 1e9:.0f})", flush=True)
     results: dict[str, float] = {}
     for length in PROMPTS:
         ttft = ttft_s(whole, length, f"ttft{length}")
