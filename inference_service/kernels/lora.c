@@ -36,13 +36,23 @@ typedef struct {
 #define AHEAD 256
 
 // Register-blocked inner kernels (GCC/Clang vector extensions, lowered to whatever SIMD the
-// host has): 4 rows x 4 weight rows of dot products in the shrink, 4 rows x 64 output columns
-// in the expand, so each weight vector loaded from memory feeds four rows' FMAs and the
-// accumulators stay in registers. Sizes that do not divide evenly take the plain loops.
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
+// host has): MAX_MR rows x 4 weight rows of dot products in the shrink, MAX_MR rows x 4 vectors of
+// output columns in the expand, so each weight vector loaded from memory feeds MAX_MR rows' FMAs
+// and the accumulators stay in registers. Sizes that do not divide evenly take the plain loops.
+// With AVX-512 (32 registers of 16 floats): 4 rows, 16 accumulators. Elsewhere (AVX2's 16 ymm) 16-float
+// vectors took two registers each and 4 rows' accumulators spilled to the stack on every FMA (a
+// batch-32 step over 8 adapters spent 52 ms in LoRA on an AMD Zen 1, ~10x its FLOPs' time there):
+// 8-float vectors and 2 rows, 8 accumulators.
+#ifdef __AVX512F__
 #define VL 16
+#define MAX_MR 4
+#else
+#define VL 8
+#define MAX_MR 2
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 static inline vf vload_f32(const float *p) {
     vf v;
@@ -68,9 +78,13 @@ static inline vf vbroadcast(const float *p) {
 }
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
-static inline float hsum(vf v) {  // a tree of halves: 4 adds of falling width, not 15 scalar ones
+static inline float hsum(vf v) {  // a tree of halves, not VL - 1 scalar adds
+#if VL == 16
     const vf8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const vf8 h8 = v;
+#endif
     const vf4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
     return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
@@ -86,9 +100,13 @@ static inline void vadd_into_bf16(uint16_t *o, vf s) {
 #ifdef __AVX512BF16__  // the hardware's round-to-nearest-even narrowing, one instruction
     const __m256bh r = _mm512_cvtneps_pbh((__m512)(vload_bf16(o) + s));
     memcpy(o, &r, sizeof r);
-#else
+#else  // common.h's bf16_bits on all lanes at once
     const vf sum = vload_bf16(o) + s;
-    for (int k = 0; k < VL; k++) store_bf16(o, k, sum[k]);
+    vu bits;
+    memcpy(&bits, &sum, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    const vh narrowed = __builtin_convertvector(bits >> 16, vh);
+    memcpy(o, &narrowed, sizeof narrowed);
 #endif
 }
 
@@ -155,13 +173,13 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
             for (int q = 0; q < 4; q++) VADD_INTO(o + q * VL, s[mm][q]);                                \
         }                                                                                               \
     } while (0)
-// MR = min(4, rows - m0), as a constant for each tile body.
+// MR = min(MAX_MR, rows - m0), as a constant for each tile body.
 #define BY_ROWS_LEFT(TILE, ...)                                                                         \
     do {                                                                                                \
         const int64_t left = rows - m0;                                                                 \
-        if (left >= 4) TILE(4, __VA_ARGS__);                                                            \
-        else if (left == 3) TILE(3, __VA_ARGS__);                                                       \
-        else if (left == 2) TILE(2, __VA_ARGS__);                                                       \
+        if (left >= 4 && MAX_MR >= 4) TILE(4, __VA_ARGS__);                                             \
+        else if (left == 3 && MAX_MR >= 4) TILE(3, __VA_ARGS__);                                        \
+        else if (left >= 2) TILE(2, __VA_ARGS__);                                                       \
         else TILE(1, __VA_ARGS__);                                                                      \
     } while (0)
 
@@ -212,7 +230,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                     float *y_i = y + r0 * ny + i * slot_rank;                                              \
                     int64_t j = 0;                                                                         \
                     for (; in % VL == 0 && j + 4 <= rank; j += 4)                                          \
-                        for (int64_t m0 = 0; m0 < rows; m0 += 4) BY_ROWS_LEFT(SHRINK_TILE, VLOAD);          \
+                        for (int64_t m0 = 0; m0 < rows; m0 += MAX_MR) BY_ROWS_LEFT(SHRINK_TILE, VLOAD);          \
                     for (; j < rank; j++) {                                                                \
                         const T *arow = rows_of[j];                                                        \
                         for (int64_t m = 0; m < rows; m++) {                                               \
@@ -233,7 +251,7 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
                         for (int64_t j = 0; j < rank; j++) ys[m * slot_rank + j] = y[(r0 + m) * ny + i * slot_rank + j]; \
                     int64_t c0 = 0;                                                                        \
                     for (; c0 + 4 * VL <= width; c0 += 4 * VL)                                             \
-                        for (int64_t m0 = 0; m0 < rows; m0 += 4) BY_ROWS_LEFT(EXPAND_TILE, T, VLOAD, VADD_INTO); \
+                        for (int64_t m0 = 0; m0 < rows; m0 += MAX_MR) BY_ROWS_LEFT(EXPAND_TILE, T, VLOAD, VADD_INTO); \
                     if (c0 == width) continue;                                                             \
                     const int64_t tail = width - c0;                                                       \
                     memset(acc, 0, sizeof(float) * (size_t)(rows * tail));                                 \
