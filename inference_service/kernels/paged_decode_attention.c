@@ -43,9 +43,9 @@ static inline const void *token_part(const void *cache, int64_t element_size, co
     return base + cache_row(table, t, block_size) * row * element_size;
 }
 
-// As token_part, from the sequence's cache rows listed once (`rows` [len]): token_part's division
-// and remainder by the block size, for each token and its prefetch in both passes, cost more than
-// the token's arithmetic on CPUs with a slow 64-bit divide (~40 cycles each on AMD Zen 1).
+// As token_part, from the sequence's cache rows listed once (`rows` [len]): one division and
+// remainder by the block size per token, not four (each token and its prefetch, in both passes);
+// 64-bit divides take ~40 cycles on some CPUs (AMD Zen 1).
 static inline const void *listed_token_part(const void *cache, int64_t element_size, const int64_t *rows,
                                             int64_t t, int64_t len, int64_t row, int64_t first, int64_t fetch_bytes) {
     const char *base = (const char *)cache + first * element_size;
