@@ -89,12 +89,11 @@ static inline __attribute__((always_inline)) void bias_at(const void *bias, int6
 // were too few to keep the loads busy (a 1-row bf16 projection read its weights at 60% of a plain
 // read's rate). Each sum runs over k in increasing order whatever MR and NP are, so a row's output
 // does not depend on its batch.
-static inline __attribute__((always_inline)) void tile(const float *x, const void *packed, const void *bias,
+static inline __attribute__((always_inline)) void tile(const float *x, const char *panels, const void *bias,
                                                        void *out, int64_t m0, int64_t p, int64_t n, int64_t k,
                                                        const int mr, const int np, const int wide,
                                                        const int out_kind) {
     const size_t panel_bytes = (size_t)k * PANEL * (wide ? 2 : 4);
-    const char *panels = (const char *)packed + p * panel_bytes;
     __m256 acc[MAX_ROWS][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_setzero_ps();
@@ -109,21 +108,22 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
     }
     for (int q = 0; q < np; q++) {
         __m256 b[2];
-        bias_at(bias, p + q, wide, b);
+        bias_at(bias, p + q, out_kind != OUT_F32, b);  // bf16 output: a bf16 bias
         for (int r = 0; r < mr; r++)
             store16(_mm256_add_ps(acc[r][2 * q], b[0]), _mm256_add_ps(acc[r][2 * q + 1], b[1]), out,
                     (m0 + r) * n + (p + q) * PANEL, out_kind);
     }
 }
 
-#define TILE(MR, NP) tile(x, packed, bias, out, m0, p, n, k, MR, NP, wide, out_kind)
+#define TILE(MR, NP) tile(x, pair + (p - p0) * panel_bytes, bias, out, m0, p, n, k, MR, NP, wide, out_kind)
 
-// Rows m0 .. m of x against panels p .. p + np (np 1 or 2): 6-row tiles panel by panel, then the
-// remainder (1-2 rows over both panels at once, 3-5 panel by panel).
-static inline __attribute__((always_inline)) void rows_against(const float *x, const void *packed, const void *bias,
+// Rows m0 .. m of x against panels p0 .. p0 + np (np 1 or 2, their weights at `pair`): 6-row tiles
+// panel by panel, then the remainder (1-2 rows over both panels at once, 3-5 panel by panel).
+static inline __attribute__((always_inline)) void rows_against(const float *x, const char *pair, const void *bias,
                                                                void *out, int64_t p0, const int np, int64_t m,
                                                                int64_t n, int64_t k, const int wide,
                                                                const int out_kind) {
+    const size_t panel_bytes = (size_t)k * PANEL * (wide ? 2 : 4);
     int64_t full = m - m % MAX_ROWS;
     for (int64_t p = p0; p < p0 + np; p++)
         for (int64_t m0 = 0; m0 < full; m0 += MAX_ROWS) TILE(MAX_ROWS, 1);
@@ -144,18 +144,65 @@ static inline __attribute__((always_inline)) void rows_against(const float *x, c
         }
 }
 
+// A thread's fp32 buffer `which` (0: x widened, 1: a panel pair widened) of at least `floats`, kept
+// between calls (grown when needed); NULL when out of memory.
+static float *scratch(int which, int64_t floats) {
+    static __thread float *buffers[2];
+    static __thread int64_t sizes[2];
+    if (sizes[which] < floats) {
+        free(buffers[which]);
+        buffers[which] = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        sizes[which] = buffers[which] ? floats : 0;
+    }
+    return buffers[which];
+}
+
+// bf16 weights from this many rows up are widened once per panel pair into a thread's buffer (k x 32
+// floats: 72-192 KiB, in L2) and every row tile runs on fp32 weights: widening inline costs a shift
+// and a mask per k in each 6-row tile, ~10% of a 512-row prefill's projections.
+#define WIDEN_ROWS 12
+
+// The panel pair at `pair` (np panels of bf16, interleaved) as plain fp32 panels into `to`.
+static void widen_pair(const uint16_t *pair, int np, int64_t k, float *to) {
+    for (int64_t i = 0; i < np * k; i++) {
+        __m256 w0, w1;
+        weights_at(pair, i, 1, &w0, &w1);
+        _mm256_store_ps(to + i * PANEL, w0);
+        _mm256_store_ps(to + i * PANEL + 8, w1);
+    }
+}
+
 // Every thread takes one contiguous run of panel pairs (an odd last panel alone). One function per
 // (wide, out_kind): OpenMP outlines the loop's body, and only literal constants inside it let the
-// compiler drop the dtype branches from the inner loops.
-#define DEFINE_LINEAR(NAME, WIDE, OUT_KIND)                                                                 \
-    static void NAME(const float *x, const void *packed, const void *bias, void *out, int64_t m, int64_t n, \
-                     int64_t k) {                                                                           \
-        const int64_t panels = n / PANEL, pairs = (panels + 1) / 2;                                         \
-        _Pragma("omp parallel for schedule(static)")                                                        \
-        for (int64_t i = 0; i < pairs; i++) {                                                               \
-            if (2 * i + 1 < panels) rows_against(x, packed, bias, out, 2 * i, 2, m, n, k, WIDE, OUT_KIND);  \
-            else rows_against(x, packed, bias, out, 2 * i, 1, m, n, k, WIDE, OUT_KIND);                     \
-        }                                                                                                   \
+// compiler drop the dtype branches from the inner loops. Returns 0, or -1 when a thread's buffer for
+// widened weights could not be allocated.
+#define DEFINE_LINEAR(NAME, WIDE, OUT_KIND)                                                                   \
+    static int NAME(const float *x, const void *packed, const void *bias, void *out, int64_t m, int64_t n,    \
+                    int64_t k) {                                                                              \
+        const int64_t panels = n / PANEL, pairs = (panels + 1) / 2;                                           \
+        const size_t pair_bytes = 2 * (size_t)k * PANEL * (WIDE ? 2 : 4);                                     \
+        int failed = 0;                                                                                       \
+        _Pragma("omp parallel reduction(| : failed)")                                                         \
+        {                                                                                                     \
+            float *wide_pair = WIDE && m >= WIDEN_ROWS ? scratch(1, 2 * k * PANEL) : NULL;                    \
+            failed = WIDE && m >= WIDEN_ROWS && !wide_pair;                                                   \
+            _Pragma("omp for schedule(static)")                                                               \
+            for (int64_t i = 0; i < pairs; i++) {                                                             \
+                const int np = 2 * i + 1 < panels ? 2 : 1;                                                    \
+                const char *pair = (const char *)packed + i * pair_bytes;                                     \
+                if (failed) continue;                                                                         \
+                if (wide_pair) {                                                                              \
+                    widen_pair((const uint16_t *)pair, np, k, wide_pair);                                     \
+                    if (np == 2) rows_against(x, (const char *)wide_pair, bias, out, 2 * i, 2, m, n, k, 0, OUT_KIND); \
+                    else rows_against(x, (const char *)wide_pair, bias, out, 2 * i, 1, m, n, k, 0, OUT_KIND); \
+                } else if (np == 2) {                                                                         \
+                    rows_against(x, pair, bias, out, 2 * i, 2, m, n, k, WIDE, OUT_KIND);                      \
+                } else {                                                                                      \
+                    rows_against(x, pair, bias, out, 2 * i, 1, m, n, k, WIDE, OUT_KIND);                      \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        return failed ? -1 : 0;                                                                               \
     }
 
 DEFINE_LINEAR(linear_f32, 0, OUT_F32)
@@ -168,36 +215,21 @@ DEFINE_LINEAR(linear_bf16_float_output, 1, OUT_BF16_AS_F32)
 int avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
                     int64_t k, int float_output) {
     (void)float_output;
-    linear_f32(x, packed, bias, out, m, n, k);
-    return 0;
-}
-
-// A thread's fp32 buffer of at least `floats`, kept between calls (grown when needed); NULL when out
-// of memory.
-static float *scratch(int64_t floats) {
-    static __thread float *buffer;
-    static __thread int64_t size;
-    if (size < floats) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
-        size = buffer ? floats : 0;
-    }
-    return buffer;
+    return linear_f32(x, packed, bias, out, m, n, k);
 }
 
 // bf16 weights (interleaved panels, 2 bytes an element), bf16 x and bias: half the bytes of fp32 to
 // read, the arithmetic in fp32 (this CPU has no bf16 instructions). x is widened once into the
 // calling thread's buffer. out: bf16, or with `float_output` fp32 holding the bf16-rounded values.
-// Returns 0, or -1 when the buffer could not be allocated (out untouched).
+// Returns 0, or -1 when a buffer could not be allocated (out is then incomplete).
 int avx2_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m, int64_t n,
                      int64_t k, int float_output) {
-    float *xf = scratch(m * k);
+    float *xf = scratch(0, m * k);
     if (!xf) return -1;
 #pragma omp parallel for if (m * k >= 65536) schedule(static)
     for (int64_t i = 0; i < m * k; i++) xf[i] = load_bf16(x, i);
-    if (float_output) linear_bf16_float_output(xf, packed, bias, out, m, n, k);
-    else linear_bf16(xf, packed, bias, out, m, n, k);
-    return 0;
+    return float_output ? linear_bf16_float_output(xf, packed, bias, out, m, n, k)
+                        : linear_bf16(xf, packed, bias, out, m, n, k);
 }
 
 #else
