@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--revision", "branch, tag or commit of a Hugging Face model id (default: main)")
     _add(g, "--device", "auto | cpu | cuda | cuda:N", default="auto")
     _add(g, "--dtype", "auto | float32 | float16 | bfloat16; auto: the checkpoint's torch_dtype on an "
-         "accelerator, on CPU bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
+         "accelerator, on CPU bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX) or the AVX2 kernel "
+         "runs (AVX2 without AVX-512), else float32",
          default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     _add(g, "--max-model-len", "longest prompt + output in tokens (default: the model's context)", type=int)
     _add(g, "--max-loras", "the adapter pool: auto sizes it by memory (--lora-memory-bytes), an adapter taking "

@@ -123,12 +123,14 @@ def test_client_cli_parses_subcommands(monkeypatch):
     assert p.parse_args(["list"]).command == "list"
 
 
-def test_dtype_auto(tmp_path):
+def test_dtype_auto(tmp_path, monkeypatch):
     """--dtype auto (the CLI default): the checkpoint's torch_dtype on an accelerator (fp32 when it
-    names none), on CPU bf16 only where the CPU computes it natively."""
+    names none), on CPU bf16 where the CPU computes it natively or the AVX2 kernel takes bf16
+    projections, else fp32."""
     import torch
 
     from inference_service.engine.config import auto_dtype
+    from inference_service.kernels import avx2_linear
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.bfloat16
@@ -136,5 +138,10 @@ def test_dtype_auto(tmp_path):
     assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.float16
     assert auto_dtype("builtin:tiny", torch.device("cuda")) == torch.float32
     native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    bf16_here = native_bf16 or avx2_linear.available()
+    assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if bf16_here else torch.float32)
+    monkeypatch.setattr(avx2_linear, "available", lambda: True)  # an AVX2-only CPU with the kernel built
+    assert auto_dtype(str(tmp_path), torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(avx2_linear, "available", lambda: False)  # no compiler, or kernels switched off
     assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
     assert cli.build_parser().parse_args([]).dtype == "auto"
