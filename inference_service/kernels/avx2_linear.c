@@ -144,19 +144,6 @@ static inline __attribute__((always_inline)) void rows_against(const float *x, c
         }
 }
 
-// A thread's fp32 buffer `which` (0: x widened, 1: a panel pair widened) of at least `floats`, kept
-// between calls (grown when needed); NULL when out of memory.
-static float *scratch(int which, int64_t floats) {
-    static __thread float *buffers[2];
-    static __thread int64_t sizes[2];
-    if (sizes[which] < floats) {
-        free(buffers[which]);
-        buffers[which] = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
-        sizes[which] = buffers[which] ? floats : 0;
-    }
-    return buffers[which];
-}
-
 // bf16 weights from this many rows up are widened once per panel pair into a thread's buffer (k x 32
 // floats: 72-192 KiB, in L2) and every row tile runs on fp32 weights: widening inline costs a shift
 // and a mask per k in each 6-row tile, ~10% of a 512-row prefill's projections.
@@ -184,8 +171,9 @@ static void widen_pair(const uint16_t *pair, int np, int64_t k, float *to) {
         int failed = 0;                                                                                       \
         _Pragma("omp parallel reduction(| : failed)")                                                         \
         {                                                                                                     \
-            float *wide_pair = WIDE && m >= WIDEN_ROWS ? scratch(1, 2 * k * PANEL) : NULL;                    \
-            failed = WIDE && m >= WIDEN_ROWS && !wide_pair;                                                   \
+            const size_t pair_floats = WIDE && m >= WIDEN_ROWS ? 2 * (size_t)k * PANEL : 0;                   \
+            float *wide_pair = pair_floats ? thread_buffer(1, sizeof(float) * pair_floats) : NULL;            \
+            failed = pair_floats && !wide_pair;                                                               \
             _Pragma("omp for schedule(static)")                                                               \
             for (int64_t i = 0; i < pairs; i++) {                                                             \
                 const int np = 2 * i + 1 < panels ? 2 : 1;                                                    \
@@ -224,7 +212,7 @@ int avx2_linear_f32(const float *x, const float *packed, const float *bias, floa
 // Returns 0, or -1 when a buffer could not be allocated (out is then incomplete).
 int avx2_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, void *out, int64_t m, int64_t n,
                      int64_t k, int float_output) {
-    float *xf = scratch(0, m * k);
+    float *xf = thread_buffer(0, sizeof(float) * (size_t)(m * k));  // buffer 1: each thread's widened pair
     if (!xf) return -1;
 #pragma omp parallel for if (m * k >= 65536) schedule(static)
     for (int64_t i = 0; i < m * k; i++) xf[i] = load_bf16(x, i);

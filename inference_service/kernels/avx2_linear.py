@@ -58,7 +58,7 @@ class AVX2Weight:
             fn = self._f32 if self.dtype == torch.float32 else self._bf16
             if fn(x2, self.panels.data_ptr(), b, out, rows, self.out_features, self.in_features,
                   out_dtype == torch.float32):
-                raise MemoryError("AVX2 bf16 projection: its buffer for x could not be allocated")
+                raise MemoryError("AVX2 bf16 projection: its per-thread buffers could not be allocated")
 
         return project_rows(x, bias, self.in_features, self.out_features, out_dtype, kernel)
 

@@ -1,10 +1,11 @@
 // What the CPU kernels share: fp32/bf16 element access (arithmetic is fp32; bf16 is widened on
-// load and rounded to nearest even on store), an exp their vectorised loops can inline, and on
-// CPUs with AMX the tile set-up its kernels need.
+// load and rounded to nearest even on store), an exp their vectorised loops can inline, per-thread
+// scratch buffers, and on CPUs with AMX the tile set-up its kernels need.
 #ifndef LORAPLEX_KERNELS_COMMON_H
 #define LORAPLEX_KERNELS_COMMON_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
@@ -28,6 +29,21 @@ static inline float round_bf16(float f) {  // the value a bf16 store of f would 
     float r;
     memcpy(&r, &bits, sizeof r);
     return r;
+}
+
+// A thread's scratch buffer `which` (0-3; each kernel library has its own set), 64-byte aligned, kept
+// between calls and grown when a call needs more: a fresh malloc + free per call of the ~100 KiB
+// ones went back to the kernel and faulted its pages in again every call (page faults showed in a
+// step's profile). Its contents do not outlive a call. NULL when out of memory.
+static inline void *thread_buffer(int which, size_t bytes) {
+    static __thread void *buffers[4];
+    static __thread size_t sizes[4];
+    if (sizes[which] < bytes) {
+        free(buffers[which]);
+        buffers[which] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        sizes[which] = buffers[which] ? bytes : 0;
+    }
+    return buffers[which];
 }
 
 // exp for the kernels' vectorised loops. libm's expf is a call per element (and its vector

@@ -110,20 +110,6 @@ static inline void vadd_into_bf16(uint16_t *o, vf s) {
 #endif
 }
 
-// A thread's scratch buffer `which`, kept between calls and grown when a call needs more: a fresh
-// malloc + free per call of the ~100 KiB ones went back to the kernel and faulted its pages in
-// again every call (page faults showed in a step's profile). NULL when out of memory.
-static void *scratch(int which, size_t bytes) {
-    static __thread void *buffers[4];
-    static __thread size_t sizes[4];
-    if (sizes[which] < bytes) {
-        void *grown = realloc(buffers[which], bytes);
-        if (!grown) return NULL;
-        buffers[which] = grown, sizes[which] = bytes;
-    }
-    return buffers[which];
-}
-
 // The group and first row of task `task` (tasks are tiles of TILE_ROWS rows, group after group).
 static inline Group tile_of(const Group *groups, const int64_t *first_task, int64_t task, int64_t *row0) {
     int64_t g = 0;
@@ -201,10 +187,10 @@ static inline Group tile_of(const Group *groups, const int64_t *first_task, int6
         int failed = 0;                                                                                    \
         _Pragma("omp parallel")                                                                            \
         {                                                                                                  \
-            float *xs = scratch(0, sizeof(float) * (size_t)(TILE_ROWS * in));                              \
-            float *acc = scratch(1, sizeof(float) * (size_t)(TILE_ROWS * max_width));                      \
-            float *ys = scratch(2, sizeof(float) * (size_t)(TILE_ROWS * slot_rank));                       \
-            const T **rows_of = scratch(3, sizeof(T *) * (size_t)(slot_rank + 4)); /* weight row j's address */ \
+            float *xs = thread_buffer(0, sizeof(float) * (size_t)(TILE_ROWS * in));                        \
+            float *acc = thread_buffer(1, sizeof(float) * (size_t)(TILE_ROWS * max_width));                \
+            float *ys = thread_buffer(2, sizeof(float) * (size_t)(TILE_ROWS * slot_rank));                 \
+            const T **rows_of = thread_buffer(3, sizeof(T *) * (size_t)(slot_rank + 4)); /* weight row j's address */ \
             const int ok = xs && acc && ys && rows_of;                                                     \
             if (!ok) failed = 1;                                                                           \
             /* One task (a tile of up to TILE_ROWS rows of one group) at a time, shrink then expand:   \
