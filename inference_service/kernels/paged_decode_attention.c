@@ -185,9 +185,12 @@ static inline __attribute__((always_inline)) void group_values(float *out, const
                 const int64_t fetch_bytes = per_chunk * head_dim * (int64_t)sizeof(T);                  \
                 const int64_t *table = tables + b * max_blocks;                                         \
                 float *scores = malloc(sizeof(float) * (size_t)(nh * (len > 0 ? len : 1)));             \
-                float *acc = calloc((size_t)(nh * head_dim), sizeof(float));                            \
+                /* The vector path writes every output sum and widens K in registers: no zeroing, no kf. */ \
+                const int vector = head_dim % 8 == 0;                                                   \
+                float *acc = vector ? malloc(sizeof(float) * (size_t)(nh * head_dim))                   \
+                                    : calloc((size_t)(nh * head_dim), sizeof(float));                   \
                 float *qs = malloc(sizeof(float) * (size_t)(nh * head_dim));                            \
-                float *kf = malloc(sizeof(float) * (size_t)(per_chunk * head_dim));                     \
+                float *kf = malloc(sizeof(float) * (size_t)(vector ? 1 : per_chunk * head_dim));        \
                 int64_t *rows = malloc(sizeof(int64_t) * (size_t)(len > 0 ? len : 1));                  \
                 if (!scores || !acc || !qs || !kf || !rows) {                                           \
                     free(scores); free(acc); free(qs); free(kf); free(rows);                            \
@@ -197,7 +200,7 @@ static inline __attribute__((always_inline)) void group_values(float *out, const
                 for (int64_t t = 0; t < len; t++) rows[t] = cache_row(table, t, block_size);            \
                 for (int64_t i = 0; i < nh * head_dim; i++)                                             \
                     qs[i] = LOAD(q, (b * q_heads + h0) * head_dim + i) * scale;                         \
-                if (head_dim % 8 == 0) {                                                                \
+                if (vector) {                                                                           \
                     for (int64_t g = 0; g < per_chunk; g++)                                             \
                         group_scores(qs + g * group * head_dim, k_cache, rows, len, row, first + g * head_dim, \
                                      head_dim, group, scores + g * group * len, WIDE);                  \
@@ -227,7 +230,7 @@ static inline __attribute__((always_inline)) void group_values(float *out, const
                     _Pragma("omp simd")                                                                 \
                     for (int64_t t = 0; t < len; t++) sh[t] *= inv;                                     \
                 }                                                                                       \
-                if (head_dim % 8 == 0) {                                                                \
+                if (vector) {                                                                           \
                     for (int64_t g = 0; g < per_chunk; g++)                                             \
                         group_values(acc + g * group * head_dim, scores + g * group * len, v_cache, rows, len, \
                                      row, first + g * head_dim, head_dim, group, WIDE);                 \
