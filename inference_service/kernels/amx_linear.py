@@ -37,6 +37,11 @@ class AMXWeight:
         blocks = weight.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
         self.blocks = blocks.contiguous() if storage is None else storage.view(blocks.shape).copy_(blocks)
 
+    @property
+    def storage(self) -> torch.Tensor:
+        """The packed weight as the kernel reads it (the decode stack passes its address)."""
+        return self.blocks
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._run(x, bias, torch.bfloat16)
 

@@ -44,6 +44,11 @@ class AVX2Weight:
             panels = panels.reshape(n // PANEL, k, 2, PANEL // 2).transpose(-1, -2)
         self.panels = panels.contiguous()
 
+    @property
+    def storage(self) -> torch.Tensor:
+        """The packed weight as the kernel reads it (the decode stack passes its address)."""
+        return self.panels
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._run(x, bias, self.dtype)
 

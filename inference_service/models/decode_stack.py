@@ -222,8 +222,7 @@ class DecodeStack:
                 return False
             bias = bias.data.contiguous()
             keep_alive.append(bias)
-        storage = packed.blocks if isinstance(packed, amx_linear.AMXWeight) else packed.panels
-        entry.weight, entry.bias = storage.data_ptr(), None if bias is None else bias.data_ptr()
+        entry.weight, entry.bias = packed.storage.data_ptr(), None if bias is None else bias.data_ptr()
         entry.out_features, entry.in_features = packed.out_features, packed.in_features
         buffers = projection.lora.buffers
         entry.lora_a = None
