@@ -133,10 +133,63 @@ def test_amx_decode_attention_matches_gather_and_sdpa(q_heads, kv_heads, head_di
     torch.testing.assert_close(got[live].float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def _paged_causal_sdpa(q, k_cache, v_cache, table, start):
+    """A prefill chunk's attention as the torch path computes it: the sequence's blocks gathered, SDPA
+    with each query at position start + i seeing keys 0 .. start + i."""
+    count, _, head_dim = q.shape
+    kv_heads, length = k_cache.shape[2], start + count
+    keys = k_cache[table].reshape(-1, kv_heads, head_dim)[:length]
+    values = v_cache[table].reshape(-1, kv_heads, head_dim)[:length]
+    mask = torch.arange(length)[None, :] <= (start + torch.arange(count))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_backends_agree_on_a_mixed_step(dtype):
-    """The C backend (decode in place) and the torch backend (gather + SDPA) on one step with decode
-    rows, a first prefill chunk and a later chunk over cached context."""
+# Query groups of 1, 3, 4, 9 and 64 heads (one position a task), head dims that are multiples of 16 and
+# of 8 only (a last 8-wide step), and a group whose rows are not a multiple of 16 (a last 8-row vector).
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 24), (18, 2, 8), (64, 1, 32),
+                                                      (3, 1, 128)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_prefill_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, head_dim, block_size):
+    """Chunks of one and several positions, first chunks and chunks after cached context, ending inside a
+    key tile, on its edge and past several tiles (64 keys), over blocks in any order."""
+    for start, count in [(0, 1), (0, 5), (0, 70), (3, 1), (6, 3), (64, 64), (100, 37), (0, 200)]:
+        gen = torch.Generator().manual_seed(q_heads * 1000 + head_dim * 10 + block_size + start + count)
+        length = start + count
+        used = -(-length // block_size)
+        k_cache, v_cache = (torch.randn(used + 3, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+                            for _ in range(2))
+        table = torch.randperm(used + 3, generator=gen)[:used]
+        q = torch.randn(count, q_heads, head_dim, generator=gen).to(dtype)
+        got = cpu_kernels.prefill_attention(q, k_cache, v_cache, table, start)
+        assert got is not None, "the kernel should build with the compiler on these machines"
+        expected = _paged_causal_sdpa(q.float(), k_cache.float(), v_cache.float(), table, start)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance,
+                                   msg=lambda m, s=start, c=count: f"chunk of {c} after {s}: {m}")
+
+
+def test_paged_prefill_kernel_declines_what_it_does_not_take():
+    """None (the caller's torch path runs) for a head dim that is not a multiple of 8, a table too short
+    for the chunk, other dtypes and a cache of another dtype than q."""
+    k_cache = torch.randn(4, 4, 2, 12)
+    q = torch.randn(3, 4, 12)
+    assert cpu_kernels.prefill_attention(q, k_cache, k_cache, torch.arange(4), 0) is None
+    k_cache, q = torch.randn(4, 4, 2, 16), torch.randn(3, 4, 16)
+    assert cpu_kernels.prefill_attention(q, k_cache, k_cache, torch.arange(1), 2) is None  # 5 tokens, 4 slots
+    assert cpu_kernels.prefill_attention(q.half(), k_cache.half(), k_cache.half(), torch.arange(4), 0) is None
+    assert cpu_kernels.prefill_attention(q, k_cache.bfloat16(), k_cache.bfloat16(), torch.arange(4), 0) is None
+    assert cpu_kernels.prefill_attention(q, k_cache, k_cache, torch.arange(4), 0) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefill_kernel", [False, True])
+def test_attention_backends_agree_on_a_mixed_step(dtype, prefill_kernel):
+    """The C backend (decode in place; prefill chunks on the C kernel or as torch) and the torch
+    backend (gather + SDPA) on one step with decode rows, a first prefill chunk and a later chunk over
+    cached context."""
     gen = torch.Generator().manual_seed(5)
     num_blocks, block_size, q_heads, kv_heads, head_dim = 32, 4, 4, 2, 16
     caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
@@ -154,7 +207,7 @@ def test_attention_backends_agree_on_a_mixed_step(dtype):
     q = torch.randn(10, q_heads, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(10, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     outs = []
-    for backend in (TorchPagedAttention(), CpuPagedAttention()):
+    for backend in (TorchPagedAttention(), CpuPagedAttention(prefill_kernel)):
         kv = (caches[0].clone(), caches[1].clone())
         outs.append((backend.forward(q, k, v, kv, batch, cached=False), kv))
     (torch_out, torch_kv), (c_out, c_kv) = outs
@@ -399,13 +452,24 @@ def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):
     assert list(kernel_cache.iterdir()) == [], "no partial library is left behind"
 
 
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (the kernels are built with -march=native)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):
     """Built at start-up (the engine core and the model), not in the first request's decode step."""
     core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu"))
     built = sorted(p.name.rsplit("-", 1)[0] for p in kernel_cache.iterdir() if p.suffix == ".so")
-    assert built == ["fused", "lora", "paged_decode_attention"]
+    assert built == ["fused", "lora", "paged_decode_attention", "paged_prefill_attention"]
     assert isinstance(core.runner.model.lora_op, lora_kernel.CpuLoRAOp)
-    assert isinstance(core.runner.model.attention, CpuPagedAttention)
+    attention = core.runner.model.attention
+    assert isinstance(attention, CpuPagedAttention)
+    # The prefill kernel where the CPU lacks AVX-512 (torch's SDPA is kept where it has it).
+    assert attention.prefill_kernel == ("avx512f" not in _cpu_flags())
     core.shutdown()
 
 

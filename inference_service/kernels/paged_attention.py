@@ -1,7 +1,9 @@
-"""Paged decode attention on CPU, in C (`paged_decode_attention.c`), read in place from the blocks.
+"""Paged attention on CPU, in C, read in place from the blocks: decode (`paged_decode_attention.c`)
+and a prefill chunk's causal attention (`paged_prefill_attention.c`).
 
-Built and loaded by `kernels.build`; where it cannot be (no compiler, `LORAPLEX_CPU_KERNELS=0`)
-`decode_attention` returns None and the model keeps its torch path (gather the blocks, then SDPA).
+Built and loaded by `kernels.build`; where they cannot be (no compiler, `LORAPLEX_CPU_KERNELS=0`)
+`decode_attention` and `prefill_attention` return None and the model keeps its torch path (gather
+the blocks, then SDPA).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from inference_service.kernels.build import address, load_library
 
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+_PREFILL_SYMBOLS = {torch.float32: "paged_prefill_attention_f32", torch.bfloat16: "paged_prefill_attention_bf16"}
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,6 +51,50 @@ def decode_attention(
     )
     if status != 0:
         raise MemoryError("paged decode attention kernel: out of memory for its scratch buffers")
+    return out
+
+
+def prefill_preferred(device: torch.device, dtype: torch.dtype) -> bool:
+    """True if a prefill chunk's attention should run on the C kernel here (built now if needed): a
+    CPU without AVX-512, where torch's SDPA is the slower (on AVX-512 and AMX CPUs torch's is kept)."""
+    if device.type != "cpu" or dtype not in _PREFILL_SYMBOLS or _prefill_kernel(dtype) is None:
+        return False
+    library = load_library("paged_prefill_attention")
+    return library is not None and bool(library.paged_prefill_attention_preferred())
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, start: int
+) -> torch.Tensor | None:
+    """Causal attention of one prefill chunk: q [T, Hq, D] at positions start .. start + T - 1 over the
+    sequence's cached tokens 0 .. start + T - 1 (the chunk's own K/V already written), its blocks
+    listed in block_table [n] (int64). None where the kernel cannot run (caller falls back)."""
+    count, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if not (
+        q.device.type == "cpu"
+        and q.dtype in _PREFILL_SYMBOLS
+        and k_cache.dtype == v_cache.dtype == q.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and block_table.dtype == torch.int64
+        and block_table.is_contiguous()
+        and q_heads % kv_heads == 0
+        and head_dim % 8 == 0
+        and block_table.numel() * block_size >= start + count
+    ):
+        return None
+    kernel = _prefill_kernel(q.dtype)
+    if kernel is None:
+        return None
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    status = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), out.data_ptr(),
+                    count, start, q_heads, kv_heads, head_dim, block_size, head_dim**-0.5)
+    if status == -1:  # a shape it does not take (a query group of more than 64 heads)
+        return None
+    if status != 0:
+        raise MemoryError("paged prefill attention kernel: out of memory for its scratch buffers")
     return out
 
 
@@ -94,6 +141,18 @@ def _amx_kernel(q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> 
     if library is None or not library.paged_decode_attention_bf16_amx_fits(*shape):
         return None
     return _symbol("paged_decode_attention_bf16_amx")
+
+
+@functools.cache
+def _prefill_kernel(dtype: torch.dtype) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    library = load_library("paged_prefill_attention")
+    if library is None:
+        return None
+    library.paged_prefill_attention_preferred.restype = ctypes.c_int
+    fn = getattr(library, _PREFILL_SYMBOLS[dtype])
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    return fn
 
 
 def _symbol(name: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "vec8.h"
 
 // Rows of the next tokens are fetched ahead: a sequence's blocks lie anywhere in the cache, and
 // without this the kernel stalled on memory (1.5x slower with cold caches, where it runs in a step).
@@ -60,26 +61,6 @@ static inline const void *listed_token_part(const void *cache, int64_t element_s
 // heads of a KV head (up to 4 at a time) share each K and V load, read straight from the cache
 // (bf16 widened in registers), and P.V sums each 16 output dims of those heads in registers over
 // all the tokens.
-typedef float vf8 __attribute__((vector_size(32)));
-typedef uint16_t vh8 __attribute__((vector_size(16)));
-typedef uint32_t vu8 __attribute__((vector_size(32)));
-
-static inline vf8 load8(const float *p) {
-    vf8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline void store8(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
-// 8 elements of the cache at p, as fp32 (`wide`: bf16; a constant at each call).
-static inline __attribute__((always_inline)) vf8 cache8(const void *p, const int wide) {
-    if (!wide) return load8((const float *)p);
-    vh8 h;
-    memcpy(&h, p, sizeof h);
-    const vu8 bits = __builtin_convertvector(h, vu8) << 16;
-    vf8 v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
 static inline float hsum8(vf8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // scores[j * len + t] = qs[j] . k for NB heads (qs [NB, D] fp32; k: the cache's D elements).

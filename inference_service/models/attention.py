@@ -32,7 +32,7 @@ def make_attention_backend(device: torch.device, dtype: torch.dtype) -> Attentio
     """The one place a backend is chosen (builds the C kernel now where it applies, not in the
     first request's decode step)."""
     if cpu_kernels.available(device, dtype):
-        return CpuPagedAttention()
+        return CpuPagedAttention(prefill_kernel=cpu_kernels.prefill_preferred(device, dtype))
     return TorchPagedAttention()
 
 
@@ -88,14 +88,33 @@ class TorchPagedAttention:
                 return result
             out.index_copy_(0, decode_rows, result)
         assert out is not None  # only batches of decodes alone return above
+        self.prefill(q, k, v, k_cache, v_cache, batch, out)
+        return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        out: torch.Tensor,
+        segments: list[int] | None = None,
+    ) -> None:
+        """Each prefill segment's causal attention into its rows of `out` (`segments`: indices into
+        batch.prefills, default all), over its own k/v and, after a first chunk, the cached context."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        chosen = range(len(batch.prefills)) if segments is None else segments
         # One gather for K and one for V per layer, of every segment's blocks at once: a gather per
         # segment was 64 parallel regions a step for 8 segments of 4 layers (see docs/architecture.md).
-        context = batch.context_blocks()
+        context = batch.context_blocks() if any(batch.prefills[i].num_computed for i in chosen) else None
         if context is not None:
             index, offsets = context
             all_keys = self.scratch.gather(0, k_cache, index)  # [blocks, block_size, Hkv, D]
             all_values = self.scratch.gather(1, v_cache, index)
-        for i, seg in enumerate(batch.prefills):
+        for i in chosen:
+            seg = batch.prefills[i]
             queries = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
             if seg.num_computed == 0:
                 keys = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
@@ -117,7 +136,6 @@ class TorchPagedAttention:
                     enable_gqa=True,
                 )
             out[seg.start : seg.end] = result.squeeze(0).transpose(0, 1)
-        return out
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
@@ -133,7 +151,38 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decode through the C kernel, which reads the blocks in place (no gather); prefill as torch."""
+    """Decode through the C kernel, which reads the blocks in place (no gather); prefill chunks through
+    the C prefill kernel where it is the faster (`prefill_kernel`), else as torch."""
+
+    def __init__(self, prefill_kernel: bool) -> None:
+        super().__init__()
+        self.prefill_kernel = prefill_kernel
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        out: torch.Tensor,
+        segments: list[int] | None = None,
+    ) -> None:
+        left = list(range(len(batch.prefills))) if segments is None else segments
+        if self.prefill_kernel:  # the chunk's K/V are in the cache by now: the kernel reads them there
+            rest = []
+            for i in left:
+                seg = batch.prefills[i]
+                result = cpu_kernels.prefill_attention(q[seg.start : seg.end], k_cache, v_cache, seg.block_table,
+                                                       seg.num_computed)
+                if result is None:  # a shape the kernel does not take: torch's path computes the same
+                    rest.append(i)
+                else:
+                    out[seg.start : seg.end] = result
+            left = rest
+        if left:
+            super().prefill(q, k, v, k_cache, v_cache, batch, out, left)
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
