@@ -44,10 +44,11 @@ static inline __attribute__((always_inline)) void scores_tile(const float *kf, c
     }
 }
 
-// O[r .. r + NR)[d .. d + 8 nv) += sum over the tile's keys t of P^T[t][r + i] V[t][d ..].
+// O[r .. r + 4)[d .. d + 8 nv) += sum over the tile's keys t of P^T[t][r + i] V[t][d ..].
 static inline __attribute__((always_inline)) void values_tile(float *o, const float *pt, const float *vf, int64_t keys,
                                                               int64_t d_len, int64_t rp, int64_t r, int64_t d,
-                                                              const int nr, const int nv) {
+                                                              const int nv) {
+    const int nr = 4;
     vf8 acc[4][2];
     for (int i = 0; i < nr; i++) {
         acc[i][0] = load8(o + (r + i) * d_len + d);
@@ -67,14 +68,21 @@ static inline __attribute__((always_inline)) void values_tile(float *o, const fl
     }
 }
 
-// Rows `rows` .. of one key tile widened to fp32 [keys][D] (`first`: the head's offset in a row).
+// One key tile's rows t0 .. t0 + keys widened to fp32 [keys][D] (`first`: the head's offset in a row);
+// the rows KT further on (up to `ahead` keys from t0) are fetched on the way.
 static inline __attribute__((always_inline)) void widen_tile(float *dst, const void *cache, const int64_t *table,
                                                              int64_t block_size, int64_t row, int64_t first,
-                                                             int64_t t0, int64_t keys, int64_t d_len, const int wide) {
+                                                             int64_t t0, int64_t keys, int64_t ahead, int64_t d_len,
+                                                             const int wide) {
     const int64_t elem = wide ? 2 : 4;
     for (int64_t t = 0; t < keys; t++) {
         const int64_t at = table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size;
         const char *src = (const char *)cache + (at * row + first) * elem;
+        if (t + KT < ahead) {  // the next tile's row, to arrive while this one is computed
+            const int64_t next = table[(t0 + t + KT) / block_size] * block_size + (t0 + t + KT) % block_size;
+            for (int64_t o = 0; o < d_len * elem; o += 64)
+                __builtin_prefetch((const char *)cache + (next * row + first) * elem + o, 0, 3);
+        }
         for (int64_t d = 0; d < d_len; d += 8) store8(dst + t * d_len + d, cache8(src + d * elem, wide));
     }
 }
@@ -107,8 +115,9 @@ static inline __attribute__((always_inline)) void attend_task(
     const int64_t last = start + p0 + np - 1;  // the task's last position: keys 0 .. last
     for (int64_t t0 = 0; t0 <= last; t0 += KT) {
         const int64_t keys = last + 1 - t0 < KT ? last + 1 - t0 : KT;
-        widen_tile(kf, k_cache, table, block_size, row, j * head_dim, t0, keys, head_dim, wide);
-        widen_tile(vf, v_cache, table, block_size, row, j * head_dim, t0, keys, head_dim, wide);
+        const int64_t ahead = last + 1 - t0;  // keys from t0 on
+        widen_tile(kf, k_cache, table, block_size, row, j * head_dim, t0, keys, ahead, head_dim, wide);
+        widen_tile(vf, v_cache, table, block_size, row, j * head_dim, t0, keys, ahead, head_dim, wide);
         for (int64_t t = 0; t < keys; t += 4) {
             const int nt = keys - t < 4 ? (int)(keys - t) : 4;
             for (int64_t r = 0; r < rp; r += 16) {
@@ -126,14 +135,25 @@ static inline __attribute__((always_inline)) void attend_task(
 #undef SCORES
             }
         }
-        // Online softmax down each row's column; a key past the row's position gets probability 0.
+        // Online softmax down each row's column; key t0 + t is past row r's position where t > limit[r].
+        int32_t limit[ROWS_MAX + 8];
         float tile_max[ROWS_MAX + 8];
-#pragma omp simd
-        for (int64_t r = 0; r < rp; r++) tile_max[r] = mx[r];
+        int32_t least = INT32_MAX;
+        for (int64_t r = 0; r < rp; r++) {
+            limit[r] = (int32_t)(pos[r] - t0);
+            least = limit[r] < least ? limit[r] : least;
+            tile_max[r] = mx[r];
+        }
+        const int masked = least < keys - 1;  // else every key of the tile is visible to every row
         for (int64_t t = 0; t < keys; t++) {
             const float *s = st + t * rp;
+            if (masked) {
 #pragma omp simd
-            for (int64_t r = 0; r < rp; r++) tile_max[r] = t0 + t <= pos[r] && s[r] > tile_max[r] ? s[r] : tile_max[r];
+                for (int64_t r = 0; r < rp; r++) tile_max[r] = t <= limit[r] && s[r] > tile_max[r] ? s[r] : tile_max[r];
+            } else {
+#pragma omp simd
+                for (int64_t r = 0; r < rp; r++) tile_max[r] = s[r] > tile_max[r] ? s[r] : tile_max[r];
+            }
         }
         // Key 0 is in every row's first tile, so the max is finite from then on (exp(-inf) = 0 at the
         // first tile, where the output and sum are still 0).
@@ -145,32 +165,31 @@ static inline __attribute__((always_inline)) void attend_task(
         }
         for (int64_t t = 0; t < keys; t++) {
             float *s = st + t * rp;
+            if (masked) {
 #pragma omp simd
-            for (int64_t r = 0; r < rp; r++) {
-                const float p = t0 + t <= pos[r] ? vec_expf(s[r] - mx[r]) : 0.f;
-                s[r] = p;
-                sum[r] += p;
+                for (int64_t r = 0; r < rp; r++) {
+                    const float p = t <= limit[r] ? vec_expf(s[r] - mx[r]) : 0.f;
+                    s[r] = p;
+                    sum[r] += p;
+                }
+            } else {
+#pragma omp simd
+                for (int64_t r = 0; r < rp; r++) {
+                    const float p = vec_expf(s[r] - mx[r]);
+                    s[r] = p;
+                    sum[r] += p;
+                }
             }
         }
         if (t0 > 0)
             for (int64_t r = 0; r < rp; r++)
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++) o[r * head_dim + d] *= corr[r];
-        for (int64_t r = 0; r < rp; r += 4) {
-            const int nr = rp - r < 4 ? (int)(rp - r) : 4;
+        for (int64_t r = 0; r < rp; r += 4)  // rp is a multiple of 8
             for (int64_t d = 0; d < head_dim; d += 16) {
-#define VALUES(NR)                                                                         \
-    if (d + 16 <= head_dim) values_tile(o, st, vf, keys, head_dim, rp, r, d, NR, 2);      \
-    else values_tile(o, st, vf, keys, head_dim, rp, r, d, NR, 1);
-                switch (nr) {
-                    case 4: VALUES(4) break;
-                    case 3: VALUES(3) break;
-                    case 2: VALUES(2) break;
-                    default: VALUES(1) break;
-                }
-#undef VALUES
+                if (d + 16 <= head_dim) values_tile(o, st, vf, keys, head_dim, rp, r, d, 2);
+                else values_tile(o, st, vf, keys, head_dim, rp, r, d, 1);
             }
-        }
     }
     for (int64_t r = 0; r < rows; r++) {
         const float inv = 1.f / sum[r];
