@@ -17,6 +17,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -68,29 +69,22 @@ static inline __attribute__((always_inline)) void values_tile(float *o, const fl
     }
 }
 
-// One key tile's rows t0 .. t0 + keys widened to fp32 [keys][D] (`first`: the head's offset in a row);
-// the rows KT further on (up to `ahead` keys from t0) are fetched on the way.
-static inline __attribute__((always_inline)) void widen_tile(float *dst, const void *cache, const int64_t *table,
-                                                             int64_t block_size, int64_t row, int64_t first,
-                                                             int64_t t0, int64_t keys, int64_t ahead, int64_t d_len,
-                                                             const int wide) {
+// One key tile's rows t0 .. t0 + keys widened to fp32 [keys][D] (`first`: the head's offset in a row;
+// `rows`: each token's row in the cache).
+static inline __attribute__((always_inline)) void widen_tile(float *dst, const void *cache, const int64_t *rows,
+                                                             int64_t row, int64_t first, int64_t t0, int64_t keys,
+                                                             int64_t d_len, const int wide) {
     const int64_t elem = wide ? 2 : 4;
     for (int64_t t = 0; t < keys; t++) {
-        const int64_t at = table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size;
-        const char *src = (const char *)cache + (at * row + first) * elem;
-        if (t + KT < ahead) {  // the next tile's row, to arrive while this one is computed
-            const int64_t next = table[(t0 + t + KT) / block_size] * block_size + (t0 + t + KT) % block_size;
-            for (int64_t o = 0; o < d_len * elem; o += 64)
-                __builtin_prefetch((const char *)cache + (next * row + first) * elem + o, 0, 3);
-        }
+        const char *src = (const char *)cache + (rows[t0 + t] * row + first) * elem;
         for (int64_t d = 0; d < d_len; d += 8) store8(dst + t * d_len + d, cache8(src + d * elem, wide));
     }
 }
 
 // One task: KV head j, positions p0 .. p0 + np of the chunk.
 static inline __attribute__((always_inline)) void attend_task(
-    const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int64_t start,
-    int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t j, int64_t p0,
+    const void *q, const void *k_cache, const void *v_cache, const int64_t *rows_of, void *out, int64_t start,
+    int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t j, int64_t p0,
     int64_t np, float *buffer, const int wide) {
     const int64_t group = q_heads / kv_heads, rows = np * group, rp = (rows + 7) / 8 * 8, row = kv_heads * head_dim;
     float *qt = buffer;                 // [D][rp]
@@ -115,9 +109,8 @@ static inline __attribute__((always_inline)) void attend_task(
     const int64_t last = start + p0 + np - 1;  // the task's last position: keys 0 .. last
     for (int64_t t0 = 0; t0 <= last; t0 += KT) {
         const int64_t keys = last + 1 - t0 < KT ? last + 1 - t0 : KT;
-        const int64_t ahead = last + 1 - t0;  // keys from t0 on
-        widen_tile(kf, k_cache, table, block_size, row, j * head_dim, t0, keys, ahead, head_dim, wide);
-        widen_tile(vf, v_cache, table, block_size, row, j * head_dim, t0, keys, ahead, head_dim, wide);
+        widen_tile(kf, k_cache, rows_of, row, j * head_dim, t0, keys, head_dim, wide);
+        widen_tile(vf, v_cache, rows_of, row, j * head_dim, t0, keys, head_dim, wide);
         for (int64_t t = 0; t < keys; t += 4) {
             const int nt = keys - t < 4 ? (int)(keys - t) : 4;
             for (int64_t r = 0; r < rp; r += 16) {
@@ -210,6 +203,11 @@ static inline __attribute__((always_inline)) void attend_task(
         const int64_t blocks = (count + qb - 1) / qb, tasks = blocks * kv_heads;                             \
         const int64_t rp = (qb * group + 7) / 8 * 8;                                                         \
         const size_t floats = (size_t)(head_dim * rp + 2 * KT * head_dim + KT * rp + rp * head_dim + 5 * rp); \
+        /* Each token's cache row, listed once (a 64-bit division per token costs ~40 cycles on some CPUs). */ \
+        int64_t *rows_of = malloc(sizeof(int64_t) * (size_t)(start + count));                                 \
+        if (!rows_of) return -2;                                                                              \
+        for (int64_t t = 0; t < start + count; t++)                                                           \
+            rows_of[t] = table[t / block_size] * block_size + t % block_size;                                 \
         int failed = 0;                                                                                       \
         /* The last positions' tasks first: they have the most keys (causal), so threads end together. */  \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                                      \
@@ -220,9 +218,10 @@ static inline __attribute__((always_inline)) void attend_task(
                 failed = 1;                                                                                   \
                 continue;                                                                                     \
             }                                                                                                 \
-            attend_task(q, k_cache, v_cache, table, out, start, q_heads, kv_heads, head_dim, block_size, scale, j, \
-                        p0, count - p0 < qb ? count - p0 : qb, buffer, WIDE);                                 \
+            attend_task(q, k_cache, v_cache, rows_of, out, start, q_heads, kv_heads, head_dim, scale, j, p0,    \
+                        count - p0 < qb ? count - p0 : qb, buffer, WIDE);                                     \
         }                                                                                                     \
+        free(rows_of);                                                                                        \
         return failed ? -2 : 0;                                                                               \
     }
 
