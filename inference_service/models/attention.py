@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.kernels import paged_attention as cpu_kernels
-from inference_service.models.batch import AttentionBatch
+from inference_service.models.batch import AttentionBatch, PrefillSegment
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V caches [num_blocks, block_size, Hkv, D]
 
@@ -100,20 +100,25 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         batch: AttentionBatch,
         out: torch.Tensor,
-        segments: list[int] | None = None,
     ) -> None:
-        """Each prefill segment's causal attention into its rows of `out` (`segments`: indices into
-        batch.prefills, default all), over its own k/v and, after a first chunk, the cached context."""
+        """Each prefill segment's causal attention into its rows of `out`, over its own k/v and, after a
+        first chunk, the cached context: in place where `prefill_in_place` can, else gather + SDPA."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        chosen = range(len(batch.prefills)) if segments is None else segments
+        rest = []  # segments left to the gather + SDPA path
+        for i, seg in enumerate(batch.prefills):
+            result = self.prefill_in_place(q[seg.start : seg.end], k_cache, v_cache, seg)
+            if result is None:
+                rest.append(i)
+            else:
+                out[seg.start : seg.end] = result
         # One gather for K and one for V per layer, of every segment's blocks at once: a gather per
         # segment was 64 parallel regions a step for 8 segments of 4 layers (see docs/architecture.md).
-        context = batch.context_blocks() if any(batch.prefills[i].num_computed for i in chosen) else None
+        context = batch.context_blocks() if any(batch.prefills[i].num_computed for i in rest) else None
         if context is not None:
             index, offsets = context
             all_keys = self.scratch.gather(0, k_cache, index)  # [blocks, block_size, Hkv, D]
             all_values = self.scratch.gather(1, v_cache, index)
-        for i in chosen:
+        for i in rest:
             seg = batch.prefills[i]
             queries = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
             if seg.num_computed == 0:
@@ -137,6 +142,13 @@ class TorchPagedAttention:
                 )
             out[seg.start : seg.end] = result.squeeze(0).transpose(0, 1)
 
+    def prefill_in_place(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment
+    ) -> torch.Tensor | None:
+        """A segment's attention (q: its rows) read from the cache in place, where a backend has a kernel
+        for it; None here: the gather + SDPA path."""
+        return None
+
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
     ) -> torch.Tensor:
@@ -158,31 +170,13 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__()
         self.prefill_kernel = prefill_kernel
 
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: AttentionBatch,
-        out: torch.Tensor,
-        segments: list[int] | None = None,
-    ) -> None:
-        left = list(range(len(batch.prefills))) if segments is None else segments
-        if self.prefill_kernel:  # the chunk's K/V are in the cache by now: the kernel reads them there
-            rest = []
-            for i in left:
-                seg = batch.prefills[i]
-                result = cpu_kernels.prefill_attention(q[seg.start : seg.end], k_cache, v_cache, seg.block_table,
-                                                       seg.num_computed)
-                if result is None:  # a shape the kernel does not take: torch's path computes the same
-                    rest.append(i)
-                else:
-                    out[seg.start : seg.end] = result
-            left = rest
-        if left:
-            super().prefill(q, k, v, k_cache, v_cache, batch, out, left)
+    def prefill_in_place(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment
+    ) -> torch.Tensor | None:
+        if not self.prefill_kernel:
+            return None
+        # The chunk's K/V are in the cache by now; None (a shape the kernel does not take): torch's path.
+        return cpu_kernels.prefill_attention(q, k_cache, v_cache, seg.block_table, seg.num_computed)
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
