@@ -173,7 +173,7 @@ def test_paged_prefill_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, 
 
 def test_paged_prefill_kernel_declines_what_it_does_not_take():
     """None (the caller's torch path runs) for a head dim that is not a multiple of 8, a table too short
-    for the chunk, other dtypes and a cache of another dtype than q."""
+    for the chunk, other dtypes and a cache of another dtype than q; an empty chunk is an empty output."""
     k_cache = torch.randn(4, 4, 2, 12)
     q = torch.randn(3, 4, 12)
     assert cpu_kernels.prefill_attention(q, k_cache, k_cache, torch.arange(4), 0) is None
@@ -182,6 +182,7 @@ def test_paged_prefill_kernel_declines_what_it_does_not_take():
     assert cpu_kernels.prefill_attention(q.half(), k_cache.half(), k_cache.half(), torch.arange(4), 0) is None
     assert cpu_kernels.prefill_attention(q, k_cache.bfloat16(), k_cache.bfloat16(), torch.arange(4), 0) is None
     assert cpu_kernels.prefill_attention(q, k_cache, k_cache, torch.arange(4), 0) is not None
+    assert cpu_kernels.prefill_attention(q[:0], k_cache, k_cache, torch.arange(4), 0).shape == (0, 4, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

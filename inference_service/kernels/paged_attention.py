@@ -89,6 +89,8 @@ def prefill_attention(
         return None
     q = q.contiguous()
     out = torch.empty_like(q)
+    if count == 0:
+        return out
     status = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), out.data_ptr(),
                     count, start, q_heads, kv_heads, head_dim, block_size, head_dim**-0.5)
     if status == -1:  # a shape it does not take (a query group of more than 64 heads)
