@@ -36,7 +36,7 @@ def decode_attention(
 
     q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] and
     context_lens [B] int64. None where the kernel cannot run (caller falls back)."""
-    if not _supported(q, k_cache, v_cache, block_tables, context_lens):
+    if not _layout_taken(q, k_cache, v_cache, block_tables, context_lens):
         return None
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -72,14 +72,7 @@ def prefill_attention(
     count, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if not (
-        q.device.type == "cpu"
-        and q.dtype in _PREFILL_SYMBOLS
-        and k_cache.dtype == v_cache.dtype == q.dtype
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and block_table.dtype == torch.int64
-        and block_table.is_contiguous()
-        and q_heads % kv_heads == 0
+        _layout_taken(q, k_cache, v_cache, block_table)
         and head_dim % 8 == 0
         and block_table.numel() * block_size >= start + count
     ):
@@ -115,18 +108,17 @@ def _choose(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
     return kernel or _kernel(dtype)
 
 
-def _supported(q, k_cache, v_cache, block_tables, context_lens) -> bool:  # type: ignore[no-untyped-def]
-    q_heads, kv_heads = q.shape[1], k_cache.shape[2]
+def _layout_taken(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *indices: torch.Tensor) -> bool:
+    """What both kernels need: CPU tensors of one dtype they are built for (fp32, bf16), contiguous
+    caches, contiguous int64 tables and lengths, whole query groups per KV head."""
     return (
         q.device.type == "cpu"
         and q.dtype in _SYMBOLS
         and k_cache.dtype == v_cache.dtype == q.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and block_tables.dtype == context_lens.dtype == torch.int64
-        and block_tables.is_contiguous()
-        and context_lens.is_contiguous()
-        and q_heads % kv_heads == 0
+        and all(t.dtype == torch.int64 and t.is_contiguous() for t in indices)
+        and q.shape[1] % k_cache.shape[2] == 0
     )
 
 
