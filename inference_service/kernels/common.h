@@ -31,6 +31,12 @@ static inline float round_bf16(float f) {  // the value a bf16 store of f would 
     return r;
 }
 
+// Index of token t's row in a paged KV cache (the attention kernels): its block's index (from the
+// sequence's block table) times the block size, plus its offset in the block.
+static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_size) {
+    return table[t / block_size] * block_size + t % block_size;
+}
+
 // A thread's scratch buffer `which` (0-3; each kernel library has its own set), 64-byte aligned, kept
 // between calls and grown when a call needs more: a fresh malloc + free per call of the ~100 KiB
 // ones went back to the kernel and faulted its pages in again every call (page faults showed in a

@@ -28,11 +28,6 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
-// Index of token t's row in the cache: its block's index times the block size, plus its offset.
-static inline int64_t cache_row(const int64_t *table, int64_t t, int64_t block_size) {
-    return table[t / block_size] * block_size + t % block_size;
-}
-
 // Token t's part of its cache row (`first` elements in, `fetch_bytes` long), as a byte address;
 // the same part of the row PREFETCH_TOKENS ahead is fetched on the way.
 static inline const void *token_part(const void *cache, int64_t element_size, const int64_t *table, int64_t t,

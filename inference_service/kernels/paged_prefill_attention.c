@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void attend_task(
         int64_t *rows_of = malloc(sizeof(int64_t) * (size_t)(start + count));                                 \
         if (!rows_of) return -2;                                                                              \
         for (int64_t t = 0; t < start + count; t++)                                                           \
-            rows_of[t] = table[t / block_size] * block_size + t % block_size;                                 \
+            rows_of[t] = cache_row(table, t, block_size);                                                     \
         int failed = 0;                                                                                       \
         /* The last positions' tasks first: they have the most keys (causal), so threads end together. */  \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                                      \
