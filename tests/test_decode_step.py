@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from harness.adapters import write_tiny_adapter
-from harness.devices import requires_cuda
+from harness.devices import DEVICES, requires_cuda
+from harness.engine_helpers import generate, load_adapters
 from inference_service.engine.config import EngineConfig
-from inference_service.engine.core import build_kv_cache, build_lora_manager, default_source
+from inference_service.engine.core import EngineCore, build_kv_cache, build_lora_manager, default_source
 from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.kv_cache import KVCache
+from inference_service.engine.request import SamplingParams
 from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch
@@ -65,6 +67,7 @@ class Setup:
         tables = [self.kv.grown([], length + 3) for _, length in ROWS]
         self.tables = [list(reversed(t)) for t in tables]
         self.uids = [self.lora.uid_of(name) if name else None for name, _ in ROWS]
+        self.adapters = [(self.lora.pages_of(uid), self.lora.rank_of(uid)) if uid else ((), 0) for uid in self.uids]
         self.tokens = [3 + 17 * i for i in range(len(ROWS))]
         self.positions = [length for _, length in ROWS]
 
@@ -102,7 +105,7 @@ class Setup:
     def decode(self, graphs: DecodeGraphs, steps: int) -> list[list[int]]:
         tokens, positions, out = list(self.tokens), list(self.positions), []
         for _ in range(steps):
-            tokens = graphs.run(tokens, positions, self.tables, self.uids).tolist()
+            tokens = graphs.run(tokens, positions, self.tables, self.adapters).tolist()
             out.append(tokens)
             positions = [p + 1 for p in positions]
         return out
@@ -132,7 +135,7 @@ def _break_reasons(setup: Setup) -> list[str]:
     """Why dynamo could not trace the bucket's step as one graph ([] if it could)."""
     graphs = setup.graphs("eager")
     graphs.inputs.fill(setup.tokens, setup.positions, setup.tables, setup.kv.block_size)
-    setup.lora.fill_step_buffers(setup.uids)
+    setup.lora.fill_step_buffers(setup.adapters)
     torch._dynamo.reset()
     with torch.no_grad():
         explained = torch._dynamo.explain(graphs.body(BUCKET))()
@@ -189,3 +192,24 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path):
     eager_tokens = s.decode(s.graphs("eager"), 3)
     s.restore(saved)
     assert s.decode(s.graphs("cuda_graph"), 3) == eager_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_with_captured_decode_matches_uncaptured(device: str, tmp_path: Path):
+    """The engine's greedy decode steps through the captured step (compiled on CPU, a CUDA graph
+    on CUDA) generate the tokens the uncaptured engine does, and leave nothing held."""
+    adapters = {f"a{i}": write_tiny_adapter(tmp_path / f"a{i}", rank=4 + 2 * i, seed=i) for i in range(3)}
+    prompts = {f"r{i}": ([256, 72 + i, 101, 108], name) for i, name in enumerate([*adapters, None])}
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    generated = {}
+    for graphs in ("off", "on"):
+        core = EngineCore(EngineConfig(device=device, max_loras=4, max_lora_rank=8, kv_cache_bytes=4 << 20,
+                                       max_num_seqs=8, decode_graphs=graphs))
+        load_adapters(core, adapters)
+        generated[graphs] = generate(core, prompts, params)
+        if graphs == "on":
+            assert core.runner.graphs is not None and 4 in core.runner.graphs.captured  # the whole batch's steps
+        assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+        core.shutdown()
+    assert generated["on"] == generated["off"]

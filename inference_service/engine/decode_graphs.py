@@ -24,6 +24,7 @@ import torch
 
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import LoRAOp, TorchLoRAOp
+from inference_service.lora.step_buffers import RowAdapter
 from inference_service.models.attention import AttentionBackend, KVLayer, TritonPagedAttention
 from inference_service.models.decode_step import (
     DEFAULT_BUCKETS,
@@ -56,11 +57,13 @@ class DecodeGraphs:
 
     def __init__(
         self, model: LlamaModel, kv_caches: list[KVLayer], block_size: int, lora: LoRAManager, max_blocks: int,
-        pad_slot: int, mode: CaptureMode, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        pad_slot: int, mode: CaptureMode, buckets: tuple[int, ...] = DEFAULT_BUCKETS, non_finite: int = -1,
     ) -> None:
+        """`non_finite`: the token of a row whose logits have no finite maximum (the engine ends that
+        request alone, as after its uncaptured greedy pick)."""
         check_capturable(model)
         self.model, self.kv_caches, self.block_size, self.lora = model, kv_caches, block_size, lora
-        self.mode, self.buckets = mode, tuple(sorted(buckets))
+        self.mode, self.buckets, self.non_finite = mode, tuple(sorted(buckets)), non_finite
         device = model.device
         self.inputs = DecodeInputs(self.buckets[-1], max_blocks, pad_slot, device)
         self.lora_buffers = lora.step_buffers(self.buckets[-1])
@@ -77,17 +80,27 @@ class DecodeGraphs:
             return model.lora_op, StaticDecodeAttention()
         return TorchLoRAOp(model.device, b_rank_major=model.lora_op.b_rank_major), StaticDecodeAttention()
 
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """The buckets whose step is captured so far."""
+        return tuple(sorted(self._steps))
+
     def bucket_for(self, rows: int) -> int | None:
         return bucket_for(rows, self.buckets)
 
-    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]], uids: list[str | None]
+    def fits(self, rows: int, longest_table: int) -> bool:
+        """Whether a decode step of `rows` rows, tables of at most `longest_table` blocks, has a bucket."""
+        return self.bucket_for(rows) is not None and longest_table <= self.inputs.max_blocks
+
+    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]], adapters: list[RowAdapter]
             ) -> torch.Tensor:
         """One decode step of these rows (each sequence's newest token, its position, block table and
-        adapter uid or None): their greedy next tokens [rows], on the device."""
+        adapter's pages and rank, ((), 0) for the base model): their greedy next tokens [rows], on the
+        device."""
         bucket = self.bucket_for(len(tokens))
         assert bucket is not None, f"{len(tokens)} rows: no bucket holds them (largest {self.buckets[-1]})"
         self.inputs.fill(tokens, positions, tables, self.block_size)
-        self.lora.fill_step_buffers(uids)
+        self.lora.fill_step_buffers(adapters)
         return self.step(bucket)()[: len(tokens)]
 
     def step(self, bucket: int) -> CapturedStep:
@@ -106,10 +119,10 @@ class DecodeGraphs:
     def body(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The bucket's step uncaptured: what each mode captures (and a graph-break check traces)."""
         batch = self.inputs.batch(bucket, self.lora_buffers.batch(bucket))
-        model, kv, op, attention = self.model, self.kv_caches, self.op, self.attention
+        model, kv, op, attention, non_finite = self.model, self.kv_caches, self.op, self.attention, self.non_finite
 
         def eager() -> torch.Tensor:
-            return decode_tokens(model, kv, op, attention, batch)
+            return decode_tokens(model, kv, op, attention, batch, non_finite)
 
         return eager
 

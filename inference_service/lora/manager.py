@@ -651,15 +651,13 @@ class LoRAManager:
         assert buffers.max_rows >= max_rows, f"step buffers hold {buffers.max_rows} rows, {max_rows} asked"
         return buffers
 
-    def fill_step_buffers(self, uids: list[str | None]) -> None:
-        """Write each row's adapter (a resident version's uid, None for the base model) into the step
-        buffers in place, before a captured step runs."""
+    def fill_step_buffers(self, rows: list[RowAdapter]) -> None:
+        """Write each row's adapter (its pages and rank, as the model runner planned them; ((), 0) for
+        the base model) into the step buffers in place, before a captured step runs. A rank not
+        known (0 with pages) reads its pages whole: rows past the real rank are zeros."""
         assert self._step_buffers is not None, "step_buffers() first"
-        rows: list[RowAdapter] = []
-        for uid in uids:
-            pages = self._pool.uid_to_pages[uid] if uid is not None else ()
-            rows.append((pages, self.rank_of(uid) or self._pool.page_rank * len(pages)) if pages else ((), 0))
-        self._step_buffers.fill(rows)
+        self._step_buffers.fill([(pages, rank or self._pool.page_rank * len(pages)) if pages else ((), 0)
+                                 for pages, rank in rows])
 
     def _memory(self) -> str:
         pool = self._pool

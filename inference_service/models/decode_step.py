@@ -106,13 +106,16 @@ def check_capturable(model: LlamaModel) -> None:
 
 
 def decode_tokens(
-    model: LlamaModel, kv_caches: list[KVLayer], op: LoRAOp, attention: AttentionBackend, batch: ForwardBatch
+    model: LlamaModel, kv_caches: list[KVLayer], op: LoRAOp, attention: AttentionBackend, batch: ForwardBatch,
+    non_finite: int = -1,
 ) -> torch.Tensor:
     """Greedy next tokens [rows] of one decode step (the first argmax, as the engine's greedy
-    pick). Writes each row's K/V into the cache; reads only `batch`'s buffers."""
+    pick; `non_finite` where a row's logits have no finite maximum). Writes each row's K/V into the
+    cache; reads only `batch`'s buffers."""
     x = model.embed_tokens(batch.input_ids)
     rope = model.rotary(batch.positions, x.dtype)
     for layer, kv in zip(model.layers, kv_caches, strict=True):
         x = layer(x, rope, batch, kv, op, attention)
     logits = dense.linear_float(model.norm(x), model.lm_head, None, None)
-    return logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.amax(dim=-1))
+    return torch.where(finite, logits.argmax(dim=-1), non_finite)
