@@ -1,7 +1,8 @@
 """The Triton kernels (LoRA shrink/expand over the paged pool, paged decode attention) against the
-torch ops they stand in for, on CPU under Triton's interpreter: the same kernel source a GPU
-compiles, run program by program with numpy. Small shapes (the interpreter is slow); mixed ranks
-with partial last pages, base-model rows, runs in any order, block tables shuffled, GQA.
+torch ops they stand in for. Without a GPU, on CPU under Triton's interpreter: the same kernel
+source a GPU compiles, run program by program with numpy. With one (scripts/gpu_check.sh), compiled
+for it, on CUDA tensors. Small shapes (the interpreter is slow); mixed ranks with partial last
+pages, base-model rows, runs in any order, block tables shuffled, GQA.
 
 TRITON_INTERPRET must be set before triton is imported. It is set here; where triton was imported
 earlier in this process without it (another module of the run), the tests run in a child process
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+ON_GPU = torch.cuda.is_available()
 # triton imported already, without the interpreter: its language functions are GPU builds here.
-PRELOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+PRELOADED = not ON_GPU and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (it comes with the structured-output extra)")
 
 from inference_service.kernels import triton_attention, triton_lora  # noqa: E402
@@ -29,27 +32,33 @@ from inference_service.lora.triton_op import TritonLoRAOp  # noqa: E402
 from inference_service.models.attention import TorchPagedAttention  # noqa: E402
 from tests.test_lora_op import make_slots, paginate  # noqa: E402
 
-CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 in_process = pytest.mark.skipif(PRELOADED, reason="triton was imported earlier in this process without its "
                                 "interpreter: test_in_a_child_process runs these tests")
 
 
-@pytest.mark.skipif(not PRELOADED, reason="the tests of this file run in this process")
-def test_in_a_child_process():
-    root = Path(__file__).resolve().parents[1]
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                           timeout=600)
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+def on_device(a_pages: torch.Tensor, b_pages: list[SlicedB], slot_pages: dict, zero_page: int):
+    """`paginate`'s pool on the device the kernels run on."""
+    return a_pages.to(DEVICE), [SlicedB(s.start, s.end, s.b.to(DEVICE)) for s in b_pages], slot_pages, zero_page
+
+
+if PRELOADED:  # defined only then: a GPU run must skip nothing
+
+    def test_in_a_child_process():
+        root = Path(__file__).resolve().parents[1]
+        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                               cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                               timeout=600)
+        assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
 
 
 @in_process
-def test_kernels_run_interpreted():
-    """The premise of every test here: the kernels are the interpreter's, not a GPU build."""
+def test_kernels_run_as_intended():
+    """The premise of every test here: on CPU the kernels are the interpreter's; on a GPU, compiled."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(triton_lora._shrink_kernel, InterpretedFunction)
-    assert isinstance(triton_attention._paged_decode_kernel, InterpretedFunction)
+    for kernel in (triton_lora._shrink_kernel, triton_lora._expand_kernel, triton_attention._paged_decode_kernel):
+        assert isinstance(kernel, InterpretedFunction) != ON_GPU
 
 
 @in_process
@@ -66,16 +75,16 @@ def test_triton_lora_matches_torch_op(page_rank, shape, token_slots):
     size_in, outs = shape
     ranks = [1, 8, 5, 3, 7]  # below, at and between page boundaries
     a, bs = make_slots(ranks, gen, size_in, outs)
-    a_pages, b_pages, slot_pages, zero_page = paginate(a, bs, ranks, page_rank, gen)
-    batch = build_lora_batch(token_slots, slot_pages, dict(enumerate(ranks)), page_rank, zero_page, CPU)
+    a_pages, b_pages, slot_pages, zero_page = on_device(*paginate(a, bs, ranks, page_rank, gen))
+    batch = build_lora_batch(token_slots, slot_pages, dict(enumerate(ranks)), page_rank, zero_page, DEVICE)
     assert batch is not None
-    x = torch.randn(len(token_slots), size_in, generator=gen)
-    start = torch.randn(len(token_slots), sum(outs), generator=gen)  # deltas add to what is there
+    x = torch.randn(len(token_slots), size_in, generator=gen).to(DEVICE)
+    start = torch.randn(len(token_slots), sum(outs), generator=gen).to(DEVICE)  # deltas add to what is there
     expected = start.clone()
-    TorchLoRAOp(CPU).apply(x, expected, a_pages, b_pages, batch)
+    TorchLoRAOp(DEVICE).apply(x, expected, a_pages, b_pages, batch)
     rank_major = [SlicedB(s.start, s.end, s.b.transpose(1, 2).contiguous()) for s in b_pages]
     out = start.clone()
-    TritonLoRAOp(CPU).apply(x, out, a_pages, rank_major, batch)
+    TritonLoRAOp(DEVICE).apply(x, out, a_pages, rank_major, batch)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     base_rows = [row for row, slot in enumerate(token_slots) if slot < 0]
     assert torch.equal(out[base_rows], start[base_rows])  # base-model rows untouched
@@ -88,15 +97,16 @@ def test_triton_expand_reads_peft_layout_and_skips_empty_runs():
     gen = torch.Generator().manual_seed(7)
     ranks = [4, 6, 2, 8, 1]
     a, bs = make_slots(ranks, gen, 12, (6, 4, 4))
-    a_pages, b_pages, slot_pages, zero_page = paginate(a, bs, ranks, 4, gen)
+    a_pages, b_pages, slot_pages, zero_page = on_device(*paginate(a, bs, ranks, 4, gen))
     token_slots = [1, 1, 3, -1, 0]
-    batch = build_lora_batch(token_slots, slot_pages, dict(enumerate(ranks)), 4, zero_page, CPU)
+    batch = build_lora_batch(token_slots, slot_pages, dict(enumerate(ranks)), 4, zero_page, DEVICE)
     assert batch is not None and batch.runs is not None and batch.run_pages is not None
-    x = torch.randn(len(token_slots), 12, generator=gen)
-    expected = torch.zeros(len(token_slots), 14)
-    TorchLoRAOp(CPU).apply(x, expected, a_pages, b_pages, batch)
-    runs = torch.cat([batch.runs, torch.zeros(3, 4, dtype=torch.long)])  # three empty runs after
-    shrunk = torch.full((len(token_slots), 3, batch.max_rank), float("nan"))  # only rows of runs are read
+    x = torch.randn(len(token_slots), 12, generator=gen).to(DEVICE)
+    expected = torch.zeros(len(token_slots), 14, device=DEVICE)
+    TorchLoRAOp(DEVICE).apply(x, expected, a_pages, b_pages, batch)
+    runs = torch.cat([batch.runs, torch.zeros(3, 4, dtype=torch.long, device=DEVICE)])  # three empty runs after
+    # only rows of runs are read: NaN anywhere else would show
+    shrunk = torch.full((len(token_slots), 3, batch.max_rank), float("nan"), device=DEVICE)
     triton_lora.lora_shrink(x, a_pages, shrunk, runs, batch.run_pages, 3)
     out = torch.zeros_like(expected)
     for module, s in enumerate(b_pages):
@@ -123,7 +133,7 @@ def test_triton_paged_decode_matches_torch(block_size, num_heads, num_kv_heads, 
         tables[row, :count] = shuffled[used : used + count]
         used += count
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
-    lens_t = torch.tensor(lens)
+    q, k_cache, v_cache, tables, lens_t = (t.to(DEVICE) for t in (q, k_cache, v_cache, tables, torch.tensor(lens)))
     expected = TorchPagedAttention().decode(q, k_cache, v_cache, tables, lens_t)
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens_t)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
