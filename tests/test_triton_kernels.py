@@ -26,11 +26,11 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (it comes with the structured-output extra)")
 
+from harness.lora_pages import make_slots, paginate  # noqa: E402
 from inference_service.kernels import triton_attention, triton_lora  # noqa: E402
 from inference_service.lora.ops import SlicedB, TorchLoRAOp, build_lora_batch  # noqa: E402
 from inference_service.lora.triton_op import TritonLoRAOp  # noqa: E402
 from inference_service.models.attention import TorchPagedAttention  # noqa: E402
-from tests.test_lora_op import make_slots, paginate  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 in_process = pytest.mark.skipif(PRELOADED, reason="triton was imported earlier in this process without its "
@@ -137,3 +137,7 @@ def test_triton_paged_decode_matches_torch(block_size, num_heads, num_kv_heads, 
     expected = TorchPagedAttention().decode(q, k_cache, v_cache, tables, lens_t)
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens_t)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # Lengths and tables as columns of one tensor, as a captured step's static buffers hold them.
+    packed = torch.cat([lens_t[:, None], tables], dim=1)
+    strided = triton_attention.paged_decode_attention(q, k_cache, v_cache, packed[:, 1:], packed[:, 0])
+    torch.testing.assert_close(strided, expected, atol=1e-5, rtol=1e-5)

@@ -3,7 +3,8 @@ place from the paged cache (the blocks of a table in any order), with grouped-qu
 
 Caches are [num_blocks, block_size, Hkv, D] (engine/kv_cache.py); `tables` [B, max_blocks] lists
 each sequence's blocks in token order (padding past its length is never read) and `lens` [B] its
-context length including this step's token. One program per (sequence, query head) walks the
+context length including this step's token (both may be strided views: a captured step's static
+buffers are columns of one tensor). One program per (sequence, query head) walks the
 sequence's blocks with an online softmax in fp32 (the flash-decoding recurrence without the split:
 the decode contexts here are short enough that one program per head keeps a GPU busy at batch
 sizes the scheduler runs). Imported only where triton is (a GPU image, or CPU under
@@ -22,14 +23,14 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, head_dim,
-    stride_q_seq, stride_q_head, stride_c_block, stride_c_token, stride_c_head, stride_table, stride_o_seq,
-    stride_o_head,
+    stride_q_seq, stride_q_head, stride_c_block, stride_c_token, stride_c_head, stride_table, stride_lens,
+    stride_o_seq, stride_o_head,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    length = tl.load(lens_ptr + seq)
+    length = tl.load(lens_ptr + seq * stride_lens)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -68,7 +69,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_kernel[(batch, num_heads)](
         q, k_cache, v_cache, tables, lens, out, 1.0 / math.sqrt(head_dim), head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1),
+        lens.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_T=triton.next_power_of_2(block_size),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
