@@ -180,6 +180,8 @@ def build_decode_graphs(config: EngineConfig, model: CausalLM, kv: KVCache, lora
                           pad_slot=kv.pad_slot, mode=capture_mode_for(model.device), buckets=buckets,
                           non_finite=NON_FINITE)
     log.info("decode graphs: %s for batches of up to %s rows", graphs.mode, ", ".join(map(str, graphs.buckets)))
+    if graphs.mode == "cuda_graph":  # at start-up, over padding rows: no capture pause while serving
+        graphs.capture_all()
     return graphs
 
 

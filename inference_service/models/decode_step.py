@@ -67,6 +67,8 @@ class DecodeInputs:
             host[row, 2] = table[position // block_size] * block_size + position % block_size
             host[row, 3] = position + 1
             host[row, 4 : 4 + len(table)] = torch.tensor(table)
+        # Asynchronous from pinned memory on CUDA: the previous step's copy is done by now, since its
+        # tokens were read back before this step was planned.
         self._device.copy_(self._host, non_blocking=True)
 
     def batch(self, rows: int, lora: LoRABatch | None) -> ForwardBatch:
