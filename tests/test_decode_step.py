@@ -7,6 +7,8 @@ captured as a CUDA graph: that test skips here and runs in scripts/gpu_check.sh.
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -213,3 +215,27 @@ def test_engine_with_captured_decode_matches_uncaptured(device: str, tmp_path: P
         assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
         core.shutdown()
     assert generated["on"] == generated["off"]
+
+
+def test_manager_logs_free_memory_on_load_and_unload(cpu_setup: Setup, tmp_path: Path, caplog):
+    """The LoRA manager's load and unload lines give the free memory where its buffers live (the
+    host's MemAvailable on CPU, the device's on CUDA)."""
+    lora = cpu_setup.lora
+    with caplog.at_level(logging.INFO, logger="inference_service.lora.manager"):
+        future = lora.load_adapter("logged", str(write_tiny_adapter(tmp_path / "logged", seed=9)))
+        deadline = time.monotonic() + 60
+        while not future.done():
+            assert time.monotonic() < deadline, "the adapter did not register in time"
+            lora.drain()
+            time.sleep(0.001)
+        unloaded = lora.unload_adapter("logged")
+        while not unloaded.done():
+            assert time.monotonic() < deadline, "the adapter did not unload in time"
+            lora.drain()
+            time.sleep(0.001)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("load adapter logged",
+                                                                                 "unload adapter logged"))]
+    assert len(lines) == 2, lines
+    for line in lines:
+        match = re.search(r"([0-9.]+) GiB host memory free", line)
+        assert match and float(match.group(1)) > 0, line
