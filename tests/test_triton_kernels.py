@@ -141,3 +141,18 @@ def test_triton_paged_decode_matches_torch(block_size, num_heads, num_kv_heads, 
     packed = torch.cat([lens_t[:, None], tables], dim=1)
     strided = triton_attention.paged_decode_attention(q, k_cache, v_cache, packed[:, 1:], packed[:, 0])
     torch.testing.assert_close(strided, expected, atol=1e-5, rtol=1e-5)
+
+
+@in_process
+def test_selectors_pick_the_triton_kernels_on_cuda_only():
+    """The op and backend selectors: Triton on CUDA (the torch op when asked), never on CPU. Making
+    them touches no device, so this holds without a GPU."""
+    from inference_service.lora.backend import make_lora_op
+    from inference_service.models.attention import TritonPagedAttention, make_attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert isinstance(make_lora_op(cuda, torch.bfloat16), TritonLoRAOp)
+    assert isinstance(make_lora_op(cuda, torch.bfloat16, triton_kernels=False), TorchLoRAOp)
+    assert isinstance(make_attention_backend(cuda, torch.bfloat16), TritonPagedAttention)
+    assert not isinstance(make_lora_op(cpu, torch.float32), TritonLoRAOp)
+    assert not isinstance(make_attention_backend(cpu, torch.float32), TritonPagedAttention)
