@@ -17,6 +17,14 @@ status is 1.
 `--model` runs the same on a real model (a .gguf file or a checkpoint directory) with random adapters
 of its shapes; `--max-loras` sets the engine's slots (fewer than adapters: slots are reused).
 Last line: RESULT engine_vs_peft_tokens_per_s=<ratio>.
+
+`--compare cuda-graph,triton-lora` (CUDA only) runs, instead of the PEFT comparison, our engine
+against itself with one thing changed, interleaved over the rounds, best round each:
+- cuda-graph: greedy decode steps replayed from CUDA graphs vs the same engine uncaptured
+  (EngineConfig.decode_graphs on/off); both run the same kernels, so their tokens must be equal;
+- triton-lora: the Triton LoRA kernels vs torch's batched matmuls (EngineConfig.triton_kernels);
+  the tokens of requests where they differ are counted and printed (float sums in another order).
+Lines: RESULT cuda_graph_vs_eager=<tokens/s ratio>, RESULT triton_lora_vs_torch_op=<ratio>.
 """
 
 from __future__ import annotations
@@ -48,11 +56,12 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 
 
 def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str | None],
-               new_tokens: int, dtype: str, device: str, max_loras: int | str = 16) -> tuple[float, list[list[int]]]:
-    """Tokens/s, and the generated tokens of each request."""
+               new_tokens: int, dtype: str, device: str, max_loras: int | str = 16,
+               **config: object) -> tuple[float, list[list[int]]]:
+    """Tokens/s, and the generated tokens of each request (`config`: more EngineConfig fields)."""
     core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=max_loras, max_lora_rank=16,
                                    max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20,
-                                   dtype=dtype))
+                                   dtype=dtype, **config))  # type: ignore[arg-type]
     if adapters:
         load_adapters(core, adapters, preload=True)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -124,6 +133,39 @@ def compare_with_peft(checkpoint: Path, adapters: dict[str, Path], prompts: list
             f"(allowed {bound:.4f}, {dtype})" for i, s in enumerate(ours_short) if s.mean() > bound]
 
 
+# --compare: name -> (RESULT name, the measured engine's config, the baseline's, tokens must be equal)
+COMPARISONS: dict[str, tuple[str, dict[str, object], dict[str, object], bool]] = {
+    "cuda-graph": ("cuda_graph_vs_eager", {"decode_graphs": "on"}, {"decode_graphs": "off"}, True),
+    "triton-lora": ("triton_lora_vs_torch_op", {"triton_kernels": True}, {"triton_kernels": False}, False),
+}
+
+
+def run_comparisons(names_to_run: list[str], checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]],
+                    names: list[str], args: argparse.Namespace) -> None:
+    """Each comparison's two engines interleaved over the rounds; a RESULT line each whose outputs
+    are right (full length; equal where they must be)."""
+    same = (args.new_tokens, args.dtype, args.device, args.max_loras)
+    best: dict[str, list[float]] = {name: [0.0, 0.0] for name in names_to_run}
+    problems: list[str] = []
+    for r in range(args.rounds):
+        for name in names_to_run:
+            _, measured, baseline, must_equal = COMPARISONS[name]
+            rate, tokens = run_engine(checkpoint, adapters, prompts, list(names), *same, **measured)
+            base_rate, base_tokens = run_engine(checkpoint, adapters, prompts, list(names), *same, **baseline)
+            for label, output in ((f"{name} {measured}", tokens), (f"{name} {baseline}", base_tokens)):
+                problems += check_outputs(f"round {r}, {label}", output, args.new_tokens)
+            differ = sum(a != b for a, b in zip(tokens, base_tokens, strict=True))
+            if must_equal and differ:
+                problems.append(f"round {r}, {name}: {differ} of {len(prompts)} requests generated other tokens")
+            print(f"round {r}: {name}: {rate:7.1f} vs {base_rate:7.1f} tokens/s ({measured} vs {baseline}); "
+                  f"{differ} of {len(prompts)} requests differ", flush=True)
+            best[name] = [max(best[name][0], rate), max(best[name][1], base_rate)]
+    if problems:
+        sys.exit("no RESULT: the runs' outputs are wrong:\n" + "\n".join(problems))
+    for name in names_to_run:
+        print(f"RESULT {COMPARISONS[name][0]}={best[name][0] / best[name][1]:.3f}")
+
+
 def bench_checkpoint(model: str, root: Path) -> Path:
     """The checkpoint directory both sides load: --model's, a .gguf dequantized into one (by
     transformers, so the engine and PEFT run the same weights), or a random one."""
@@ -147,7 +189,16 @@ def main() -> None:
                         "(default: a random 4-layer hidden-512 LLaMA)")
     parser.add_argument("--max-loras", type=lambda v: v if v == "auto" else int(v), default=16,
                         help="the engine's adapter pool: a count of slots, or auto (sized by memory)")
+    parser.add_argument("--compare", default="", help="instead of PEFT, on CUDA: comma-separated of "
+                        f"{', '.join(COMPARISONS)} (captured decode vs eager, Triton LoRA vs the torch op)")
     args = parser.parse_args()
+    comparisons = [name for name in args.compare.split(",") if name]
+    unknown = [name for name in comparisons if name not in COMPARISONS]
+    if unknown:
+        parser.error(f"--compare: unknown {unknown}; known: {', '.join(COMPARISONS)}")
+    if comparisons and not args.device.startswith("cuda"):
+        sys.exit(f"--compare {args.compare} needs CUDA (--device cuda): CUDA graphs and the Triton kernels run "
+                 "only there")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,6 +212,9 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         prompts = torch.randint(3, vocab_size, (args.requests, args.prompt_tokens), generator=gen).tolist()
         names = [specs[i % len(specs)].name for i in range(args.requests)]
+        if comparisons:
+            run_comparisons(comparisons, checkpoint, adapters, prompts, names, args)
+            return
 
         # Rounds interleave the three runs, so that drift in this machine's load hits all alike;
         # each is then judged by its best round.

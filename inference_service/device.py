@@ -212,6 +212,21 @@ class InlineExecutor(concurrent.futures.Executor):
         return future
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new allocations: the GPU's (`cudaMemGetInfo`) on CUDA, else the host's
+    MemAvailable (0 where /proc/meminfo cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def make_copy_engine(device: torch.device, overlap: bool) -> CopyEngine:
     if not overlap:
         return BlockingCopyEngine()

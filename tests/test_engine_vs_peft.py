@@ -53,10 +53,12 @@ def _prompts(vocab: int) -> list[tuple[str, list[int], str | None]]:
 
 
 # (device, LoRA op): every path a deployment can take. "torch" on CPU is the C kernel turned off
-# (as LORAPLEX_CPU_KERNELS=0 or a machine without a compiler leaves it); on CUDA the torch op is the op.
+# (as LORAPLEX_CPU_KERNELS=0 or a machine without a compiler leaves it); on CUDA the Triton kernels
+# are the op, and the torch op the one taken with EngineConfig.triton_kernels off.
 OP_PATHS = [
     pytest.param(("cpu", "CpuLoRAOp"), id="cpu-C-op"),
     pytest.param(("cpu", "TorchLoRAOp"), id="cpu-torch-op"),
+    pytest.param(("cuda", "TritonLoRAOp"), id="cuda-triton-op", marks=requires_cuda),
     pytest.param(("cuda", "TorchLoRAOp"), id="cuda-torch-op", marks=requires_cuda),
 ]
 
@@ -75,6 +77,8 @@ def _engine_logits(checkpoint: Path, adapters: dict[str, Path], prompts, device:
                    op: str | None = None, **config) -> dict[str, tuple[torch.Tensor, list[int]]]:
     """Per request: its logits at prefill and each decode step (on the CPU), and its tokens."""
     config = {"max_loras": 4, **config}
+    if op == "TorchLoRAOp":
+        config.setdefault("triton_kernels", False)  # on CUDA the Triton op is otherwise the choice
     core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_lora_rank=16,
                                    kv_cache_bytes=4 << 20, **config))
     if op is not None:
@@ -229,7 +233,7 @@ HALF_FACTOR = 2.5
 HALF_PATHS = [
     pytest.param(("cpu", torch.bfloat16), id="cpu-bf16"),  # the C op with bf16 slots
     pytest.param(("cpu", torch.float16), id="cpu-fp16"),  # the torch op (fp32 slots on CPU)
-    pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=requires_cuda),  # torch op, bf16 slots
+    pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=requires_cuda),  # Triton op, bf16 slots
     pytest.param(("cuda", torch.float16), id="cuda-fp16", marks=requires_cuda),
 ]
 

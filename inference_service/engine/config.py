@@ -73,6 +73,12 @@ class EngineConfig:
     # --async-scheduling, SGLang's overlap scheduler); auto: on for accelerators, off on CPU, where
     # the model's threads are the cores the scheduler would overlap with
     async_scheduling: str = "auto"  # auto | on | off
+    # Decode steps captured per batch-size bucket over static buffers (engine/decode_graphs.py):
+    # auto: CUDA graphs on CUDA, off on CPU (there the C kernels are faster than the compiled torch
+    # step, which exists to prove the step capture-safe); on: the device's capture (CPU: torch.compile)
+    decode_graphs: str = "auto"  # auto | on | off
+    # CUDA: the Triton LoRA kernels where triton is installed; False: torch's batched matmuls
+    triton_kernels: bool = True
     # Front ends: tokens per streamed message after a request's first (its end is sent at once);
     # 1 sends each token as it comes to a client that keeps up
     stream_interval: int = 1
@@ -95,6 +101,11 @@ class EngineConfig:
         if self.async_scheduling == "auto":
             return self.torch_device().type != "cpu"
         return self.async_scheduling == "on"
+
+    def decode_graphs_on(self) -> bool:
+        if self.decode_graphs == "auto":
+            return self.torch_device().type == "cuda"
+        return self.decode_graphs == "on"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

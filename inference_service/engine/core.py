@@ -25,12 +25,13 @@ from adapter_cache.errors import FailedPreconditionError, LoraplexError
 from inference_service.device import InlineExecutor, make_copy_engine, shorten_gil_switch_interval
 from inference_service.engine.batch import ScheduledBatch
 from inference_service.engine.config import EngineConfig
+from inference_service.engine.decode_graphs import DecodeGraphs, capture_mode_for
 from inference_service.engine.grammar import GrammarCompiler
 from inference_service.engine.kv_cache import KVCache, kv_bytes_per_block
 from inference_service.engine.model_runner import ModelRunner, PlannedRow, StepResults
 from inference_service.engine.output_processor import OutputProcessor
 from inference_service.engine.request import FinishReason, Request, RequestOutput, SamplingParams, WaitReason
-from inference_service.engine.sampling import FORWARD_FAILED
+from inference_service.engine.sampling import FORWARD_FAILED, NON_FINITE
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.types import (
     TEST_FAULT_ENV,
@@ -52,6 +53,8 @@ from inference_service.lora.registry import AdapterVersion, adapter_name
 from inference_service.lora.sidecar_source import SidecarSource
 from inference_service.lora.source import AdapterSource, LocalDirectorySource
 from inference_service.metrics_sink import MetricsSink, NullMetrics
+from inference_service.models.decode_step import DEFAULT_BUCKETS
+from inference_service.models.llama import LlamaModel
 from inference_service.models.loader import load_model
 from inference_service.models.registry import CausalLM
 
@@ -154,11 +157,32 @@ def build_kv_cache(config: EngineConfig, model: CausalLM, budget: int, lora: LoR
             f"no memory left for the KV cache: budget {budget} B, LoRA pool {lora_bytes} B, "
             f"a KV block needs {per_block} B"
         )
-    kv = KVCache(model.config, num_blocks, config.block_size, model.device, model.dtype, config.prefix_cache)
+    kv = KVCache(model.config, num_blocks, config.block_size, model.device, model.dtype, config.prefix_cache,
+                 spare_block=config.decode_graphs_on())
     log.info("memory: LoRA pool %.1f MiB (%d adapters of rank %d, more of lower ranks), KV cache %.1f MiB "
              "(%d blocks of %d tokens)", lora_bytes / 2**20, lora.num_slots, config.max_lora_rank, kv.nbytes / 2**20,
              num_blocks, config.block_size)
     return kv
+
+
+def build_decode_graphs(config: EngineConfig, model: CausalLM, kv: KVCache, lora: LoRAManager) -> DecodeGraphs | None:
+    """Captured decode steps where the config asks for them (`decode_graphs`) and the model is a
+    LLaMA-family one (the step runs its layers); None: every step runs eagerly."""
+    if not config.decode_graphs_on():
+        return None
+    if not isinstance(model, LlamaModel):
+        log.info("decode graphs: off (%s is not a LLaMA-family model)", type(model).__name__)
+        return None
+    mc = model.config
+    max_context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    buckets = tuple(size for size in DEFAULT_BUCKETS if size < config.max_num_seqs) + (config.max_num_seqs,)
+    graphs = DecodeGraphs(model, kv.layers, kv.block_size, lora, max_blocks=-(-max_context // kv.block_size),
+                          pad_slot=kv.pad_slot, mode=capture_mode_for(model.device), buckets=buckets,
+                          non_finite=NON_FINITE)
+    log.info("decode graphs: %s for batches of up to %s rows", graphs.mode, ", ".join(map(str, graphs.buckets)))
+    if graphs.mode == "cuda_graph":  # at start-up, over padding rows: no capture pause while serving
+        graphs.capture_all()
+    return graphs
 
 
 class EngineCore:
@@ -172,15 +196,18 @@ class EngineCore:
         by the front end's stream off this thread (what the serving bridges ask for)."""
         self.config = config
         self.metrics = metrics or NullMetrics()
+        # A captured decode step reads dense weights: no packing for the CPU GEMM then.
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
-                                           config.tokenizer, config.revision)
+                                           config.tokenizer, config.revision,
+                                           pack_weights=not config.decode_graphs_on())
         source = source or default_source(config, model.config.lora_shapes())
-        model.lora_op = make_lora_op(model.device, model.dtype)
+        model.lora_op = make_lora_op(model.device, model.dtype, config.triton_kernels)
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
         budget = memory_budget(config, model.device)  # measured before the slots take their part
         self.lora = build_lora_manager(config, model, source, self.metrics, budget)
         kv = build_kv_cache(config, model, budget, self.lora)
-        self.runner = ModelRunner(model, self.tokenizer, self.lora, kv)
+        self.runner = ModelRunner(model, self.tokenizer, self.lora, kv, build_decode_graphs(config, model, kv,
+                                                                                             self.lora))
         self.scheduler = Scheduler(config, kv, self.lora)
         log.info("LoRA op: %s, slots in %s; attention: %s", type(model.lora_op).__name__, self.lora.slot_dtype,
                  type(model.attention).__name__)

@@ -21,10 +21,12 @@ class KVCache:
 
     def __init__(
         self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-        prefix_caching: bool = True,
+        prefix_caching: bool = True, spare_block: bool = False,
     ) -> None:
+        """`spare_block`: one block more in the tensors, outside the pool, where the padding rows of a
+        captured decode step write their K/V (`pad_slot`)."""
         self.pool = BlockPool(num_blocks, prefix_caching)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (num_blocks + int(spare_block), block_size, config.num_kv_heads, config.head_dim)
         # Small pages, unlike the weights (models/linear.arena_for): on 2 MiB pages a batch-32 decode
         # step was no faster (19.75 vs 19.67 ms), and writing them at start cost ~1.4 s per 256 MiB of
         # a fresh VM's memory (server tests 28 -> 35 s).
@@ -35,6 +37,12 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.nbytes = num_blocks * kv_bytes_per_block(config, block_size, dtype)
+
+    @property
+    def pad_slot(self) -> int:
+        """The spare block's first position (no sequence's block: the pool never hands it out)."""
+        assert self.layers[0][0].shape[0] > self.num_blocks, "made without spare_block"
+        return self.num_blocks * self.block_size
 
     @property
     def prefix_caching(self) -> bool:

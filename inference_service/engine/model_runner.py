@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.engine.batch import ScheduledBatch
+from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.grammar import accept, mask_logits
 from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.request import Request, SamplingParams, TokenLogprobs
@@ -55,10 +56,12 @@ class PlannedRow:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, lora: LoRAManager, kv: KVCache) -> None:
-        """The engine core builds the LoRA slots and the KV cache for the model
-        (`engine.core.build_lora_manager`, `build_kv_cache`); the runner only uses them."""
-        self.model, self.tokenizer, self.lora, self.kv = model, tokenizer, lora, kv
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, lora: LoRAManager, kv: KVCache,
+                 graphs: DecodeGraphs | None = None) -> None:
+        """The engine core builds the LoRA slots, the KV cache and the captured decode steps for the
+        model (`engine.core.build_lora_manager`, `build_kv_cache`, `build_decode_graphs`); the runner
+        only uses them."""
+        self.model, self.tokenizer, self.lora, self.kv, self.graphs = model, tokenizer, lora, kv, graphs
         self.device = model.device
 
     def run(self, batch: ScheduledBatch) -> StepResults:
@@ -105,6 +108,9 @@ class ModelRunner:
                 if row.samples and row.params.processes_logits:
                     row.output_token_ids.append(row.input_ids[-1])
                 row.pending = False
+        captured = self._captured_decode(rows)
+        if captured is not None:
+            return captured
         forward, sampled = self._tensors(rows)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():
@@ -132,6 +138,19 @@ class ModelRunner:
             r.request_id: (t, logits[i] if r.params.return_logits else None, logprobs[i])
             for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))
         }
+
+    def _captured_decode(self, rows: list[PlannedRow]) -> StepResults | None:
+        """The step through its bucket's captured decode step, where it is one: every row one token
+        that samples greedily with nothing else read of its logits; None otherwise."""
+        graphs = self.graphs
+        if graphs is None or not rows or not graphs.fits(len(rows), max(len(r.block_table) for r in rows)):
+            return None
+        if not all(len(r.input_ids) == 1 and r.samples and r.argmax_only for r in rows):
+            return None
+        with self.lora.computing():
+            tokens: list[int] = graphs.run([r.input_ids[0] for r in rows], [r.start for r in rows],
+                                           [r.block_table for r in rows], [(r.pages, r.rank) for r in rows]).tolist()
+        return {r.request_id: (t, None, None) for r, t in zip(rows, tokens, strict=True)}
 
     def _tensors(self, rows: list[PlannedRow]) -> tuple[ForwardBatch, list[PlannedRow]]:
         block_size = self.kv.block_size

@@ -80,6 +80,8 @@ def kernel_address(name: str, dtype: torch.dtype) -> int | None:
 
 
 def _fits(*tensors: torch.Tensor | None) -> bool:
+    if torch.compiler.is_compiling():  # a C call is opaque to the compiler: a compiled step runs torch's ops
+        return False
     first = tensors[0]
     assert first is not None
     return all(

@@ -1,5 +1,6 @@
 """The LoRA op implementations and the selector (`make_lora_op`): the batched op on CPU in C
-(`kernels/lora.c`), torch's batched matmuls (`ops.TorchLoRAOp`) everywhere else.
+(`kernels/lora.c`), the Triton kernels on CUDA where triton is installed (`triton_op.TritonLoRAOp`),
+torch's batched matmuls (`ops.TorchLoRAOp`) everywhere else.
 
 The C kernel keeps B rank-major in the pages (Bt [R, out]), so the pool is created with
 `b_rank_major=True` when this op is used. Adapters are brought into that form once, when staged
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 
 import torch
 
@@ -102,8 +104,19 @@ def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defi
     return fn
 
 
-def make_lora_op(device: torch.device, model_dtype: torch.dtype) -> LoRAOp:
-    """The C kernel on CPU where it builds and supports the dtype; torch's batched matmuls elsewhere."""
+def triton_available() -> bool:
+    """True if triton is installed (it is imported only when a CUDA op is made)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def make_lora_op(device: torch.device, model_dtype: torch.dtype, triton_kernels: bool = True) -> LoRAOp:
+    """The C kernel on CPU where it builds and supports the dtype; the Triton kernels on CUDA where
+    triton is installed (unless `triton_kernels` is False: the torch op, a benchmark's baseline);
+    torch's batched matmuls elsewhere."""
     if device.type == "cpu" and available(model_dtype):
         return CpuLoRAOp(model_dtype)
+    if device.type == "cuda" and triton_kernels and triton_available():
+        from inference_service.lora.triton_op import TritonLoRAOp
+
+        return TritonLoRAOp(device)
     return TorchLoRAOp(device)

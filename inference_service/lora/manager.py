@@ -24,13 +24,14 @@ from adapter_cache.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from inference_service.device import CopyEngine
+from inference_service.device import CopyEngine, free_memory
 from inference_service.limits import shown
 from inference_service.lora.mem_pool import DEFAULT_PAGE_RANK, LoRAMemoryPool
 from inference_service.lora.overlap_loader import OverlapLoader
 from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion, UnloadedWhileLoadingError
 from inference_service.lora.source import AdapterSource
 from inference_service.lora.staging_pool import StagingPool
+from inference_service.lora.step_buffers import LoRAStepBuffers, RowAdapter
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class LoRAManager:
         self._waiting_unloads: dict[str, list[concurrent.futures.Future[None]]] = {}
         self.loads_total = 0
         self.evictions = dict.fromkeys(EVICTION_CAUSES, 0)
+        self._step_buffers: LoRAStepBuffers | None = None  # allocated by step_buffers()
         pool = self._pool
         log.info("LoRA pool: %d pages of rank %d (%.1f KiB each) = %.1f MiB, %s", pool.num_pages, pool.page_rank,
                  pool.page_nbytes / 1024, pool.nbytes / 2**20,
@@ -634,13 +636,34 @@ class LoRAManager:
     def _referenced(self) -> set[str]:
         return set(self._registry.referenced)
 
+    # ---- static buffers of a capture-safe decode step ----
+
+    def step_buffers(self, max_rows: int) -> LoRAStepBuffers:
+        """The LoRA metadata buffers of captured decode steps (lora/step_buffers.py), allocated on
+        the first call, for the largest bucket, and the same ones ever after."""
+        buffers = self._step_buffers
+        if buffers is None:
+            pool = self._pool
+            buffers = LoRAStepBuffers(max_rows, pool.pages_for(pool.max_rank), pool.page_rank, pool.zero_page,
+                                      self.device)
+            self._step_buffers = buffers
+            log.info("LoRA step buffers: %d rows, %.1f KiB; %s", max_rows, buffers.nbytes / 1024, self._memory())
+        assert buffers.max_rows >= max_rows, f"step buffers hold {buffers.max_rows} rows, {max_rows} asked"
+        return buffers
+
+    def fill_step_buffers(self, rows: list[RowAdapter]) -> None:
+        """Write each row's adapter (its pages and rank, as the model runner planned them; ((), 0) for
+        the base model) into the step buffers in place, before a captured step runs. A rank not
+        known (0 with pages) reads its pages whole: rows past the real rank are zeros."""
+        assert self._step_buffers is not None, "step_buffers() first"
+        self._step_buffers.fill([(pages, rank or self._pool.page_rank * len(pages)) if pages else ((), 0)
+                                 for pages, rank in rows])
+
     def _memory(self) -> str:
         pool = self._pool
-        text = f"{pool.free_pages}/{pool.num_pages} pages of rank {pool.page_rank} free"
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            text += f", {free / 2**30:.2f} GiB device memory free"
-        return text
+        where = "device" if self.device.type == "cuda" else "host"
+        return (f"{pool.free_pages}/{pool.num_pages} pages of rank {pool.page_rank} free, "
+                f"{free_memory(self.device) / 2**30:.2f} GiB {where} memory free")
 
 
 def _source_key(uri: str) -> str:

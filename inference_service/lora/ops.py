@@ -53,7 +53,8 @@ class LoRABatch:
     num_tokens: int
     first_row: int = 0  # contiguous layout: rows before it are base-model tokens
     # Runs of consecutive rows on one adapter, [first row, end row, offset of its pages in
-    # `run_pages`, adapter rank] each (CPU, int64), and those pages: what the CPU kernel takes.
+    # `run_pages`, adapter rank] each (int64, on the batch's device), and those pages: what the
+    # CPU kernel and the Triton kernels take.
     runs: torch.Tensor | None = None
     run_pages: torch.Tensor | None = None
     max_rank: int = 0  # the largest rank among the runs (the kernel's scratch width)
@@ -87,12 +88,12 @@ def build_lora_batch(
         runs.append([row, row + 1, offsets[slot], rank])
     if not groups:
         return None
-    run_table = torch.tensor(runs, dtype=torch.long)
+    run_table = torch.tensor(runs, dtype=torch.long).to(device, non_blocking=True)
     num_tokens = len(token_slots)
     max_len = max(len(rows) for rows in groups.values())
     width = max(len(slot_pages[slot]) for slot in groups)
     table = [list(slot_pages[slot]) + [zero_page] * (width - len(slot_pages[slot])) for slot in groups]
-    common = dict(runs=run_table, run_pages=torch.tensor(page_list, dtype=torch.long),
+    common = dict(runs=run_table, run_pages=torch.tensor(page_list, dtype=torch.long).to(device, non_blocking=True),
                   max_rank=max(run[3] for run in runs))
 
     def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:

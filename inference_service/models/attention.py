@@ -2,12 +2,14 @@
 
 A backend writes a layer's new K/V into its cache blocks (unless the fused RoPE kernel already
 did) and attends: decode rows batched, each prefill segment on its own. The torch backend runs
-everywhere; on CPU the C kernel reads decode context in place from the blocks. A GPU kernel is
-one more class here and one more line in `make_attention_backend`.
+everywhere; on CPU the C kernel reads decode context in place from the blocks; on CUDA, where
+triton is installed, the Triton decode kernel does (`kernels/triton_attention.py`, imported only
+then).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
@@ -33,6 +35,8 @@ def make_attention_backend(device: torch.device, dtype: torch.dtype) -> Attentio
     first request's decode step)."""
     if cpu_kernels.available(device, dtype):
         return CpuPagedAttention(prefill_kernel=cpu_kernels.prefill_preferred(device, dtype))
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return TritonPagedAttention()
     return TorchPagedAttention()
 
 
@@ -184,3 +188,18 @@ class CpuPagedAttention(TorchPagedAttention):
         result = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens)
         # None: a case the kernel does not take (layout, dtype): the torch path computes the same.
         return result if result is not None else super().decode(q, k_cache, v_cache, tables, lens)
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """Decode through the Triton kernel, which reads the blocks in place (no gather); prefill as torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from inference_service.kernels import triton_attention  # triton only where this backend is chosen
+
+        self._decode = triton_attention.paged_decode_attention
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, tables, lens)

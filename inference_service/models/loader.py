@@ -41,12 +41,14 @@ TINY_SEED = 1234
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype,
-               tokenizer_mode: str = "auto", revision: str | None = None) -> tuple[CausalLM, Tokenizer]:
+               tokenizer_mode: str = "auto", revision: str | None = None,
+               pack_weights: bool = True) -> tuple[CausalLM, Tokenizer]:
     """`spec`: builtin:tiny, a checkpoint directory, a .gguf file (or a directory holding one), or a
     Hugging Face id (`revision` pins it) found in the Hugging Face cache (models/source.py).
     `tokenizer_mode` auto: the checkpoint's tokenizer (tokenizer.json, or the GGUF file's own),
     refused when it has none (a byte tokenizer on a real model's ids is garbage text, not an error
-    anyone would notice); byte: the byte-level tokenizer, asked for explicitly."""
+    anyone would notice); byte: the byte-level tokenizer, asked for explicitly. `pack_weights=False`
+    keeps the dense weights (what a captured decode step reads) instead of the CPU GEMM's packing."""
     if tokenizer_mode not in ("auto", "byte"):
         raise FailedPreconditionError(f"tokenizer must be auto or byte, got {tokenizer_mode!r}")
     source = resolve_model(spec, revision)
@@ -54,7 +56,8 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
         if spec != BUILTIN_TINY:
             raise FailedPreconditionError(f"unknown builtin model {spec!r} (there is {BUILTIN_TINY})")
         model = _builtin_tiny(device, dtype)
-        model.pack_weights()
+        if pack_weights:
+            model.pack_weights()
         return model, ByteTokenizer()
     assert source.path is not None  # set for every kind but builtin
     start = time.perf_counter()
@@ -62,7 +65,8 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
         model, tokenizer = _load_gguf(source, device, dtype, tokenizer_mode)
     else:
         model, tokenizer = _load_hf_dir(source, device, dtype, tokenizer_mode)
-    model.pack_weights()
+    if pack_weights:
+        model.pack_weights()
     c = model.config
     log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, vocab %d", spec, source.path,
              time.perf_counter() - start, c.num_layers, c.hidden_size, c.vocab_size)
