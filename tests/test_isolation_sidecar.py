@@ -5,8 +5,8 @@ A real `loraplex-cache` subprocess (token-authenticated, 1 MiB adapter cap, 4 s 
 `--cache-token-file`; hostile origins are real HTTP servers on loopback that ignore Range
 (harness/sidecar.RangeIgnoringOrigin); hostile files are real FIFOs and device nodes.
 Each attack runs beside a victim stream (harness/isolation.py) on an adapter staged through the
-same sidecar and resident in a slot: the victim must keep its solo tokens and time (measured just
-before) across the whole attack, and the server must be clean afterwards. The sidecar's
+same sidecar and resident in a slot: the victim must keep its solo tokens, its stream never
+stalling, across the whole attack, and the server must be clean afterwards. The sidecar's
 memory is measured as the growth of its peak RSS (VmHWM).
 """
 
@@ -182,7 +182,7 @@ def test_range_ignoring_origin_over_the_cap_is_cut_with_bounded_memory(stack, be
 
 def test_never_ending_slow_origin_hits_the_fetch_deadline_while_others_load(stack):
     """One byte every 50 ms forever: UNAVAILABLE at --fetch-deadline-seconds; meanwhile other
-    adapters load at their usual speed and the victim streams on."""
+    adapters load while it drips (not after it) and the victim streams on."""
     result: list[tuple[grpc.StatusCode, str, float]] = []
     drips = stack.origin.gets["/drip/adapter_model.safetensors"]
     with victim_beside(stack.server, stack.base):
