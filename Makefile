@@ -23,7 +23,7 @@ run: $(STAMP)
 test: $(STAMP)
 	bash scripts/install_test_tools.sh
 	$(VENV)/bin/ruff check .
-	$(VPY) -m pytest -q -rR -p no:cacheprovider  # -rR: the summary names each rerun test
+	$(VPY) -m pytest -q -p no:cacheprovider  # ends with the slowest files and their budgets (tests/budget.toml)
 
 # The CPU image from the Dockerfile, with podman, from Debian's packages and PyPI alone (prints its size).
 image: $(STAMP)

@@ -3,10 +3,11 @@ it must not share the attacker's interpreter and GIL).
 
 `python -m harness.isolation_victim ADDRESS SPEC_JSON` runs greedy Generate calls back to back and
 prints one JSON line per event: {"first": true} when a run's first message arrives, then
-{"tokens": [...], "seconds": s, "start": t0, "end": t1, "finish": name} as it ends (t0, t1: this
-machine's monotonic clock, which the harness's time.monotonic() shares), or {"error": code,
-"details": text}. It makes `runs` runs, or with `"loop": true` runs until its stdin is closed
-(the run in flight then finishes first), so it can keep streaming for as long as an attack lasts.
+{"tokens": [...], "seconds": s, "start": t0, "end": t1, "messages": [t, ...], "finish": name} as it
+ends (t0, t1 and each message's arrival: this machine's monotonic clock, which the harness's
+time.monotonic() shares), or {"error": code, "details": text}. It makes `runs` runs, or with
+`"loop": true` runs until its stdin is closed (the run in flight then finishes first), so it can keep
+streaming for as long as an attack lasts.
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ def main() -> None:
         while (stop is None and runs < spec["runs"]) or (stop is not None and not stop.is_set()):
             runs += 1
             tokens: list[int] = []
-            first = True
+            arrivals: list[float] = []
             finish = pb.FINISH_REASON_UNSPECIFIED
             t0 = time.monotonic()
             try:
                 for msg in client.generate(spec["prompt"], adapter=spec["adapter"], ignore_eos=True,
                                            max_new_tokens=spec["max_new_tokens"], timeout=120):
-                    if first:
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 1:
                         print(json.dumps({"first": True}), flush=True)
-                        first = False
                     tokens.extend(msg.token_ids)
                     finish = msg.finish_reason or finish
             except grpc.RpcError as e:
@@ -57,6 +58,7 @@ def main() -> None:
                 return
             t1 = time.monotonic()
             print(json.dumps({"tokens": tokens, "seconds": t1 - t0, "start": t0, "end": t1,
+                              "messages": [round(t, 4) for t in arrivals],
                               "finish": pb.FinishReason.Name(finish)}), flush=True)
 
 

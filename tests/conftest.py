@@ -3,5 +3,6 @@
 from harness.ceph import ceph_s3, s3_bucket  # noqa: F401  (real S3 server: Ceph radosgw)
 from harness.inference_server import inference_server_factory  # noqa: F401  (real inference server subprocess)
 from harness.prometheus import prometheus_factory  # noqa: F401  (real Prometheus server)
-from harness.reruns import attempt  # noqa: F401  (which attempt of a rerun test this is)
 from harness.tools import pytest_runtest_setup  # noqa: F401  (needs_tool: fail under CI, skip locally)
+
+pytest_plugins = ["harness.file_durations"]  # each file's seconds at the end; budgets in tests/budget.toml

@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import struct
-import time
 from pathlib import Path
 
 import pytest
@@ -399,10 +398,8 @@ def test_a_fifo_is_refused_at_once_and_other_adapters_still_load(confined):
     shutil.copytree(root / "good", root / "fifo")
     (root / "fifo" / WEIGHTS_FILE).unlink()
     os.mkfifo(root / "fifo" / WEIGHTS_FILE)  # no writer: a blocking open or read would never return
-    started = time.monotonic()
-    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):  # refused before any open
         source.fetch((root / "fifo").as_uri(), None)
-    assert time.monotonic() - started < 5
     assert source.fetch((root / "good").as_uri(), None).rank == RANK
 
 

@@ -121,10 +121,11 @@ def test_dripping_s3_body_is_cut_at_the_fetch_deadline(moto_s3, tmp_path):
     s3.put_object(Bucket="throttled", Key="a/drip/adapter_config.json", Body=config)
     sc = Sidecar(tmp_path, allow=["s3://throttled/a"], env=env, extra=["--fetch-deadline-seconds", "2"])
     try:
-        start = time.monotonic()
+        # The deadline's own error: a read under boto3 that the deadline did not shut down would drip
+        # on for good (how soon after 2 s it is cut is the host's speed; tests/test_cache_hardening.py
+        # fires the deadline by an injected clock).
         with pytest.raises(UnavailableError, match="fetch-deadline-seconds"):
             sc.client.stage("s3://throttled/a/drip")
-        assert time.monotonic() - start < 4.5
         assert sc.client.list() == [] and not list(sc.shm_dir.iterdir())
     finally:
         sc.stop()

@@ -138,10 +138,10 @@ def test_dtype_auto(tmp_path, monkeypatch):
     assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.float16
     assert auto_dtype("builtin:tiny", torch.device("cuda")) == torch.float32
     native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    bf16_here = native_bf16 or avx2_linear.available()
+    bf16_here = native_bf16 or avx2_linear.preferred()
     assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if bf16_here else torch.float32)
-    monkeypatch.setattr(avx2_linear, "available", lambda: True)  # an AVX2-only CPU with the kernel built
+    monkeypatch.setattr(avx2_linear, "preferred", lambda: True)  # an AVX2-only CPU with the kernel built
     assert auto_dtype(str(tmp_path), torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setattr(avx2_linear, "available", lambda: False)  # no compiler, or kernels switched off
+    monkeypatch.setattr(avx2_linear, "preferred", lambda: False)  # no compiler, kernels switched off, or AVX-512
     assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
     assert cli.build_parser().parse_args([]).dtype == "auto"

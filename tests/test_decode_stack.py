@@ -22,16 +22,34 @@ from inference_service.models.layers import GatedMLP
 from inference_service.models.llama import LlamaDecoderLayer, LlamaModel
 from inference_service.models.loader import BUILTIN_TINY
 
-# The dtypes a stack is built for on this CPU: bf16 on the AMX projections, bf16 and fp32 on the AVX2
-# ones (a CPU with AVX2 but no AVX-512); none elsewhere (oneDNN's projections are not C-callable).
-STACK_DTYPES = ["bfloat16"] if amx_linear.available() else ["bfloat16", "float32"] if avx2_linear.available() else []
-needs_stack = pytest.mark.skipif(not STACK_DTYPES, reason="needs a CPU with AMX, or with AVX2 and no AVX-512")
-each_stack_dtype = pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+# A stack is built on C-callable projections: AMX's in bf16, the AVX2 kernel's in bf16 and fp32 (none on
+# oneDNN's). Each is tested wherever its instructions exist, whether or not this CPU prefers it
+# (tests/test_model_kernels.py tests the preference).
+each_stack = pytest.mark.parametrize(("kernel", "dtype"), [("amx", "bfloat16"), ("avx2", "bfloat16"),
+                                                           ("avx2", "float32")])
 
 
-def require_stack(dtype: str) -> None:
-    if dtype not in STACK_DTYPES:
-        pytest.skip(f"no decode stack in {dtype} on this CPU (it runs in {STACK_DTYPES or 'none'})")
+def use_kernel(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """The model's projections on `kernel` ("amx" or "avx2"); a skip only where its instructions are absent."""
+    if kernel == "amx":
+        if not amx_linear.available():
+            pytest.skip("no AMX on this CPU (or no compiler)")
+        return
+    if not avx2_linear.available():
+        pytest.skip("no AVX2 and FMA on this CPU (or no compiler)")
+    monkeypatch.setattr(avx2_linear, "preferred", lambda: True)
+    monkeypatch.setattr(amx_linear, "available", lambda: False)
+
+
+def use_any_kernel(monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The projections on a kernel a stack can call, AMX's where it runs, else the AVX2 kernel; False
+    where neither runs."""
+    if amx_linear.available():
+        return True
+    if avx2_linear.available():
+        use_kernel(monkeypatch, "avx2")
+        return True
+    return False
 
 
 class BothPaths:
@@ -85,11 +103,11 @@ def tiny_engine(tmp_path: Path, dtype: str = "bfloat16") -> tuple[EngineCore, li
     return core, [None, *adapters]
 
 
-@each_stack_dtype
-def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_path, dtype):
+@each_stack
+def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_path, kernel, dtype):
     """builtin:tiny (head_dim 32: the portable attention kernel), base and two adapters of ranks 4
     and 8 in one batch, prompts of different lengths: every decode step's logits bit for bit."""
-    require_stack(dtype)
+    use_kernel(monkeypatch, kernel)
     core, names = tiny_engine(tmp_path, dtype)
     both = BothPaths(core.runner.model, monkeypatch)
     run_mixed(core, names, [list(range(3, 3 + 5 * i + 1)) for i in range(6)], 24)
@@ -98,11 +116,11 @@ def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_pat
     assert both.mismatches == []
 
 
-@each_stack_dtype
-def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path, dtype):
+@each_stack
+def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path, kernel, dtype):
     """A checkpoint with biases on every projection (Qwen2's q/k/v, `mlp_bias`), random, with an
     adapter: the stack adds each bias where the packed projection does."""
-    require_stack(dtype)
+    use_kernel(monkeypatch, kernel)
     from safetensors.torch import load_file, save_file
 
     from harness.models import AdapterSpec, make_adapter, make_checkpoint
@@ -127,12 +145,13 @@ def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path,
     assert both.stack_steps >= 14 and both.mismatches == []
 
 
-@needs_stack
-def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kernel", ["amx", "avx2"])
+def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp_path, kernel):
     """SmolLM2 (head_dim 64: the AMX attention kernel where the CPU has AMX), 30 layers, bf16, base and
     two PEFT adapters on all seven modules (r8 and r16), one batch."""
     from inference_service.demo_adapters import write_peft_adapter
 
+    use_kernel(monkeypatch, kernel)
     path = require_real_model()
     core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", max_num_seqs=8,
                                    max_loras=2, max_lora_rank=16))
@@ -160,7 +179,7 @@ def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
     assert core.runner.model.decode_stack() is None
     core.shutdown()
     monkeypatch.undo()
-    if "bfloat16" not in STACK_DTYPES:
+    if not use_any_kernel(monkeypatch):
         return  # the cases below need a stack that would otherwise be built
     monkeypatch.setenv("LORAPLEX_DECODE_STACK", "0")
     core, names = tiny_engine(tmp_path / "off")
@@ -191,10 +210,11 @@ def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
     core.shutdown()
 
 
-@needs_stack
 def test_stack_leaves_adapter_steps_to_a_lora_op_it_cannot_call(monkeypatch, tmp_path):
     """With torch's LoRA op (fp32 pages) the stack takes base-model steps only; adapter steps run
     the layer forward, and both give the layer forward's logits."""
+    if not use_any_kernel(monkeypatch):
+        pytest.skip("no AMX, and no AVX2 and FMA, on this CPU: no kernel a stack can call")
     core, names = tiny_engine(tmp_path)
     model = core.runner.model
     model.lora_op = TorchLoRAOp(model.device)  # pages stay the model's dtype: the torch op reads them

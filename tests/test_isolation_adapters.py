@@ -3,7 +3,7 @@
 that must finish unharmed (harness/isolation.py), with the exact status code of the attack and a
 clean server afterwards (no leak, SERVING, no traceback in its log). The victim runs on an adapter
 resident in a slot, so an attack that reached the slots (an overwritten or evicted slot, a load
-that stalls the loader) would show in its tokens or its time.
+that stalls the loader) would show in its tokens or as a pause in its stream.
 
 What each attack did before: a backtracking regex froze the process; "inf" in alpha_pattern reached
 the sampler; malformed files came back UNAVAILABLE with a traceback; aliased offsets and
@@ -86,8 +86,7 @@ def load_status(client: InferenceClient, name: str, uri: str) -> grpc.StatusCode
 
 
 def fresh(root: Path, name: str) -> Path:
-    """A path under `root` that nothing has used yet: a timing rerun (pyproject's --reruns) runs
-    the same test body again in the module's directories (seen: FileExistsError on the rerun)."""
+    """A path under `root` that nothing has used yet (the module's tests share its directories)."""
     for n in itertools.count():
         path = root / (name if n == 0 else f"{name}-{n}")
         if not path.exists() and not path.is_symlink():

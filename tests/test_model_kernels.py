@@ -25,7 +25,7 @@ from inference_service.models.loader import BUILTIN_TINY, load_model
 CPU = torch.device("cpu")
 needs_amx = pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
 needs_avx2_kernel = pytest.mark.skipif(not avx2_linear.available(),
-                                       reason="needs a CPU with AVX2 and FMA but no AVX-512 (and a compiler)")
+                                       reason="needs a CPU with AVX2 and FMA (and a compiler)")
 # Whether this CPU lets oneDNN pack bf16 weights (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an AVX2-only
 # CPU such as AMD Zen 1, where `pack` keeps bf16 on F.linear).
 ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -42,7 +42,7 @@ def test_prepacked_linear_matches_f_linear(dtype, rows):
     if dtype == torch.bfloat16 and not ONEDNN_BF16:
         # oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU the
         # AVX2 kernel takes it (where built), else the plain path
-        assert isinstance(packed, avx2_linear.AVX2Weight if avx2_linear.available() else type(None))
+        assert isinstance(packed, avx2_linear.AVX2Weight if avx2_linear.preferred() else type(None))
     else:
         assert packed is not None, "oneDNN packing should be available in torch's CPU build"
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
@@ -489,8 +489,8 @@ def test_avx2_linear_is_the_fp32_product(rows, bias, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen)
-    packed = dense.pack(weight)
-    assert isinstance(packed, avx2_linear.AVX2Weight)
+    assert avx2_linear.takes(weight)
+    packed = avx2_linear.AVX2Weight(weight)  # on every AVX2 CPU, preferred or not
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
     got = packed(x, b)
     torch.testing.assert_close(got, expected.float(), atol=1e-5 * in_features**0.5, rtol=1e-5)
@@ -512,8 +512,8 @@ def test_avx2_bf16_linear_is_the_fp32_kernel_on_the_widened_values_rounded_once(
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    packed, packed_f32 = dense.pack(weight), dense.pack(weight.float())
-    assert isinstance(packed, avx2_linear.AVX2Weight) and isinstance(packed_f32, avx2_linear.AVX2Weight)
+    assert avx2_linear.takes(weight) and avx2_linear.takes(weight.float())
+    packed, packed_f32 = avx2_linear.AVX2Weight(weight), avx2_linear.AVX2Weight(weight.float())
     got = packed(x, b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     assert torch.equal(got, packed_f32(x.float(), None if b is None else b.float()).to(torch.bfloat16))
@@ -526,34 +526,67 @@ def test_avx2_bf16_linear_is_the_fp32_kernel_on_the_widened_values_rounded_once(
 
 @needs_avx2_kernel
 def test_avx2_linear_takes_fp32_and_bf16_widths_of_16_only():
-    """fp16 and a width that is not a multiple of 16 (builtin:tiny's LM head: 258) keep the other paths;
-    the model's fp32 and bf16 projections take the kernel."""
-    assert avx2_linear.pack(torch.randn(64, 64).to(torch.float16)) is None
-    assert avx2_linear.pack(torch.randn(258, 64)) is None
+    """fp16 and a width that is not a multiple of 16 (builtin:tiny's LM head: 258) keep the other paths."""
+    assert not avx2_linear.takes(torch.randn(64, 64).to(torch.float16))
+    assert not avx2_linear.takes(torch.randn(258, 64))
+    assert avx2_linear.takes(torch.randn(64, 64)) and avx2_linear.takes(torch.randn(64, 64).to(torch.bfloat16))
     assert isinstance(dense.pack(torch.randn(258, 64)), dense.OneDNNWeight)
+
+
+def test_each_cpu_takes_its_preferred_projection_kernel():
+    """Which kernel a model's projections get, from the CPU's flags alone: AMX for bf16 where it has
+    AMX; the AVX2 kernel for fp32 and bf16 where it has AVX2 and FMA but no AVX-512 (oneDNN's
+    kernels use AVX-512 and are faster there); else oneDNN (bf16: only where oneDNN packs it). Each
+    kernel runs, and is tested, wherever its instructions exist, preferred or not."""
+    flags = _cpu_flags()
+    avx2 = {"avx2", "fma"} <= flags
+    assert avx2_linear.available() == avx2, "the kernels build with the compiler on these machines"
+    assert avx2_linear.preferred() == (avx2 and "avx512f" not in flags)
+    amx = {"amx_tile", "amx_bf16"} <= flags
+    assert amx_linear.available() == amx
     for dtype in (torch.float32, torch.bfloat16):
         model, _ = load_model(BUILTIN_TINY, CPU, dtype)
-        assert all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
+        if dtype == torch.bfloat16 and amx:
+            expected: type = amx_linear.AMXWeight
+        elif avx2 and "avx512f" not in flags:
+            expected = avx2_linear.AVX2Weight
+        elif dtype == torch.float32 or ONEDNN_BF16:
+            expected = dense.OneDNNWeight
+        else:
+            expected = type(None)
+        assert {type(p.packed) for p in model.layers[0].projections()} == {expected}, (dtype, sorted(flags & {
+            "avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}))
+
+
+@pytest.fixture
+def avx2_projections(monkeypatch):
+    """The AVX2 kernel as the projections' kernel, on any CPU where it runs (on an AVX-512 or AMX CPU
+    another is preferred: this tests the AVX2 kernel there too)."""
+    monkeypatch.setattr(avx2_linear, "preferred", lambda: True)
+    monkeypatch.setattr(amx_linear, "available", lambda: False)
+    model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
+    assert all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
 
 
 @needs_avx2_kernel
-def test_engine_output_is_the_same_on_onednn_as_on_the_avx2_kernel(monkeypatch, tmp_path):
+def test_engine_output_is_the_same_on_onednn_as_on_the_avx2_kernel(avx2_projections, monkeypatch, tmp_path):
     """fp32 end to end with an adapter: the AVX2 projections and oneDNN's (forced) give the same tokens."""
     adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
     on_avx2, _ = generate(adapters)
-    monkeypatch.setattr(avx2_linear, "available", lambda: False)
+    monkeypatch.setattr(avx2_linear, "preferred", lambda: False)
     model, _ = load_model(BUILTIN_TINY, CPU, torch.float32)
     assert all(isinstance(p.packed, dense.OneDNNWeight) for p in model.layers[0].projections())
     assert generate(adapters)[0] == on_avx2
 
 
 @needs_avx2_kernel
-def test_bf16_engine_output_is_the_same_on_the_avx2_kernel_as_on_f_linear(monkeypatch, tmp_path):
-    """bf16 end to end with an adapter: the AVX2 kernel's projections and the plain path's (forced;
-    oneDNN cannot pack bf16 on such a CPU) give the same tokens."""
+def test_bf16_engine_output_is_the_same_on_the_avx2_kernel_as_on_f_linear(avx2_projections, monkeypatch, tmp_path):
+    """bf16 end to end with an adapter: the AVX2 kernel's projections and the plain path's (forced:
+    neither the AVX2 kernel nor oneDNN's packing) give the same tokens."""
     adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
     on_avx2, _ = generate(adapters, "bfloat16")
-    monkeypatch.setattr(avx2_linear, "available", lambda: False)
+    monkeypatch.setattr(avx2_linear, "preferred", lambda: False)
+    monkeypatch.setattr(dense, "_packing_works", lambda dtype: False)
     model, _ = load_model(BUILTIN_TINY, CPU, torch.bfloat16)
     assert not any(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
     assert generate(adapters, "bfloat16")[0] == on_avx2

@@ -118,7 +118,7 @@ class EngineConfig:
 def auto_dtype(model: str, device: torch.device, revision: str | None = None) -> torch.dtype:
     """On an accelerator the checkpoint's own `torch_dtype` (what it was trained and shipped in);
     on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX) or where the AVX2 projection
-    kernel runs (AVX2 without AVX-512: bf16 weights widened as they are read, half fp32's bytes at
+    kernel is preferred (AVX2 without AVX-512: bf16 weights widened as they are read, half fp32's bytes at
     fp32's arithmetic; docs/architecture.md, "bf16 on an AVX2-only CPU"), else fp32 (torch's emulated
     bf16 is slower than fp32 there)."""
     if device.type != "cpu":
@@ -126,7 +126,7 @@ def auto_dtype(model: str, device: torch.device, revision: str | None = None) ->
     from inference_service.kernels import avx2_linear
 
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native or avx2_linear.available() else torch.float32
+    return torch.bfloat16 if native or avx2_linear.preferred() else torch.float32
 
 
 def _checkpoint_dtype(model: str, revision: str | None = None) -> torch.dtype | None:

@@ -1,4 +1,4 @@
-// fp32 and bf16 projections on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel):
+// fp32 and bf16 projections for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel):
 // out [M, N] = x [M, K] W^T (+ bias), for the row counts of a decode step. bf16 weights are widened
 // to fp32 as they are read (such CPUs have no bf16 arithmetic; torch's bf16 GEMM runs 1-7 GFLOP/s
 // there), so bf16 halves the bytes a memory-bound step reads and computes at fp32's rate.
@@ -17,13 +17,21 @@
 
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// Built wherever AVX2 and FMA exist, so every such CPU can run (and test) it; preferred only where
+// there is no AVX-512: there oneDNN's kernels use it and are faster.
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 #define PANEL 16
 #define MAX_ROWS 6
 
 int avx2_linear_init(void) { return 1; }
+
+#if defined(__AVX512F__)
+int avx2_linear_preferred(void) { return 0; }
+#else
+int avx2_linear_preferred(void) { return 1; }
+#endif
 
 // The output's element types: fp32, bf16 (rounded to nearest even), or fp32 holding the bf16-rounded
 // value (the LM head's logits of a bf16 model: `F.linear(...).float()`).
@@ -221,7 +229,8 @@ int avx2_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *
 }
 
 #else
-int avx2_linear_init(void) { return 0; }  // AVX-512 CPUs keep oneDNN (whose kernels use it); no AVX2: too
+int avx2_linear_init(void) { return 0; }  // no AVX2 or FMA: the caller keeps oneDNN
+int avx2_linear_preferred(void) { return 0; }
 
 int avx2_linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
                     int64_t k, int float_output) {

@@ -5,9 +5,12 @@ third of a plain read's rate; this kernel reads them at 1.2-2.8x its rate at 1-8
 beats it up to a 256-row prefill chunk (docs/architecture.md, "Decode on an AVX2-only CPU"). Such
 CPUs have no bf16 arithmetic (torch's bf16 GEMM runs at 1-7 GFLOP/s there, and oneDNN will not pack
 bf16): bf16 weights keep the same panels in bf16, widened to fp32 as the kernel reads them.
-`pack` turns a weight [N, K] into 16-column panels, or gives None where the kernel cannot take it
-(not fp32 or bf16, N not a multiple of 16, an AVX-512 CPU, the kernel not built,
-`LORAPLEX_CPU_KERNELS=0`); the caller then keeps oneDNN or `F.linear`.
+The kernel runs on every CPU with AVX2 and FMA (`available`), and is the preferred projection only
+where there is no AVX-512 (`preferred`; there oneDNN's kernels use it and are faster). `pack` turns a
+weight [N, K] into 16-column panels where it is preferred, or gives None where it is not or cannot
+take the weight (not fp32 or bf16, N not a multiple of 16, the kernel not built,
+`LORAPLEX_CPU_KERNELS=0`); the caller then keeps oneDNN or `F.linear`. `AVX2Weight` packs for the
+kernel wherever it runs (`takes`), which is how it is tested on AVX-512 CPUs too.
 """
 
 from __future__ import annotations
@@ -68,16 +71,33 @@ class AVX2Weight:
         return project_rows(x, bias, self.in_features, self.out_features, out_dtype, kernel)
 
 
-def pack(weight: torch.Tensor) -> AVX2Weight | None:
-    """The panel layout of weight [N, K], or None where the kernel cannot take it."""
+def takes(weight: torch.Tensor) -> bool:
+    """True if the kernel runs here and can take weight [N, K] (fp32 or bf16 on CPU, N a multiple of 16)."""
     n, _ = weight.shape
-    if weight.device.type != "cpu" or weight.dtype not in DTYPES or n % PANEL or not available():
-        return None
-    return AVX2Weight(weight)
+    return weight.device.type == "cpu" and weight.dtype in DTYPES and not n % PANEL and available()
+
+
+def pack(weight: torch.Tensor) -> AVX2Weight | None:
+    """The panel layout of weight [N, K] where the kernel is this CPU's preferred projection, or None."""
+    return AVX2Weight(weight) if preferred() and takes(weight) else None
 
 
 def available() -> bool:
+    """The kernel runs here: built, on a CPU with AVX2 and FMA."""
     return _functions() is not None
+
+
+def preferred() -> bool:
+    """The kernel is this CPU's projection for fp32 and bf16: it runs here and there is no AVX-512."""
+    return available() and _preferred()
+
+
+@functools.cache
+def _preferred() -> bool:
+    library = load_library("avx2_linear")
+    assert library is not None
+    library.avx2_linear_preferred.restype = ctypes.c_int
+    return bool(library.avx2_linear_preferred())
 
 
 def kernel_address(dtype: torch.dtype) -> int | None:
@@ -96,7 +116,7 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: i
         return None
     library.avx2_linear_init.restype = ctypes.c_int
     if not library.avx2_linear_init():
-        log.info("an AVX-512 CPU (or one without AVX2/FMA): projections use oneDNN")
+        log.info("a CPU without AVX2/FMA: projections use oneDNN")
         return None
     f32, bf16 = library.avx2_linear_f32, library.avx2_linear_bf16
     for fn in (f32, bf16):  # the same signature (kernels/decode_stack.c calls either)
