@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--grammar-compile-cpu-s", "structured output: CPU seconds a new constraint may take to compile "
          "before it is refused (INVALID_ARGUMENT; wall time at most 6x this, and 30 s at least)", type=float,
          default=ServerConfig.grammar_compile_cpu_s)
+    _add(g, "--grammar-compile-wall-s", "structured output: wall seconds a new constraint's compile may take; one "
+         "that reaches it with less CPU time than --grammar-compile-cpu-s was starved: 503 / UNAVAILABLE, not "
+         "cached (0: 6x the CPU bound, 30 s at least)", type=float, default=ServerConfig.grammar_compile_wall_s)
+    _add(g, "--grammar-check-processes", "structured output: compile processes checking new constraints side by "
+         "side (a check waits only while all are busy)", type=int, default=ServerConfig.grammar_check_processes)
     _add(g, "--engine-core", "process: the scheduler in a process of its own, so the front ends' per-message "
          "work never slows a step (docs/architecture.md); thread: in this process (debugging, comparisons)",
          default="process", choices=("process", "thread"))
@@ -310,6 +315,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_message_bytes=args.max_message_bytes,
         default_max_new_tokens=args.default_max_new_tokens,
         grammar_compile_cpu_s=args.grammar_compile_cpu_s,
+        grammar_compile_wall_s=args.grammar_compile_wall_s,
+        grammar_check_processes=args.grammar_check_processes,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
         adapter_resolver=args.adapter_resolver,
         preload=read_preload_file(args.preload_file) if args.preload_file else [],

@@ -203,6 +203,24 @@ def test_checker_bounds_compile_time_and_restarts(tmp_path):
         checker.close()
 
 
+def test_checker_refuses_by_cpu_time_used_and_caches_only_that():
+    """The CPU bound by itself: a wall bound far away (120 s) never decides. The refusal names the CPU
+    bound, comes long before the wall bound, and is cached (CPU time the spec really used is its own
+    verdict); a wall bound alone would answer after 120 s, uncached."""
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=1.0, wall_s=120.0)
+    try:
+        assert checker.check_blocking(json_schema_spec(SCHEMA)) is None  # starts the child
+        slow = json_schema_spec(_slow_schema())
+        started = time.monotonic()
+        error = checker.check_blocking(slow)
+        assert error is not None and "within 1 CPU seconds" in error, error
+        assert time.monotonic() - started < 60
+        started = time.monotonic()
+        assert checker.check_blocking(slow) == error and time.monotonic() - started < 0.1  # cached
+    finally:
+        checker.close()
+
+
 def test_checker_bounds_memory():
     checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=30.0, wall_s=30.0, memory_bytes=8 << 20)
     try:
