@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
          default=EngineConfig.host_cache_bytes)
+    _add(g, "--grammar-cache-bytes", "structured output: compiled grammars kept for reuse, in bytes (each measured; "
+         "least recently used out first)", type=int, default=EngineConfig.grammar_cache_bytes)
     _add(g, "--max-registered-adapters", "adapter names held at most (past it, idle --adapter-resolver "
          "adapters make room, least recently used first; docs/adapters.md)", type=int,
          default=EngineConfig.max_registered_adapters)
@@ -280,6 +282,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         cache_address=args.cache_address,
         cache_token_file=args.cache_token_file,
         host_cache_bytes=args.host_cache_bytes,
+        grammar_cache_bytes=args.grammar_cache_bytes,
         seed=args.seed,
         max_registered_adapters=args.max_registered_adapters,
         host_load_workers=args.host_load_workers,

@@ -20,6 +20,7 @@ from harness.engine_helpers import load_adapters, make_core, run_to_completion
 from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
+from inference_service.engine.grammar import GrammarCompiler
 from inference_service.engine.kv_cache import kv_bytes_per_block
 from inference_service.engine.request import FinishReason, Request, SamplingParams, WaitReason
 from inference_service.frontend.grammar_check import GrammarChecker
@@ -228,6 +229,29 @@ def test_checker_bounds_memory():
         assert error is not None and "MiB" in error, error
     finally:
         checker.close()
+
+
+def test_compiled_grammars_are_kept_within_a_byte_bound():
+    """Each compiled grammar is measured (xgrammar's memory_size_bytes): the cache keeps what fits the
+    byte bound, least recently used out first, and a grammar larger than the whole bound is not kept
+    (the requests that hold it still get it)."""
+    specs = [json_schema_spec({**SCHEMA, "title": f"bytes {i}"}) for i in range(3)]
+    probe = GrammarCompiler(ByteTokenizer(), 258)
+    sizes = [probe.compile(spec).result(timeout=120).memory_size_bytes for spec in specs]
+    probe.shutdown()
+    assert min(sizes) > 0
+    compiler = GrammarCompiler(ByteTokenizer(), 258, max_cached_bytes=sizes[1] + sizes[2])
+    try:
+        for spec in specs:
+            compiler.compile(spec).result(timeout=120)
+        assert compiler.cached_keys() == [specs[1].key, specs[2].key]  # the oldest went out
+        assert compiler.cached_bytes == sizes[1] + sizes[2] <= compiler.max_cached_bytes
+        big = json_schema_spec({"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 40}
+                                                                 for i in range(40)}})
+        assert compiler.compile(big).result(timeout=120).memory_size_bytes > compiler.max_cached_bytes
+        assert big.key not in compiler.cached_keys() and len(compiler.cached_keys()) == 2
+    finally:
+        compiler.shutdown()
 
 
 def test_a_slow_compile_does_not_stall_other_streams():
