@@ -91,8 +91,11 @@ def test_a_hostile_schema_does_not_hold_up_another_clients_schema(server):
         assert victim.status_code == 200, victim.text
         assert not hostile.done(), f"the hostile schema was answered first ({hostile.result().text})"
         refused = hostile.result()
-    assert refused.status_code == 400, refused.text
-    assert f"did not compile within {CPU_S:g} CPU seconds" in refused.json()["error"]["message"]
+    # Refused at its CPU bound; on a saturated machine its idle-priority compile may not get that CPU
+    # within the wall bound, and is then answered as starved (503), which is no verdict on it either.
+    message = refused.json()["error"]["message"]
+    assert (refused.status_code, f"did not compile within {CPU_S:g} CPU seconds" in message) == (400, True) or (
+        refused.status_code, "retry later" in message) == (503, True), refused.text
     assert victim_s < 30, victim_s  # a generous stall bound; what matters is the order above
     assert_clean(server)
 

@@ -83,9 +83,10 @@ class GrammarChecker:
         self.processes = max(1, processes)
         self._pool = ThreadPoolExecutor(self.processes, thread_name_prefix="grammar-check")
         # As many children as pool threads, so a thread that runs a check always finds one idle.
+        self._children = [_CompileProcess(self) for _ in range(self.processes)]
         self._idle: queue.LifoQueue[_CompileProcess] = queue.LifoQueue()
-        for _ in range(self.processes):
-            self._idle.put(_CompileProcess(self))
+        for child in self._children:
+            self._idle.put(child)
         self._lock = threading.Lock()  # the cache and the checks in flight
         self._cache: collections.OrderedDict[str, Verdict] = collections.OrderedDict()
         self._in_flight: dict[str, Future[Verdict]] = {}
@@ -117,20 +118,19 @@ class GrammarChecker:
 
     def _check_now(self, spec: GrammarSpec, submitted: float) -> Verdict:
         child = self._idle.get_nowait()  # never empty: one child per pool thread
+        verdict = Verdict("the grammar compiler is not available", cacheable=False)
         try:
             verdict = child.compile(spec, time.monotonic() - submitted)
         except Exception as e:  # noqa: BLE001 - the child did not start: this check only, not cached
             log.error("grammar check: %s", e)
-            verdict = Verdict("the grammar compiler is not available", cacheable=False)
         finally:
             self._idle.put(child)
-            with self._lock:
+            with self._lock:  # cached and out of flight at once: no second compile in between
+                if verdict.cacheable:
+                    self._cache[spec.key] = verdict
+                    while len(self._cache) > MAX_CACHED:
+                        self._cache.popitem(last=False)
                 self._in_flight.pop(spec.key, None)
-        if verdict.cacheable:
-            with self._lock:
-                self._cache[spec.key] = verdict
-                while len(self._cache) > MAX_CACHED:
-                    self._cache.popitem(last=False)
         return verdict
 
     def vocab(self) -> list[bytes]:
@@ -139,17 +139,11 @@ class GrammarChecker:
                 self._vocab = grammar_vocab(self.tokenizer, self.vocab_size)
             return self._vocab
 
-    def child_pids(self) -> list[int]:
-        """The compile children running now (tests pause them to starve a compile)."""
-        return [c.pid for c in list(self._idle.queue) if c.pid is not None]
-
     def close(self) -> None:
+        """Kills every compile child, busy ones too (their checks then answer UNAVAILABLE)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        while True:
-            try:
-                self._idle.get_nowait().stop()
-            except queue.Empty:
-                return
+        for child in self._children:
+            child.stop()
 
 
 class _CompileProcess:
@@ -159,11 +153,6 @@ class _CompileProcess:
         self.checker = checker
         self._proc: subprocess.Popen[bytes] | None = None
         self._base_rss = 0
-
-    @property
-    def pid(self) -> int | None:
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
 
     def compile(self, spec: GrammarSpec, waited_s: float) -> Verdict:
         bounds = self.checker
