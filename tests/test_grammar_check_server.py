@@ -5,18 +5,24 @@ answered 503 and not cached: the same schema compiles once the process runs agai
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx2 as httpx
 import pytest
 
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import assert_clean
+from inference_service.api import inference_pb2 as pb
+from inference_service.client import InferenceClient
 
 pytestmark = pytest.mark.slow
 BASE = "builtin:tiny"
@@ -100,29 +106,49 @@ def test_a_hostile_schema_does_not_hold_up_another_clients_schema(server):
     assert_clean(server)
 
 
-def test_a_compile_starved_of_cpu_is_not_cached_as_a_refusal(server):
-    """Both compile processes paused (SIGSTOP; a saturated CPU does the same, more slowly): a valid new
-    schema reaches the wall bound with no CPU time used, and is answered 503 (retryable), not 400.
-    Once the processes run again, the same schema is accepted: the starved answer was not cached."""
-    _start_both_compile_processes(server)
-    schema = _small_schema()
+@contextlib.contextmanager
+def _compile_processes_paused(server: InferenceServer) -> Iterator[None]:
     paused = _compile_children(server)
     try:
         for pid in paused:
             os.kill(pid, signal.SIGSTOP)
-        started = time.monotonic()
-        starved = _post(server, schema)
-        assert time.monotonic() - started < WALL_S + 30
+        yield
     finally:
         for pid in paused:
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:  # the one given up on was killed
                 pass
+
+
+def test_a_compile_starved_of_cpu_is_not_cached_as_a_refusal(server):
+    """Both compile processes paused (SIGSTOP; a saturated CPU does the same, more slowly): a valid new
+    schema reaches the wall bound with no CPU time used, and is answered 503 (retryable), not 400.
+    Once the processes run again, the same schema is accepted: the starved answer was not cached."""
+    _start_both_compile_processes(server)
+    schema = _small_schema()
+    with _compile_processes_paused(server):
+        started = time.monotonic()
+        starved = _post(server, schema)
+        assert time.monotonic() - started < WALL_S + 30
     assert starved.status_code == 503, starved.text
     error = starved.json()["error"]
     assert error["code"] == "UNAVAILABLE" and "retry" in error["message"], error
     accepted = _post(server, schema)
     assert accepted.status_code == 200, accepted.text
     assert "starved of CPU" in server.log()
+    assert_clean(server)
+
+
+def test_a_starved_compile_is_unavailable_over_grpc_too(server):
+    """The same through gRPC: UNAVAILABLE while the compile processes are paused, then served."""
+    _start_both_compile_processes(server)
+    request = pb.GenerateRequest(text="g", max_new_tokens=4,
+                                 sampling=pb.SamplingParams(json_schema=json.dumps(_small_schema())))
+    with InferenceClient(server.address) as client:
+        with _compile_processes_paused(server), pytest.raises(grpc.RpcError) as e:
+            list(client.stub.Generate(request, timeout=WALL_S + 60))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        assert "retry later" in e.value.details()
+        assert list(client.stub.Generate(request, timeout=120))
     assert_clean(server)
