@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--grammar-compile-cpu-s", "structured output: CPU seconds a new constraint may take to compile "
          "before it is refused (INVALID_ARGUMENT; wall time at most 6x this, and 30 s at least)", type=float,
          default=ServerConfig.grammar_compile_cpu_s)
+    _add(g, "--grammar-compile-wall-s", "structured output: wall seconds a new constraint's compile may take; one "
+         "that reaches it with less CPU time than --grammar-compile-cpu-s was starved: 503 / UNAVAILABLE, not "
+         "cached (0: 6x the CPU bound, 30 s at least)", type=float, default=ServerConfig.grammar_compile_wall_s)
+    _add(g, "--grammar-check-processes", "structured output: compile processes checking new constraints side by "
+         "side (a check waits only while all are busy)", type=int, default=ServerConfig.grammar_check_processes)
     _add(g, "--engine-core", "process: the scheduler in a process of its own, so the front ends' per-message "
          "work never slows a step (docs/architecture.md); thread: in this process (debugging, comparisons)",
          default="process", choices=("process", "thread"))
@@ -148,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
          "evicted from its slot is copied back without being read again (0: off)", type=int,
          default=EngineConfig.host_cache_bytes)
+    _add(g, "--grammar-cache-bytes", "structured output: compiled grammars kept for reuse, in bytes (each measured; "
+         "least recently used out first)", type=int, default=EngineConfig.grammar_cache_bytes)
     _add(g, "--max-registered-adapters", "adapter names held at most (past it, idle --adapter-resolver "
          "adapters make room, least recently used first; docs/adapters.md)", type=int,
          default=EngineConfig.max_registered_adapters)
@@ -275,6 +282,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         cache_address=args.cache_address,
         cache_token_file=args.cache_token_file,
         host_cache_bytes=args.host_cache_bytes,
+        grammar_cache_bytes=args.grammar_cache_bytes,
         seed=args.seed,
         max_registered_adapters=args.max_registered_adapters,
         host_load_workers=args.host_load_workers,
@@ -310,6 +318,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_message_bytes=args.max_message_bytes,
         default_max_new_tokens=args.default_max_new_tokens,
         grammar_compile_cpu_s=args.grammar_compile_cpu_s,
+        grammar_compile_wall_s=args.grammar_compile_wall_s,
+        grammar_check_processes=args.grammar_check_processes,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
         adapter_resolver=args.adapter_resolver,
         preload=read_preload_file(args.preload_file) if args.preload_file else [],

@@ -201,3 +201,24 @@ def test_namespaces_never_collide():
     rng = random.Random(0)
     tokens = [rng.randrange(1000) for _ in range(16)]
     assert len({chain_hash(root, tokens) for root in roots}) == len(spaces)
+
+
+def test_a_fresh_pool_hands_out_blocks_in_order():
+    """Block 0 first, then upwards: allocation is deterministic (the same arrivals, the same tables)."""
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+
+
+def test_evictions_count_each_cached_block_taken_back():
+    """`evictions` (the prefix-cache eviction metric) counts each cached block an allocation takes,
+    and nothing taken from the free list."""
+    pool = BlockPool(4)
+    table = pool.allocate(3)
+    for block, block_hash in zip(table, _chain(ROOTS[0], [(1, 2), (3, 4), (5, 6)]), strict=True):
+        pool.cache(block, block_hash)
+    pool.release(table)
+    assert (pool.num_cached, pool.evictions) == (3, 0)
+    pool.allocate(1)  # the free block
+    assert pool.evictions == 0
+    pool.allocate(2)  # two cached ones
+    assert (pool.evictions, pool.num_cached) == (2, 1)

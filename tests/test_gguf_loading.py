@@ -308,3 +308,18 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path):
     detok = IncrementalDetokenizer(tokenizer, prompt)
     streamed = "".join(detok.update(ids[: n + 1], final=n == len(ids) - 1) for n in range(len(ids)))
     assert tokenizer.decode(prompt) + streamed == tokenizer.decode(prompt + ids)
+
+
+def test_chat_template_reads_the_files_bos_and_eos_texts(tmp_path):
+    """A template that writes bos_token and eos_token gets the GGUF file's own texts for its
+    bos/eos ids (1 and 2 in a Llama 2 vocabulary: <s> and </s>), each in its place."""
+    from inference_service.frontend.chat_template import load_chat_template
+
+    checkpoint = make_base_checkpoint(tmp_path / "spm-base", "llama", seed=5, tokenizer_model="llama")
+    path = write_gguf(checkpoint, tmp_path / "spm.gguf", "F32", tokenizer_model="llama")
+    override = tmp_path / "bos_eos.jinja"
+    override.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}")
+    template = load_chat_template(str(path), str(override))
+    assert template is not None
+    assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<s>hi</s>"
+    assert GGUFFile(path).special_tokens() == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}

@@ -453,6 +453,23 @@ def test_no_compiler_falls_back(monkeypatch, kernel_cache, caplog):
     assert list(kernel_cache.iterdir()) == [], "no partial library is left behind"
 
 
+@pytest.mark.parametrize("cc", [None, "/nonexistent/cc"])
+def test_no_compiler_on_the_path_falls_back(monkeypatch, kernel_cache, caplog, tmp_path_factory, cc):
+    """CC unset and no cc or gcc on PATH (a slim image): no build is tried, the torch path is kept and
+    the log says why; CC naming a file that is not there is a build that fails, the same way."""
+    monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("empty-bin")))
+    if cc is None:
+        monkeypatch.delenv("CC", raising=False)
+    else:
+        monkeypatch.setenv("CC", cc)
+    q = torch.randn(1, 2, 8)
+    cache = torch.randn(2, 4, 2, 8)
+    assert cpu_kernels.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                        torch.ones(1, dtype=torch.long)) is None
+    assert ("no C compiler found" if cc is None else "could not build") in caplog.text
+    assert list(kernel_cache.iterdir()) == []
+
+
 def _cpu_flags() -> set[str]:
     """This CPU's feature flags as Linux lists them (the kernels are built with -march=native)."""
     for line in Path("/proc/cpuinfo").read_text().splitlines():

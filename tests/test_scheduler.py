@@ -237,3 +237,43 @@ def test_tenant_max_running_holds_its_requests_and_no_one_elses():
     outputs = run_to_completion(core)
     assert all(outs[-1].finished for outs in outputs.values()) and len(outputs) == 4
     assert core.runner.kv.num_used == 0
+
+
+def _tiny_kv_core(blocks: int) -> EngineCore:
+    block_bytes = kv_bytes_per_block(builtin_tiny_config(), 16, torch.float32)
+    core = _core(kv_cache_bytes=blocks * block_bytes)
+    assert (core.runner.kv.num_blocks, core.runner.kv.block_size) == (blocks, 16)
+    return core
+
+
+@pytest.mark.parametrize(("max_new_tokens", "preempted"), [(28, False), (29, True)])
+def test_kv_growth_takes_the_last_free_block_and_preempts_only_past_it(max_new_tokens, preempted):
+    """Two requests in a 4-block KV cache (16 tokens a block), each 5 prompt tokens: with 28 new tokens
+    each computes 32 tokens of KV (its last sampled token is never computed), 2 blocks each, exactly
+    all 4, and nothing is preempted; one token more each needs a fifth block, and someone is."""
+    core = _tiny_kv_core(4)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    for i in range(2):
+        core.add_request(Request(f"r{i}", [256] + [65 + i] * 4, params), None)
+    outputs = run_to_completion(core)
+    assert all(len([t for o in outs for t in o.new_token_ids]) == max_new_tokens for outs in outputs.values())
+    assert (core.scheduler.num_preemptions > 0) is preempted, core.scheduler.num_preemptions
+    assert core.runner.kv.num_used == 0
+
+
+def test_kv_growth_preempts_the_lowest_priority_before_the_newest(caplog):
+    """Running in admission order A (priority 0), B (priority 5), C (priority 0), each growing to 3
+    blocks in a 6-block cache: when A, the oldest, needs a block and none is free, the victim is B,
+    the lowest priority, not C, the newest, nor A itself; A and C then fit and are never preempted."""
+    core = _tiny_kv_core(6)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for rid, priority in (("A", 0), ("B", 5), ("C", 0)):
+        request = Request(rid, [256] + [ord(rid)] * 4, params)
+        request.priority = priority
+        core.add_request(request, None)
+        core.step()  # admitted before the next arrives: running is in this order
+    with caplog.at_level("INFO", logger="inference_service.engine.scheduler"):
+        outputs = run_to_completion(core)
+    preempted = [r.args[0] for r in caplog.records if r.getMessage().startswith("preempted ")]
+    assert preempted and set(preempted) == {"B"}, preempted
+    assert set(outputs) == {"A", "B", "C"} and core.runner.kv.num_used == 0

@@ -22,6 +22,7 @@ from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine import grammar
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
+from inference_service.engine.grammar import GrammarCompiler
 from inference_service.engine.kv_cache import kv_bytes_per_block
 from inference_service.engine.request import FinishReason, Request, SamplingParams, WaitReason
 from inference_service.frontend.grammar_check import GrammarChecker
@@ -205,6 +206,24 @@ def test_checker_bounds_compile_time_and_restarts(tmp_path):
         checker.close()
 
 
+def test_checker_refuses_by_cpu_time_used_and_caches_only_that():
+    """The CPU bound by itself: a wall bound far away (120 s) never decides. The refusal names the CPU
+    bound, comes long before the wall bound, and is cached (CPU time the spec really used is its own
+    verdict); a wall bound alone would answer after 120 s, uncached."""
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=1.0, wall_s=120.0)
+    try:
+        assert checker.check_blocking(json_schema_spec(SCHEMA)) is None  # starts the child
+        slow = json_schema_spec(_slow_schema())
+        started = time.monotonic()
+        error = checker.check_blocking(slow)
+        assert error is not None and "within 1 CPU seconds" in error, error
+        assert time.monotonic() - started < 60
+        started = time.monotonic()
+        assert checker.check_blocking(slow) == error and time.monotonic() - started < 0.1  # cached
+    finally:
+        checker.close()
+
+
 def test_checker_bounds_memory():
     checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=30.0, wall_s=30.0, memory_bytes=8 << 20)
     try:
@@ -212,6 +231,29 @@ def test_checker_bounds_memory():
         assert error is not None and "MiB" in error, error
     finally:
         checker.close()
+
+
+def test_compiled_grammars_are_kept_within_a_byte_bound():
+    """Each compiled grammar is measured (xgrammar's memory_size_bytes): the cache keeps what fits the
+    byte bound, least recently used out first, and a grammar larger than the whole bound is not kept
+    (the requests that hold it still get it)."""
+    specs = [json_schema_spec({**SCHEMA, "title": f"bytes {i}"}) for i in range(3)]
+    probe = GrammarCompiler(ByteTokenizer(), 258)
+    sizes = [probe.compile(spec).result(timeout=120).memory_size_bytes for spec in specs]
+    probe.shutdown()
+    assert min(sizes) > 0
+    compiler = GrammarCompiler(ByteTokenizer(), 258, max_cached_bytes=sizes[1] + sizes[2])
+    try:
+        for spec in specs:
+            compiler.compile(spec).result(timeout=120)
+        assert compiler.cached_keys() == [specs[1].key, specs[2].key]  # the oldest went out
+        assert compiler.cached_bytes == sizes[1] + sizes[2] <= compiler.max_cached_bytes
+        big = json_schema_spec({"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 40}
+                                                                 for i in range(40)}})
+        assert compiler.compile(big).result(timeout=120).memory_size_bytes > compiler.max_cached_bytes
+        assert big.key not in compiler.cached_keys() and len(compiler.cached_keys()) == 2
+    finally:
+        compiler.shutdown()
 
 
 def test_a_slow_compile_does_not_stall_other_streams(monkeypatch):

@@ -114,6 +114,7 @@ def test_response_format_json_schema_and_json_object(server):
             ended += 1
         else:
             assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX
+    assert ended >= 1, "no json_object answer ended: EOS is never allowed after a complete object"  # 2 of 4 here
     assert r.choices[0].message.content.startswith("{")
 
 
@@ -461,3 +462,22 @@ def test_logprobs_under_a_constraint(server):
     first = choice["logprobs"]["top_logprobs"][0]
     assert sorted(v for v in first.values() if v > -9999.0) == sorted(v for k, v in first.items() if k in "ac")
     assert min(first.values()) == -9999.0
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_strict_decides_whether_properties_beyond_the_schema_may_follow(server, strict):
+    """A schema that names no properties and leaves additionalProperties unset: with `strict` the only
+    object it takes is `{}`, so after `{` the one finite next-token logprob is `}`'s; without it a
+    property may begin (`"` is finite too). Read from the masked distribution's top logprobs, so the
+    model's noise decides nothing."""
+    r = httpx.post(server.http_url + "/v1/chat/completions", timeout=120, json={
+        "model": BASE, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "seed": 1,
+        "logprobs": True, "top_logprobs": 5,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "o", "schema": {"type": "object", "properties": {}},
+                                            "strict": strict}}})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "{"
+    allowed = {t["token"] for t in content[1]["top_logprobs"] if t["logprob"] > -9999.0}
+    assert allowed == ({"}"} if strict else {"}", '"'}), content[1]["top_logprobs"]

@@ -60,6 +60,8 @@ class EngineConfig:
     # Validated adapters read from local directories, kept in host memory (LRU) so that one evicted
     # from its slot is copied back without reading and checking it again; 0 turns this off.
     host_cache_bytes: int = 512 << 20
+    # Compiled structured-output grammars kept for reuse, in bytes (engine/grammar.py)
+    grammar_cache_bytes: int = 256 << 20
     overlap_loads: bool = True  # False: blocking slot copies (benchmark baseline only)
     max_registered_adapters: int = 1024  # adapter names (past it: idle resolver adapters make room, LRU)
     # A host preparation (fetch + validation) running longer fails its load (UNAVAILABLE, retryable)

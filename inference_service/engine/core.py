@@ -230,7 +230,8 @@ class EngineCore:
             lora_page_rank=self.lora.page_rank,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.metrics, detokenize)
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)  # structured output, off the step
+        # Structured output, compiled off the step
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, max_cached_bytes=config.grammar_cache_bytes)
         self.grammars.warm_up()  # before serving: its import holds the GIL for seconds
         # Seeds for sampling requests that bring none (--seed): a restart with the same seed and the
         # same arrivals samples the same tokens; a request's own seed always wins.

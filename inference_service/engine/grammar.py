@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -24,33 +25,76 @@ from inference_service.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MAX_CACHED = 256  # compiled grammars kept (by content hash)
+# and their bytes: with a real vocabulary (49k tokens) one schema just under the checker's CPU bound
+# compiles to 33-140 MB, so a count alone bounds nothing.
+MAX_CACHED_BYTES = 256 << 20
 
 
 class GrammarCompiler:
-    """Compiles specs on a thread of its own, one at a time, single-flight and cached by content."""
+    """Compiles specs on a thread of its own, one at a time, single-flight and cached by content.
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_cached: int = MAX_CACHED) -> None:
-        self.tokenizer, self.vocab_size, self.max_cached = tokenizer, vocab_size, max_cached
+    The cache holds at most `max_cached` grammars and `max_cached_bytes` of them, each measured
+    once compiled (xgrammar's `memory_size_bytes`), least recently used out first; a grammar larger
+    than the whole bound is not kept. A request still running holds its own grammar besides: what
+    leaves the cache is freed when its last request ends."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_cached: int = MAX_CACHED,
+                 max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.max_cached, self.max_cached_bytes = max_cached, max_cached_bytes
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: Any = None  # built by warm_up (xgrammar's import takes seconds)
         self._cache: collections.OrderedDict[str, Future[Any]] = collections.OrderedDict()
+        self._sizes: dict[str, int] = {}  # bytes of each cached grammar compiled so far
+        self._lock = threading.Lock()  # the cache: the scheduler thread and the compile thread's callback
 
     def compile(self, spec: GrammarSpec) -> Future[Any]:
         """The compiled grammar's future (scheduler thread)."""
         key = spec.key
-        future = self._cache.get(key)
-        if future is not None:
-            self._cache.move_to_end(key)
-            return future
-        if self._pool is None:
-            # One torch thread and a lower CPU priority, as the adapter loaders: the model's threads first.
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile",
-                                            initializer=background_worker_thread)
-        future = self._pool.submit(self._compile, spec)
-        self._cache[key] = future
-        while len(self._cache) > self.max_cached:
-            self._cache.popitem(last=False)  # requests that hold its future keep it
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if self._pool is None:
+                # One torch thread and a lower CPU priority, as the adapter loaders: the model's threads first.
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile",
+                                                initializer=background_worker_thread)
+            future = self._pool.submit(self._compile, spec)
+            self._cache[key] = future
+            self._evict()
+        future.add_done_callback(lambda f: self._measured(key, f))
         return future
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def cached_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._cache)
+
+    def _measured(self, key: str, future: Future[Any]) -> None:
+        """A compile ended: its grammar's size counts against the bound (a failed one holds nothing)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self._lock:
+            if self._cache.get(key) is not future:
+                return
+            size = int(future.result().memory_size_bytes)
+            if size > self.max_cached_bytes:  # alone over the bound: not kept, and nothing else goes for it
+                del self._cache[key]
+                return
+            self._sizes[key] = size
+            self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used out until both bounds hold (requests that hold a future keep it)."""
+        while self._cache and (len(self._cache) > self.max_cached
+                               or sum(self._sizes.values()) > self.max_cached_bytes):
+            key, _ = self._cache.popitem(last=False)
+            self._sizes.pop(key, None)
 
     def warm_up(self) -> None:
         """Import xgrammar and index the vocabulary now (the engine's start): both hold the GIL for

@@ -39,7 +39,7 @@ from inference_service.engine.streams import merged
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.cache_salt import cache_salt, grpc_identity
-from inference_service.frontend.grammar_check import COMPILE_CPU_S, shared_checker
+from inference_service.frontend.grammar_check import COMPILE_CPU_S, COMPILE_PROCESSES, shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
 from inference_service.frontend.preload import PreloadEntry, Preloader
@@ -78,6 +78,8 @@ class ServerConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     default_max_new_tokens: int = 64
     grammar_compile_cpu_s: float = COMPILE_CPU_S  # structured output: a new constraint's compile bound
+    grammar_compile_wall_s: float = 0.0  # and its wall-clock bound (0: grammar_check.default_wall_s)
+    grammar_check_processes: int = COMPILE_PROCESSES  # compile children checking new constraints side by side
     adapter_metrics_top_k: int = 20
     preload: list[PreloadEntry] = field(default_factory=list)
     preload_file: str | None = None  # re-read every preload_reload_s (0: read once)
@@ -121,7 +123,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               admin_disabled_reason(config.listen, config.admin_token, config.insecure_admin))
         self.uri_policy = UriPolicy(config.adapter_source_allow)
         self.intake = Intake(engine.model_info, engine.tokenizer, config.default_max_new_tokens)
-        self.grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size, config.grammar_compile_cpu_s)
+        self.grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size, config.grammar_compile_cpu_s,
+                                       config.grammar_compile_wall_s, config.grammar_check_processes)
         self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
         self.tenancy = config.tenancy
 

@@ -47,10 +47,13 @@ class LocalDirectorySource:
 
     Validated adapters are kept in host memory, least recently used first out, up to
     `cache_bytes`: an adapter evicted from its slot and wanted again is copied from there instead
-    of read, parsed and checked again (what the sidecar's shared-memory cache does for remote
-    adapters). An entry is only used while both files, opened afresh under the rule above, keep the
-    device, inode, size and mtime it was read with. Entries are kept in the caller's `host_form`,
-    so a repeated load is plain copies.
+    of parsed and checked again (what the sidecar's shared-memory cache does for remote adapters).
+    Both files are still read on every fetch and an entry is used only for the same content: it
+    is keyed by the SHA-256 of the config and of the weights as read now, never by the file's
+    metadata (a file rewritten in place at the same size, its mtime put back, keeps its device,
+    inode, size and mtime, and must not be served its old weights). Hashing costs a pass over the
+    bytes (~1-2 GB/s); parsing, validating and `host_form` are what a hit saves. Entries are kept
+    in the caller's `host_form`, so a repeated load is plain copies.
     """
 
     def __init__(self, shapes: BaseModelShapes, max_rank: int, cache_bytes: int = 0,
@@ -58,7 +61,8 @@ class LocalDirectorySource:
         self.shapes, self.max_rank, self.cache_bytes = shapes, max_rank, cache_bytes
         self.roots = UriPolicy(allow).file_roots if allow else None
         self.max_weights_bytes = max_weights_bytes(shapes, max_rank)
-        self._cache: OrderedDict[Path, tuple[tuple, HostAdapter, str | None]] = OrderedDict()
+        # path -> ((config digest, weights digest), the adapter in host form)
+        self._cache: OrderedDict[Path, tuple[tuple[str, str], HostAdapter]] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()  # fetches run on several host-loader threads
 
@@ -69,50 +73,41 @@ class LocalDirectorySource:
             weights_fd, weights_st = file_access.open_regular(path / WEIGHTS_FILE, self.roots,
                                                               self.max_weights_bytes)
             try:
-                return self._fetch_open(path, sha256, host_form, (config_fd, config_st), (weights_fd, weights_st))
+                raw_config = bytes(file_access.read_fd(config_fd, config_st.st_size, path / CONFIG_FILE))
+                data = file_access.read_fd(weights_fd, weights_st.st_size, path / WEIGHTS_FILE)
             finally:
                 os.close(weights_fd)
         finally:
             os.close(config_fd)
+        return self._fetch_read(path, sha256, host_form, raw_config, data)
 
-    def _fetch_open(self, path: Path, sha256: str | None, host_form: HostForm | None,
-                    config: tuple[int, os.stat_result], weights: tuple[int, os.stat_result]) -> HostAdapter:
-        stamp = tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for _, st in (config, weights))
-        with self._lock:
-            hit = self._cache.get(path)
-            if hit is not None and (hit[0] != stamp or (sha256 is not None and hit[2] is None)):
-                # The files changed since, or a digest is asked for that was not taken when they
-                # were read (the raw bytes are not kept): read them again.
-                hit = None
-            if hit is not None:
-                self._cache.move_to_end(path)
-        digest: str | None
-        if hit is not None:
-            _, adapter, digest = hit
-            tier = LoadTier.CACHE
-        else:
-            raw_config = file_access.read_fd(config[0], config[1].st_size, path / CONFIG_FILE)
-            data = file_access.read_fd(weights[0], weights[1].st_size, path / WEIGHTS_FILE)
-            adapter, tier = load_adapter_bytes(bytes(raw_config), data, self.shapes, self.max_rank), LoadTier.STORE
-            digest = None if sha256 is None else hashlib.sha256(data).hexdigest()
+    def _fetch_read(self, path: Path, sha256: str | None, host_form: HostForm | None, raw_config: bytes,
+                    data: bytearray) -> HostAdapter:
+        digest = hashlib.sha256(data).hexdigest()
         if sha256 is not None and digest != sha256.lower():
             raise InvalidArgumentError(f"{WEIGHTS_FILE} sha256 {digest} does not match the expected {sha256}")
-        if tier is LoadTier.STORE:
-            adapter = host_form(adapter) if host_form is not None else adapter
-            self._remember(path, stamp, adapter, digest)
-        # Each caller gets its own record (the manager sets fields on it); the tensors are shared
-        # and only ever read.
-        return dataclasses.replace(adapter, tier=tier)
+        content = (hashlib.sha256(raw_config).hexdigest(), digest)
+        with self._lock:
+            hit = self._cache.get(path)
+            if hit is not None and hit[0] == content:
+                self._cache.move_to_end(path)
+                # Each caller gets its own record (the manager sets fields on it); the tensors are
+                # shared and only ever read.
+                return dataclasses.replace(hit[1], tier=LoadTier.CACHE)
+        adapter = load_adapter_bytes(raw_config, data, self.shapes, self.max_rank)
+        adapter = host_form(adapter) if host_form is not None else adapter
+        self._remember(path, content, adapter)
+        return dataclasses.replace(adapter, tier=LoadTier.STORE)
 
-    def _remember(self, path: Path, stamp: tuple, adapter: HostAdapter, digest: str | None) -> None:
+    def _remember(self, path: Path, content: tuple[str, str], adapter: HostAdapter) -> None:
         if adapter.size_bytes > self.cache_bytes:
             return
         with self._lock:
             old = self._cache.pop(path, None)
             if old is not None:
                 self._cached_bytes -= old[1].size_bytes
-            self._cache[path] = (stamp, adapter, digest)
+            self._cache[path] = (content, adapter)
             self._cached_bytes += adapter.size_bytes
             while self._cached_bytes > self.cache_bytes:
-                _, (_, evicted, _) = self._cache.popitem(last=False)
+                _, (_, evicted) = self._cache.popitem(last=False)
                 self._cached_bytes -= evicted.size_bytes

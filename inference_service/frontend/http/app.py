@@ -83,7 +83,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     started = int(time.time())
     base = served_model_names[0]
     offload = Offload(max_values(engine.model_info.max_context))
-    grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size, config.grammar_compile_cpu_s)
+    grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size, config.grammar_compile_cpu_s,
+                              config.grammar_compile_wall_s, config.grammar_check_processes)
 
     @app.exception_handler(LoraplexError)
     async def _loraplex_error(http: HttpRequest, exc: LoraplexError) -> JSONResponse:
