@@ -109,6 +109,31 @@ def test_sdk_parse_with_a_pydantic_model(server):
         jsonschema.validate(json.loads(choice.message.content), Trip.model_json_schema())
 
 
+class Reasoned(BaseModel):
+    reasoning: str = Field(max_length=40)
+    answer: int
+
+
+class ReasonedBackwards(BaseModel):
+    answer: int
+    reasoning: str = Field(max_length=40)
+
+
+def test_sdk_parse_keeps_the_schemas_key_order(server):
+    """A reasoning-first schema is answered reasoning first, and the same fields declared the other way
+    round are answered in that order: schemas differing only in key order are distinct constraints
+    (never one cached grammar for both)."""
+    client = _client(server)
+    for model, order in ((Reasoned, ["reasoning", "answer"]), (ReasonedBackwards, ["answer", "reasoning"]),
+                         (Reasoned, ["reasoning", "answer"])):
+        done = client.chat.completions.parse(model=BASE, messages=[{"role": "user", "content": "Think, then answer."}],
+                                             response_format=model, max_tokens=MAX, seed=3, temperature=1.0)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, model)
+        assert list(json.loads(choice.message.content)) == order, choice.message.content
+
+
 def test_response_format_json_schema_and_json_object(server):
     for adapter in (BASE, "ad1", "ad2"):
         r = _chat(server, model=adapter, seed=1, temperature=1.0, response_format={
