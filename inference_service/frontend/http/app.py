@@ -39,7 +39,7 @@ from inference_service.frontend.http.errors import (
     loraplex_error_response,
     status_of,
 )
-from inference_service.frontend.http.generation import Generation, OpenAIGeneration, ToolCalls
+from inference_service.frontend.http.generation import Generation, OpenAIGeneration
 from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,11 +72,14 @@ class _GenerationResponse(StreamingResponse):
 
 
 def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tuple[str, ...],
-              chat_template: ChatTemplate | None, registry: CollectorRegistry | None, listen: str) -> ASGIApp:
+              chat_template: ChatTemplate | None, registry: CollectorRegistry | None, listen: str,
+              tool_call_parser: str = "auto") -> ASGIApp:
     """The HTTP front end over `engine` on `listen` (host:port); `registry` is the one the gRPC
-    process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason)."""
+    process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason).
+    `tool_call_parser`: how tool_choice `auto` finds calls in the model's text (frontend/tool_parsers.py)."""
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None, openapi_url=None)
-    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template)
+    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template,
+                              tool_call_parser)
     tenancy = config.tenancy
     auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
     uri_policy = UriPolicy(config.adapter_source_allow)
@@ -152,7 +155,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
                             ticket, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage))
+            return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage, openai.tool_mode(body)))
         try:
             result = await openai.collect(gen, http)
         except LoraplexError as e:
@@ -163,7 +166,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         if result is None:
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
         if chat:
-            return JSONResponse(openai.chat_body(gen, body.model, result, ToolCalls.of(body)))
+            return JSONResponse(openai.chat_body(gen, body.model, result, openai.tool_mode(body)))
         return JSONResponse(openai.completion_body(gen, body.model, result))
 
     @app.post("/v1/completions")
