@@ -529,6 +529,27 @@ def test_admin_errors(env):
     assert "x" not in names  # rejected loads left nothing behind
 
 
+def test_every_http_request_is_counted_by_route_template_and_code(env):
+    """loraplex_http_requests_total counts refusals too (a 404 for an unknown path or model, a 400, a
+    413), by the route's template: a client's paths never become label values."""
+    server, _, _ = env
+    count = lambda route, code: server.value("loraplex_http_requests_total", route=route, code=code)  # noqa: E731
+    before = {key: count(*key) for key in (("unmatched", "404"), ("/v1/completions", "404"),
+                                           ("/v1/completions", "400"), ("/v1/completions", "200"),
+                                           ("/v1/completions", "413"))}
+    for path in ("/no/such/path", "/v1/models/x-1?y=2", "/v1/completionz"):
+        assert httpx.get(server.http_url + path, timeout=10).status_code == 404
+    assert _post(server, "/v1/completions", {"model": "no-such-adapter", "prompt": "x"}).status_code == 404
+    assert _post(server, "/v1/completions", {"model": BASE, "prompt": "x", "bogus": 1}).status_code == 400
+    assert _post(server, "/v1/completions", {"model": BASE, "prompt": "x" * MAX_MESSAGE}).status_code == 413
+    assert _post(server, "/v1/completions", {"model": BASE, "prompt": "x", "max_tokens": 1}).status_code == 200
+    grown = {key: count(*key) - value for key, value in before.items()}
+    assert grown == {("unmatched", "404"): 3, ("/v1/completions", "404"): 1, ("/v1/completions", "400"): 1,
+                     ("/v1/completions", "200"): 1, ("/v1/completions", "413"): 1}, grown
+    routes = {labels for (name, labels) in server.samples() if name == "loraplex_http_requests_total"}
+    assert not any("x-1" in str(labels) or "such" in str(labels) for labels in routes), routes
+
+
 def test_server_healthy_and_leak_free_after_errors(env):
     server = env[0]
     for changes, _ in GENERATE_CASES.values():

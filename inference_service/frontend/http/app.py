@@ -48,6 +48,7 @@ from inference_service.frontend.http.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from inference_service.frontend.http.request_metrics import HttpRequestCounter
 from inference_service.frontend.intake import adapter_load, adapter_name, optional_adapter
 from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, tenant_identity
 from inference_service.limits import shown
@@ -269,7 +270,11 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         # Off the event loop: the residency collector waits for the scheduler thread (residency.py).
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
-    return BodyLimit(app, config.max_message_bytes)
+    limited = BodyLimit(app, config.max_message_bytes)
+    if registry is None:
+        return limited
+    born = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+    return HttpRequestCounter(limited, registry, app.router.routes, born)  # outermost: a 413 is counted too
 
 
 async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tenant: Tenant) -> None:
@@ -279,6 +284,6 @@ async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tena
 
 
 def _grammar_field(body: CompletionRequest | ChatCompletionRequest) -> str:
-    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none"):
+    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none", "auto"):
         return "tools"
     return "structured_outputs" if body.structured_outputs is not None else "response_format"
