@@ -25,6 +25,12 @@ FLAGS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _model_named(monkeypatch):
+    """--model is required; these tests parse flags about everything else (its env mirror names it)."""
+    monkeypatch.setenv("LORAPLEX_MODEL", "builtin:tiny")
+
+
 @pytest.mark.parametrize("module", ["inference_service.cli", "adapter_cache.cli"])
 def test_help_documents_every_flag_and_its_env_var(module):
     """Every flag the parser takes (not a hand-kept list) is in --help with a description and its

@@ -76,12 +76,13 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mTLS)
     max_message_bytes: int = 4 * 1024 * 1024
-    default_max_new_tokens: int = 64
+    default_max_new_tokens: int | None = None  # None: the rest of the context after the prompt
     grammar_compile_cpu_s: float = COMPILE_CPU_S  # structured output: a new constraint's compile bound
     adapter_metrics_top_k: int = 20
     preload: list[PreloadEntry] = field(default_factory=list)
     preload_file: str | None = None  # re-read every preload_reload_s (0: read once)
     preload_reload_s: float = 10.0
+    lora_modules: list[PreloadEntry] = field(default_factory=list)  # --lora-modules: kept loaded, never reloaded
     # SIGTERM: health NOT_SERVING at once; new RPCs still served for drain_delay_s (clients and
     # load balancers see NOT_SERVING and move away); then new RPCs are refused and in-flight ones
     # get what is left of shutdown_grace_s before they are cancelled.
@@ -595,8 +596,9 @@ async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
         await running.server.stop(0)
         raise
     health_only = await start_health_listener(running.health, config.health_listen) if config.health_listen else None
-    preloader = Preloader(engine, running.servicer.uri_policy, adapter_name, config.preload_file, config.preload,
-                          config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
+    preloader = Preloader(engine, running.servicer.uri_policy, adapter_name, config.preload_file,
+                          config.preload + config.lora_modules, config.preload_reload_s,
+                          on_change=lambda: _preloads_changed(reporter, preloader), fixed=config.lora_modules)
     running.servicer.preloader = preloader
     await reporter.update()  # liveness SERVING, readiness NOT_SERVING until the preloads say otherwise
     if collectors is not None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.engine.types import ModelInfo, validate_request
@@ -80,7 +80,7 @@ class Intake:
     """The checks that need the model: its limits, its context and vocabulary, its tokenizer.
     Safe from any thread (no state of its own)."""
 
-    def __init__(self, model_info: ModelInfo, tokenizer: Tokenizer, default_max_new_tokens: int) -> None:
+    def __init__(self, model_info: ModelInfo, tokenizer: Tokenizer, default_max_new_tokens: int | None) -> None:
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.default_max_new_tokens = default_max_new_tokens
@@ -110,7 +110,7 @@ class Intake:
         """A prompt given as token ids: counted against the context before it is walked or copied."""
         info = self.model_info
         if len(ids) >= info.max_context:
-            raise ResourceExhaustedError(
+            raise InvalidArgumentError(
                 f"prompt of {len(ids)} tokens does not fit the context of {info.max_context} tokens")
         if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
             raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
@@ -127,14 +127,15 @@ class Intake:
             raise InvalidArgumentError(f"token ids must be in [0, {info.vocab_size})")
         return list(ids)
 
-    def max_new_tokens(self, asked: int | None, prompt_len: int | None = None) -> int:
-        """What the client asked for, or the server's default (within the limit and, when the prompt's
-        length is given, the room its context leaves)."""
+    def max_new_tokens(self, asked: int | None, prompt_len: int) -> int:
+        """What the client asked for, or the server's default: without --default-max-new-tokens the
+        rest of the context after the prompt (OpenAI's and vLLM's behaviour), within the limit."""
         if asked is not None:
             return asked
         info = self.model_info
-        default = min(self.default_max_new_tokens, info.max_new_tokens_limit)
-        return default if prompt_len is None else min(default, max(1, info.max_context - prompt_len))
+        room = max(1, info.max_context - prompt_len)
+        default = room if self.default_max_new_tokens is None else self.default_max_new_tokens
+        return max(1, min(default, info.max_new_tokens_limit, room))
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         """Stop conditions bounded (counts first), then every knob in its range."""
@@ -167,7 +168,8 @@ class Intake:
             top_p=s.top_p if s.HasField("top_p") else 1.0,
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
-            max_new_tokens=self.max_new_tokens(request.max_new_tokens if request.HasField("max_new_tokens") else None),
+            max_new_tokens=self.max_new_tokens(request.max_new_tokens if request.HasField("max_new_tokens") else None,
+                                               len(prompt_ids)),
             stop=tuple(request.stop),
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
