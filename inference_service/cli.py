@@ -398,17 +398,20 @@ async def _serve_until_signal(engine: EngineClient, server_cfg: ServerConfig, si
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     front_ends = []
+    from inference_service.frontend.chat_template import load_chat_template
+
+    # One template for both APIs: HTTP's chat completions and gRPC's Generate with messages.
+    template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
     if http_cfg.port:
-        from inference_service.frontend.chat_template import load_chat_template
         from inference_service.frontend.http.app import build_app
         from inference_service.frontend.http.serving import HttpFrontEnd
 
         names = http_cfg.served_model_names or (engine.model_info.name,)
-        template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
         app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}",
                         http_cfg.tool_call_parser)
         front_ends.append(HttpFrontEnd(app, http_cfg))  # drains beside gRPC: same readiness, delay and grace
-    await serve(engine, server_cfg, sink, stop=stop, collectors=registry, front_ends=front_ends)
+    await serve(engine, server_cfg, sink, stop=stop, collectors=registry, front_ends=front_ends,
+                chat_template=template)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from inference_service.engine.streams import merged
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.cache_salt import cache_salt, grpc_identity
+from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.grammar_check import COMPILE_CPU_S, shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
@@ -114,8 +115,10 @@ class ServerConfig:
 class InferenceServicer(pb_grpc.InferenceServicer):
     """loraplex.v1.Inference over an engine (engine.client.EngineClient)."""
 
-    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: Any = None) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: Any = None,
+                 chat_template: ChatTemplate | None = None) -> None:
         self.engine = engine
+        self.chat_template = chat_template  # GenerateRequest.messages: the HTTP API's template too
         self.config = config
         self.metrics = metrics  # PrometheusMetrics or None
         self.auth = AdminAuth(config.admin_token,
@@ -147,7 +150,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request = _parse(pb.GenerateRequest, raw)
             request_id = request.request_id or uuid.uuid4().hex
             adapter = request.adapter or None
-            intake = self.intake.from_grpc(request, request_id)
+            intake = self.intake.from_grpc(request, request_id, self.chat_template)
             self.tenancy.check_visible(tenant, intake.adapter)  # another tenant's adapter: as if none
             self.tenancy.check_priority(tenant, request.priority)
             # The quotas first: a tenant over them costs no grammar compile and no adapter load.
@@ -540,9 +543,10 @@ class RunningServer:
 
 
 async def build_server(engine: EngineClient, config: ServerConfig, metrics: Any = None,
-                       serving: bool = True) -> RunningServer:
+                       serving: bool = True, chat_template: ChatTemplate | None = None) -> RunningServer:
     """A started grpc.aio server with the Inference service, health and reflection; health starts
-    SERVING unless `serving` is False (then the caller's HealthReporter decides)."""
+    SERVING unless `serving` is False (then the caller's HealthReporter decides). `chat_template`:
+    the one Generate's messages are rendered with (None: such requests are INVALID_ARGUMENT)."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -552,7 +556,7 @@ async def build_server(engine: EngineClient, config: ServerConfig, metrics: Any 
     cygrpc_log = logging.getLogger("grpc._cython.cygrpc")
     if not any(isinstance(f, _DepartedClientFilter) for f in cygrpc_log.filters):
         cygrpc_log.addFilter(_DepartedClientFilter())
-    servicer = InferenceServicer(engine, config, metrics)
+    servicer = InferenceServicer(engine, config, metrics, chat_template)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -581,13 +585,14 @@ class FrontEnd(Protocol):
 
 
 async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
-                stop: asyncio.Event | None = None, collectors: Any = None, front_ends: Sequence[FrontEnd] = ()) -> None:
+                stop: asyncio.Event | None = None, collectors: Any = None, front_ends: Sequence[FrontEnd] = (),
+                chat_template: ChatTemplate | None = None) -> None:
     """Serves until `stop` is set (or the task is cancelled), then drains (see ServerConfig).
 
     Health: the liveness service is SERVING from the start; readiness once the required preloads
     are in. Other preloads load (and retry) in the background. `collectors`: a prometheus registry
     to register the health and preload metrics on."""
-    running = await build_server(engine, config, metrics, serving=False)
+    running = await build_server(engine, config, metrics, serving=False, chat_template=chat_template)
     reporter = HealthReporter(running.health, ("", SERVICE_NAME))
     try:  # before the preloads can make readiness SERVING: a ready server serves on every port
         for front_end in front_ends:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from adapter_cache.uri_policy import UriPolicy
@@ -26,6 +26,7 @@ from inference_service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from inference_service.api import inference_pb2 as pb
+    from inference_service.frontend.chat_template import ChatTemplate
 
 SHA256_HEX_CHARS = 64
 # Requests the engine ended, not the client or the model: each front end answers with an error.
@@ -106,6 +107,18 @@ class Intake:
             raise InvalidArgumentError("prompt is empty")
         return list(self.tokenizer.encode(self.bounded_text(text), add_special_tokens=add_special_tokens))
 
+    def chat_ids(self, template: ChatTemplate | None, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 continue_final_message: bool = False, use: str = "a text prompt", **kwargs: Any) -> list[int]:
+        """A conversation rendered by the chat template, bounded and tokenized: one rendering for both
+        APIs. The template writes the special tokens (BOS) itself, as transformers' apply_chat_template.
+        `use`: what a client of a model without a template should send instead."""
+        if template is None:
+            raise InvalidArgumentError(
+                f"model {self.model_info.name!r} has no chat template (none in its checkpoint): start the server "
+                f"with --chat-template FILE, or use {use}")
+        text = template.render(messages, add_generation_prompt, continue_final_message, **kwargs)
+        return list(self.tokenizer.encode(self.bounded_text(text), add_special_tokens=False))
+
     def given_ids(self, ids: Sequence[int]) -> list[int]:
         """A prompt given as token ids: counted against the context before it is walked or copied."""
         info = self.model_info
@@ -152,15 +165,22 @@ class Intake:
 
     # ---- the gRPC API ----
 
-    def from_grpc(self, request: pb.GenerateRequest, request_id: str | None = None) -> EngineRequest:
+    def from_grpc(self, request: pb.GenerateRequest, request_id: str | None = None,
+                  chat_template: ChatTemplate | None = None) -> EngineRequest:
         """loraplex.v1 GenerateRequest → EngineRequest (the adapter may still need resolving);
-        `request_id`: the one the caller logs under when the request names none."""
+        `request_id`: the one the caller logs under when the request names none; `chat_template`: the
+        server's, for a prompt given as messages."""
         request_id = self.request_id(request.request_id or request_id)
         adapter = optional_adapter(request.adapter)
         which = request.WhichOneof("prompt")
         if which is None:
-            raise InvalidArgumentError("prompt is required (text or token_ids)")
-        prompt_ids = self.text_ids(request.text) if which == "text" else self.given_ids(request.token_ids.ids)
+            raise InvalidArgumentError("prompt is required (text, token_ids or messages)")
+        if which == "text":
+            prompt_ids = self.text_ids(request.text)
+        elif which == "token_ids":
+            prompt_ids = self.given_ids(request.token_ids.ids)
+        else:
+            prompt_ids = self.grpc_chat_ids(request.messages, chat_template)
         s = request.sampling
         check_stop(request.stop, len(request.stop_token_ids), self.model_info.limits)  # before copying them
         params = self.sampling(SamplingParams(
@@ -186,6 +206,16 @@ class Intake:
         n = request.n if request.HasField("n") else 1
         check_n(n, self.model_info.limits.max_n)
         return EngineRequest(prompt_ids, params, adapter, request_id, n)
+
+
+    def grpc_chat_ids(self, chat: pb.ChatMessages, template: ChatTemplate | None) -> list[int]:
+        if not chat.messages:
+            raise InvalidArgumentError("messages is empty")
+        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                    for m in chat.messages]
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return self.chat_ids(template, messages, add_generation_prompt, chat.continue_final_message,
+                             use="a text prompt")
 
 
 def grpc_grammar(s: pb.SamplingParams) -> GrammarSpec | None:

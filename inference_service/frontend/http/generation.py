@@ -180,14 +180,8 @@ class OpenAIGeneration:
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                         continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
-        if self.chat_template is None:
-            raise InvalidArgumentError(
-                f"model {self.base_names[0]!r} has no chat template (none in its checkpoint): start the server "
-                "with --chat-template FILE, or use /v1/completions")
-        text = self.chat_template.render([_message_dict(m) for m in messages], add_generation_prompt,
-                                         continue_final_message, **(kwargs or {}))
-        # The template writes the special tokens (BOS) itself, as transformers' apply_chat_template.
-        return list(self.engine.tokenizer.encode(self._bounded(text), add_special_tokens=False))
+        return self.intake.chat_ids(self.chat_template, [_message_dict(m) for m in messages], add_generation_prompt,
+                                    continue_final_message, use="/v1/completions", **(kwargs or {}))
 
     def _bounded(self, text: str) -> str:
         """Checked before tokenizing: that work grows with what the client sent (as gRPC's prompt check)."""
