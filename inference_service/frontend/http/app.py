@@ -9,8 +9,10 @@ and tokenized, off the event loop that gRPC shares (http/body.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenancy.check_in_flight(tenant)  # at its cap: refused before the body is read
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
-        tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
+        with _model_named(body.model):
+            tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
         try:
             tenancy.check_priority(tenant, body.priority)
         except InvalidArgumentError as e:
@@ -147,13 +150,15 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
                 except InvalidArgumentError as e:
                     raise BadField(str(e), _grammar_field(body)) from None
             adapter = optional_adapter(adapter)
-            await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
+            with _model_named(body.model):
+                await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         except BaseException:
             ticket.release(0)
             raise
         salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
-        gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt, tenant.tag,
-                            ticket, body.priority)
+        with _model_named(body.model):
+            gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt,
+                                tenant.tag, ticket, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage, openai.tool_mode(body)))
@@ -194,7 +199,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     async def models(http: HttpRequest) -> JSONResponse:
         info = engine.model_info
         card = {"object": "model", "created": started, "owned_by": "loraplex", "max_model_len": info.max_context}
-        data = [{**card, "id": name, "root": engine.config.model, "parent": None} for name in served_model_names]
+        # root: the model's name, never where the server keeps its files
+        data = [{**card, "id": name, "root": info.name, "parent": None} for name in served_model_names]
         tenant = tenant_of(http)
         # listed by (name, version): the last one wins; a tenant sees its own adapters and unbound ones
         latest = {a.name: a for a in await adapters() if tenancy.visible(tenant, a.name)}
@@ -275,6 +281,18 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         return limited
     born = ("/v1/completions", "/v1/chat/completions", "/v1/models")
     return HttpRequestCounter(limited, registry, app.router.routes, born)  # outermost: a 413 is counted too
+
+
+@contextlib.contextmanager
+def _model_named(model: str) -> Iterator[None]:
+    """On the OpenAI API an adapter is a model: an unknown one (or another tenant's) is a `model` that
+    does not exist, in OpenAI's words, whatever the engine called it."""
+    try:
+        yield
+    except NotFoundError:
+        error = NotFoundError(f"model {model!r} does not exist (GET /v1/models lists the models served here)")
+        error.param = "model"  # type: ignore[attr-defined]  # OpenAI's error.param (http/errors.py)
+        raise error from None
 
 
 async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tenant: Tenant) -> None:
