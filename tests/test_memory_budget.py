@@ -144,3 +144,18 @@ def test_an_unknown_model_is_a_model_that_does_not_exist(small_kv_server) -> Non
     error = r.json()["error"]
     assert error["param"] == "model" and "model 'tiny.gguf' does not exist" in error["message"]
     assert "adapter" not in error["message"]
+
+
+def test_max_tokens_errors_name_the_fields_of_the_api(small_kv_server) -> None:
+    """Over HTTP the limit is named as the request named it (max_tokens, max_completion_tokens), never
+    the engine's max_new_tokens."""
+    limit = SMALL_KV_BLOCKS * 16
+    r = httpx.post(small_kv_server.http_url + "/v1/completions", timeout=60,
+                   json={"model": BUILTIN_TINY, "prompt": "hi", "max_tokens": 100000})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and f"max_tokens must be in [1, {limit}]" in error["message"]
+    assert "max_new_tokens" not in error["message"]
+    r = httpx.post(small_kv_server.http_url + "/v1/completions", timeout=60,
+                   json={"model": BUILTIN_TINY, "prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

@@ -132,13 +132,16 @@ class OpenAIGeneration:
 
     def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params of a generation request."""
+        field = "max_tokens"
         if isinstance(body, ChatCompletionRequest):
             prompt_ids = self.chat_prompt(body)
+            if body.max_completion_tokens is not None:
+                field = "max_completion_tokens"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         else:
             prompt_ids = self.completion_prompt(body)
             max_tokens = body.max_tokens
-        params = self.sampling(body, max_tokens, len(prompt_ids))
+        params = self.sampling(body, max_tokens, len(prompt_ids), field)
         request = self.intake.engine_request(prompt_ids, params, None)  # here, not on the loop at submit
         return request.prompt_token_ids, request.params
 
@@ -187,7 +190,9 @@ class OpenAIGeneration:
         """Checked before tokenizing: that work grows with what the client sent (as gRPC's prompt check)."""
         return self.intake.bounded_text(text)
 
-    def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int,
+                 field: str = "max_tokens") -> SamplingParams:
+        """`field`: the request's name for `max_tokens`, named by its errors (not the engine's max_new_tokens)."""
         try:
             check_n(body.n, self.engine.model_info.limits.max_n)
         except InvalidArgumentError as e:
@@ -200,6 +205,9 @@ class OpenAIGeneration:
                                          ("suffix", getattr(body, "suffix", None) is not None)) if bad]
         if refuse:
             raise BadField(f"not supported: {', '.join(refuse)}", refuse[0])
+        limit = self.engine.model_info.max_new_tokens_limit
+        if max_tokens is not None and not 1 <= max_tokens <= limit:
+            raise BadField(f"{field} must be in [1, {limit}], got {max_tokens}", field)
         max_tokens = self.intake.max_new_tokens(max_tokens, prompt_len)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = SamplingParams(
