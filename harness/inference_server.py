@@ -155,10 +155,13 @@ def start_inference_server(
     # Tests stop servers with streams possibly open: keep their drain short (the CLI default is 30 s).
     full_env.setdefault("LORAPLEX_SHUTDOWN_GRACE_S", "5")
     full_env.setdefault("LORAPLEX_DEVICE", SERVER_DEVICE)  # never "auto": a test states its device
-    # --model and --http-port stated (the CLI requires a model and serves HTTP on 8000 by default);
-    # a test's own --model or --http-port in `args` comes later and wins.
+    # --model and --http-port stated (the CLI requires a model and serves HTTP on 8000 by default), and
+    # 64 new tokens for requests that name no limit (the server's default runs to the end of the
+    # context: with builtin:tiny's rare EOS, ~1000 tokens a request); a test's own flags in `args` come
+    # later and win (--default-max-new-tokens 0: the server's default).
     cmd = [sys.executable, "-m", "inference_service.cli", "--model", "builtin:tiny", "--listen", listen,
-           "--metrics-port", str(metrics_port), "--http-port", str(http_port), *args]
+           "--metrics-port", str(metrics_port), "--http-port", str(http_port), "--default-max-new-tokens", "64",
+           *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

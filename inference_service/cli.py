@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--max-new-tokens-limit", "largest max_new_tokens (HTTP: max_tokens) a request may ask for "
          "(default: the context)", type=int, default=EngineConfig.max_new_tokens_limit)
     _add(g, "--default-max-new-tokens", "max_new_tokens (HTTP: max_tokens) of requests that leave it unset "
-         "(default: the rest of the context after the prompt, as OpenAI and vLLM)", type=int,
+         "(default, or 0: the rest of the context after the prompt, as OpenAI and vLLM)", type=int,
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "seeds sampling for requests that set no seed of their own", type=int,
          default=EngineConfig.seed)
@@ -356,7 +356,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         max_message_bytes=args.max_message_bytes,
-        default_max_new_tokens=args.default_max_new_tokens,
+        default_max_new_tokens=args.default_max_new_tokens or None,  # 0: the rest of the context
         grammar_compile_cpu_s=args.grammar_compile_cpu_s,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
         adapter_resolver=args.adapter_resolver,

@@ -87,9 +87,10 @@ def test_default_max_lora_rank_takes_rank_32_adapters() -> None:
 
 @pytest.fixture(scope="module")
 def small_kv_server():
-    """The real CLI with a KV cache of 640 tokens (less than the model's 1024) and no server default
-    for max_tokens: requests run to the end of the context."""
-    server = start_inference_server(["--kv-cache-bytes", str(SMALL_KV_BLOCKS * PER_BLOCK)], http=True)
+    """The real CLI with a KV cache of 640 tokens (less than the model's 1024) and the server's own
+    default for max_tokens (0: the rest of the context; the harness otherwise asks for 64)."""
+    server = start_inference_server(["--kv-cache-bytes", str(SMALL_KV_BLOCKS * PER_BLOCK),
+                                     "--default-max-new-tokens", "0"], http=True)
     yield server
     server.stop()
 

@@ -92,3 +92,21 @@ def test_ctrl_c_after_structured_output_leaves_no_traceback(tmp_path: Path) -> N
         server.stop()
     log = server.log()
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+
+
+def test_lora_modules_are_served_from_the_start(tmp_path: Path) -> None:
+    """vLLM's `--lora-modules name=path`: the adapter is in before the server reports SERVING, and is a
+    model on the HTTP API (its directory allowed without --adapter-source-allow)."""
+    from inference_service.demo_adapters import write_peft_adapter
+    from inference_service.models.loader import builtin_tiny_config
+
+    adapter = write_peft_adapter(tmp_path / "mine", builtin_tiny_config(), rank=32, seed=3)
+    server = start_inference_server(["--lora-modules", f"mine={adapter}"], http=True, log_dir=tmp_path)
+    try:
+        models = {m["id"] for m in httpx.get(server.http_url + "/v1/models", timeout=30).json()["data"]}
+        assert "mine" in models, models
+        r = httpx.post(server.http_url + "/v1/completions", timeout=120,
+                       json={"model": "mine", "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    finally:
+        server.stop()
