@@ -122,7 +122,7 @@ MSG
   else
     cat <<MSG
   chat:     curl -s $http/v1/chat/completions -H 'Content-Type: application/json' \\
-              -d '{"model": "${example_adapter:-$served}", "temperature": 0, "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+              -d '{"model": "${example_adapter:-$served}", "temperature": 0, "max_tokens": 64, "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 MSG
   fi
 }
