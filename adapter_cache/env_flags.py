@@ -25,8 +25,12 @@ def add_env_flag(parser: argparse.ArgumentParser | Any, prefix: str, flag: str, 
     if raw is not None:
         if action == "store_true":
             kw["default"] = raw.strip().lower() in _TRUE
-        elif action == "append":
-            kw["default"] = [v.strip() for v in raw.split(",") if v.strip()]
+        elif action in ("append", "extend"):
+            conv = kw.get("type", str)
+            try:
+                kw["default"] = [conv(v.strip()) for v in raw.split(",") if v.strip()]
+            except (ValueError, argparse.ArgumentTypeError):
+                raise SystemExit(f"{env}={raw!r} is not valid for {flag}") from None
         else:
             conv = kw.get("type", str)
             try:
@@ -34,5 +38,5 @@ def add_env_flag(parser: argparse.ArgumentParser | Any, prefix: str, flag: str, 
             except (ValueError, argparse.ArgumentTypeError):
                 raise SystemExit(f"{env}={raw!r} is not valid for {flag}") from None
     default = kw.get("default")
-    shown = "" if default in (None, False, [], ()) or action == "append" else f" (default: {default})"
+    shown = "" if default in (None, False, [], ()) or action in ("append", "extend") else f" (default: {default})"
     parser.add_argument(flag, help=f"{help}{shown} [env {env}]", **kw)

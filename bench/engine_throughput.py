@@ -25,6 +25,12 @@ against itself with one thing changed, interleaved over the rounds, best round e
 - triton-lora: the Triton LoRA kernels vs torch's batched matmuls (EngineConfig.triton_kernels);
   the tokens of requests where they differ are counted and printed (float sums in another order).
 Lines: RESULT cuda_graph_vs_eager=<tokens/s ratio>, RESULT triton_lora_vs_torch_op=<ratio>.
+The in-process engine as an embedder gets it (EngineCore with its defaults: detokenize=True, text
+decoded when read) runs beside the server-style configuration (detokenize=False: the server's engine,
+whose front end decodes) on the base-model workload in every round, the two taking turns to go
+first; each default run's text is then read and checked against the decode of its ids. RESULT
+inprocess_default_vs_server_engine=<best default tok/s / best server-style tok/s> (target >= 0.95).
+`--no-peft` runs only the engine's runs, on a .gguf --model as the server loads it.
 """
 
 from __future__ import annotations
@@ -57,11 +63,12 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 
 def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str | None],
                new_tokens: int, dtype: str, device: str, max_loras: int | str = 16,
-               **config: object) -> tuple[float, list[list[int]]]:
-    """Tokens/s, and the generated tokens of each request (`config`: more EngineConfig fields)."""
+               detokenize: bool = True, **config: object) -> tuple[float, list[list[int]]]:
+    """Tokens/s, and the generated tokens of each request. `detokenize`: EngineCore's (True, its
+    default: what an embedder gets; False: the server's engine); `config`: more EngineConfig fields."""
     core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=max_loras, max_lora_rank=16,
                                    max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20,
-                                   dtype=dtype, **config))  # type: ignore[arg-type]
+                                   dtype=dtype, **config), detokenize=detokenize)  # type: ignore[arg-type]
     if adapters:
         load_adapters(core, adapters, preload=True)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -71,6 +78,12 @@ def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[i
     outputs = run_to_completion(core, timeout=3600)
     elapsed = time.perf_counter() - start
     tokens = [[t for o in outputs[f"r{i}"] for t in o.new_token_ids] for i in range(len(prompts))]
+    if detokenize:  # the embedder's text, read after the run (off the engine's steps): it must be the decode
+        texts = ["".join(o.text or "" for o in outputs[f"r{i}"]) for i in range(len(prompts))]
+        wrong = [i for i, (text, ids) in enumerate(zip(texts, tokens, strict=True))
+                 if text != core.tokenizer.decode(ids)]
+        if wrong:
+            sys.exit(f"no RESULT: requests {wrong[:8]}'s text is not the decode of their ids")
     core.shutdown()
     return sum(map(len, tokens)) / elapsed, tokens
 
@@ -191,6 +204,8 @@ def main() -> None:
                         help="the engine's adapter pool: a count of slots, or auto (sized by memory)")
     parser.add_argument("--compare", default="", help="instead of PEFT, on CUDA: comma-separated of "
                         f"{', '.join(COMPARISONS)} (captured decode vs eager, Triton LoRA vs the torch op)")
+    parser.add_argument("--no-peft", action="store_true", help="only the engine's runs (no PEFT, no "
+                        "engine_vs_peft RESULT): the in-process default vs server-style comparison")
     args = parser.parse_args()
     comparisons = [name for name in args.compare.split(",") if name]
     unknown = [name for name in comparisons if name not in COMPARISONS]
@@ -204,6 +219,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         checkpoint = bench_checkpoint(args.model, root)
+        # Without PEFT nothing needs the dequantized copy: the engine serves the .gguf itself (with its
+        # own tokenizer, whose text the default runs read), as `loraplex-inference --model` would.
+        engine_model = Path(args.model) if args.no_peft and args.model.endswith(".gguf") else checkpoint
         vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         # ranks 8 and 16, alphas 16 and 24: scalings 1, 1.5, 2 and 3
         specs = [AdapterSpec(f"ad{i}", 8 if i % 2 else 16, 16 if i % 4 < 2 else 24, seed=i)
@@ -218,27 +236,44 @@ def main() -> None:
 
         # Rounds interleave the three runs, so that drift in this machine's load hits all alike;
         # each is then judged by its best round.
-        ours = base = peft = 0.0
+        ours = base = peft = server = 0.0
         problems: list[str] = []
         for r in range(args.rounds):
             same = (args.new_tokens, args.dtype, args.device)
-            mixed_r, mixed_tokens = run_engine(checkpoint, adapters, prompts, list(names), *same, args.max_loras)
-            base_r, base_tokens = run_engine(checkpoint, {}, prompts, [None] * args.requests, *same, args.max_loras)
-            peft_r, peft_tokens = run_peft(checkpoint, adapters, prompts, names, *same)
-            for label, tokens in [("engine", mixed_tokens), ("engine, base model", base_tokens),
-                                  ("peft", peft_tokens)]:
+            mixed_r, mixed_tokens = run_engine(engine_model, adapters, prompts, list(names), *same, args.max_loras)
+            base_run = (engine_model, {}, prompts, [None] * args.requests, *same, args.max_loras)
+            if r % 2 == 0:  # the two in-process configurations take turns to go first
+                base_r, base_tokens = run_engine(*base_run)
+                server_r, server_tokens = run_engine(*base_run, detokenize=False)
+            else:
+                server_r, server_tokens = run_engine(*base_run, detokenize=False)
+                base_r, base_tokens = run_engine(*base_run)
+            runs = [("engine", mixed_tokens), ("engine, base model", base_tokens),
+                    ("engine, base model, server-style", server_tokens)]
+            if server_tokens != base_tokens:
+                problems.append(f"round {r}: the server-style run generated other tokens than the default one")
+            peft_r = 0.0
+            if not args.no_peft:
+                peft_r, peft_tokens = run_peft(checkpoint, adapters, prompts, names, *same)
+                runs.append(("peft", peft_tokens))
+                problems += compare_with_peft(checkpoint, adapters, prompts, names, mixed_tokens, peft_tokens,
+                                              *same[1:])
+                same_as_generate = sum(a == b for a, b in zip(mixed_tokens, peft_tokens, strict=True))
+                print(f"round {r}: {same_as_generate} of {args.requests} requests generated exactly PEFT's tokens")
+            for label, tokens in runs:
                 problems += check_outputs(f"round {r}, {label}", tokens, args.new_tokens)
-            problems += compare_with_peft(checkpoint, adapters, prompts, names, mixed_tokens, peft_tokens, *same[1:])
-            same_as_generate = sum(a == b for a, b in zip(mixed_tokens, peft_tokens, strict=True))
-            print(f"round {r}: {same_as_generate} of {args.requests} requests generated exactly PEFT's tokens")
             print(f"round {r}: engine with {args.adapters} adapters {mixed_r:7.1f}, engine on the base model "
-                  f"{base_r:7.1f}, peft generate {peft_r:7.1f} tokens/s", flush=True)
-            ours, base, peft = max(ours, mixed_r), max(base, base_r), max(peft, peft_r)
+                  f"{base_r:7.1f} (defaults) / {server_r:7.1f} (server-style), peft generate {peft_r:7.1f} tokens/s",
+                  flush=True)
+            ours, base, peft, server = max(ours, mixed_r), max(base, base_r), max(peft, peft_r), max(server, server_r)
     print(f"best of {args.rounds}: engine with {args.adapters} adapters {ours:.1f}, engine on the base model "
-          f"{base:.1f}, peft generate {peft:.1f} tokens/s")
+          f"{base:.1f} (defaults) / {server:.1f} (server-style), peft generate {peft:.1f} tokens/s")
     print(f"mixed-adapter / base-model throughput: {ours / base:.3f} (target >= 0.8)")
     if problems:
         sys.exit("no RESULT: the runs' outputs are wrong:\n" + "\n".join(problems))
+    print(f"RESULT inprocess_default_vs_server_engine={base / server:.3f}")
+    if args.no_peft:
+        return
     print(f"outputs checked: {args.requests} x {args.new_tokens} tokens in each run; every request's tokens "
           f"judged by PEFT's logits given the same context ({args.dtype})")
     print(f"RESULT engine_vs_peft_tokens_per_s={ours / peft:.3f}")

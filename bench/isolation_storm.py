@@ -128,7 +128,8 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str, str, Path]:
     preload = tmp / "preload.json"
     preload.write_text(json.dumps([{"name": f"a{i}", "uri": (tmp / f"a{i}").as_uri()} for i in range(2)]))
     log = tmp / "server.log"
-    args = [sys.executable, "-m", "inference_service.cli", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+    args = [sys.executable, "-m", "inference_service.cli", "--model", "builtin:tiny", "--http-port", "0",
+            "--listen", "127.0.0.1:0", "--metrics-port", "0",
             "--adapter-source-allow", tmp.as_uri(), "--preload-file", str(preload), "--max-queue", "4096"]
     metrics_port = free_port()
     args[args.index("--metrics-port") + 1] = str(metrics_port)

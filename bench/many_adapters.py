@@ -16,6 +16,8 @@ adapter) count: they are part of serving that many adapters.
 Every request must produce exactly `--new-tokens` tokens, and the default pool's tokens must equal
 the fixed-slot pool's (the same adapters, greedy) in at least 95% of requests (a near-tie may flip),
 else no RESULT and exit status 1.
+`--model PATH` (a checkpoint or .gguf, e.g. the real SmolLM2 GGUF) replaces the made-up LLaMA;
+`--counts 64 --kinds uniform` measures the one point of 64 requests over 64 adapters.
 Last lines: RESULT many_adapters_64_vs_base=<tokens/s at 64 distinct adapters / base> and
 RESULT many_adapters_256_zipf_vs_base=<...>.
 """
@@ -101,11 +103,27 @@ def measure_against_base(core: EngineCore, prompts: list[list[int]], names: list
     return statistics.median(ratios), statistics.median(rates), tokens
 
 
-def engine(checkpoint: Path, adapters: dict[str, Path], max_loras: int | str) -> EngineCore:
-    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=max_loras,
-                                   max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20))
+def engine(checkpoint: Path | str, adapters: dict[str, Path], max_loras: int | str, dtype: str) -> EngineCore:
+    """`max_loras` auto: the default configuration (memory budget, pool and KV cache as the server
+    sizes them); N: the fixed-slot baseline, with the same KV cache."""
+    fixed = max_loras != "auto"
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", dtype=dtype, max_loras=max_loras,
+                                   max_lora_rank=16 if fixed else "auto", max_num_seqs=64,
+                                   max_num_batched_tokens=2048, kv_cache_bytes=256 << 20 if fixed else None))
     load_adapters(core, adapters)  # registered; loaded into the pool by the requests
     return core
+
+
+def model_config(model: str) -> ModelConfig:
+    """The LoRA-relevant shapes of `--model` (its adapters are made for them)."""
+    from inference_service.models.gguf import GGUFFile
+    from inference_service.models.source import resolve_model
+
+    source = resolve_model(model, None)
+    assert source.path is not None, f"{model}: a checkpoint directory or a .gguf file"
+    if source.kind == "gguf":
+        return ModelConfig.from_hf(GGUFFile(source.path).hf_config())
+    return ModelConfig.from_hf(json.loads((source.path / "config.json").read_text()))
 
 
 def main() -> None:
@@ -116,6 +134,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per point; the median counts")
     parser.add_argument("--baseline-slots", type=int, default=8, help="slots of the old fixed-slot pool")
     parser.add_argument("--counts", default=",".join(map(str, COUNTS)), help="distinct adapters per point")
+    parser.add_argument("--kinds", default="uniform,zipf", help="adapter assignments measured")
+    parser.add_argument("--model", help="a checkpoint or .gguf to serve (default: a 4-layer hidden-256 LLaMA "
+                        "made on the spot)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     counts = [int(c) for c in args.counts.split(",")]
@@ -123,19 +145,23 @@ def main() -> None:
           f"{inference_service.openmp_wait_policy()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        checkpoint = make_checkpoint(root / "model", "llama", **MODEL)
-        config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+        if args.model:
+            checkpoint, config = args.model, model_config(args.model)
+        else:
+            checkpoint = make_checkpoint(root / "model", "llama", **MODEL)
+            config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
         adapters = {f"ad{i}": write_peft_adapter(root / f"ad{i}", config, rank=8 if i % 2 else 16, alpha=16.0,
                                                  seed=i, scale=0.05)
                     for i in range(max(counts))}
         names_all = list(adapters)
         gen = torch.Generator().manual_seed(1)
-        prompts = torch.randint(3, MODEL["vocab_size"], (args.requests, args.prompt_tokens), generator=gen).tolist()
+        prompts = torch.randint(3, config.vocab_size, (args.requests, args.prompt_tokens), generator=gen).tolist()
 
-        auto = engine(checkpoint, adapters, "auto")
+        auto = engine(checkpoint, adapters, "auto", args.dtype)
         info = auto.model_info
         print(f"default pool: {info.lora_pool_bytes / 2**20:.1f} MiB, pages of rank {info.lora_page_rank}, "
-              f"{info.max_loras} adapters of rank 16 at once (more of rank 8)")
+              f"{info.max_loras} adapters of rank {info.max_lora_rank} at once (more of lower ranks); KV cache "
+              f"{info.kv_cache_blocks} blocks of {info.kv_block_size}, context {info.max_context}", flush=True)
         base, _ = measure(auto, prompts, [None] * args.requests, args, "base")
         print(f"base model: {base:8.1f} tokens/s", flush=True)
         # The process warms up too: whichever point ran first read ~0.63 of base and the same 64
@@ -144,11 +170,11 @@ def main() -> None:
             names = [names_all[a] for a in assignment(min(max(counts), args.requests), args.requests, "uniform")]
             measure_against_base(auto, prompts, list(names), argparse.Namespace(**{**vars(args), "rounds": 1}),
                                  f"process-warm-{w}")
-        fixed = engine(checkpoint, adapters, args.baseline_slots)
+        fixed = engine(checkpoint, adapters, args.baseline_slots, args.dtype)
         results: dict[tuple[str, int], float] = {}
         problems: list[str] = []
         same = total = 0
-        for kind in ("uniform", "zipf"):
+        for kind in args.kinds.split(","):
             for count in counts:
                 names = [names_all[a] for a in assignment(count, args.requests, kind)]
                 ratio, ours, ours_tokens = measure_against_base(auto, prompts, list(names), args,

@@ -113,8 +113,9 @@ def gguf_name(hf_name: str) -> str:
 
 def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | None = None,
                tokenizer_model: str = "gpt2", extra_tensors: dict[str, np.ndarray] | None = None,
-               seed: int = 0) -> Path:
-    """Convert a checkpoint (make_base_checkpoint) to GGUF with its 2-D weights in `qtype`."""
+               seed: int = 0, drop_keys: tuple[str, ...] = (), extra_uint32: dict[str, int] | None = None) -> Path:
+    """Convert a checkpoint (make_base_checkpoint) to GGUF with its 2-D weights in `qtype`;
+    `drop_keys` left out of its metadata and `extra_uint32` added (malformed files for tests)."""
     import json
 
     import gguf
@@ -172,8 +173,23 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | N
             writer.add_tensor(target, gguf.quants.quantize(data, qt), raw_dtype=qt)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
+    for key, number in (extra_uint32 or {}).items():
+        writer.add_uint32(key, number)
+    for key in drop_keys:
+        del writer.kv_data[0][key]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def nested_arrays_gguf(out: Path, depth: int) -> Path:
+    """A GGUF v3 file whose one metadata value is an array of an array of ... `depth` deep (no
+    writer makes that; the bytes are the format's: ggml/docs/gguf.md)."""
+    import struct
+
+    key = b"general.nested"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    out.write_bytes(header + struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 4, 0))
     return out

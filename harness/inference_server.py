@@ -140,8 +140,8 @@ def start_inference_server(
     channel_kw: dict | None = None,
     http: bool = False,
 ) -> InferenceServer:
-    """Starts `python -m inference_service.cli --listen 127.0.0.1:<free> --metrics-port <free> *args`
-    (plus `--http-port <free>` with `http`: the HTTP API is up once gRPC reports SERVING)."""
+    """Starts `python -m inference_service.cli --model builtin:tiny --listen 127.0.0.1:<free> --metrics-port
+    <free> --http-port <free with http, else 0> *args` (the HTTP API is up once gRPC reports SERVING)."""
     port, metrics_port = free_port(), free_port()
     http_port = free_port() if http else 0
     listen = listen or f"127.0.0.1:{port}"
@@ -155,8 +155,13 @@ def start_inference_server(
     # Tests stop servers with streams possibly open: keep their drain short (the CLI default is 30 s).
     full_env.setdefault("LORAPLEX_SHUTDOWN_GRACE_S", "5")
     full_env.setdefault("LORAPLEX_DEVICE", SERVER_DEVICE)  # never "auto": a test states its device
-    cmd = [sys.executable, "-m", "inference_service.cli", "--listen", listen,
-           "--metrics-port", str(metrics_port), *(["--http-port", str(http_port)] if http else []), *args]
+    # --model and --http-port stated (the CLI requires a model and serves HTTP on 8000 by default), and
+    # 64 new tokens for requests that name no limit (the server's default runs to the end of the
+    # context: with builtin:tiny's rare EOS, ~1000 tokens a request); a test's own flags in `args` come
+    # later and win (--default-max-new-tokens 0: the server's default).
+    cmd = [sys.executable, "-m", "inference_service.cli", "--model", "builtin:tiny", "--listen", listen,
+           "--metrics-port", str(metrics_port), "--http-port", str(http_port), "--default-max-new-tokens", "64",
+           *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

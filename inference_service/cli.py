@@ -14,7 +14,8 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from adapter_cache.auth import read_tokens
 from adapter_cache.env_flags import add_env_flag, env_name
@@ -27,12 +28,14 @@ from inference_service.frontend.auth import admin_disabled_reason, read_token_fi
 from inference_service.frontend.cache_salt import SCOPES
 from inference_service.frontend.grpc_server import ServerConfig
 from inference_service.frontend.http.config import HttpConfig
-from inference_service.frontend.preload import read_preload_file
+from inference_service.frontend.preload import PreloadEntry, read_preload_file
 from inference_service.frontend.tenants import read_tenants_file
+from inference_service.frontend.tool_parsers import PARSERS
 from inference_service.limits import RequestLimits
 
 log = logging.getLogger("loraplex.cli")
 ENV_PREFIX = "LORAPLEX_"
+DEFAULT_HTTP_PORT = 8000  # vLLM's
 
 
 def _env_name(flag: str) -> str:
@@ -55,16 +58,43 @@ def _max_loras(value: str) -> int | str:
     return count
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    """vLLM's `--lora-modules name=path`."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {value!r}")
+    return name, path
+
+
+def lora_module_entries(modules: Sequence[tuple[str, str]]) -> list[PreloadEntry]:
+    """--lora-modules as preload entries (required: readiness waits for them); each directory must
+    exist now (a usage error at start, not a load failing later)."""
+    entries = []
+    for name, path in modules:
+        root = Path(path).expanduser().resolve()
+        if not root.is_dir():
+            raise ValueError(f"--lora-modules {name}={path}: no such directory")
+        entries.append(PreloadEntry(name=name, uri=root.as_uri(), required=True))
+    return entries
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line (the whole usage of this many flags would bury the cause)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="loraplex-inference",
         description="Serve one base LLM with many LoRA adapters over gRPC (loraplex.v1.Inference).",
         epilog="Every flag can also be set through the environment variable shown with it.",
     )
     g = p.add_argument_group("model and engine")
-    _add(g, "--model", "HF checkpoint directory, .gguf file (or a directory holding one), Hugging Face model id "
-         "(org/name, from the Hugging Face cache; HF_HOME), or builtin:tiny (a small random LLaMA)",
-         default="builtin:tiny")
+    _add(g, "--model", "required: HF checkpoint directory, .gguf file (or a directory holding one), Hugging Face "
+         "model id (org/name, from the Hugging Face cache; HF_HOME), or builtin:tiny (a small random LLaMA for "
+         "tests: its output is noise)", required=_env_name("--model") not in os.environ)
     _add(g, "--revision", "branch, tag or commit of a Hugging Face model id (default: main)")
     _add(g, "--device", "auto | cpu | cuda | cuda:N", default="auto")
     _add(g, "--dtype", "auto | float32 | float16 | bfloat16; auto: the checkpoint's torch_dtype on an "
@@ -75,9 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--max-loras", "the adapter pool: auto sizes it by memory (--lora-memory-bytes), an adapter taking "
          "memory in proportion to its rank; N: N fixed slots of --max-lora-rank", type=_max_loras,
          default=EngineConfig.max_loras)
-    _add(g, "--max-lora-rank", "largest adapter rank accepted", type=int, default=EngineConfig.max_lora_rank)
+    _add(g, "--max-lora-rank", "largest adapter rank accepted; auto: with --max-loras auto the largest of 64, 32, 16 "
+         "the pool holds 8 adapters of (the pool spends memory by an adapter's real rank), with N slots 16",
+         type=_max_loras, default=EngineConfig.max_lora_rank)
     _add(g, "--lora-memory-bytes", "device bytes of the adapter pool with --max-loras auto (default: "
          "--lora-memory-fraction of the memory budget, taken before the KV cache)", type=int)
+    _add(g, "--memory-budget-bytes", "bytes of the adapter pool and the KV cache together (default: measured "
+         "once the weights are loaded, 0.9 of the free device memory on CUDA, 0.25 of the available host memory "
+         "on CPU: MemAvailable, or the cgroup limit less usage); the split is logged at start", type=int)
     _add(g, "--lora-memory-fraction", "share of the memory budget for the adapter pool with --max-loras auto "
          "(default: 0.25 on CUDA, 0.5 on CPU)", type=float)
     _add(g, "--lora-page-rank", "rank rows per page of the adapter pool (an adapter of rank r takes "
@@ -89,9 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
          default=EngineConfig.max_num_batched_tokens)
     _add(g, "--max-queue", "waiting requests before RESOURCE_EXHAUSTED", type=int,
          default=EngineConfig.max_queue)
-    _add(g, "--max-new-tokens-limit", "largest max_new_tokens a request may ask for", type=int,
-         default=EngineConfig.max_new_tokens_limit)
-    _add(g, "--default-max-new-tokens", "max_new_tokens of requests that leave it unset", type=int,
+    _add(g, "--max-new-tokens-limit", "largest max_new_tokens (HTTP: max_tokens) a request may ask for "
+         "(default: the context)", type=int, default=EngineConfig.max_new_tokens_limit)
+    _add(g, "--default-max-new-tokens", "max_new_tokens (HTTP: max_tokens) of requests that leave it unset "
+         "(default, or 0: the rest of the context after the prompt, as OpenAI and vLLM)", type=int,
          default=ServerConfig.default_max_new_tokens)
     _add(g, "--seed", "seeds sampling for requests that set no seed of their own", type=int,
          default=EngineConfig.seed)
@@ -148,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--cache-token-file", "file holding the bearer token the sidecar requires (its --token-file)")
     _add(g, "--preload-file", "YAML or JSON list of {name, uri, pinned, required, sha256} adapters to keep "
          "loaded: failures retry in the background; required ones gate readiness")
+    _add(g, "--lora-modules", "name=path [name=path ...]: adapters in local directories loaded at start (as "
+         "vLLM's flag; readiness waits for them); their directories are added to --adapter-source-allow",
+         nargs="+", action="extend", type=_lora_module, default=[])
     _add(g, "--preload-reload-s", "re-read --preload-file this often, applying changes (0: read once)",
          type=float, default=ServerConfig.preload_reload_s)
     _add(g, "--host-cache-bytes", "validated adapters from local directories kept in host memory, so one "
@@ -195,11 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("OpenAI-compatible HTTP API (docs/http.md)")
     _add(g, "--http-port", "HTTP port of /v1/completions, /v1/chat/completions, /v1/models, /metrics... (0: off)",
-         type=int, default=HttpConfig.port)
+         type=int, default=DEFAULT_HTTP_PORT)
     _add(g, "--http-addr", "address the HTTP API binds", default=HttpConfig.addr)
     _add(g, "--served-model-name", "name(s) clients give as `model` for the base model (repeatable; default: "
          "the checkpoint directory's name)", action="append", default=[])
     _add(g, "--chat-template", "Jinja chat template file (default: the checkpoint's)")
+    _add(g, "--tool-call-parser", "how tool_choice 'auto' finds tool calls in the model's text: hermes "
+         "(<tool_call>{json}</tool_call>), llama3_json ({\"name\", \"parameters\"}), or auto: the one the chat "
+         "template writes (docs/http.md)", choices=PARSERS, default=HttpConfig.tool_call_parser)
     _add(g, "--http-header-timeout-s", "a request's line and headers must arrive within this, counted from the "
          "connection's opening or the request's first byte; slower or silent connections are closed", type=float,
          default=HttpConfig.header_timeout_s)
@@ -237,7 +279,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         token = read_token_file(args.admin_token_file)
     if args.cache_token_file:
         read_tokens(args.cache_token_file)  # unreadable or empty: a usage error now, not at the first load
-    allow = tuple(args.adapter_source_allow)
+    modules = lora_module_entries(args.lora_modules)
+    allow = tuple(args.adapter_source_allow) + tuple(e.uri for e in modules if e.uri not in args.adapter_source_allow)
     UriPolicy(allow)  # reject malformed prefixes at startup
     if args.adapter_resolver:
         check_template(args.adapter_resolver)
@@ -252,6 +295,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     if args.max_loras != "auto" and args.lora_memory_bytes is not None:
         raise ValueError("--lora-memory-bytes sizes the pool of --max-loras auto; "
                          f"--max-loras {args.max_loras} is a fixed count of slots: give one or the other")
+    preload = read_preload_file(args.preload_file) if args.preload_file else []
+    twice = sorted({e.name for e in preload} & {e.name for e in modules})
+    if twice:
+        raise ValueError(f"adapter {twice[0]!r} is in both --lora-modules and --preload-file")
     tenants = read_tenants_file(args.tenants_file) if args.tenants_file else ()
     header = (args.trusted_tenant_header or "").strip() or None
     if header is not None and (not header.isascii() or not header.replace("-", "").isalnum()
@@ -271,6 +318,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_memory_bytes=args.lora_memory_bytes,
+        memory_budget_bytes=args.memory_budget_bytes,
         lora_memory_fraction=args.lora_memory_fraction,
         lora_page_rank=args.lora_page_rank,
         kv_cache_bytes=args.kv_cache_bytes,
@@ -316,13 +364,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         max_message_bytes=args.max_message_bytes,
-        default_max_new_tokens=args.default_max_new_tokens,
+        default_max_new_tokens=args.default_max_new_tokens or None,  # 0: the rest of the context
         grammar_compile_cpu_s=args.grammar_compile_cpu_s,
         grammar_compile_wall_s=args.grammar_compile_wall_s,
         grammar_check_processes=args.grammar_check_processes,
         adapter_metrics_top_k=args.adapter_metrics_top_k,
         adapter_resolver=args.adapter_resolver,
-        preload=read_preload_file(args.preload_file) if args.preload_file else [],
+        preload=preload,
+        lora_modules=modules,
         preload_file=args.preload_file,
         preload_reload_s=args.preload_reload_s,
         shutdown_grace_s=args.shutdown_grace_s,
@@ -347,7 +396,7 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
     return HttpConfig(port=args.http_port, addr=args.http_addr,
                       served_model_names=tuple(args.served_model_name), chat_template=args.chat_template,
                       header_timeout_s=args.http_header_timeout_s, body_timeout_s=args.http_body_timeout_s,
-                      max_connections=args.http_max_connections)
+                      max_connections=args.http_max_connections, tool_call_parser=args.tool_call_parser)
 
 
 async def _serve_until_signal(engine: EngineClient, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
@@ -359,16 +408,20 @@ async def _serve_until_signal(engine: EngineClient, server_cfg: ServerConfig, si
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     front_ends = []
+    from inference_service.frontend.chat_template import load_chat_template
+
+    # One template for both APIs: HTTP's chat completions and gRPC's Generate with messages.
+    template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
     if http_cfg.port:
-        from inference_service.frontend.chat_template import load_chat_template
         from inference_service.frontend.http.app import build_app
         from inference_service.frontend.http.serving import HttpFrontEnd
 
         names = http_cfg.served_model_names or (engine.model_info.name,)
-        template = load_chat_template(engine.config.model, http_cfg.chat_template, engine.config.revision)
-        app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}")
+        app = build_app(engine, server_cfg, names, template, registry, f"{http_cfg.addr}:{http_cfg.port}",
+                        http_cfg.tool_call_parser)
         front_ends.append(HttpFrontEnd(app, http_cfg))  # drains beside gRPC: same readiness, delay and grace
-    await serve(engine, server_cfg, sink, stop=stop, collectors=registry, front_ends=front_ends)
+    await serve(engine, server_cfg, sink, stop=stop, collectors=registry, front_ends=front_ends,
+                chat_template=template)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -378,6 +431,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        return _run(parser, args)
+    except KeyboardInterrupt:  # Ctrl-C while starting (once serving, a signal handler stops the server)
+        return 130
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         engine_cfg, server_cfg = configs_from_args(args)
         http_cfg = http_config_from_args(args)
@@ -395,10 +455,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # has touched CUDA or torch's thread pool (a child forked after either cannot use them). With
     # this, torch answers cuda.is_available() from NVML, which leaves CUDA uninitialized.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    if args.engine_core == "process":
-        engine: Engine | ProcessEngine = ProcessEngine(engine_cfg, metrics=sink, start_method="fork")
-    else:
-        engine = Engine(engine_cfg, metrics=sink)
+    try:  # the model loads here: what is wrong with it is one line, exit code 2, before anything serves
+        if args.engine_core == "process":
+            engine: Engine | ProcessEngine = ProcessEngine(engine_cfg, metrics=sink, start_method="fork")
+        else:
+            engine = Engine(engine_cfg, metrics=sink)
+    except (ValueError, OSError, LoraplexError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
     registry.register(EngineCollector(engine.stats))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     registry.register(server_cfg.tenancy.collector())

@@ -70,8 +70,10 @@ class GrammarSpec:
 
 
 def json_schema_spec(schema: Any, strict: bool = False) -> GrammarSpec:
-    """A JSON schema given as a parsed value or as its text."""
-    text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    """A JSON schema given as a parsed value or as its text. Its keys keep their order: the grammar
+    emits an object's properties in the schema's order (a reasoning-first schema reasons first), so
+    two schemas that differ only in key order are two constraints with two cache keys."""
+    text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     return GrammarSpec("json_schema", text, strict)
 
 

@@ -120,7 +120,9 @@ def test_concurrent_first_requests_cause_one_load(server: InferenceServer) -> No
 
 
 def test_off_by_default_and_template_checked() -> None:
-    parse = build_parser().parse_args
+    def parse(args: list[str]) -> argparse.Namespace:
+        return build_parser().parse_args(["--model", "builtin:tiny", *args])
+
     assert configs_from_args(parse([]))[1].adapter_resolver == ""
     with pytest.raises(ValueError, match="needs --adapter-source-allow"):
         configs_from_args(parse(["--adapter-resolver", "s3://b/adapters/{name}"]))

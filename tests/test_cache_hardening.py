@@ -375,8 +375,9 @@ def test_inference_cli_checks_its_cache_token_file(tmp_path):
     (tmp_path / "empty").write_text("\n")
     for path, error in ((tmp_path / "empty", ValueError), (tmp_path / "missing", OSError)):
         with pytest.raises(error):
-            cli.configs_from_args(cli.build_parser().parse_args(["--cache-token-file", str(path)]))
+            cli.configs_from_args(cli.build_parser().parse_args(["--model", "builtin:tiny",
+                                                                 "--cache-token-file", str(path)]))
     (tmp_path / "token").write_text("s3cret\n")
-    engine_cfg, _ = cli.configs_from_args(cli.build_parser().parse_args(["--cache-token-file",
-                                                                        str(tmp_path / "token")]))
+    engine_cfg, _ = cli.configs_from_args(cli.build_parser().parse_args(
+        ["--model", "builtin:tiny", "--cache-token-file", str(tmp_path / "token")]))
     assert engine_cfg.cache_token_file == str(tmp_path / "token")

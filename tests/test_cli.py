@@ -28,6 +28,12 @@ FLAGS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _model_named(monkeypatch):
+    """--model is required; these tests parse flags about everything else (its env mirror names it)."""
+    monkeypatch.setenv("LORAPLEX_MODEL", "builtin:tiny")
+
+
 @pytest.mark.parametrize("module", ["inference_service.cli", "adapter_cache.cli"])
 def test_help_documents_every_flag_and_its_env_var(module):
     """Every flag the parser takes (not a hand-kept list) is in --help with a description and its
@@ -162,3 +168,27 @@ def test_dtype_auto(tmp_path, monkeypatch):
     monkeypatch.setattr(avx2_linear, "preferred", lambda: False)  # no compiler, kernels switched off, or AVX-512
     assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
     assert cli.build_parser().parse_args([]).dtype == "auto"
+
+
+def test_defaults_follow_vllm():
+    """HTTP on 8000, max_tokens unset runs to the end of the context (no server default, the limit is
+    the context), the adapter rank limit and the memory budget are sized from what the pool holds."""
+    args = cli.build_parser().parse_args([])
+    engine_cfg, server_cfg = cli.configs_from_args(args)
+    assert cli.http_config_from_args(args).port == 8000
+    assert server_cfg.default_max_new_tokens is None and engine_cfg.max_new_tokens_limit is None
+    assert engine_cfg.max_lora_rank == "auto" and engine_cfg.memory_budget_bytes is None
+    zero = cli.build_parser().parse_args(["--default-max-new-tokens", "0"])
+    assert cli.configs_from_args(zero)[1].default_max_new_tokens is None
+
+
+def test_lora_modules_become_start_up_adapters(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    args = cli.build_parser().parse_args(["--lora-modules", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"])
+    engine_cfg, server_cfg = cli.configs_from_args(args)
+    assert [(e.name, e.uri, e.required) for e in server_cfg.lora_modules] == [
+        ("a", (tmp_path / "a").as_uri(), True), ("b", (tmp_path / "b").as_uri(), True)]
+    assert set(engine_cfg.adapter_source_allow) == {(tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--lora-modules", "no-equals-sign"])

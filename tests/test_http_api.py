@@ -25,6 +25,7 @@ from harness.bad_adapters import write_admin_error_adapters
 from harness.devices import SERVER_DEVICE
 from harness.engine_helpers import generate, load_adapters
 from harness.inference_server import start_inference_server
+from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine.config import EngineConfig
@@ -268,12 +269,58 @@ def test_served_model_names_all_name_the_base_model(env):
         client.completions.create(model=BASE, **kw).choices[0].text
 
 
+def _grpc_chat(server, messages: list[dict], adapter: str = "", **chat: object) -> pb.GenerateResponse:
+    """Generate with a prompt given as messages, greedy; its responses merged into one."""
+    request = pb.GenerateRequest(adapter=adapter, max_new_tokens=12, ignore_eos=True,
+                                 messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages], **chat))
+    with InferenceClient(server.address) as c:
+        responses = list(c.stub.Generate(request, timeout=60))
+    merged = pb.GenerateResponse(text="".join(r.text for r in responses),
+                                 token_ids=[t for r in responses for t in r.token_ids])
+    merged.usage.CopyFrom(responses[-1].usage)
+    return merged
+
+
+@pytest.mark.parametrize("model", [BASE, ADAPTERS[0]])
+def test_grpc_chat_messages_use_the_http_chat_template(env, model):
+    """Generate with `messages` renders the same prompt as /v1/chat/completions (same template, same
+    tokens): the same prompt size and, greedy, the same answer; the conversation's roles reach it."""
+    server, _, _ = env
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour: é ✓"}]
+    adapter = "" if model == BASE else model
+    out = _grpc_chat(server, messages, adapter)
+    http = _client(server).chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+    assert out.text == http.choices[0].message.content
+    assert out.usage.prompt_tokens == http.usage.prompt_tokens == len(
+        ByteTokenizer().encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a colour: é ✓"
+                               "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+    # Without the assistant's turn opened, the prompt is shorter by exactly that opening.
+    closed = _grpc_chat(server, messages, adapter, add_generation_prompt=False)
+    assert closed.usage.prompt_tokens == out.usage.prompt_tokens - len("<|im_start|>assistant\n")
+
+
+def test_grpc_chat_bad_messages_are_invalid_argument(env):
+    server, _, _ = env
+    with InferenceClient(server.address) as c:
+        for chat in (pb.ChatMessages(),
+                     pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")], add_generation_prompt=True,
+                                     continue_final_message=True)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.stub.Generate(pb.GenerateRequest(messages=chat, max_new_tokens=2), timeout=60))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+
+
 def test_server_without_a_chat_template_and_with_max_model_len(inference_server_factory):
     server = inference_server_factory("--model", BASE, "--max-model-len", "128", http=True)
     r = _post(server, "/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400
     message = _error_of(r)["message"]
     assert "no chat template" in message and "--chat-template" in message
+    with InferenceClient(server.address) as c, pytest.raises(grpc.RpcError) as e:
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+        list(c.stub.Generate(pb.GenerateRequest(messages=chat), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
     assert _client(server).models.list().data[0].model_extra["max_model_len"] == 128
     r = _post(server, "/v1/completions", {"model": BASE, "prompt": "x" * 120, "max_tokens": 16})
     assert r.status_code == 400 and "context" in _error_of(r)["message"]
@@ -527,6 +574,27 @@ def test_admin_errors(env):
     assert not failures, failures
     names = {m.id for m in _client(server).models.list().data}
     assert "x" not in names  # rejected loads left nothing behind
+
+
+def test_every_http_request_is_counted_by_route_template_and_code(env):
+    """loraplex_http_requests_total counts refusals too (a 404 for an unknown path or model, a 400, a
+    413), by the route's template: a client's paths never become label values."""
+    server, _, _ = env
+    count = lambda route, code: server.value("loraplex_http_requests_total", route=route, code=code)  # noqa: E731
+    before = {key: count(*key) for key in (("unmatched", "404"), ("/v1/completions", "404"),
+                                           ("/v1/completions", "400"), ("/v1/completions", "200"),
+                                           ("/v1/completions", "413"))}
+    for path in ("/no/such/path", "/v1/models/x-1?y=2", "/v1/completionz"):
+        assert httpx.get(server.http_url + path, timeout=10).status_code == 404
+    assert _post(server, "/v1/completions", {"model": "no-such-adapter", "prompt": "x"}).status_code == 404
+    assert _post(server, "/v1/completions", {"model": BASE, "prompt": "x", "bogus": 1}).status_code == 400
+    assert _post(server, "/v1/completions", {"model": BASE, "prompt": "x" * MAX_MESSAGE}).status_code == 413
+    assert _post(server, "/v1/completions", {"model": BASE, "prompt": "x", "max_tokens": 1}).status_code == 200
+    grown = {key: count(*key) - value for key, value in before.items()}
+    assert grown == {("unmatched", "404"): 3, ("/v1/completions", "404"): 1, ("/v1/completions", "400"): 1,
+                     ("/v1/completions", "200"): 1, ("/v1/completions", "413"): 1}, grown
+    routes = {labels for (name, labels) in server.samples() if name == "loraplex_http_requests_total"}
+    assert not any("x-1" in str(labels) or "such" in str(labels) for labels in routes), routes
 
 
 def test_server_healthy_and_leak_free_after_errors(env):

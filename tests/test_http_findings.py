@@ -83,8 +83,8 @@ CHAT_IMPLEMENTED = dict(messages=[{"role": "user", "content": "hi"}], max_comple
                         top_logprobs=2, response_format={"type": "text"}, tool_choice="none", parallel_tool_calls=True,
                         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 # Implemented and tested with constraints in tests/test_structured_http.py: response_format (chat's
-# json_object, json_schema), tools with tool_choice "required" or a named function (tool_choice "auto"
-# is refused by name there), vLLM's structured_outputs (both routes).
+# json_object, json_schema), tools with tool_choice "auto", "required" or a named function, vLLM's
+# structured_outputs (both routes).
 COMPLETION_IMPLEMENTED = dict(prompt="hi", logprobs=2, echo=False, best_of=1)
 IGNORED = dict(user="u", metadata={"k": "v"}, store=False, service_tier="auto", safety_identifier="s",
                prompt_cache_key="k", prompt_cache_retention="24h", prompt_cache_options={"mode": "explicit"})

@@ -82,7 +82,7 @@ def test_from_grpc(intake):
     (pb.GenerateRequest(), InvalidArgumentError),  # no prompt
     (pb.GenerateRequest(text=""), InvalidArgumentError),
     (pb.GenerateRequest(text="x" * 41), InvalidArgumentError),  # --max-prompt-chars, before tokenizing
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 64)), ResourceExhaustedError),  # the context
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 64)), InvalidArgumentError),  # the context: never fits
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[300])), InvalidArgumentError),  # the vocabulary
     (pb.GenerateRequest(text="hi", adapter="a b"), InvalidArgumentError),
     (pb.GenerateRequest(text="hi", request_id="has space"), InvalidArgumentError),
@@ -96,7 +96,10 @@ def test_from_grpc_refuses(intake, request_, error):
 
 def test_shared_pieces(intake):
     assert intake.max_new_tokens(None, prompt_len=60) == 4  # the room the context leaves
-    assert intake.max_new_tokens(None) == 16 and intake.max_new_tokens(7, 60) == 7
+    assert intake.max_new_tokens(None, 0) == 16 and intake.max_new_tokens(7, 60) == 7
+    # Without a server default: the rest of the context (OpenAI's and vLLM's), within the limit.
+    to_the_end = Intake(INFO, ByteTokenizer(), default_max_new_tokens=None)
+    assert to_the_end.max_new_tokens(None, 50) == 14 and to_the_end.max_new_tokens(None, 10) == 32
     assert intake.decodable_ids([1, 2]) == [1, 2]
     with pytest.raises(InvalidArgumentError, match="at most 64 token ids"):
         intake.decodable_ids([1] * 65)
@@ -104,7 +107,7 @@ def test_shared_pieces(intake):
         intake.decodable_ids([-1])
     with pytest.raises(InvalidArgumentError, match="text is longer than 40 characters"):
         intake.bounded_text("x" * 41, "text")
-    with pytest.raises(ResourceExhaustedError):  # the whole request against the context
+    with pytest.raises(InvalidArgumentError, match="at most 24 new tokens"):  # the whole request against the context
         intake.engine_request([1] * 40, SamplingParams(max_new_tokens=30), None)
     assert intake.engine_request([1], SamplingParams(max_new_tokens=3), "acme").adapter == "acme"
 

@@ -207,7 +207,7 @@ def test_huge_prompts_refused_before_tokenizing(server, base, stub, refused):
     text, ids = _request(text="p" * (3 << 20)), _request(text=None, token_ids=pb.TokenIds(ids=[1] * 1_000_000))
     with victim_beside(server, base):
         assert refused(text) == grpc.StatusCode.INVALID_ARGUMENT
-        assert refused(ids) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused(ids) == grpc.StatusCode.INVALID_ARGUMENT  # past the context: never fits, not retryable
     assert info.max_prompt_chars < 3 << 20 and info.max_context < 1_000_000
 
 

@@ -82,16 +82,17 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-def _start(tmp_path: Path, model: str) -> Iterator[Stack]:
+def _start(tmp_path: Path, model: str, extra_args: list[str] | None = None, **env_vars: str) -> Iterator[Stack]:
     grpc_addr = f"127.0.0.1:{free_port()}"
     http_port = free_port()
     env = dict(os.environ, LORAPLEX_RUN_MODEL=model, LORAPLEX_RUN_DIR=str(tmp_path / "run"),
                LORAPLEX_LISTEN=grpc_addr, LORAPLEX_HTTP_PORT=str(http_port),
                LORAPLEX_METRICS_PORT=str(free_port()), LORAPLEX_CACHE_METRICS_PORT=str(free_port()))
+    env.update(env_vars)
     log = tmp_path / "run_stack.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(["bash", "scripts/run_stack.sh"], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(["bash", "scripts/run_stack.sh", *(extra_args or [])], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield Stack(proc, grpc_addr, f"http://127.0.0.1:{http_port}", log)
     finally:
@@ -170,6 +171,64 @@ def test_make_run_builtin_tiny_starts_and_stops_on_sigterm(tiny_stack: Stack) ->
         adapted = client.generate_text("Hello", adapter="demo-1", max_new_tokens=8)
     assert base and adapted != base
     _stopped_cleanly(stack, signal.SIGTERM, whole_group=False)
+
+
+@pytest.mark.timeout(300)
+def test_make_run_stops_the_stack_with_one_line_when_a_part_dies(tmp_path: Path) -> None:
+    """The sidecar's metrics port is taken: the script stops at once with the cause in one line,
+    prints no serving banner and leaves no process behind."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        stacks = _start(tmp_path, "builtin:tiny", LORAPLEX_CACHE_METRICS_PORT=str(busy))
+        stack = next(stacks)
+        try:
+            rc = stack.proc.wait(timeout=120)
+        finally:
+            stacks.close()
+    output = stack.log.read_text(errors="replace")
+    assert rc == 1, output[-3000:]
+    assert "Traceback" not in output and "loraplex: serving" not in output, output[-3000:]
+    causes = [line for line in output.splitlines() if line.startswith("loraplex: the adapter-cache sidecar exited")]
+    assert len(causes) == 1 and f"metrics port 127.0.0.1:{busy}" in causes[0], output[-3000:]
+    assert _session_pids(stack.proc.pid) == []
+
+
+@pytest.mark.timeout(600)
+def test_make_run_with_a_gguf_prints_a_curl_that_works(tmp_path: Path) -> None:
+    """MODEL=<x>.gguf: the banner's chat example, run as printed, is answered (banner and server name
+    the model alike), and flags after the script's name reach the server (make run ARGS=...)."""
+    from harness.gguf_files import make_base_checkpoint, write_gguf
+
+    gguf = write_gguf(make_base_checkpoint(tmp_path / "checkpoint"), tmp_path / "tiny-chat.gguf")
+    stacks = _start(tmp_path, str(gguf), extra_args=["--max-model-len", "200"])
+    stack = next(stacks)
+    try:
+        stack.wait_serving(timeout=300)
+        deadline = time.monotonic() + 30
+        while "loraplex: serving" not in stack.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        lines = stack.log.read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith("chat:"))
+        command = "\n".join(lines[start:start + 2]).strip().removeprefix("chat:").strip()
+        assert '"model": "tiny-chat"' in command, command
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+        body = json.loads(done.stdout)
+        assert body["object"] == "chat.completion" and body["model"] == "tiny-chat", done.stdout
+        models = httpx.get(f"{stack.http}/v1/models", timeout=10).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-chat", 200)]
+        _stopped_cleanly(stack, signal.SIGINT, whole_group=True)
+    finally:
+        stacks.close()
+
+
+def test_make_run_forwards_args() -> None:
+    dry = subprocess.run(["make", "-n", "run", "ARGS=--max-model-len 512 --log-level DEBUG"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert "bash scripts/run_stack.sh --max-model-len 512 --log-level DEBUG" in dry.stdout, dry.stdout + dry.stderr
 
 
 if __name__ == "__main__":

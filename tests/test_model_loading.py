@@ -245,10 +245,10 @@ def _sizes(**config: object) -> tuple[int, int, int]:
         core.shutdown()
 
 
-@pytest.mark.parametrize("budget", [None, 24 << 20], ids=["cpu-default-budget", "explicit-budget"])
-def test_kv_cache_gets_the_budget_less_the_lora_slots(budget):
-    """More slots or a larger max rank take their bytes from the KV cache, block for block."""
-    total = budget if budget is not None else 256 << 20  # the CPU default (engine.core.CPU_DEFAULT_BUDGET)
+def test_kv_cache_gets_the_budget_less_the_lora_slots():
+    """More slots or a larger max rank take their bytes from the KV cache, block for block (the
+    default budget, from the machine's memory: tests/test_memory_budget.py)."""
+    total = budget = 24 << 20
     sizes = {(slots, rank): _sizes(max_loras=slots, max_lora_rank=rank, memory_budget_bytes=budget)
              for slots, rank in [(1, 8), (4, 8), (4, 64), (16, 64)]}
     for (slots, rank), (lora, kv, per_block) in sizes.items():

@@ -8,9 +8,10 @@ loaded, under the job names the chart's ServiceMonitor sets. A ~15 s load of con
 cycling over five adapters and the base model churns the two slots (evictions, reloads, sidecar
 misses then hits), with cancelled streams; then the two other adapters, one at a time, overflow the
 sidecar's byte budget (sidecar evictions); bad requests before and after give both services error
-codes. Then every dashboard panel query returns data (NO_DATA_EXPECTED lists exceptions, with
-reasons; none today), the panels that should show this run's activity do, and every alert
-expression evaluates, with every rule healthy and none firing.
+codes, on both APIs of the inference service (gRPC and HTTP). Then every dashboard panel query
+returns data (NO_DATA_EXPECTED lists exceptions, with reasons; none today), the panels that should
+show this run's activity do, and every alert expression evaluates, with every rule healthy and none
+firing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx
 import pytest
 
 from harness.inference_server import start_inference_server
@@ -78,9 +80,13 @@ SHOWS_ACTIVITY = {
     and _by(r, "tier").get("cache", 0) > 0,
     ("Loads and evictions / s", "B"): lambda r: _total(r) > 0,
     ("Finished requests / s", "A"): lambda r: _by(r, "finish_reason").get("cancelled", 0) > 0,
-    ("gRPC errors / s", "A"): lambda r: {(x["metric"]["method"], x["metric"]["code"]) for x in r
-                                         if float(x["value"][1]) > 0}
+    ("Errors / s (gRPC and HTTP)", "A"): lambda r: {(x["metric"]["method"], x["metric"]["code"]) for x in r
+                                                    if float(x["value"][1]) > 0}
     >= {("Generate", "CANCELLED"), ("Generate", "NOT_FOUND"), ("Generate", "INVALID_ARGUMENT")},
+    ("Errors / s (gRPC and HTTP)", "B"): lambda r: {(x["metric"]["route"], x["metric"]["code"]) for x in r
+                                                    if float(x["value"][1]) > 0}
+    >= {("unmatched", "404"), ("/v1/completions", "404"), ("/v1/completions", "400")},
+    ("Requests / s by API", "B"): lambda r: _by(r, "route").get("/v1/completions", 0) > 0,
     ("Requests / s per adapter (top 10)", "A"): lambda r: set(_by(r, "adapter")) == {*ADAPTERS, *COLD, "base"},
     ("Router view (vllm:lora_requests_info)", "A"): lambda r: _by(r, "max_lora").keys() == {str(MAX_LORAS)},
 }
@@ -134,6 +140,15 @@ def _wait_no_leases(sidecar: Sidecar, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _http_requests(http_url: str) -> None:
+    """HTTP answers for the errors panel's HTTP line: 404s (no such path, no such model), a 400, a 200."""
+    assert httpx.get(http_url + "/no/such/path", timeout=10).status_code == 404
+    post = lambda body: httpx.post(http_url + "/v1/completions", json=body, timeout=60).status_code  # noqa: E731
+    assert post({"model": "no-such-adapter", "prompt": "hi"}) == 404
+    assert post({"model": "builtin:tiny", "prompt": "hi", "bogus": 1}) == 400
+    assert post({"model": "builtin:tiny", "prompt": "hi", "max_tokens": 2}) == 200
+
+
 def _bad_requests(address: str, adapters: Path) -> None:
     """Error codes on both services: the server's gRPC errors panel, the sidecar's errors panel."""
     with InferenceClient(address) as client:
@@ -159,7 +174,7 @@ def test_dashboards_and_alerts_against_real_prometheus() -> None:
         server = start_inference_server(
             ["--model", "builtin:tiny", "--max-loras", str(MAX_LORAS), "--cache-address", sidecar.target,
              "--adapter-source-allow", f"{adapters.as_uri()}/"],
-            log_dir=root)
+            log_dir=root, http=True)
         targets = {"loraplex-inference": [server.metrics_url.split("/")[2]],
                    "loraplex-cache": [f"127.0.0.1:{sidecar.metrics_port}"]}
         with running_prometheus(targets, rule_files=[ALERT_RULES_FILE], scrape_interval="1s") as prom:
@@ -169,6 +184,7 @@ def test_dashboards_and_alerts_against_real_prometheus() -> None:
             # Bad requests before and after the load: an error series is born at its first error, so
             # only the later ones show up in rate().
             _bad_requests(server.address, adapters)
+            _http_requests(server.http_url)
             # A baseline sample of every series before the load, so rate() sees the load's increase.
             prom.wait_for('count(up{job=~"loraplex-inference|loraplex-cache"} == 1) == 2', timeout=30)
 
@@ -186,6 +202,7 @@ def test_dashboards_and_alerts_against_real_prometheus() -> None:
                 for name in COLD:
                     _finish(client.generate("cold", adapter=name, max_new_tokens=2, timeout=60))
             _bad_requests(server.address, adapters)
+            _http_requests(server.http_url)
 
             # The run did what the dashboards are meant to show, as the services count it.
             assert server.value("loraplex_lora_evictions_total") > 0

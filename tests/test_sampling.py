@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
+from adapter_cache.errors import InvalidArgumentError
 from harness.engine_helpers import run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
@@ -396,9 +396,10 @@ def test_invalid_prompt_tokens(core, prompt):
 
 @pytest.mark.parametrize("prompt_len, max_new", [(1024, 1), (2000, 1), (1000, 25), (1023, 2)])
 def test_prompt_too_long_for_the_context(core, prompt_len, max_new):
-    with pytest.raises(ResourceExhaustedError) as info:
+    """Never fits, however idle the server: INVALID_ARGUMENT (HTTP 400), not a retryable RESOURCE_EXHAUSTED."""
+    with pytest.raises(InvalidArgumentError, match="context of 1024 tokens") as info:
         core.validate([65] * prompt_len, SamplingParams(max_new_tokens=max_new))
-    assert info.value.code == "RESOURCE_EXHAUSTED"
+    assert info.value.code == "INVALID_ARGUMENT"
 
 
 def test_longest_fitting_request_is_accepted_and_served(core):
@@ -413,8 +414,10 @@ def test_request_larger_than_the_kv_cache():
     per_block = kv_bytes_per_block(builtin_tiny_config(), 16, torch.float32)
     small = EngineCore(EngineConfig(kv_cache_bytes=4 * per_block, block_size=16, device="cpu"))
     try:
+        # The context advertised is what the KV cache holds, and past it the error names that limit.
+        assert small.model_info.max_context == 64
         small.validate([65] * 60, SamplingParams(max_new_tokens=4))
-        with pytest.raises(ResourceExhaustedError):
+        with pytest.raises(InvalidArgumentError, match="context of 64 tokens"):
             small.validate([65] * 60, SamplingParams(max_new_tokens=5))
     finally:
         small.shutdown()

@@ -252,7 +252,8 @@ def test_a_port_in_use_is_one_error_line_and_exit_code_1(port_kind: str) -> None
         taken.listen()
         busy = taken.getsockname()[1]
         listen = busy if port_kind == "grpc" else free_port()
-        args = ["--listen", f"127.0.0.1:{listen}", *(["--http-port", str(busy)] if port_kind == "http" else [])]
+        args = ["--model", "builtin:tiny", "--listen", f"127.0.0.1:{listen}",
+                "--http-port", str(busy) if port_kind == "http" else "0"]
         env = {**os.environ, "LORAPLEX_DEVICE": SERVER_DEVICE, "LORAPLEX_DTYPE": "float32", "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-m", "inference_service.cli", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)

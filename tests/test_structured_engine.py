@@ -319,3 +319,12 @@ def run_to_completion_except(core, wanted: set[str]) -> dict:
             if out.request_id in wanted:
                 outputs.setdefault(out.request_id, []).append(out)
     return outputs
+
+
+def test_key_order_is_part_of_the_constraint():
+    """The schema's key order reaches the compiled grammar (an object's properties in the order
+    declared), so it is part of the cache key too."""
+    first = json_schema_spec({"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}})
+    second = json_schema_spec({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}})
+    assert first.key != second.key
+    assert list(json.loads(first.text)["properties"]) == ["b", "a"]

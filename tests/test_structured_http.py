@@ -100,6 +100,31 @@ def test_sdk_parse_with_a_pydantic_model(server):
         jsonschema.validate(json.loads(choice.message.content), Trip.model_json_schema())
 
 
+class Reasoned(BaseModel):
+    reasoning: str = Field(max_length=40)
+    answer: int
+
+
+class ReasonedBackwards(BaseModel):
+    answer: int
+    reasoning: str = Field(max_length=40)
+
+
+def test_sdk_parse_keeps_the_schemas_key_order(server):
+    """A reasoning-first schema is answered reasoning first, and the same fields declared the other way
+    round are answered in that order: schemas differing only in key order are distinct constraints
+    (never one cached grammar for both)."""
+    client = _client(server)
+    for model, order in ((Reasoned, ["reasoning", "answer"]), (ReasonedBackwards, ["answer", "reasoning"]),
+                         (Reasoned, ["reasoning", "answer"])):
+        done = client.chat.completions.parse(model=BASE, messages=[{"role": "user", "content": "Think, then answer."}],
+                                             response_format=model, max_tokens=MAX, seed=3, temperature=1.0)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, model)
+        assert list(json.loads(choice.message.content)) == order, choice.message.content
+
+
 def test_response_format_json_schema_and_json_object(server):
     for adapter in (BASE, "ad1", "ad2"):
         r = _chat(server, model=adapter, seed=1, temperature=1.0, response_format={
@@ -434,12 +459,10 @@ def test_sdk_parse_with_a_pydantic_function_tool(server):
 def test_tool_choice_refusals(server):
     post = lambda body: httpx.post(server.http_url + "/v1/chat/completions", timeout=120,  # noqa: E731
                                    json={"model": BASE, "messages": [{"role": "user", "content": "x"}], **body})
-    assert "auto" in _error(post({"tools": [WEATHER]}), 400, "tool_choice")
-    assert "auto" in _error(post({"tools": [WEATHER], "tool_choice": "auto"}), 400, "tool_choice")
     _error(post({"tool_choice": "required"}), 400, "tool_choice")
+    _error(post({"tool_choice": "auto"}), 400, "tool_choice")
     _error(post({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}), 400,
            "tool_choice.function.name")
-    _error(post({"tools": [WEATHER], "tool_choice": "required", "stream": True}), 400, "stream")
     _error(post({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}), 400,
            "tool_choice")
     _error(post({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "none"}), 400,
@@ -448,6 +471,92 @@ def test_tool_choice_refusals(server):
                  "parallel": 1}), 400, "parallel")
     r = post({"tools": [WEATHER], "tool_choice": "none", "max_tokens": 3})  # a text answer
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    r = post({"tools": [WEATHER], "max_tokens": 3})  # auto, the default: free text, parsed for calls
+    assert r.status_code == 200, r.text
+
+
+def _streamed_calls(stream) -> tuple[str, list[dict], str]:
+    """A streamed chat answer put together as the SDK's users do: content, calls by index, finish."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_streamed_tool_calls_through_the_sdk(server, choice):
+    tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
+    stream = _chat(server, seed=4, temperature=1.0, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                   parallel_tool_calls=False, stream=True)
+    content, calls, finish = _streamed_calls(stream)
+    assert content == "" and finish == ("stop" if choice == "named" else "tool_calls")
+    (call,) = calls
+    assert call["id"].startswith("call_") and call["name"] in SCHEMAS
+    assert choice == "required" or call["name"] == "get_time"
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+# tool_choice auto parses the model's text; a grammar stands in for a model trained to call tools.
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Oslo|Lima)"\}\}</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_the_models_call(server, stream):
+    r = _chat(server, seed=2, temperature=1.0, tools=[WEATHER, TIME], stream=stream,
+              extra_body={"structured_outputs": {"regex": "Checking[.] " + HERMES_CALL}})
+    if stream:
+        content, calls, finish = _streamed_calls(r)
+    else:
+        message, finish = r.choices[0].message, r.choices[0].finish_reason
+        content = message.content
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert finish == "tool_calls" and content.strip() == "Checking."
+    (call,) = calls
+    assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] in ("Oslo", "Lima")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_text_that_is_no_valid_call_is_content(server, stream):
+    """A call of a tool the request does not offer is not a call: the model's text comes back as content."""
+    text = '<tool_call>{"name": "rm", "arguments": {}}</tool_call>'
+    r = _chat(server, seed=2, tools=[WEATHER], stream=stream,
+              extra_body={"structured_outputs": {"regex": re.escape(text)}})
+    if stream:
+        content, calls, finish = _streamed_calls(r)
+    else:
+        choice = r.choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+    assert (content, calls or [], finish) == (text, [], "stop")
+
+
+def test_agent_loop_calls_a_tool_and_answers_with_its_result(server):
+    """An agent framework's loop: the model calls a tool, the tool's result goes back as a `tool`
+    message after the assistant's call, and the next answer is text for the user."""
+    client = _client(server)
+    messages = [{"role": "user", "content": "What time is it in zone 2?"}]
+    first = client.chat.completions.create(model=BASE, messages=messages, tools=[WEATHER, TIME], max_tokens=MAX,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           seed=1, temperature=1.0)
+    (call,) = first.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS["get_time"])
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"time": "12:00", **arguments})})
+    final = client.chat.completions.create(model=BASE, messages=messages, tools=[WEATHER, TIME], max_tokens=8,
+                                           seed=1, temperature=1.0)
+    choice = final.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens + len("12:00")
 
 
 def test_logprobs_under_a_constraint(server):

@@ -253,6 +253,7 @@ def test_token_rate_reserves_prompt_and_max_new_tokens(env) -> None:
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(e.value.trailing_metadata())["retry-after-ms"]) > 0
     assert server.value("loraplex_tenant_quota_refusals_total", tenant="rated", quota="tokens") >= 2
+    assert server.value("loraplex_http_requests_total", route="/v1/completions", code="429") >= 1
     assert _complete(server, _headers("beta")).status_code == 200  # another tenant's rate is its own
     assert_clean(server)
 

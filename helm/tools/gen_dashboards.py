@@ -175,9 +175,18 @@ def serving() -> gdash.Dashboard:
              (f"sum by (cause) (rate(loraplex_preemptions_total{{{SEL}}}[{RATE}]))", "{{cause}}"))))
     d = (d.with_row(gdash.Row("Errors and adapters"))
          .with_panel(timeseries(
-             "gRPC errors / s", "Non-OK gRPC responses by status code and method.", "reqps",
+             "Errors / s (gRPC and HTTP)", "Non-OK gRPC responses by status code and method, and HTTP responses "
+             "of 400 and above (refusals such as 400, 404, 413 and 429 included) by status code and route template.",
+             "reqps",
              (f'sum by (code, method) (rate(loraplex_grpc_requests_total{{{SEL}, code!="OK"}}[{RATE}]))',
-              "{{code}} {{method}}"), span=12))
+              "gRPC {{code}} {{method}}"),
+             (f'sum by (code, route) (rate(loraplex_http_requests_total{{{SEL}, code=~"[45].."}}[{RATE}]))',
+              "HTTP {{code}} {{route}}"), span=12))
+         .with_panel(timeseries(
+             "Requests / s by API", "Every request either API answered, whatever its status: gRPC by method, "
+             "HTTP (OpenAI-compatible) by route template.", "reqps",
+             (f"sum by (method) (rate(loraplex_grpc_requests_total{{{SEL}}}[{RATE}]))", "gRPC {{method}}"),
+             (f"sum by (route) (rate(loraplex_http_requests_total{{{SEL}}}[{RATE}]))", "HTTP {{route}}"), span=12))
          .with_panel(timeseries(
              "Requests / s per adapter (top 10)",
              'Per-adapter traffic; the service exports its top-K adapters, the rest as adapter="other".',

@@ -26,24 +26,28 @@ class EngineConfig:
     # memory budget, taken before the KV cache), in pages of lora_page_rank rank rows, so an adapter
     # takes memory in proportion to its rank; N: the fixed-slot pool, N slots of max_lora_rank.
     max_loras: int | str = "auto"
-    max_lora_rank: int = 16
+    # auto: with max_loras auto the largest of 64, 32, 16 the pool holds 8 adapters of; with N slots 16
+    # (engine.core.resolve_max_rank). The engine core replaces auto with the rank it chose.
+    max_lora_rank: int | str = "auto"
     lora_memory_bytes: int | None = None
-    # Of the memory budget (on CUDA 90% of what is free after the weights; on CPU its fixed default):
-    # None is 0.25 on CUDA, 0.5 on CPU (docs/architecture.md, "The adapter pool").
+    # Of the memory budget: None is 0.25 on CUDA, 0.5 on CPU (docs/architecture.md, "The adapter
+    # pool"), less what the KV cache needs for one request of the whole context.
     lora_memory_fraction: float | None = None
     lora_page_rank: int = 8
     block_size: int = 16  # tokens per KV block
     # Automatic prefix caching: full KV blocks are kept, keyed by their content, weights and the
     # operator's salt, and a prompt reuses the longest cached chain of them (engine.prefix_cache)
     prefix_cache: bool = True
-    # LoRA slot buffers are allocated first; the KV cache gets what is left of this budget
-    # (None: on CUDA 90% of free memory after weights, on CPU 256 MiB) or exactly kv_cache_bytes.
+    # LoRA slot buffers are allocated first; the KV cache gets what is left of this budget (up to
+    # max_num_seqs requests of the whole context) or exactly kv_cache_bytes. None: measured once the
+    # weights are loaded, 90% of the free device memory on CUDA, 25% of the available host memory
+    # (MemAvailable, or the cgroup limit less usage) on CPU (engine/memory.py).
     memory_budget_bytes: int | None = None
     kv_cache_bytes: int | None = None
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill)
     max_queue: int = 1024  # waiting requests before RESOURCE_EXHAUSTED
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int | None = None  # None: the context (max_model_len, within the KV cache)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     aging_steps: int = 64  # a request skipped this many steps stops later ones overtaking it
     # Fair share across tenants (engine.fair_share, the Virtual Token Counter): admission by the

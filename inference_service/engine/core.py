@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import random
 import threading
@@ -28,6 +29,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs, capture_mode_for
 from inference_service.engine.grammar import GrammarCompiler
 from inference_service.engine.kv_cache import KVCache, kv_bytes_per_block
+from inference_service.engine.memory import default_budget
 from inference_service.engine.model_runner import ModelRunner, PlannedRow, StepResults
 from inference_service.engine.output_processor import OutputProcessor
 from inference_service.engine.request import FinishReason, Request, RequestOutput, SamplingParams, WaitReason
@@ -69,7 +71,9 @@ T = TypeVar("T")
 PLAN_AT_FRACTION = 0.6
 PLAN_SLACK_S = 0.003
 RECENT_STEPS = 16
-CPU_DEFAULT_BUDGET = 256 << 20  # LoRA slots + KV cache on CPU without --memory-budget-bytes
+# --max-lora-rank auto: the largest of these ranks the pool holds AUTO_RANK_ADAPTERS adapters of
+AUTO_RANKS = (64, 32, 16)
+AUTO_RANK_ADAPTERS = 8
 
 
 @dataclass(slots=True)
@@ -92,47 +96,80 @@ def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSour
 
 
 def memory_budget(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the LoRA slots and the KV cache together."""
+    """Bytes for the adapter pool and the KV cache together: --memory-budget-bytes, else a fraction of
+    the memory available once the weights are loaded (engine/memory.py)."""
     if config.memory_budget_bytes is not None:
         return config.memory_budget_bytes
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    return CPU_DEFAULT_BUDGET
+    budget, how = default_budget(device)
+    log.info("memory budget %.0f MiB: %s", budget / 2**20, how)
+    return budget
+
+
+def model_len(config: EngineConfig, model: CausalLM) -> int:
+    """Longest prompt + output the model takes: --max-model-len within the model's positions."""
+    positions = model.config.max_position_embeddings
+    return min(config.max_model_len or positions, positions)
 
 
 def lora_pool_pages(config: EngineConfig, budget: int, shapes: BaseModelShapes, dtype: torch.dtype,
-                    device: torch.device) -> int:
+                    device: torch.device, kv_reserve: int = 0) -> int:
     """Pages of the pool sized by memory (`--max-loras auto`): --lora-memory-bytes, else a fraction
-    of the memory budget (docs/architecture.md, "The adapter pool"), less the zero page."""
-    fraction = config.lora_memory_fraction
-    if fraction is None:
-        fraction = 0.5 if device.type == "cpu" else 0.25
-    nbytes = config.lora_memory_bytes if config.lora_memory_bytes is not None else int(budget * fraction)
+    of the memory budget (docs/architecture.md, "The adapter pool") that leaves `kv_reserve` bytes
+    (one request of the whole context) to the KV cache, and holds one adapter of the largest rank at
+    least; less the zero page."""
     per_page = bytes_per_page(shapes, config.lora_page_rank, dtype)
+    rank = floor_rank(config)
+    if config.lora_memory_bytes is not None:
+        nbytes = config.lora_memory_bytes
+    else:
+        fraction = config.lora_memory_fraction
+        if fraction is None:
+            fraction = 0.5 if device.type == "cpu" else 0.25
+        least = (pages_for(rank, config.lora_page_rank) + 1) * per_page
+        nbytes = max(min(int(budget * fraction), budget - kv_reserve), least)
     pages = nbytes // per_page - 1
-    if pages < pages_for(config.max_lora_rank, config.lora_page_rank):
-        raise ValueError(f"an adapter pool of {nbytes} B cannot hold one adapter of rank {config.max_lora_rank} "
+    if pages < pages_for(rank, config.lora_page_rank):
+        raise ValueError(f"an adapter pool of {nbytes} B cannot hold one adapter of rank {rank} "
                          f"({per_page} B per page of rank {config.lora_page_rank})")
     return pages
 
 
+def floor_rank(config: EngineConfig) -> int:
+    """The rank the pool must hold one adapter of: --max-lora-rank, or auto's smallest choice."""
+    return AUTO_RANKS[-1] if config.max_lora_rank == "auto" else int(config.max_lora_rank)
+
+
+def resolve_max_rank(config: EngineConfig, pool_pages: int | None) -> int:
+    """--max-lora-rank; auto: on the pool sized by memory the largest of AUTO_RANKS it holds
+    AUTO_RANK_ADAPTERS adapters of (a paged pool spends memory by an adapter's real rank, so the limit
+    costs nothing until such an adapter comes), on fixed slots the smallest (every slot is that big)."""
+    if config.max_lora_rank != "auto":
+        return int(config.max_lora_rank)
+    if pool_pages is not None:
+        for rank in AUTO_RANKS:
+            if pool_pages // pages_for(rank, config.lora_page_rank) >= AUTO_RANK_ADAPTERS:
+                return rank
+    return AUTO_RANKS[-1]
+
+
 def build_lora_manager(
-    config: EngineConfig, model: CausalLM, source: AdapterSource, metrics: MetricsSink, budget: int
+    config: EngineConfig, model: CausalLM, source: AdapterSource | None, metrics: MetricsSink, budget: int
 ) -> LoRAManager:
     """The model's adapter pool (allocated now, before the KV cache, from `budget` with
-    `--max-loras auto`) and the manager that fills it."""
+    `--max-loras auto`) and the manager that fills it. `config.max_lora_rank` is resolved (not auto);
+    `source` None: the default one for that rank."""
     shapes, dtype = model.config.lora_shapes(), model.lora_op.slot_dtype(model.dtype)
     fixed = config.fixed_loras()
+    rank = int(config.max_lora_rank)
     lora = LoRAManager(
         num_slots=fixed,
-        num_pages=None if fixed is not None else lora_pool_pages(config, budget, shapes, dtype, model.device),
+        num_pages=None if fixed is not None else pool_pages_for(config, model, budget),
         page_rank=config.lora_page_rank,
-        max_rank=config.max_lora_rank,
+        max_rank=rank,
         shapes=shapes,
         device=model.device,
         dtype=dtype,
-        source=source,
+        source=source or default_source(config, shapes),
         copy_engine=make_copy_engine(model.device, config.overlap_loads),
         host_workers=config.host_load_workers,
         metrics=metrics,
@@ -146,12 +183,28 @@ def build_lora_manager(
     return lora
 
 
+def pool_pages_for(config: EngineConfig, model: CausalLM, budget: int) -> int:
+    """`lora_pool_pages` for this model: the KV cache keeps room for one request of the whole context."""
+    shapes, dtype = model.config.lora_shapes(), model.lora_op.slot_dtype(model.dtype)
+    kv_reserve = blocks_for(model_len(config, model), config.block_size) * kv_bytes_per_block(
+        model.config, config.block_size, model.dtype)
+    return lora_pool_pages(config, budget, shapes, dtype, model.device, kv_reserve)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
 def build_kv_cache(config: EngineConfig, model: CausalLM, budget: int, lora: LoRAManager) -> KVCache:
-    """The KV cache: `--kv-cache-bytes`, or what the memory `budget` leaves after the LoRA slots."""
+    """The KV cache: `--kv-cache-bytes`, or what the memory `budget` leaves after the LoRA slots, up
+    to what the scheduler can fill (--max-num-seqs requests of the whole context)."""
     lora_bytes = lora.slots_nbytes
-    kv_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else budget - lora_bytes
     per_block = kv_bytes_per_block(model.config, config.block_size, model.dtype)
-    num_blocks = kv_bytes // per_block
+    if config.kv_cache_bytes is not None:
+        num_blocks = config.kv_cache_bytes // per_block
+    else:
+        fillable = config.max_num_seqs * blocks_for(model_len(config, model), config.block_size)
+        num_blocks = min((budget - lora_bytes) // per_block, fillable)
     if num_blocks < 1:
         raise ValueError(
             f"no memory left for the KV cache: budget {budget} B, LoRA pool {lora_bytes} B, "
@@ -159,9 +212,16 @@ def build_kv_cache(config: EngineConfig, model: CausalLM, budget: int, lora: LoR
         )
     kv = KVCache(model.config, num_blocks, config.block_size, model.device, model.dtype, config.prefix_cache,
                  spare_block=config.decode_graphs_on())
+    context = min(model_len(config, model), num_blocks * config.block_size)
     log.info("memory: LoRA pool %.1f MiB (%d adapters of rank %d, more of lower ranks), KV cache %.1f MiB "
-             "(%d blocks of %d tokens)", lora_bytes / 2**20, lora.num_slots, config.max_lora_rank, kv.nbytes / 2**20,
-             num_blocks, config.block_size)
+             "(%d blocks of %d tokens = %d tokens); context %d tokens", lora_bytes / 2**20, lora.num_slots,
+             lora.max_rank, kv.nbytes / 2**20, num_blocks, config.block_size, num_blocks * config.block_size,
+             context)
+    if context < model_len(config, model):
+        log.warning("the KV cache holds %d tokens, less than the model's context of %d: the context advertised "
+                    "(/v1/models max_model_len, GetModelInfo max_context) is %d; give more memory "
+                    "(--memory-budget-bytes, --kv-cache-bytes) or a smaller --max-model-len",
+                    num_blocks * config.block_size, model_len(config, model), context)
     return kv
 
 
@@ -200,10 +260,12 @@ class EngineCore:
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
                                            config.tokenizer, config.revision,
                                            pack_weights=not config.decode_graphs_on())
-        source = source or default_source(config, model.config.lora_shapes())
         model.lora_op = make_lora_op(model.device, model.dtype, config.triton_kernels)
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
         budget = memory_budget(config, model.device)  # measured before the slots take their part
+        if config.max_lora_rank == "auto":
+            pages = None if config.fixed_loras() is not None else pool_pages_for(config, model, budget)
+            config = self.config = dataclasses.replace(config, max_lora_rank=resolve_max_rank(config, pages))
         self.lora = build_lora_manager(config, model, source, self.metrics, budget)
         kv = build_kv_cache(config, model, budget, self.lora)
         self.runner = ModelRunner(model, self.tokenizer, self.lora, kv, build_decode_graphs(config, model, kv,
@@ -214,14 +276,15 @@ class EngineCore:
         if fused.available(model.device, model.dtype):  # built now, not in the first request's step
             log.info("norms, RoPE with the KV write, SiLU-and-multiply: fused C kernels")
         mc = model.config
-        max_context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        # What the server advertises always fits one request: the context, within the KV cache.
+        max_context = min(model_len(config, model), kv.num_blocks * kv.block_size)
         self.model_info = ModelInfo(
             name=mc.name or config.model,
             max_context=max_context,
             vocab_size=mc.vocab_size,
             max_loras=self.lora.num_slots,
             max_lora_rank=config.max_lora_rank,
-            max_new_tokens_limit=config.max_new_tokens_limit,
+            max_new_tokens_limit=min(config.max_new_tokens_limit or max_context, max_context),
             limits=config.limits,
             max_registered_adapters=config.max_registered_adapters,
             kv_cache_blocks=self.runner.kv.num_blocks,

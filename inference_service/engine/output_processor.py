@@ -2,9 +2,11 @@
 
 One place for what a client sees of a request: finish reasons (stop tokens, EOS, length, stop
 strings), the stop-string hold-back, TTFT/ITL, and the final output of every request however it
-ended. With `detokenize=False` (the serving bridges) only requests with stop strings are decoded
-here, since a stop string must end its request at an exact token; the others leave `text` None
-for the front end's stream to decode off the scheduler thread (inference_service/engine/streams.py).
+ended. Only requests with stop strings are decoded here, since a stop string must end its request at
+an exact token. The others' text is decoded off the scheduler thread (engine/output_text.py): with
+`detokenize=False` (the serving bridges) `text` is None and the front end's stream decodes it; with
+`detokenize=True` (EngineCore's default, what an embedder gets) each output decodes its text when
+the embedder reads it.
 The scheduler advances requests (`Scheduler.postprocess`) and asks `on_token` whether a new token
 ends one.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from adapter_cache.errors import FailedPreconditionError, LoraplexError
+from inference_service.engine.output_text import RequestText
 from inference_service.engine.request import FinishReason, Request, RequestOutput
 from inference_service.engine.sampling import FORWARD_FAILED, NON_FINITE, SAMPLING_FAILED
 from inference_service.limits import shown
@@ -59,12 +62,16 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, metrics: MetricsSink, detokenize: bool = True) -> None:
         self.tokenizer, self.metrics = tokenizer, metrics
         self.detokenize = detokenize
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, _TextState] = {}  # requests with stop strings: decoded here
+        self._on_read: dict[str, RequestText] = {}  # detokenize=True, no stop strings: decoded when read
         self._step: dict[str, RequestOutput] = {}
 
     def add(self, request: Request) -> None:
-        if not (self.detokenize or request.params.stop):
-            return  # the front end decodes it
+        if not request.params.stop:
+            if self.detokenize:
+                self._on_read[request.request_id] = RequestText(self.tokenizer, request.prompt_token_ids,
+                                                                request.params)
+            return  # decoded by whoever reads it, off this thread
         # Seeded with the prompt, so the first output token decodes as it would after it.
         self._text[request.request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens))
@@ -92,10 +99,10 @@ class OutputProcessor:
         state = self._text.get(request.request_id)
         if state is not None:
             text, reason = self._text_delta(request, state, reason)
-        self._step[request.request_id] = RequestOutput(
-            request_id=request.request_id,
+        self._step[request.request_id] = self._output(
+            request,
+            text,
             new_token_ids=[token],
-            text=text,
             prompt_tokens=request.num_prompt_tokens,
             generated_tokens=len(request.output_token_ids),
             timings=timings,
@@ -137,10 +144,18 @@ class OutputProcessor:
         self._step.clear()
         return outputs
 
+    def _output(self, request: Request, text: str | None, **fields: object) -> RequestOutput:
+        """A new output of `request`: its text decoded when read, or `text` (None: the front end's)."""
+        on_read = self._on_read.get(request.request_id)
+        if on_read is not None:
+            return on_read.output(request_id=request.request_id, **fields)
+        return RequestOutput(request_id=request.request_id, text=text, **fields)  # type: ignore[arg-type]
+
     def _final_output(self, request: Request, output: RequestOutput | None) -> RequestOutput:
         if output is None:
-            output = RequestOutput(
-                request_id=request.request_id,
+            output = self._output(
+                request,
+                "",
                 new_token_ids=[],
                 prompt_tokens=request.num_prompt_tokens,
                 generated_tokens=len(request.output_token_ids),
@@ -150,6 +165,7 @@ class OutputProcessor:
         output.finished, output.finish_reason, output.error = True, request.finish_reason, request.error
         output.cached_tokens = max(request.num_cached_tokens, 0)
         self._text.pop(request.request_id, None)
+        self._on_read.pop(request.request_id, None)
         self.metrics.tokens(request.num_prompt_tokens, len(request.output_token_ids))
         reason = request.finish_reason.value if request.finish_reason else "error"
         self.metrics.request_finished(reason, adapter_name(request.adapter_uid) if request.adapter_uid else None)

@@ -19,12 +19,9 @@ import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from inference_service.engine.output_text import StreamText
 from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
-from inference_service.tokenizer import IncrementalDetokenizer, Tokenizer
-
-# Finishes that flush the detokenizer's held-back tail (an incomplete character at the end): the
-# output is complete. A cancelled or failed request's tail is dropped, as the core does.
-_COMPLETE = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP)
+from inference_service.tokenizer import Tokenizer
 
 # Streams woken per event-loop turn. grpc.aio accepts one new call per turn of the loop; waking
 # every stream of a step in one turn made a turn as long as all their writes (~10 ms at 256
@@ -35,25 +32,6 @@ WAKE_CHUNK = 16
 # A plain token delta (no finish, logprobs or logits): request id, token ids, text or None, tokens
 # generated so far. The engine core process sends most of a step's outputs as these.
 Delta = tuple[str, list[int], str | None, int]
-
-
-class StreamText:
-    """Text deltas for outputs the core left undecoded (`RequestOutput.text is None`)."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._tokenizer, self._prompt, self._params = tokenizer, prompt_token_ids, params
-        self._detokenizer: IncrementalDetokenizer | None = None  # made on first use: the prompt's decode
-        self._output_ids: list[int] = []
-
-    def fill(self, output: RequestOutput) -> None:
-        if output.text is not None:
-            return
-        if self._detokenizer is None:
-            self._detokenizer = IncrementalDetokenizer(self._tokenizer, self._prompt, self._params.skip_special_tokens)
-        self._output_ids += output.new_token_ids
-        complete = output.finished and output.finish_reason in _COMPLETE
-        output.text = self._detokenizer.update(self._output_ids, final=complete) \
-            if output.new_token_ids or complete else ""
 
 
 class RequestStream:

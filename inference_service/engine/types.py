@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from adapter_cache.errors import InvalidArgumentError, ResourceExhaustedError
+from adapter_cache.errors import InvalidArgumentError
 from inference_service.engine.request import SamplingParams
 from inference_service.limits import RequestLimits, check_stop
 from inference_service.lora.manager import AdapterInfo
@@ -102,7 +102,7 @@ def validate_request(info: ModelInfo, prompt_token_ids: list[int], params: Sampl
     if not prompt_token_ids:
         raise InvalidArgumentError("the prompt is empty")
     if len(prompt_token_ids) >= info.max_context:
-        raise ResourceExhaustedError(
+        raise InvalidArgumentError(
             f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {info.max_context} tokens")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= info.vocab_size:
         raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
@@ -113,10 +113,14 @@ def validate_request(info: ModelInfo, prompt_token_ids: list[int], params: Sampl
     if any(t >= info.vocab_size for t in params.stop_token_ids):
         raise InvalidArgumentError(f"stop_token_ids must be in [0, {info.vocab_size})")
     total = len(prompt_token_ids) + params.max_new_tokens
-    if len(prompt_token_ids) >= info.max_context or total > info.max_context:
-        raise ResourceExhaustedError(
-            f"prompt of {len(prompt_token_ids)} tokens + max_new_tokens {params.max_new_tokens} "
-            f"does not fit the context of {info.max_context} tokens"
+    # Never fits, whatever else runs: INVALID_ARGUMENT (HTTP 400), never a retryable RESOURCE_EXHAUSTED.
+    # The context advertised is within the KV cache (engine.core), so this names the real limit.
+    if total > info.max_context:
+        raise InvalidArgumentError(
+            f"prompt of {len(prompt_token_ids)} tokens + {params.max_new_tokens} new tokens "
+            f"does not fit the context of {info.max_context} tokens (at most "
+            f"{info.max_context - len(prompt_token_ids)} new tokens after this prompt)"
         )
     if -(-total // info.kv_block_size) > info.kv_cache_blocks:
-        raise ResourceExhaustedError(f"{total} tokens do not fit the KV cache ({info.kv_cache_blocks} blocks)")
+        raise InvalidArgumentError(f"{total} tokens do not fit the KV cache of "
+                                   f"{info.kv_cache_blocks * info.kv_block_size} tokens")

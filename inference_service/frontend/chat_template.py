@@ -56,6 +56,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template does not compile: {e}") from None
         self.special_tokens = dict(special_tokens or {})
+        self.source = source  # its text: which tool-call syntax it teaches (frontend/tool_parsers.py)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **kwargs: Any) -> str:

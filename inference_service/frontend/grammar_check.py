@@ -37,6 +37,7 @@ import os
 import pickle
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -312,4 +313,7 @@ def _child() -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C reaches the terminal's whole process group: the server shuts down and closes this
+    # child's stdin, which ends it; a KeyboardInterrupt here would only print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _child()

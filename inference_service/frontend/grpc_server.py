@@ -39,6 +39,7 @@ from inference_service.engine.streams import merged
 from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.cache_salt import cache_salt, grpc_identity
+from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.grammar_check import COMPILE_CPU_S, COMPILE_PROCESSES, shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
@@ -76,7 +77,7 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mTLS)
     max_message_bytes: int = 4 * 1024 * 1024
-    default_max_new_tokens: int = 64
+    default_max_new_tokens: int | None = None  # None: the rest of the context after the prompt
     grammar_compile_cpu_s: float = COMPILE_CPU_S  # structured output: a new constraint's compile bound
     grammar_compile_wall_s: float = 0.0  # and its wall-clock bound (0: grammar_check.default_wall_s)
     grammar_check_processes: int = COMPILE_PROCESSES  # compile children checking new constraints side by side
@@ -84,6 +85,7 @@ class ServerConfig:
     preload: list[PreloadEntry] = field(default_factory=list)
     preload_file: str | None = None  # re-read every preload_reload_s (0: read once)
     preload_reload_s: float = 10.0
+    lora_modules: list[PreloadEntry] = field(default_factory=list)  # --lora-modules: kept loaded, never reloaded
     # SIGTERM: health NOT_SERVING at once; new RPCs still served for drain_delay_s (clients and
     # load balancers see NOT_SERVING and move away); then new RPCs are refused and in-flight ones
     # get what is left of shutdown_grace_s before they are cancelled.
@@ -115,8 +117,10 @@ class ServerConfig:
 class InferenceServicer(pb_grpc.InferenceServicer):
     """loraplex.v1.Inference over an engine (engine.client.EngineClient)."""
 
-    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: Any = None) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: Any = None,
+                 chat_template: ChatTemplate | None = None) -> None:
         self.engine = engine
+        self.chat_template = chat_template  # GenerateRequest.messages: the HTTP API's template too
         self.config = config
         self.metrics = metrics  # PrometheusMetrics or None
         self.auth = AdminAuth(config.admin_token,
@@ -149,7 +153,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request = _parse(pb.GenerateRequest, raw)
             request_id = request.request_id or uuid.uuid4().hex
             adapter = request.adapter or None
-            intake = self.intake.from_grpc(request, request_id)
+            intake = self.intake.from_grpc(request, request_id, self.chat_template)
             self.tenancy.check_visible(tenant, intake.adapter)  # another tenant's adapter: as if none
             self.tenancy.check_priority(tenant, request.priority)
             # The quotas first: a tenant over them costs no grammar compile and no adapter load.
@@ -542,9 +546,10 @@ class RunningServer:
 
 
 async def build_server(engine: EngineClient, config: ServerConfig, metrics: Any = None,
-                       serving: bool = True) -> RunningServer:
+                       serving: bool = True, chat_template: ChatTemplate | None = None) -> RunningServer:
     """A started grpc.aio server with the Inference service, health and reflection; health starts
-    SERVING unless `serving` is False (then the caller's HealthReporter decides)."""
+    SERVING unless `serving` is False (then the caller's HealthReporter decides). `chat_template`:
+    the one Generate's messages are rendered with (None: such requests are INVALID_ARGUMENT)."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -554,7 +559,7 @@ async def build_server(engine: EngineClient, config: ServerConfig, metrics: Any 
     cygrpc_log = logging.getLogger("grpc._cython.cygrpc")
     if not any(isinstance(f, _DepartedClientFilter) for f in cygrpc_log.filters):
         cygrpc_log.addFilter(_DepartedClientFilter())
-    servicer = InferenceServicer(engine, config, metrics)
+    servicer = InferenceServicer(engine, config, metrics, chat_template)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -583,13 +588,14 @@ class FrontEnd(Protocol):
 
 
 async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
-                stop: asyncio.Event | None = None, collectors: Any = None, front_ends: Sequence[FrontEnd] = ()) -> None:
+                stop: asyncio.Event | None = None, collectors: Any = None, front_ends: Sequence[FrontEnd] = (),
+                chat_template: ChatTemplate | None = None) -> None:
     """Serves until `stop` is set (or the task is cancelled), then drains (see ServerConfig).
 
     Health: the liveness service is SERVING from the start; readiness once the required preloads
     are in. Other preloads load (and retry) in the background. `collectors`: a prometheus registry
     to register the health and preload metrics on."""
-    running = await build_server(engine, config, metrics, serving=False)
+    running = await build_server(engine, config, metrics, serving=False, chat_template=chat_template)
     reporter = HealthReporter(running.health, ("", SERVICE_NAME))
     try:  # before the preloads can make readiness SERVING: a ready server serves on every port
         for front_end in front_ends:
@@ -598,8 +604,9 @@ async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
         await running.server.stop(0)
         raise
     health_only = await start_health_listener(running.health, config.health_listen) if config.health_listen else None
-    preloader = Preloader(engine, running.servicer.uri_policy, adapter_name, config.preload_file, config.preload,
-                          config.preload_reload_s, on_change=lambda: _preloads_changed(reporter, preloader))
+    preloader = Preloader(engine, running.servicer.uri_policy, adapter_name, config.preload_file,
+                          config.preload + config.lora_modules, config.preload_reload_s,
+                          on_change=lambda: _preloads_changed(reporter, preloader), fixed=config.lora_modules)
     running.servicer.preloader = preloader
     await reporter.update()  # liveness SERVING, readiness NOT_SERVING until the preloads say otherwise
     if collectors is not None:

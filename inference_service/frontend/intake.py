@@ -14,9 +14,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from adapter_cache.errors import InvalidArgumentError, LoraplexError, ResourceExhaustedError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.engine.types import ModelInfo, validate_request
@@ -26,6 +26,7 @@ from inference_service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from inference_service.api import inference_pb2 as pb
+    from inference_service.frontend.chat_template import ChatTemplate
 
 SHA256_HEX_CHARS = 64
 # Requests the engine ended, not the client or the model: each front end answers with an error.
@@ -80,7 +81,7 @@ class Intake:
     """The checks that need the model: its limits, its context and vocabulary, its tokenizer.
     Safe from any thread (no state of its own)."""
 
-    def __init__(self, model_info: ModelInfo, tokenizer: Tokenizer, default_max_new_tokens: int) -> None:
+    def __init__(self, model_info: ModelInfo, tokenizer: Tokenizer, default_max_new_tokens: int | None) -> None:
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.default_max_new_tokens = default_max_new_tokens
@@ -106,11 +107,23 @@ class Intake:
             raise InvalidArgumentError("prompt is empty")
         return list(self.tokenizer.encode(self.bounded_text(text), add_special_tokens=add_special_tokens))
 
+    def chat_ids(self, template: ChatTemplate | None, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 continue_final_message: bool = False, use: str = "a text prompt", **kwargs: Any) -> list[int]:
+        """A conversation rendered by the chat template, bounded and tokenized: one rendering for both
+        APIs. The template writes the special tokens (BOS) itself, as transformers' apply_chat_template.
+        `use`: what a client of a model without a template should send instead."""
+        if template is None:
+            raise InvalidArgumentError(
+                f"model {self.model_info.name!r} has no chat template (none in its checkpoint): start the server "
+                f"with --chat-template FILE, or use {use}")
+        text = template.render(messages, add_generation_prompt, continue_final_message, **kwargs)
+        return list(self.tokenizer.encode(self.bounded_text(text), add_special_tokens=False))
+
     def given_ids(self, ids: Sequence[int]) -> list[int]:
         """A prompt given as token ids: counted against the context before it is walked or copied."""
         info = self.model_info
         if len(ids) >= info.max_context:
-            raise ResourceExhaustedError(
+            raise InvalidArgumentError(
                 f"prompt of {len(ids)} tokens does not fit the context of {info.max_context} tokens")
         if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
             raise InvalidArgumentError(f"prompt token ids must be in [0, {info.vocab_size})")
@@ -127,14 +140,15 @@ class Intake:
             raise InvalidArgumentError(f"token ids must be in [0, {info.vocab_size})")
         return list(ids)
 
-    def max_new_tokens(self, asked: int | None, prompt_len: int | None = None) -> int:
-        """What the client asked for, or the server's default (within the limit and, when the prompt's
-        length is given, the room its context leaves)."""
+    def max_new_tokens(self, asked: int | None, prompt_len: int) -> int:
+        """What the client asked for, or the server's default: without --default-max-new-tokens the
+        rest of the context after the prompt (OpenAI's and vLLM's behaviour), within the limit."""
         if asked is not None:
             return asked
         info = self.model_info
-        default = min(self.default_max_new_tokens, info.max_new_tokens_limit)
-        return default if prompt_len is None else min(default, max(1, info.max_context - prompt_len))
+        room = max(1, info.max_context - prompt_len)
+        default = room if self.default_max_new_tokens is None else self.default_max_new_tokens
+        return max(1, min(default, info.max_new_tokens_limit, room))
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         """Stop conditions bounded (counts first), then every knob in its range."""
@@ -151,15 +165,22 @@ class Intake:
 
     # ---- the gRPC API ----
 
-    def from_grpc(self, request: pb.GenerateRequest, request_id: str | None = None) -> EngineRequest:
+    def from_grpc(self, request: pb.GenerateRequest, request_id: str | None = None,
+                  chat_template: ChatTemplate | None = None) -> EngineRequest:
         """loraplex.v1 GenerateRequest → EngineRequest (the adapter may still need resolving);
-        `request_id`: the one the caller logs under when the request names none."""
+        `request_id`: the one the caller logs under when the request names none; `chat_template`: the
+        server's, for a prompt given as messages."""
         request_id = self.request_id(request.request_id or request_id)
         adapter = optional_adapter(request.adapter)
         which = request.WhichOneof("prompt")
         if which is None:
-            raise InvalidArgumentError("prompt is required (text or token_ids)")
-        prompt_ids = self.text_ids(request.text) if which == "text" else self.given_ids(request.token_ids.ids)
+            raise InvalidArgumentError("prompt is required (text, token_ids or messages)")
+        if which == "text":
+            prompt_ids = self.text_ids(request.text)
+        elif which == "token_ids":
+            prompt_ids = self.given_ids(request.token_ids.ids)
+        else:
+            prompt_ids = self.grpc_chat_ids(request.messages, chat_template)
         s = request.sampling
         check_stop(request.stop, len(request.stop_token_ids), self.model_info.limits)  # before copying them
         params = self.sampling(SamplingParams(
@@ -167,7 +188,8 @@ class Intake:
             top_p=s.top_p if s.HasField("top_p") else 1.0,
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
-            max_new_tokens=self.max_new_tokens(request.max_new_tokens if request.HasField("max_new_tokens") else None),
+            max_new_tokens=self.max_new_tokens(request.max_new_tokens if request.HasField("max_new_tokens") else None,
+                                               len(prompt_ids)),
             stop=tuple(request.stop),
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
@@ -184,6 +206,16 @@ class Intake:
         n = request.n if request.HasField("n") else 1
         check_n(n, self.model_info.limits.max_n)
         return EngineRequest(prompt_ids, params, adapter, request_id, n)
+
+
+    def grpc_chat_ids(self, chat: pb.ChatMessages, template: ChatTemplate | None) -> list[int]:
+        if not chat.messages:
+            raise InvalidArgumentError("messages is empty")
+        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                    for m in chat.messages]
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return self.chat_ids(template, messages, add_generation_prompt, chat.continue_final_message,
+                             use="a text prompt")
 
 
 def grpc_grammar(s: pb.SamplingParams) -> GrammarSpec | None:

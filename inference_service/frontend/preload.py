@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,11 +95,13 @@ class Preloader:
     def __init__(self, engine: EngineClient, policy: UriPolicy, check_name: Callable[[str], object],
                  path: str | None, entries: list[PreloadEntry], reload_s: float = 10.0,
                  retry_initial_s: float = 1.0, retry_max_s: float = 60.0,
-                 on_change: Callable[[], Any] | None = None) -> None:
+                 on_change: Callable[[], Any] | None = None, fixed: Sequence[PreloadEntry] = ()) -> None:
+        """`entries`: the start's list, `fixed` among them (--lora-modules) kept whatever the file says."""
         self._engine, self._policy, self._check_name = engine, policy, check_name
         self._path, self._initial, self._reload_s = path, entries, reload_s
         self._retry = (retry_initial_s, retry_max_s)
         self._on_change = on_change
+        self._fixed = list(fixed)
         self._slots: dict[str, _Slot] = {}
         self.failures_total = 0
         self.reloads_total = 0
@@ -156,7 +158,7 @@ class Preloader:
         while True:
             await asyncio.sleep(self._reload_s)
             try:
-                entries = await asyncio.to_thread(read_preload_file, self._path)
+                entries = self._fixed + await asyncio.to_thread(read_preload_file, self._path)
             except (OSError, ValueError) as e:
                 log.error("preload file %s unreadable, keeping the previous list: %s", self._path, e)
                 continue

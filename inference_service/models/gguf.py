@@ -94,10 +94,26 @@ class GGUFFile:
     def arch(self, key: str, default: Any = None) -> Any:
         return self.get(f"{self.architecture}.{key}", default)
 
+    def count(self, key: str, default: int | None = None) -> int:
+        """A positive integer of the architecture's metadata; a missing or malformed one is named."""
+        value = self.arch(key, default)
+        if value is None:
+            raise FailedPreconditionError(f"{self.path}: GGUF metadata {self.architecture}.{key} is missing")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FailedPreconditionError(
+                f"{self.path}: GGUF metadata {self.architecture}.{key} must be a positive integer, got {value!r:.40}")
+        return value
+
     def hf_config(self) -> dict[str, Any]:
         """The file's hyperparameters as a Hugging Face config.json would give them."""
-        heads = int(self.arch("attention.head_count"))
-        hidden = int(self.arch("embedding_length"))
+        try:
+            return self._hf_config()
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:  # a field of the wrong kind
+            raise FailedPreconditionError(f"{self.path}: malformed GGUF metadata: {exc!r:.200}") from None
+
+    def _hf_config(self) -> dict[str, Any]:
+        heads = self.count("attention.head_count")
+        hidden = self.count("embedding_length")
         tokens = self.get("tokenizer.ggml.tokens")
         vocab = self.arch("vocab_size") or (len(tokens) if tokens else None)
         if vocab is None:
@@ -108,15 +124,15 @@ class GGUFFile:
             "model_type": ARCHITECTURES[self.architecture],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(self.arch("feed_forward_length")),
-            "num_hidden_layers": int(self.arch("block_count")),
+            "intermediate_size": self.count("feed_forward_length"),
+            "num_hidden_layers": self.count("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(self.arch("attention.head_count_kv", heads)),
+            "num_key_value_heads": self.count("attention.head_count_kv", heads),
             "head_dim": int(self.arch("attention.key_length") or self.arch("rope.dimension_count")
                             or hidden // heads),
             "rms_norm_eps": float(self.arch("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self.arch("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(self.arch("context_length", 2048)),
+            "max_position_embeddings": self.count("context_length", 2048),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": list(dict.fromkeys(eos)) or None,

@@ -20,6 +20,7 @@ _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
+_MAX_ARRAY_DEPTH = 8  # arrays of arrays: llama.cpp writes none deeper than 2; a deeper one is hostile
 
 
 class GGUFFormatError(ValueError):
@@ -54,13 +55,15 @@ class _Cursor:
         self.pos += n
         return text
 
-    def value(self, type_id: int) -> Any:
+    def value(self, type_id: int, depth: int = 0) -> Any:
         if type_id in _SCALARS:
             return self.scalar(_SCALARS[type_id])
         if type_id == _STRING:
             return self.string()
         if type_id == _ARRAY:
             item_type, n = self.scalar("<I"), self.scalar("<Q")
+            if item_type == _ARRAY and depth + 1 >= _MAX_ARRAY_DEPTH:
+                raise GGUFFormatError(f"arrays nested deeper than {_MAX_ARRAY_DEPTH} at byte {self.pos}")
             if item_type in _SCALARS and item_type != 7:
                 dtype = np.dtype(_SCALARS[item_type])
                 if self.pos + n * dtype.itemsize > len(self.buf):
@@ -68,7 +71,9 @@ class _Cursor:
                 items = np.frombuffer(self.buf, dtype, n, self.pos).tolist()
                 self.pos += n * dtype.itemsize
                 return items
-            return [self.value(item_type) for _ in range(n)]
+            if n > len(self.buf) - self.pos:  # every item takes a byte at least
+                raise GGUFFormatError(f"array of {n} items past the end at byte {self.pos}")
+            return [self.value(item_type, depth + 1) for _ in range(n)]
         raise GGUFFormatError(f"unknown metadata value type {type_id} at byte {self.pos}")
 
 
@@ -97,7 +102,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
         n_dims = cur.scalar("<I")
         shape = tuple(cur.scalar("<Q") for _ in range(n_dims))
         infos.append((name, shape, cur.scalar("<I"), cur.scalar("<Q")))
-    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
+        raise GGUFFormatError(f"general.alignment must be a positive power of two, got {alignment!r:.40}")
     start = (cur.pos + alignment - 1) // alignment * alignment
     raw = np.frombuffer(mapped, np.uint8)
     tensors: dict[str, TensorInfo] = {}

@@ -9,8 +9,10 @@ and tokenized, off the event loop that gRPC shares (http/body.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from inference_service.frontend.http.errors import (
     loraplex_error_response,
     status_of,
 )
-from inference_service.frontend.http.generation import Generation, OpenAIGeneration, ToolCalls
+from inference_service.frontend.http.generation import Generation, OpenAIGeneration
 from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +50,7 @@ from inference_service.frontend.http.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from inference_service.frontend.http.request_metrics import HttpRequestCounter
 from inference_service.frontend.intake import adapter_load, adapter_name, optional_adapter
 from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, tenant_identity
 from inference_service.limits import shown
@@ -72,11 +75,14 @@ class _GenerationResponse(StreamingResponse):
 
 
 def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tuple[str, ...],
-              chat_template: ChatTemplate | None, registry: CollectorRegistry | None, listen: str) -> ASGIApp:
+              chat_template: ChatTemplate | None, registry: CollectorRegistry | None, listen: str,
+              tool_call_parser: str = "auto") -> ASGIApp:
     """The HTTP front end over `engine` on `listen` (host:port); `registry` is the one the gRPC
-    process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason)."""
+    process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason).
+    `tool_call_parser`: how tool_choice `auto` finds calls in the model's text (frontend/tool_parsers.py)."""
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None, openapi_url=None)
-    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template)
+    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template,
+                              tool_call_parser)
     tenancy = config.tenancy
     auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
     uri_policy = UriPolicy(config.adapter_source_allow)
@@ -129,7 +135,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenancy.check_in_flight(tenant)  # at its cap: refused before the body is read
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
-        tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
+        with _model_named(body.model):
+            tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
         try:
             tenancy.check_priority(tenant, body.priority)
         except InvalidArgumentError as e:
@@ -144,16 +151,18 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
                 except InvalidArgumentError as e:
                     raise BadField(str(e), _grammar_field(body)) from None
             adapter = optional_adapter(adapter)
-            await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
+            with _model_named(body.model):
+                await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         except BaseException:
             ticket.release(0)
             raise
         salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
-        gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt, tenant.tag,
-                            ticket, body.priority)
+        with _model_named(body.model):
+            gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt,
+                                tenant.tag, ticket, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage))
+            return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage, openai.tool_mode(body)))
         try:
             result = await openai.collect(gen, http)
         except LoraplexError as e:
@@ -164,7 +173,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         if result is None:
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
         if chat:
-            return JSONResponse(openai.chat_body(gen, body.model, result, ToolCalls.of(body)))
+            return JSONResponse(openai.chat_body(gen, body.model, result, openai.tool_mode(body)))
         return JSONResponse(openai.completion_body(gen, body.model, result))
 
     @app.post("/v1/completions")
@@ -191,7 +200,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     async def models(http: HttpRequest) -> JSONResponse:
         info = engine.model_info
         card = {"object": "model", "created": started, "owned_by": "loraplex", "max_model_len": info.max_context}
-        data = [{**card, "id": name, "root": engine.config.model, "parent": None} for name in served_model_names]
+        # root: the model's name, never where the server keeps its files
+        data = [{**card, "id": name, "root": info.name, "parent": None} for name in served_model_names]
         tenant = tenant_of(http)
         # listed by (name, version): the last one wins; a tenant sees its own adapters and unbound ones
         latest = {a.name: a for a in await adapters() if tenancy.visible(tenant, a.name)}
@@ -267,7 +277,23 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         # Off the event loop: the residency collector waits for the scheduler thread (residency.py).
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
-    return BodyLimit(app, config.max_message_bytes)
+    limited = BodyLimit(app, config.max_message_bytes)
+    if registry is None:
+        return limited
+    born = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+    return HttpRequestCounter(limited, registry, app.router.routes, born)  # outermost: a 413 is counted too
+
+
+@contextlib.contextmanager
+def _model_named(model: str) -> Iterator[None]:
+    """On the OpenAI API an adapter is a model: an unknown one (or another tenant's) is a `model` that
+    does not exist, in OpenAI's words, whatever the engine called it."""
+    try:
+        yield
+    except NotFoundError:
+        error = NotFoundError(f"model {model!r} does not exist (GET /v1/models lists the models served here)")
+        error.param = "model"  # type: ignore[attr-defined]  # OpenAI's error.param (http/errors.py)
+        raise error from None
 
 
 async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tenant: Tenant) -> None:
@@ -277,6 +303,6 @@ async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tena
 
 
 def _grammar_field(body: CompletionRequest | ChatCompletionRequest) -> str:
-    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none"):
+    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none", "auto"):
         return "tools"
     return "structured_outputs" if body.structured_outputs is not None else "response_format"

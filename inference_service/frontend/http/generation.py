@@ -40,12 +40,13 @@ from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    FunctionDefinition,
     TokenizeRequest,
     _Sampling,
 )
+from inference_service.frontend.http.tools import ToolCalls, ToolDeltas
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, engine_end_error
 from inference_service.frontend.tenants import Ticket
+from inference_service.frontend.tool_parsers import tool_parser
 from inference_service.limits import check_n
 from inference_service.structured import GrammarSpec, choice_spec, json_schema_spec
 
@@ -120,23 +121,27 @@ class OpenAIGeneration:
     """Builds and runs completions / chat completions for the routes in app.py."""
 
     def __init__(self, engine: EngineClient, base_names: tuple[str, ...], default_max_new_tokens: int,
-                 chat_template: ChatTemplate | None) -> None:
+                 chat_template: ChatTemplate | None, tool_call_parser: str = "auto") -> None:
         self.engine = engine
         self.base_names = base_names
         self.chat_template = chat_template
+        self.tool_parser = tool_parser(tool_call_parser, chat_template.source if chat_template else None)
         self.intake = Intake(engine.model_info, engine.tokenizer, default_max_new_tokens)
 
     # ---- request → engine (prepare, tokenize and detokenize run off the event loop: http/body.py) ----
 
     def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params of a generation request."""
+        field = "max_tokens"
         if isinstance(body, ChatCompletionRequest):
             prompt_ids = self.chat_prompt(body)
+            if body.max_completion_tokens is not None:
+                field = "max_completion_tokens"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         else:
             prompt_ids = self.completion_prompt(body)
             max_tokens = body.max_tokens
-        params = self.sampling(body, max_tokens, len(prompt_ids))
+        params = self.sampling(body, max_tokens, len(prompt_ids), field)
         request = self.intake.engine_request(prompt_ids, params, None)  # here, not on the loop at submit
         return request.prompt_token_ids, request.params
 
@@ -149,6 +154,10 @@ class OpenAIGeneration:
 
     def detokenize(self, tokens: list[int]) -> str:
         return self.engine.tokenizer.decode(self.intake.decodable_ids(tokens))
+
+    def tool_mode(self, body: _Sampling) -> ToolCalls | None:
+        """How the answer becomes tool calls (http/tools.py); None: a text answer."""
+        return ToolCalls.of(body, self.tool_parser)
 
     def adapter_of(self, model: str) -> str | None:
         """None for the base model; otherwise the adapter name (the engine answers NOT_FOUND)."""
@@ -174,20 +183,16 @@ class OpenAIGeneration:
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                         continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
-        if self.chat_template is None:
-            raise InvalidArgumentError(
-                f"model {self.base_names[0]!r} has no chat template (none in its checkpoint): start the server "
-                "with --chat-template FILE, or use /v1/completions")
-        text = self.chat_template.render([_message_dict(m) for m in messages], add_generation_prompt,
-                                         continue_final_message, **(kwargs or {}))
-        # The template writes the special tokens (BOS) itself, as transformers' apply_chat_template.
-        return list(self.engine.tokenizer.encode(self._bounded(text), add_special_tokens=False))
+        return self.intake.chat_ids(self.chat_template, [_message_dict(m) for m in messages], add_generation_prompt,
+                                    continue_final_message, use="/v1/completions", **(kwargs or {}))
 
     def _bounded(self, text: str) -> str:
         """Checked before tokenizing: that work grows with what the client sent (as gRPC's prompt check)."""
         return self.intake.bounded_text(text)
 
-    def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def sampling(self, body: _Sampling, max_tokens: int | None, prompt_len: int,
+                 field: str = "max_tokens") -> SamplingParams:
+        """`field`: the request's name for `max_tokens`, named by its errors (not the engine's max_new_tokens)."""
         try:
             check_n(body.n, self.engine.model_info.limits.max_n)
         except InvalidArgumentError as e:
@@ -200,6 +205,9 @@ class OpenAIGeneration:
                                          ("suffix", getattr(body, "suffix", None) is not None)) if bad]
         if refuse:
             raise BadField(f"not supported: {', '.join(refuse)}", refuse[0])
+        limit = self.engine.model_info.max_new_tokens_limit
+        if max_tokens is not None and not 1 <= max_tokens <= limit:
+            raise BadField(f"{field} must be in [1, {limit}], got {max_tokens}", field)
         max_tokens = self.intake.max_new_tokens(max_tokens, prompt_len)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = SamplingParams(
@@ -219,7 +227,7 @@ class OpenAIGeneration:
             logit_bias=_logit_bias(body.logit_bias),
             logprobs=_logprobs(body),
             skip_special_tokens=body.skip_special_tokens,
-            grammar=grammar_spec(body),
+            grammar=grammar_spec(body, self.tool_mode(body)),
         )
         return self.intake.sampling(params)
 
@@ -279,9 +287,11 @@ class OpenAIGeneration:
         finally:
             gone.cancel()
 
-    async def sse(self, gen: Generation, model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, gen: Generation, model: str, chat: bool, include_usage: bool,
+                  tools: ToolCalls | None = None) -> AsyncIterator[bytes]:
         """OpenAI server-sent events: one chunk per engine delta of any sample (its `index`), then
-        usage (if asked) and [DONE]."""
+        usage (if asked) and [DONE]. With a tool mode, each sample's text goes through its ToolDeltas
+        (content, held-back call text, `tool_calls` deltas)."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -299,6 +309,7 @@ class OpenAIGeneration:
                                     "finish_reason": None})
         # text_offset counts from the start of each completion, across chunks
         offsets = [TextOffsets() for _ in gen.streams]
+        tool_deltas = [ToolDeltas(tools) for _ in gen.streams] if chat and tools is not None else None
         lasts: list[RequestOutput | None] = [None] * gen.n
         async with contextlib.aclosing(gen.outputs()) as outputs:
             async for index, out in outputs:
@@ -309,7 +320,17 @@ class OpenAIGeneration:
                     yield b"data: " + json.dumps(error_body(str(error), gen.status, error.code)).encode() + b"\n\n"
                     break
                 finish = OPENAI_FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
-                if out.text or finish or out.logprobs:
+                if tool_deltas is not None:
+                    deltas, finish = tool_deltas[index].feed(out.text or "", finish)
+                    logprobs = self.logprobs_body(out.logprobs, chat, offsets[index])
+                    if not deltas and (finish or logprobs):
+                        deltas = [{}]  # the finish reason or the logprobs go out even with no text
+                    for i, delta in enumerate(deltas):
+                        last = i == len(deltas) - 1
+                        yield chunk(index, {"delta": delta, "logprobs": logprobs if i == 0 else None,
+                                            "finish_reason": finish if last else None,
+                                            **({"stop_reason": out.stop_reason} if finish and last else {})})
+                elif out.text or finish or out.logprobs:
                     content = {"delta": {"content": out.text}} if chat else {"text": out.text}
                     yield chunk(index, {**content, "logprobs": self.logprobs_body(out.logprobs, chat, offsets[index]),
                                         "finish_reason": finish,
@@ -331,9 +352,8 @@ class OpenAIGeneration:
         for index, (text, last) in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = OPENAI_FINISH.get(last.finish_reason)  # type: ignore[arg-type]
-            if tools is not None and finish == "stop":  # a complete answer under the calls' grammar
-                message = {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}
-                finish = "stop" if tools.named else "tool_calls"  # OpenAI's: a named function ends with stop
+            if tools is not None:
+                message, finish = tools.message(text, finish)
             choices.append({"index": index, "message": message,
                             "logprobs": self.logprobs_body(last.logprobs, chat=True),
                             "finish_reason": finish, "stop_reason": last.stop_reason})
@@ -385,77 +405,11 @@ class TextOffsets:
         return start
 
 
-@dataclass(frozen=True)
-class ToolCalls:
-    """A chat request whose answer is tool calls, made under a grammar: the named function's arguments
-    (tool_choice names it), or with `required` a JSON list of {name, parameters} over all the tools."""
-
-    named: str | None
-
-    def calls(self, text: str) -> list[dict[str, Any]]:
-        """The answer's tool_calls (OpenAI's shape: arguments as JSON text)."""
-        if self.named is not None:
-            return [_call(self.named, text)]
-        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-
-    @staticmethod
-    def of(body: _Sampling) -> ToolCalls | None:
-        """The request's tool mode; None for a text answer. tool_choice `auto` (the model decides, and
-        the server would parse its free text per chat template) is refused, naming tool_choice."""
-        if not isinstance(body, ChatCompletionRequest):
-            return None
-        choice = body.tool_choice
-        if not body.tools:
-            if choice not in (None, "none"):
-                raise BadField("tool_choice needs tools", "tool_choice")
-            return None
-        if choice is None or choice == "auto":
-            raise BadField("tool_choice 'auto' (the default with tools) is not supported: this server does not parse "
-                           "tool calls out of free text; send tool_choice 'required' or a named function (the calls "
-                           "are then generated under their JSON schemas), or 'none'", "tool_choice")
-        if choice == "none":
-            return None
-        if body.stream:
-            raise BadField("stream is not supported with tool calls (tool_choice 'required' or a named function)",
-                           "stream")
-        if body.response_format is not None and body.response_format.type != "text" or body.structured_outputs:
-            raise BadField("tool calls cannot be combined with response_format or structured_outputs", "tool_choice")
-        if choice == "required":
-            return ToolCalls(None)
-        if choice.function.name not in {t.function.name for t in body.tools}:
-            raise BadField(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                           "tool_choice.function.name")
-        return ToolCalls(choice.function.name)
-
-    def spec(self, body: ChatCompletionRequest) -> GrammarSpec:
-        functions = {t.function.name: t.function for t in body.tools or ()}
-        if self.named is not None:
-            function = functions[self.named]
-            return json_schema_spec(_parameters(function), bool(function.strict))
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(f)}}
-                 for name, f in functions.items()]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if body.parallel_tool_calls is False:
-            schema["maxItems"] = 1
-        return json_schema_spec(schema, all(f.strict for f in functions.values()))
-
-
-def _parameters(function: FunctionDefinition) -> dict[str, Any]:
-    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
-
-
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
-def grammar_spec(body: _Sampling) -> GrammarSpec | None:
+def grammar_spec(body: _Sampling, tools: ToolCalls | None = None) -> GrammarSpec | None:
     """The request's constraint: chat's `response_format`, vLLM's `structured_outputs` (one of them,
-    one constraint in it), or the tool calls' grammar; None for free text. A bad one is
-    INVALID_ARGUMENT naming its field."""
-    tools = ToolCalls.of(body)
-    if tools is not None:
+    one constraint in it), or the tool calls' grammar (`tool_choice` required or named); None for free
+    text. A bad one is INVALID_ARGUMENT naming its field."""
+    if tools is not None and tools.constrained:
         return _checked(tools.spec(body), "tools")  # type: ignore[arg-type]
     response_format = getattr(body, "response_format", None)
     structured = body.structured_outputs

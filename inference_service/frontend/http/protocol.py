@@ -3,7 +3,7 @@
 No field is silently dropped: a field these models do not declare is refused with a 400 that names
 it (`extra="forbid"`: vLLM's `guided_json`, a typo...). Declared fields either map onto our
 sampling (structured output: `response_format`, `structured_outputs`), are refused unless at their
-default (`echo`, `suffix`, `best_of` other than `n`, tool_choice `auto`), or are OpenAI's fields that
+default (`echo`, `suffix`, `best_of` other than `n`), or are OpenAI's fields that
 cannot change the output and are accepted and ignored (IGNORED_FIELDS, listed in docs/http.md).
 """
 
@@ -110,8 +110,8 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True  # vLLM extension
     continue_final_message: bool = False  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
-    # Tools (generation.py, tool_calls): "required" or a named function constrain the output to calls
-    # whose arguments follow the function's schema; "auto" is refused (no tool-call parser per template).
+    # Tools (http/tools.py): "required" or a named function constrain the output to calls whose arguments
+    # follow the function's schema; "auto" (the default with tools) parses calls out of the model's text.
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
