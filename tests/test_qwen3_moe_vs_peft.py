@@ -86,7 +86,7 @@ def per_expert_adapter(stacked: Path, out: Path, experts: tuple[int, ...]) -> Pa
                 else:
                     b = tensor[:, e::EXPERTS]
                     value = b.chunk(len(parts))[i]
-                result[f"{prefix}.mlp.experts.{e}.{part}.{which}.weight"] = value.contiguous()
+                result[f"{prefix}.mlp.experts.{e}.{part}.{which}.weight"] = value.clone()
     config.update(target_parameters=None, target_modules=[*config["target_modules"], "gate_proj", "up_proj",
                                                               "down_proj"])
     out.mkdir()
