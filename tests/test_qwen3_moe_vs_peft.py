@@ -23,10 +23,12 @@ from safetensors.torch import load_file, save_file
 from adapter_cache.adapter_format import load_adapter_dir
 from adapter_cache.errors import AdapterError, AdapterIncompatibleError
 from harness.devices import C_KERNELS_OFF
-from harness.engine_helpers import greedy_logits
+from harness.engine_helpers import greedy_logits, load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, write_byte_tokenizer
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
+from inference_service.engine.kv_cache import kv_bytes_per_block
+from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
 from inference_service.models.config import ModelConfig
 from inference_service.models.qwen3_moe import Qwen3MoeModel
@@ -198,6 +200,52 @@ def test_chunked_prefill_matches_peft(moe_setup, reference):
     ours = _engine(checkpoint, adapters, prompts, max_num_batched_tokens=6)
     for rid, _, _ in prompts:
         assert (ours[rid][0] - reference[rid]).abs().max().item() < TOL, rid
+
+
+def _serve(core: EngineCore, batch) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Each request's logits at every step and how many prompt tokens it found cached."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
+    for rid, tokens, adapter in batch:
+        core.add_request(Request(rid, tokens, params), adapter)
+    outs = run_to_completion(core)
+    return ({rid: torch.stack([x.cpu() for o in out for x in (o.logits or [])]) for rid, out in outs.items()},
+            {rid: out[-1].cached_tokens for rid, out in outs.items()})
+
+
+def _core(checkpoint: Path, adapters: dict[str, Path], **config) -> EngineCore:
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=4, max_lora_rank=16,
+                                   block_size=4, **config))
+    load_adapters(core, adapters)
+    return core
+
+
+def test_prefix_cache_hits_match_peft(moe_setup, reference):
+    """Each prompt sent again after it ran: served from the prefix cache (4-token blocks, cached but
+    its last token), logits as PEFT's."""
+    checkpoint, adapters, prompts = moe_setup
+    core = _core(checkpoint, adapters, kv_cache_bytes=4 << 20)
+    _serve(core, prompts)
+    logits, cached = _serve(core, [(f"{rid}-again", tokens, adapter) for rid, tokens, adapter in prompts])
+    for rid, tokens, _ in prompts:
+        assert cached[f"{rid}-again"] == (len(tokens) - 1) // 4 * 4, rid
+        assert (logits[f"{rid}-again"] - reference[rid]).abs().max().item() < TOL, rid
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+    core.shutdown()
+
+
+def test_preempted_requests_match_peft(moe_setup, reference):
+    """A KV cache of 10 blocks of 4 for seven requests of up to 32 tokens: requests are preempted and
+    recomputed, on their adapters, with logits as PEFT's."""
+    checkpoint, adapters, prompts = moe_setup
+    config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+    core = _core(checkpoint, adapters, kv_cache_bytes=10 * kv_bytes_per_block(config, 4, torch.float32),
+                 prefix_cache=False)
+    logits, _ = _serve(core, prompts)
+    assert core.scheduler.num_preemptions > 0
+    for rid, _, _ in prompts:
+        assert (logits[rid] - reference[rid]).abs().max().item() < TOL, rid
+    assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+    core.shutdown()
 
 
 def test_adapters_change_the_output(moe_setup):
