@@ -292,6 +292,28 @@ def test_router_lora_is_refused_as_invalid_argument(moe_setup, tmp_path):
         load_adapter_dir(router_tensor, shapes, 16)
 
 
+def test_patterns_with_target_parameters_are_refused(moe_setup, tmp_path):
+    checkpoint, adapters, _ = moe_setup
+    shapes = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text())).lora_shapes()
+    patterned = _with_config(adapters["r8-experts"], tmp_path / "p", rank_pattern={"o_proj": 4})
+    with pytest.raises(AdapterError, match="target_parameters") as info:
+        load_adapter_dir(patterned, shapes, 16)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_dense_mlp_adapter_on_an_moe_model_is_a_failed_precondition(moe_setup, tmp_path):
+    checkpoint, adapters, _ = moe_setup
+    shapes = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text())).lora_shapes()
+    tensors = load_file(str(adapters["r4-attn"] / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"] = torch.zeros(4, 64)
+    tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = torch.zeros(48, 4)
+    dense_mlp = _with_config(adapters["r4-attn"], tmp_path / "d", target_modules=["q_proj", "gate_proj"])
+    save_file(tensors, str(dense_mlp / "adapter_model.safetensors"))
+    with pytest.raises(AdapterIncompatibleError, match="gate_proj") as info:
+        load_adapter_dir(dense_mlp, shapes, 16)
+    assert info.value.code == "FAILED_PRECONDITION"
+
+
 def test_expert_adapter_on_a_dense_model_is_a_failed_precondition(moe_setup):
     _, adapters, _ = moe_setup
     dense = ModelConfig.from_hf({"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
