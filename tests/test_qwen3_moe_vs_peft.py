@@ -61,8 +61,10 @@ def make_moe_checkpoint(out: Path, seed: int) -> Path:
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.copy_(1.0 + 0.5 * torch.randn(param.shape))
-            elif name.endswith("mlp.gate.weight"):  # the router: spread the rows over the experts
-                param.normal_(0.0, 1.0)
+            elif name.endswith("mlp.gate.weight"):  # the router: rows spread over the experts, and
+                param.normal_(0.0, 0.15)  # each row's second expert weighs in (no near one-hot routing)
+            elif ".mlp.experts." in name:  # experts that move the logits well beyond the tolerance
+                param.normal_(0.0, 0.1)
     model.save_pretrained(out)
     write_byte_tokenizer(out / "tokenizer.json")
     return out
@@ -173,7 +175,8 @@ def _assert_matches(ours, reference, prompts, what: str) -> None:
 
 
 def test_rows_spread_over_the_experts(moe_setup):
-    """Guards the comparisons: the prompts' rows reach every expert of the first layer."""
+    """Guards the comparisons: the prompts' rows reach every expert of the first layer, and the
+    second of each row's two experts matters."""
     from transformers import AutoModelForCausalLM
 
     checkpoint, _, prompts = moe_setup
@@ -181,8 +184,9 @@ def test_rows_spread_over_the_experts(moe_setup):
     ids = torch.tensor([t for _, tokens, _ in prompts for t in tokens])
     with torch.no_grad():
         hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
-        _, _, experts = model.model.layers[0].mlp.gate(hidden)
+        _, weights, experts = model.model.layers[0].mlp.gate(hidden)
     assert set(experts.reshape(-1).tolist()) == set(range(EXPERTS))
+    assert weights[:, 1].mean() > 0.3, "each row's second expert should weigh in"
 
 
 @pytest.mark.parametrize("op", ["CpuLoRAOp", "TorchLoRAOp"])
