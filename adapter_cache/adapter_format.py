@@ -186,8 +186,6 @@ def parse_adapter_config(raw: bytes | str | dict, max_rank: int) -> LoRAAdapterC
     for key in rank_pattern:  # PEFT matches these too; a pattern we could not match is refused
         suffix_matcher(key, f"rank_pattern key {shorten(key)}")
     target_parameters = _target_parameters(data.get("target_parameters"))
-    if target_parameters and (rank_pattern or alpha_pattern):
-        raise AdapterError("rank_pattern and alpha_pattern are not supported with target_parameters (MoE experts)")
     target_modules = data.get("target_modules")
     return LoRAAdapterConfig(
         rank=rank,
@@ -566,7 +564,7 @@ def build_host_adapter(
     for key, tensor in tensors.items():
         layer, module, which = _tensor_key(key)  # parse_adapter_tensors checked every key
         by_module.setdefault((layer, module), {})[which] = tensor
-    by_module = _unstack_experts(by_module, config, shapes)
+    by_module, expert_scalings = _unstack_experts(by_module, config, shapes)
     beyond = [layer for layer in config.layers_to_transform or () if layer >= shapes.num_layers]
     if beyond:
         raise AdapterIncompatibleError(
@@ -591,18 +589,26 @@ def build_host_adapter(
             )
         rank = a.shape[0]
         path = f"model.layers.{layer}.{SUPPORTED_TARGET_MODULES.get(module, 'mlp')}.{module}"
-        modules[(layer, module)] = (a, b, config.scaling(path, rank))
+        scaling = expert_scalings.get((layer, module))
+        if scaling is None:
+            scaling = config.scaling(path, rank)
+        modules[(layer, module)] = (a, b, scaling)
         size += a.numel() * a.element_size() + b.numel() * b.element_size()
     rank = max(a.shape[0] for a, _, _ in modules.values())
     return HostAdapter(modules=modules, rank=rank, size_bytes=size, config=config, keepalive=keepalive)
 
 
-def _unstack_experts(by_module: dict[tuple[int, str], dict[str, torch.Tensor]], config: LoRAAdapterConfig,
-                     shapes: BaseModelShapes) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+def _unstack_experts(
+    by_module: dict[tuple[int, str], dict[str, torch.Tensor]], config: LoRAAdapterConfig, shapes: BaseModelShapes
+) -> tuple[dict[tuple[int, str], dict[str, torch.Tensor]], dict[tuple[int, str], float]]:
     """Stacked experts' LoRA (PEFT's target_parameters) as each expert's modules: expert e's A is rows
     [e·r, (e+1)·r) of A, its B the columns e, e+E, ... of B (PEFT's ParamWrapper layout); gate_up's
-    one A and B become gate_proj's and up_proj's (the same A, B's halves), which is exact."""
+    one A and B become gate_proj's and up_proj's (the same A, B's halves), which is exact. PEFT turns
+    `target_modules` gate_proj/up_proj on stacked experts into gate_up_proj with rank_pattern 2r and
+    alpha_pattern 2·alpha (the two A's stacked, B block-diagonal): that is rank 2r here too. The
+    scaling is PEFT's for the parameter's path (`model.layers.L.mlp.experts.gate_up_proj`)."""
     out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    scalings: dict[tuple[int, str], float] = {}  # the stacked parameter's scaling, per expert module
     experts = shapes.num_experts
     for (layer, module), pair in by_module.items():
         if not module.startswith(_STACKED):
@@ -624,6 +630,7 @@ def _unstack_experts(by_module: dict[tuple[int, str], dict[str, torch.Tensor]], 
             raise AdapterError(f"layer {layer} experts: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} fit none "
                                f"of the targeted parameters {list(config.target_parameters)}")
         parts = EXPERT_PARAMETERS[found[0]]
+        scaling = config.scaling(f"model.layers.{layer}.mlp.experts.{found[0]}", rank)
         for e in range(experts):
             a_e = a[e * rank : (e + 1) * rank].contiguous()
             b_e = b[:, e::experts]
@@ -634,8 +641,9 @@ def _unstack_experts(by_module: dict[tuple[int, str], dict[str, torch.Tensor]], 
                 if key in out or key in by_module:
                     raise AdapterError(f"layer {layer} expert {e} {part}: LoRA weights given twice")
                 out[key] = {"A": a_e, "B": b_e[col : col + width].contiguous()}
+                scalings[key] = scaling
                 col += width
-    return out
+    return out, scalings
 
 
 def max_weights_bytes(shapes: BaseModelShapes, max_rank: int) -> int:

@@ -3,11 +3,13 @@ Qwen3-MoE checkpoint (8 experts, top-2, norm_topk_prob, QK-norm; a random router
 the experts).
 
 One mixed batch: adapters of ranks 4, 8 and 16 on attention only, on the experts only (PEFT's
-`target_parameters` on the stacked experts), on both, on one expert projection only, plus base-model
+`target_parameters` on the stacked experts), on both, on one expert projection only, on the experts
+named as modules (which PEFT saves as target_parameters with rank/alpha patterns), plus base-model
 rows; logits within 1e-4 (fp32) at prefill and 12 decode steps, greedy tokens identical, on both CPU
-LoRA ops and with chunked prefill. An adapter in the per-expert layout (one Linear per expert, as
-PEFT saved them before transformers stacked the experts) that covers only some experts is served
-like the stacked adapter with those experts' LoRA zeroed. Router LoRA is refused with
+LoRA ops, with chunked prefill, prefix-cache hits and preemption; bf16 tracks PEFT. An adapter in
+the per-expert layout (one Linear per expert, as PEFT saved them before transformers stacked the
+experts) that covers only some experts is served like the stacked adapter with those experts' LoRA
+zeroed. Router LoRA is refused with
 INVALID_ARGUMENT; an expert adapter on a dense base model with FAILED_PRECONDITION.
 """
 
@@ -44,6 +46,9 @@ ADAPTERS = [
     AdapterSpec("r8-experts", 8, 16, ("o_proj",), seed=62, options={"target_parameters": STACKED}),
     AdapterSpec("r16-all", 16, 32, ATTENTION, use_rslora=True, seed=63, options={"target_parameters": STACKED}),
     AdapterSpec("r8-down", 8, 8, ("v_proj",), seed=64, options={"target_parameters": ["experts.down_proj"]}),
+    # Expert projections named as modules: PEFT turns them into target_parameters, gate_up_proj at rank
+    # 2r with alpha 2·alpha through rank_pattern/alpha_pattern.
+    AdapterSpec("r4-by-name", 4, 12, ("q_proj", "gate_proj", "up_proj", "down_proj"), seed=66),
 ]
 SOME_EXPERTS = (0, 2, 5)  # the per-expert adapter's experts (of "r8-experts")
 
@@ -122,7 +127,7 @@ def moe_setup(tmp_path_factory):
     gen = torch.Generator().manual_seed(65)
     names: list[str | None] = [*adapters, None, "r4-attn", None]
     prompts = [(f"q{i}", torch.randint(3, VOCAB, (n,), generator=gen).tolist(), names[i])
-               for i, n in enumerate([6, 14, 3, 19, 9, 1, 11])]
+               for i, n in enumerate([6, 14, 3, 19, 9, 8, 1, 11])]
     return checkpoint, adapters, prompts
 
 
@@ -158,7 +163,7 @@ def reference(moe_setup) -> dict[str, torch.Tensor]:
 
 def _engine(checkpoint: Path, adapters: dict[str, Path], prompts,
             **config) -> dict[str, tuple[torch.Tensor, list[int]]]:
-    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=4, max_lora_rank=16,
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=5, max_lora_rank=16,
                                    kv_cache_bytes=4 << 20, **config))
     assert isinstance(core.runner.model, Qwen3MoeModel), "the registry should pick Qwen3-MoE from the architecture"
     return greedy_logits(core, adapters, prompts, NEW_TOKENS)
@@ -217,7 +222,7 @@ def _serve(core: EngineCore, batch) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 
 def _core(checkpoint: Path, adapters: dict[str, Path], **config) -> EngineCore:
-    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=4, max_lora_rank=16,
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=5, max_lora_rank=16,
                                    block_size=4, **config))
     load_adapters(core, adapters)
     return core
@@ -238,7 +243,7 @@ def test_prefix_cache_hits_match_peft(moe_setup, reference):
 
 
 def test_preempted_requests_match_peft(moe_setup, reference):
-    """A KV cache of 10 blocks of 4 for seven requests of up to 32 tokens: requests are preempted and
+    """A KV cache of 10 blocks of 4 for eight requests of up to 32 tokens: requests are preempted and
     recomputed, on their adapters, with logits as PEFT's."""
     checkpoint, adapters, prompts = moe_setup
     config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
@@ -357,13 +362,13 @@ def test_router_lora_is_refused_as_invalid_argument(moe_setup, tmp_path):
         load_adapter_dir(router_tensor, shapes, 16)
 
 
-def test_patterns_with_target_parameters_are_refused(moe_setup, tmp_path):
-    checkpoint, adapters, _ = moe_setup
-    shapes = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text())).lora_shapes()
-    patterned = _with_config(adapters["r8-experts"], tmp_path / "p", rank_pattern={"o_proj": 4})
-    with pytest.raises(AdapterError, match="target_parameters") as info:
-        load_adapter_dir(patterned, shapes, 16)
-    assert info.value.code == "INVALID_ARGUMENT"
+def test_expert_modules_by_name_become_peft_target_parameters(moe_setup):
+    """Guards "r4-by-name": PEFT saved it as stacked experts with gate_up at rank 2r (what the mixed
+    batch above then serves exactly)."""
+    _, adapters, _ = moe_setup
+    config = json.loads((adapters["r4-by-name"] / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
+    assert list(config["rank_pattern"].values()) == [8] and list(config["alpha_pattern"].values()) == [24]
 
 
 def test_dense_mlp_adapter_on_an_moe_model_is_a_failed_precondition(moe_setup, tmp_path):
