@@ -47,7 +47,6 @@ _UNSUPPORTED_FEATURES = {
     "layer_replication": "layer_replication is not supported",
     "trainable_token_indices": "trainable_token_indices is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
-    "target_parameters": "target_parameters is not supported",
     "fan_in_fan_out": "fan_in_fan_out is not supported for LLaMA-family models",
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
 }
@@ -57,6 +56,25 @@ _KEY_RE = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(0|[1-9][0-9]{0,5})\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight",
     re.ASCII,
 )
+# MoE experts, as PEFT saves them:
+# - transformers >= 5 stacks each layer's experts in 3-D parameters (experts.gate_up_proj [E, 2I, H],
+#   experts.down_proj [E, H, I]) that PEFT adapts through `target_parameters`, nesting one wrapper per
+#   parameter: `mlp.experts.lora_A` for the outer one, `mlp.experts.base_layer.lora_A` for the next.
+#   A is [E·r, in] (expert-major rows), B is [out, r·E] (column k·E + e is expert e's rank row k).
+# - earlier versions held one Linear per expert: `mlp.experts.E.gate_proj.lora_A` (target_modules).
+_STACKED_EXPERTS_KEY_RE = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(0|[1-9][0-9]{0,5})\.mlp\.experts\.((?:base_layer\.){0,4})"
+    r"lora_([AB])\.weight",
+    re.ASCII,
+)
+_EXPERT_KEY_RE = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(0|[1-9][0-9]{0,5})\.mlp\.experts\.(0|[1-9][0-9]{0,4})\."
+    r"(gate_proj|up_proj|down_proj)\.lora_([AB])\.weight",
+    re.ASCII,
+)
+# The experts' stacked parameters LoRA may target, and the per-expert modules each stands for.
+EXPERT_PARAMETERS: dict[str, tuple[str, ...]] = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+ROUTER_REFUSED = "LoRA on the MoE router (mlp.gate) is not supported: routing stays the base model's"
 _DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -76,6 +94,7 @@ class LoRAAdapterConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None  # None: every layer
+    target_parameters: tuple[str, ...] = ()  # the MoE experts' stacked parameters (EXPERT_PARAMETERS)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
     # alpha_pattern compiled (RE2, linear time), in the file's order: PEFT takes the first match.
     alpha_matchers: tuple = field(default=(), compare=False, repr=False)
@@ -166,11 +185,14 @@ def parse_adapter_config(raw: bytes | str | dict, max_rank: int) -> LoRAAdapterC
         raise AdapterError(f"use_rslora must be true or false (a JSON boolean), got {shorten(use_rslora)}")
     for key in rank_pattern:  # PEFT matches these too; a pattern we could not match is refused
         suffix_matcher(key, f"rank_pattern key {shorten(key)}")
+    target_parameters = _target_parameters(data.get("target_parameters"))
+    target_modules = data.get("target_modules")
     return LoRAAdapterConfig(
         rank=rank,
         alpha=alpha,
         use_rslora=use_rslora,
-        target_modules=_target_modules(data.get("target_modules")),
+        target_modules=() if target_parameters and not target_modules else _target_modules(target_modules),
+        target_parameters=target_parameters,
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
         layers_to_transform=_layers_to_transform(data.get("layers_to_transform")),
@@ -216,6 +238,26 @@ def _layers_to_transform(value: object) -> tuple[int, ...] | None:
     return tuple(sorted(set(layers)))
 
 
+def _target_parameters(value: object) -> tuple[str, ...]:
+    """PEFT's `target_parameters`: only the experts' stacked projections (see EXPERT_PARAMETERS)."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_TARGET_MODULES or not all(
+            isinstance(v, str) and len(v) <= MAX_NAME_CHARS for v in value):
+        raise AdapterError(f"target_parameters must be a list of at most {MAX_TARGET_MODULES} strings of at most "
+                           f"{MAX_NAME_CHARS} characters")
+    names = []
+    for name in value:
+        parts = name.split(".")
+        if parts[-1] == "gate" or parts[-2:] == ["gate", "weight"]:
+            raise AdapterError(f"target_parameters {shorten(name)}: {ROUTER_REFUSED}")
+        if parts[-1] not in EXPERT_PARAMETERS or (len(parts) > 1 and parts[-2] != "experts"):
+            raise AdapterError(f"unsupported target_parameters {shorten(name)}; supported: the MoE experts' "
+                               f"{sorted(f'experts.{p}' for p in EXPERT_PARAMETERS)}")
+        names.append(parts[-1])
+    return tuple(names)
+
+
 def _target_modules(value: object) -> tuple[str, ...]:
     if value == "all-linear":
         return tuple(SUPPORTED_TARGET_MODULES)
@@ -236,6 +278,8 @@ def _target_modules(value: object) -> tuple[str, ...]:
         raise AdapterError(f"target_modules must be at most {MAX_TARGET_MODULES} strings of at most "
                            f"{MAX_NAME_CHARS} characters")
     names = tuple(v.split(".")[-1] for v in value)
+    if "gate" in names:
+        raise AdapterError(f"target_modules: {ROUTER_REFUSED}")
     unsupported = sorted(set(names) - set(SUPPORTED_TARGET_MODULES))
     if unsupported:
         raise AdapterError(
@@ -344,12 +388,7 @@ def parse_adapter_tensors(
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY_RE.fullmatch(key)
-        if match is None:
-            raise AdapterError(f"unexpected tensor {shorten(key)}: only LoRA A/B weights of q,k,v,o,gate,up,down")
-        layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
-        if SUPPORTED_TARGET_MODULES.get(module) != parent:
-            raise AdapterError(f"unsupported target module {parent}.{module} in tensor {shorten(key)}")
+        layer, module, which = _tensor_key(key)
         if tensor.dim() != 2:
             raise AdapterError(f"tensor {shorten(key)} must be 2-D, has shape {tuple(tensor.shape)}")
         pair = pairs.setdefault((layer, module), {})
@@ -364,13 +403,40 @@ def parse_adapter_tensors(
         rank_a, rank_b = pair["A"].shape[0], pair["B"].shape[1]
         if rank_a != rank_b:
             raise AdapterError(f"layer {layer} {module}: lora_A rank {rank_a} != lora_B rank {rank_b}")
-        if rank_a > max_rank:
+        if module.startswith(_STACKED) and not config.target_parameters:
+            raise AdapterError(f"layer {layer}: stacked experts' LoRA tensors without target_parameters")
+        if rank_a > max_rank and not module.startswith(_STACKED):  # stacked: E·r rows, checked per expert
             raise AdapterError(f"adapter rank {rank_a} exceeds max_lora_rank {max_rank}")
     if check_finite and not _all_finite_at_once(data, manifest):
         for key, tensor in tensors.items():  # the slower check, which names the tensor
             if tensor.numel() and not _all_finite(tensor):
                 raise AdapterError(_non_finite(key))
     return tensors
+
+
+_STACKED = "experts+"  # a stacked experts' wrapper: "experts+" and its nesting depth
+
+
+def _tensor_key(key: str) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a PEFT tensor name; AdapterError for anything else. Modules are
+    SUPPORTED_TARGET_MODULES' names, `experts.E.gate_proj` (one expert's), or `experts+D` (a stacked
+    experts' parameter at wrapper depth D, told apart by its shape in `build_host_adapter`)."""
+    match = _STACKED_EXPERTS_KEY_RE.fullmatch(key)
+    if match is not None:
+        return int(match[1]), f"{_STACKED}{match[2].count('base_layer')}", match[3]
+    match = _KEY_RE.fullmatch(key)
+    if match is not None:
+        layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
+        if parent == "mlp" and module == "gate":
+            raise AdapterError(f"tensor {shorten(key)}: {ROUTER_REFUSED}")
+        if SUPPORTED_TARGET_MODULES.get(module) != parent:
+            raise AdapterError(f"unsupported target module {parent}.{module} in tensor {shorten(key)}")
+        return layer, module, which
+    match = _EXPERT_KEY_RE.fullmatch(key)
+    if match is not None:
+        return int(match[1]), f"experts.{int(match[2])}.{match[3]}", match[4]
+    raise AdapterError(f"unexpected tensor {shorten(key)}: only LoRA A/B weights of q,k,v,o,gate,up,down "
+                       "and of MoE experts")
 
 
 def _all_finite_at_once(data: bytes | memoryview, manifest: list[TensorEntry]) -> bool:
@@ -479,6 +545,7 @@ class BaseModelShapes:
     num_layers: int
     features: dict[str, tuple[int, int]]
     fused: tuple[tuple[str, ...], ...] = ()
+    num_experts: int = 0  # MoE: each expert's modules are features `experts.E.gate_proj`, ...
 
     def module_groups(self) -> tuple[tuple[str, ...], ...]:
         grouped = {m for group in self.fused for m in group}
@@ -495,9 +562,9 @@ def build_host_adapter(
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     by_module: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY_RE.fullmatch(key)
-        assert match is not None  # parse_adapter_tensors checked every key
-        by_module.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
+        layer, module, which = _tensor_key(key)  # parse_adapter_tensors checked every key
+        by_module.setdefault((layer, module), {})[which] = tensor
+    by_module, expert_scalings = _unstack_experts(by_module, config, shapes)
     beyond = [layer for layer in config.layers_to_transform or () if layer >= shapes.num_layers]
     if beyond:
         raise AdapterIncompatibleError(
@@ -510,6 +577,10 @@ def build_host_adapter(
                 f"adapter targets layer {layer} but the base model has {shapes.num_layers} layers"
             )
         a, b = pair["A"], pair["B"]
+        if module not in shapes.features:
+            what = "MoE experts" if module.startswith("experts.") else module
+            raise AdapterIncompatibleError(
+                f"adapter targets {what} (layer {layer}), which the base model does not have")
         in_features, out_features = shapes.features[module]
         if a.shape[1] != in_features or b.shape[0] != out_features:
             raise AdapterError(
@@ -517,11 +588,62 @@ def build_host_adapter(
                 f"the base model ({in_features} in, {out_features} out)"
             )
         rank = a.shape[0]
-        path = f"model.layers.{layer}.{SUPPORTED_TARGET_MODULES[module]}.{module}"
-        modules[(layer, module)] = (a, b, config.scaling(path, rank))
+        path = f"model.layers.{layer}.{SUPPORTED_TARGET_MODULES.get(module, 'mlp')}.{module}"
+        scaling = expert_scalings.get((layer, module))
+        if scaling is None:
+            scaling = config.scaling(path, rank)
+        modules[(layer, module)] = (a, b, scaling)
         size += a.numel() * a.element_size() + b.numel() * b.element_size()
     rank = max(a.shape[0] for a, _, _ in modules.values())
     return HostAdapter(modules=modules, rank=rank, size_bytes=size, config=config, keepalive=keepalive)
+
+
+def _unstack_experts(
+    by_module: dict[tuple[int, str], dict[str, torch.Tensor]], config: LoRAAdapterConfig, shapes: BaseModelShapes
+) -> tuple[dict[tuple[int, str], dict[str, torch.Tensor]], dict[tuple[int, str], float]]:
+    """Stacked experts' LoRA (PEFT's target_parameters) as each expert's modules: expert e's A is rows
+    [e·r, (e+1)·r) of A, its B the columns e, e+E, ... of B (PEFT's ParamWrapper layout); gate_up's
+    one A and B become gate_proj's and up_proj's (the same A, B's halves), which is exact. PEFT turns
+    `target_modules` gate_proj/up_proj on stacked experts into gate_up_proj with rank_pattern 2r and
+    alpha_pattern 2·alpha (the two A's stacked, B block-diagonal): that is rank 2r here too. The
+    scaling is PEFT's for the parameter's path (`model.layers.L.mlp.experts.gate_up_proj`)."""
+    out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    scalings: dict[tuple[int, str], float] = {}  # the stacked parameter's scaling, per expert module
+    experts = shapes.num_experts
+    for (layer, module), pair in by_module.items():
+        if not module.startswith(_STACKED):
+            out[(layer, module)] = pair
+            continue
+        if not experts:
+            raise AdapterIncompatibleError(f"adapter targets MoE experts (layer {layer}), but the base model has none")
+        a, b = pair["A"], pair["B"]
+        rows = a.shape[0]
+        rank = rows // experts
+        limit = max([config.rank, *config.rank_pattern.values()])
+        if rows % experts or rank > limit:
+            raise AdapterError(f"layer {layer} experts: lora_A has {rows} rows, not {experts} experts x rank "
+                               f"(at most {limit})")
+        found = [name for name, parts in EXPERT_PARAMETERS.items() if name in config.target_parameters
+                 and (a.shape[1], b.shape[0]) == (shapes.features[f"experts.0.{parts[0]}"][0],
+                                                  sum(shapes.features[f"experts.0.{p}"][1] for p in parts))]
+        if len(found) != 1:
+            raise AdapterError(f"layer {layer} experts: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} fit none "
+                               f"of the targeted parameters {list(config.target_parameters)}")
+        parts = EXPERT_PARAMETERS[found[0]]
+        scaling = config.scaling(f"model.layers.{layer}.mlp.experts.{found[0]}", rank)
+        for e in range(experts):
+            a_e = a[e * rank : (e + 1) * rank].contiguous()
+            b_e = b[:, e::experts]
+            col = 0
+            for part in parts:
+                width = shapes.features[f"experts.{e}.{part}"][1]
+                key = (layer, f"experts.{e}.{part}")
+                if key in out or key in by_module:
+                    raise AdapterError(f"layer {layer} expert {e} {part}: LoRA weights given twice")
+                out[key] = {"A": a_e, "B": b_e[col : col + width].contiguous()}
+                scalings[key] = scaling
+                col += width
+    return out, scalings
 
 
 def max_weights_bytes(shapes: BaseModelShapes, max_rank: int) -> int:

@@ -30,6 +30,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # Mixture of experts (0 experts: a dense MLP). Every layer's MLP is sparse when there are experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @classmethod
     def from_hf(cls, data: dict, name: str = "") -> ModelConfig:
@@ -50,6 +55,10 @@ class ModelConfig:
         rope_scaling = data.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
         if (rope_scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
             raise FailedPreconditionError("partial rotary embeddings are not supported")
+        num_experts = data.get("num_experts") or data.get("num_local_experts") or 0
+        if num_experts and (data.get("mlp_only_layers") or data.get("decoder_sparse_step", 1) != 1):
+            raise FailedPreconditionError("MoE checkpoints with dense MLP layers among the sparse ones "
+                                          "(mlp_only_layers, decoder_sparse_step) are not supported")
         return cls(
             vocab_size=data["vocab_size"],
             hidden_size=data["hidden_size"],
@@ -70,6 +79,10 @@ class ModelConfig:
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            num_experts=num_experts,
+            num_experts_per_tok=data.get("num_experts_per_tok", 0) if num_experts else 0,
+            moe_intermediate_size=data.get("moe_intermediate_size", 0) if num_experts else 0,
+            norm_topk_prob=bool(data.get("norm_topk_prob", False)),
         )
 
     @property
@@ -82,6 +95,8 @@ class ModelConfig:
 
     def lora_shapes(self) -> BaseModelShapes:
         h, i = self.hidden_size, self.intermediate_size
+        if self.num_experts:
+            return self._moe_lora_shapes()
         return BaseModelShapes(
             num_layers=self.num_layers,
             features={
@@ -98,3 +113,21 @@ class ModelConfig:
         )
 
 
+
+    def _moe_lora_shapes(self) -> BaseModelShapes:
+        """Attention as in the dense model; each expert's gate/up/down as modules of their own
+        (`experts.E.gate_proj`, ...), gate and up of one expert fused as the dense MLP's are."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        features = {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+        }
+        fused: list[tuple[str, ...]] = [("q_proj", "k_proj", "v_proj")]
+        for e in range(self.num_experts):
+            features |= {f"experts.{e}.gate_proj": (h, i), f"experts.{e}.up_proj": (h, i),
+                         f"experts.{e}.down_proj": (i, h)}
+            fused.append((f"experts.{e}.gate_proj", f"experts.{e}.up_proj"))
+        return BaseModelShapes(num_layers=self.num_layers, features=features, fused=tuple(fused),
+                               num_experts=self.num_experts)

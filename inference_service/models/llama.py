@@ -51,7 +51,11 @@ class LlamaDecoderLayer(nn.Module):
         self.o = LoRALinear(q, [("o_proj", h)], c.o_bias, device, dtype)
         # "feed_forward" (Meta's own name) sorts where the flat gate_up/down weights did before it
         # existed, so builtin:tiny's seeded weights, drawn in name order, are unchanged.
-        self.feed_forward = GatedMLP(c, device, dtype)
+        self.feed_forward = self.make_feed_forward(c, device, dtype)
+
+    def make_feed_forward(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The MLP after attention: forward(x, op, lora) -> [T, hidden]. LLaMA's is gated and dense."""
+        return GatedMLP(config, device, dtype)
 
     def projections(self) -> list[LoRALinear]:
         return [self.qkv, self.o, self.feed_forward.gate_up, self.feed_forward.down]
@@ -111,13 +115,21 @@ class LlamaDecoderLayer(nn.Module):
         put(self.input_layernorm.weight, f"{prefix}.input_layernorm.weight")
         put(self.post_attention_layernorm.weight, f"{prefix}.post_attention_layernorm.weight")
         attention = [f"{prefix}.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]
-        mlp = [f"{prefix}.mlp.{m}" for m in ("gate_proj", "up_proj")]
-        for projection, modules in ((self.qkv, attention), (self.o, [f"{prefix}.self_attn.o_proj"]),
-                                    (self.feed_forward.gate_up, mlp),
-                                    (self.feed_forward.down, [f"{prefix}.mlp.down_proj"])):
-            put(projection.weight, *(f"{m}.weight" for m in modules))
-            if projection.bias is not None:
-                put(projection.bias, *(f"{m}.bias" for m in modules))
+        for projection, modules in ((self.qkv, attention), (self.o, [f"{prefix}.self_attn.o_proj"])):
+            put_projection(put, projection, modules)
+        self.load_mlp_hf(put, f"{prefix}.mlp")
+
+    def load_mlp_hf(self, put: PutWeights, prefix: str) -> None:
+        """The MLP's weights, under `prefix` (model.layers.N.mlp)."""
+        put_projection(put, self.feed_forward.gate_up, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        put_projection(put, self.feed_forward.down, [f"{prefix}.down_proj"])
+
+
+def put_projection(put: PutWeights, projection: LoRALinear, modules: list[str]) -> None:
+    """A fused projection's weight (and bias) from its HF modules, concatenated in column order."""
+    put(projection.weight, *(f"{m}.weight" for m in modules))
+    if projection.bias is not None:
+        put(projection.bias, *(f"{m}.bias" for m in modules))
 
 
 class LlamaModel(nn.Module):

@@ -18,6 +18,7 @@ from inference_service.models.batch import ForwardBatch
 from inference_service.models.config import ModelConfig
 from inference_service.models.llama import LlamaModel
 from inference_service.models.qwen3 import Qwen3Model
+from inference_service.models.qwen3_moe import Qwen3MoeModel
 
 
 class CausalLM(Protocol):
@@ -63,6 +64,7 @@ MODEL_CLASSES: dict[str, tuple[str, ModelClass]] = {
     "MistralForCausalLM": ("mistral", LlamaModel),
     "Qwen2ForCausalLM": ("qwen2", LlamaModel),
     "Qwen3ForCausalLM": ("qwen3", Qwen3Model),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", Qwen3MoeModel),
 }
 
 
