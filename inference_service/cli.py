@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
          "honoured only when set (empty: requests' headers never name a tenant)")
     _add(g, "--tenant-metrics-top-k", "tenants with their own label in the loraplex_tenant_* series (the rest: "
          "tenant=\"other\")", type=int, default=ServerConfig.tenant_metrics_top_k)
+    _add(g, "--state-dir", "directory for state that outlives the process: the adapters loaded through the API, "
+         "with their tenants, registered again at start (mount a volume here; docs/tenants.md)")
     return p
 
 
@@ -321,6 +323,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         tenants=tenants,
         trusted_tenant_header=header,
         tenant_metrics_top_k=args.tenant_metrics_top_k,
+        state_dir=args.state_dir,
     )
     return engine_cfg, server_cfg
 
@@ -392,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry.register(EngineCollector(engine.stats))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     registry.register(server_cfg.tenancy.collector())
+    registry.register(server_cfg.adapters.collector())
     engine.start()
     # Here, not in serve(): a process that runs many servers (the tests) would keep their cycles.
     freeze_startup_objects()

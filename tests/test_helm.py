@@ -146,6 +146,8 @@ def test_pod_shape_defaults(default_docs: list[dict]) -> None:
     cs = containers(default_docs)
     assert set(cs) == {"loraplex-inference", "loraplex-cache"}
     assert cs["loraplex-inference"]["image"] == cs["loraplex-cache"]["image"]
+    # no scope flag: the service's own default (per tenant whenever tenants are configured) applies
+    assert not any(a.startswith("--prefix-cache-scope") for a in cs["loraplex-inference"]["args"])
     for c in cs.values():
         sc = c["securityContext"]
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
@@ -205,7 +207,7 @@ def test_pod_shape_all_features(all_docs: list[dict]) -> None:
                  "--adapter-source-allow=https://models.example.com/adapters/", "--dtype=bfloat16",
                  "--max-model-len=4096", "--watchdog-stall-s=30", "--shutdown-grace-s=23", "--drain-delay-s=1",
                  "--preload-reload-s=2", "--tenants-file=/etc/loraplex/tenants/tenants.yaml",
-                 "--trusted-tenant-header=x-tenant"):
+                 "--trusted-tenant-header=x-tenant", "--prefix-cache-scope=listener"):
         assert flag in inf["args"], flag
     assert {"name": "tenants", "mountPath": "/etc/loraplex/tenants", "readOnly": True} in inf["volumeMounts"]
     assert inf["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "3"]
@@ -263,7 +265,8 @@ def test_values_validate_against_schema() -> None:
 
 
 @pytest.mark.parametrize("bad", ["model.dtype=fp8", "inference.drain.preStopSeconds=-1", "preload.reloadSeconds=x",
-                                 "strategy.type=Sometimes", "tolerations[0].operator=Maybe"])
+                                 "strategy.type=Sometimes", "tolerations[0].operator=Maybe",
+                                 "inference.prefixCacheScope=everyone"])
 def test_helm_rejects_bad_new_values(bad: str) -> None:
     out = helm("template", "rel", str(CHART_DIR), "--set", bad)
     assert out.returncode != 0 and "schema" in out.stderr.lower(), out.stderr

@@ -23,6 +23,7 @@ from harness.isolation import assert_clean, solo_run, victim_beside
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
+from inference_service.frontend.namespace import engine_name
 from inference_service.frontend.tenants import (
     ANONYMOUS,
     QuotaExceeded,
@@ -46,8 +47,8 @@ def _sha(token: str) -> str:
 def _tenants_file(tmp: Path) -> Path:
     (tmp / "beta.token").write_text(TOKENS["beta"] + "\n")
     data = {"tenants": [
-        {"name": "alpha", "token_sha256": _sha(TOKENS["alpha"])},
-        {"name": "beta", "token_file": "beta.token", "min_priority": -5},
+        {"name": "alpha", "token_sha256": _sha(TOKENS["alpha"]), "sources": [(tmp / "adapters").as_uri()]},
+        {"name": "beta", "token_file": "beta.token", "min_priority": -5, "sources": [(tmp / "adapters").as_uri()]},
         {"name": "limited", "token_sha256": _sha(TOKENS["limited"]), "max_running": 1, "max_queued": 0},
         {"name": "rated", "token_sha256": _sha(TOKENS["rated"]), "tokens_per_minute": RATE},
         {"name": "ops", "token_sha256": _sha(TOKENS["ops"]), "admin": True},
@@ -151,8 +152,9 @@ def test_adapters_are_bound_to_the_tenant_that_loaded_them(env) -> None:
     assert _list(server, _md("alpha")) == {"a-private", "shared"}
     assert _list(server, _md("beta")) == {"b-private", "shared"}
     assert _list(server, ()) == {"shared"}  # anonymous
-    assert _list(server, _md("ops")) == _list(server, _md(raw=f"Bearer {ADMIN_TOKEN}")) == {
-        "a-private", "b-private", "shared"}
+    # admins see engine names: a tenant's adapter carries its tenant's digest (frontend/namespace.py)
+    engine_names = {engine_name("alpha", "a-private"), engine_name("beta", "b-private"), "shared"}
+    assert _list(server, _md("ops")) == _list(server, _md(raw=f"Bearer {ADMIN_TOKEN}")) == engine_names
     assert _models(server, _headers("alpha")) - {BASE} == {"a-private", "shared"}
     assert _models(server, _headers("beta")) - {BASE} == {"b-private", "shared"}
     assert _models(server, {}) - {BASE} == {"shared"}
@@ -170,14 +172,17 @@ def test_adapters_are_bound_to_the_tenant_that_loaded_them(env) -> None:
     assert hidden.json()["error"]["message"].replace("b-private", "no-such-adapter") == gone.json()["error"]["message"]
     assert httpx.post(server.http_url + "/tokenize", headers=_headers("alpha"), timeout=30,
                       json={"model": "b-private", "prompt": "x"}).status_code == 404
-    # Another tenant can neither take the name over nor unload it; its owner can reload it.
-    code, _ = _code(lambda: InferenceClient(server.address, token=TOKENS["beta"]).load_adapter(
-        "a-private", (root / "b-private").as_uri(), timeout=30))
-    assert code == grpc.StatusCode.PERMISSION_DENIED
+    # Another tenant can neither unload alpha's adapter nor see it; its own adapter of the same name
+    # is its own (and gone again when it unloads it), alpha's is untouched.
     assert _code(lambda: _unload(server, "a-private", _md("beta")))[0] == grpc.StatusCode.NOT_FOUND
     r = httpx.post(server.http_url + "/v1/unload_lora_adapter", headers=_headers("alpha"),
                    json={"lora_name": "b-private"}, timeout=30)
     assert r.status_code == 404, r.text
+    with InferenceClient(server.address, token=TOKENS["beta"]) as beta:
+        beta.load_adapter("a-private", (root / "b-private").as_uri(), timeout=60)
+    assert _list(server, _md("beta")) == {"a-private", "b-private", "shared"}
+    assert _list(server, _md("alpha")) == {"a-private", "shared"}
+    _unload(server, "a-private", _md("beta"))
     with InferenceClient(server.address, token=TOKENS["alpha"]) as alpha:
         alpha.load_adapter("a-private", (root / "a-private").as_uri(), timeout=60)
     # The operator's trusted header names a tenant (this server sets --trusted-tenant-header x-tenant).

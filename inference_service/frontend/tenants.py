@@ -11,8 +11,8 @@ A request's tenant comes from, in this order:
    name) it is, else a tenant of that name with no limits.
 4. Nothing: the anonymous tenant (one tenant for every anonymous request).
 
-Adapters loaded by a tenant are bound to it: another tenant gets the answer a name that does not
-exist gets (NOT_FOUND, HTTP 404), and lists show a tenant its own adapters and unbound ones.
+Adapters: each tenant has its own namespace (frontend/namespace.py), sources and max_adapters
+(frontend/tenant_adapters.py).
 
 Quotas (per tenant, from the tenants file): `max_running + max_queued` requests in flight (a request
 of n samples counts n), and `tokens_per_minute`, a token bucket that refills continuously and
@@ -23,7 +23,6 @@ with a retry hint (`QuotaExceeded.retry_after_s`); the limits never touch other 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
@@ -37,11 +36,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from adapter_cache.errors import (
     InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
+    LoraplexError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.request import TenantTag
 
 ANONYMOUS = "anonymous"  # every request without a credential
@@ -51,7 +50,7 @@ RESERVED_NAMES = (ANONYMOUS, ADMIN, OTHER)
 MAX_TENANTS = 10_000
 MAX_TRACKED = 10_000  # tenants whose counts are kept one by one (the rest: `other`)
 _FIELDS = {"name", "token_sha256", "token_file", "admin", "max_running", "max_queued", "tokens_per_minute",
-           "weight", "mtls_common_name", "min_priority"}
+           "weight", "mtls_common_name", "min_priority", "sources", "max_adapters"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,8 @@ class TenantSpec:
     weight: float = 1.0
     mtls_common_name: str | None = None
     min_priority: int = 0  # the lowest (most urgent) request priority this tenant may ask for
+    sources: tuple[str, ...] = ()  # URI prefixes it may load adapters from (inside the allow-list); none: nothing
+    max_adapters: int | None = None  # adapters it may have registered at once
 
     @property
     def max_in_flight(self) -> int | None:
@@ -108,6 +109,18 @@ def _int(entry: Mapping[str, object], key: str, where: str) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{where}: {key} must be a non-negative integer")
     return value
+
+
+def _sources(entry: Mapping[str, object], where: str) -> tuple[str, ...]:
+    """A tenant's adapter sources: URI prefixes, checked as the allow-list's (adapter_cache/uri_policy.py)."""
+    value = entry.get("sources", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{where}: sources must be a list of URI prefixes")
+    try:
+        UriPolicy(value)
+    except LoraplexError as e:
+        raise ValueError(f"{where}: sources: {e}") from None
+    return tuple(value)
 
 
 def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
@@ -171,7 +184,8 @@ def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
             raise ValueError(f"{where}: min_priority must be an int32")
         specs.append(TenantSpec(name, digest, admin, _int(entry, "max_running", where),
                                 _int(entry, "max_queued", where), _int(entry, "tokens_per_minute", where),
-                                float(weight), cn, min_priority))
+                                float(weight), cn, min_priority, sources=_sources(entry, where),
+                                max_adapters=_int(entry, "max_adapters", where)))
     if len(specs) > MAX_TENANTS:
         raise ValueError(f"tenants file: at most {MAX_TENANTS} tenants")
     return tuple(specs)
@@ -257,7 +271,6 @@ class Tenancy:
         self._lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
         self._folded = _Usage()  # counters of idle tenants no longer tracked one by one (_fold_idle)
-        self.bindings: dict[str, str] = {}  # adapter name → the tenant it is bound to
 
     # ---- identity ----------------------------------------------------------------------------
 
@@ -315,55 +328,6 @@ class Tenancy:
         if self.enabled:
             raise UnauthenticatedError("unknown bearer token")
         return None
-
-    # ---- adapters ----------------------------------------------------------------------------
-
-    def visible(self, tenant: Tenant, adapter: str | None) -> bool:
-        if adapter is None or tenant.admin:
-            return True
-        owner = self.bindings.get(adapter)
-        return owner is None or owner == tenant.name
-
-    def check_visible(self, tenant: Tenant, adapter: str | None) -> None:
-        """NOT_FOUND with the engine's own words for an unknown adapter: the name's existence stays hidden."""
-        if not self.visible(tenant, adapter):
-            raise NotFoundError(f"unknown adapter {adapter!r}")
-
-    @contextlib.contextmanager
-    def loading(self, tenant: Tenant, name: str, registered: bool) -> Iterator[None]:
-        """Around a LoadAdapter: a named, non-admin tenant binds the adapter to itself, and may only
-        (re)load a name nobody holds or one bound to it (PERMISSION_DENIED otherwise: adapter names
-        are one namespace). Admins and the anonymous tenant load unbound adapters (or keep the
-        binding of the name they replace). The binding is in place before the load starts, and
-        undone if the load fails."""
-        before = self.bindings.get(name)
-        if tenant.admin or tenant.name == ANONYMOUS:
-            if not self.visible(tenant, name):
-                raise PermissionDeniedError(f"adapter name {name!r} is not available to this tenant")
-            yield
-            return
-        if not (before == tenant.name or (before is None and not registered)):
-            raise PermissionDeniedError(f"adapter name {name!r} is not available to this tenant")
-        self.bindings[name] = tenant.name
-        try:
-            yield
-        except BaseException:
-            if before is None and self.bindings.get(name) == tenant.name:
-                self.bindings.pop(name, None)
-            raise
-
-    def check_unload(self, tenant: Tenant, name: str) -> None:
-        """Another tenant's adapter is NOT_FOUND (as a name that does not exist); an unbound one is
-        the operator's: PERMISSION_DENIED for a named, non-admin tenant."""
-        self.check_visible(tenant, name)
-        if not tenant.admin and tenant.name != ANONYMOUS and self.bindings.get(name) is None:
-            raise PermissionDeniedError(f"adapter {name!r} is not this tenant's to unload")
-
-    def bind(self, name: str, tenant: str | None) -> None:
-        if tenant is None:
-            self.bindings.pop(name, None)
-        else:
-            self.bindings[name] = tenant
 
     # ---- quotas ------------------------------------------------------------------------------
 

@@ -49,7 +49,8 @@ from inference_service.frontend.http.protocol import (
     UnloadLoraAdapterRequest,
 )
 from inference_service.frontend.intake import adapter_load, adapter_name, optional_adapter
-from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, tenant_identity
+from inference_service.frontend.tenant_adapters import TenantAdapters
+from inference_service.frontend.tenants import QuotaExceeded, Tenant, tenant_identity
 from inference_service.limits import shown
 
 log = logging.getLogger("loraplex.http")
@@ -78,6 +79,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None, openapi_url=None)
     openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template)
     tenancy = config.tenancy
+    adapters_of = config.adapters  # names, sources and limits of tenants' adapters (frontend/tenant_adapters.py)
     auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
     uri_policy = UriPolicy(config.adapter_source_allow)
     started = int(time.time())
@@ -128,7 +130,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenancy.check_in_flight(tenant)  # at its cap: refused before the body is read
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
-        tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
+        adapter = adapters_of.resolve(engine, tenant, optional_adapter(adapter))  # its own, else the shared one
         try:
             tenancy.check_priority(tenant, body.priority)
         except InvalidArgumentError as e:
@@ -142,7 +144,6 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
                     await grammars.check(params.grammar)
                 except InvalidArgumentError as e:
                     raise BadField(str(e), _grammar_field(body)) from None
-            adapter = optional_adapter(adapter)
             await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         except BaseException:
             ticket.release(0)
@@ -174,9 +175,6 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     async def chat_completions(http: HttpRequest) -> Response:
         return await generate(http, chat=True)
 
-    async def adapters() -> list[Any]:
-        return await asyncio.wrap_future(engine.list_adapters())
-
     def is_admin(http: HttpRequest) -> bool:
         if tenant_of(http).admin:
             return True
@@ -192,10 +190,10 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         card = {"object": "model", "created": started, "owned_by": "loraplex", "max_model_len": info.max_context}
         data = [{**card, "id": name, "root": engine.config.model, "parent": None} for name in served_model_names]
         tenant = tenant_of(http)
-        # listed by (name, version): the last one wins; a tenant sees its own adapters and unbound ones
-        latest = {a.name: a for a in await adapters() if tenancy.visible(tenant, a.name)}
+        # listed by (name, version): the last one wins; a tenant sees its own adapters and the shared ones
+        latest = dict(await adapters_of.visible(engine, tenant))
         admin = is_admin(http)  # URIs only for admins, as ListAdapters: they say where tenants' weights live
-        data += [{**card, "id": a.name, "root": a.uri if admin else a.name, "parent": base} for a in latest.values()]
+        data += [{**card, "id": name, "root": a.uri if admin else name, "parent": base} for name, a in latest.items()]
         return JSONResponse({"object": "list", "data": data})
 
     def admin_check(http: HttpRequest) -> Tenant:
@@ -215,24 +213,15 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         path = body.lora_path
         load = adapter_load(body.lora_name, Path(path).absolute().as_uri() if path.startswith("/") else path,
                             body.sha256, uri_policy)
-        registered = any(a.name == load.name for a in await adapters())
-        with tenancy.loading(tenant, load.name, registered):
-            if not body.load_inplace and registered:
-                raise InvalidArgumentError(
-                    f"adapter {load.name!r} is already loaded (set load_inplace to replace it)")
-            await asyncio.wrap_future(engine.load_adapter(load.name, load.uri, sha256=load.sha256, preload=True))
-        log.info("adapter %s loaded from %s (HTTP)", load.name, load.uri)
+        await adapters_of.load(engine, tenant, load, preload=True, shared=body.shared, for_tenant=body.tenant,
+                               replace=body.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(http: HttpRequest) -> Response:
         tenant = admin_check(http)
         body = await offload.parse(http, UnloadLoraAdapterRequest)
-        name = adapter_name(body.lora_name)
-        tenancy.check_unload(tenant, name)
-        await asyncio.wrap_future(engine.unload_adapter(name))
-        tenancy.bind(name, None)
-        log.info("adapter %s unloaded (HTTP)", body.lora_name)
+        await adapters_of.unload(engine, tenant, adapter_name(body.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
@@ -240,7 +229,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenant = tenant_of(http)
         body = await offload.parse(http, TokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
-            await _known_adapter(engine, body.model, tenancy, tenant)
+            await _known_adapter(engine, body.model, adapters_of, tenant)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidArgumentError("give exactly one of prompt and messages")
         ids = await offload.run(openai.tokenize, body)
@@ -251,7 +240,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenant = tenant_of(http)
         body = await offload.parse(http, DetokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
-            await _known_adapter(engine, body.model, tenancy, tenant)
+            await _known_adapter(engine, body.model, adapters_of, tenant)
         return JSONResponse({"prompt": await offload.run(openai.detokenize, body.tokens)})
 
     @app.get("/health")
@@ -269,9 +258,12 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     return BodyLimit(app, config.max_message_bytes)
 
 
-async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tenant: Tenant) -> None:
-    if not tenancy.visible(tenant, name) or not any(
-            a.name == name for a in await asyncio.wrap_future(engine.list_adapters())):
+async def _known_adapter(engine: EngineClient, name: str, adapters_of: TenantAdapters, tenant: Tenant) -> None:
+    try:
+        engine_name = adapters_of.resolve(engine, tenant, adapter_name(name))
+    except InvalidArgumentError:
+        engine_name = None
+    if engine_name is None or not engine.adapter_is_current(engine_name):
         raise NotFoundError(f"model {name!r} does not exist")
 
 
