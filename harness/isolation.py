@@ -80,12 +80,13 @@ class VictimResult:
     max_new_tokens: int
     prompt: str | Sequence[int]
     median: float  # the median solo run
+    token: str | None = None  # the victim tenant's bearer token (None: no credential)
 
 
 def _spawn_victim(server: InferenceServer, prompt: str | Sequence[int], adapter: str | None, max_new_tokens: int,
-                  runs: int = 0, loop: bool = False) -> subprocess.Popen:
+                  runs: int = 0, loop: bool = False, token: str | None = None) -> subprocess.Popen:
     spec = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "adapter": adapter,
-            "max_new_tokens": max_new_tokens, "runs": runs, "loop": loop}
+            "max_new_tokens": max_new_tokens, "runs": runs, "loop": loop, "token": token}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "harness.isolation_victim", server.address, json.dumps(spec)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
@@ -131,17 +132,18 @@ def resident_adapter(server: InferenceServer, name: str, uri: str, token: str | 
 
 
 def solo_run(server: InferenceServer, adapter: str | None = None, max_new_tokens: int = 128,
-             prompt: str | Sequence[int] = VICTIM_PROMPT, repeats: int = SOLO_REPEATS) -> VictimResult:
+             prompt: str | Sequence[int] = VICTIM_PROMPT, repeats: int = SOLO_REPEATS,
+             token: str | None = None) -> VictimResult:
     """The victim alone: its tokens (identical every run), the median and the slowest of `repeats`
     timed runs (after one untimed warm-up, so a cold adapter load is not counted)."""
-    proc = _spawn_victim(server, prompt, adapter, max_new_tokens, runs=repeats + 1)
+    proc = _spawn_victim(server, prompt, adapter, max_new_tokens, runs=repeats + 1, token=token)
     runs = [e for e in _events(proc) if "tokens" in e]
     assert proc.wait(120) == 0, "the solo victim process failed"
     first = runs[0]["tokens"]
     assert len(first) == max_new_tokens, f"victim made {len(first)} of {max_new_tokens} tokens alone"
     assert all(r["tokens"] == first for r in runs), "greedy victim is not deterministic on its own"
     timed = [r["seconds"] for r in runs[1:]]
-    return VictimResult(first, max(timed), adapter, max_new_tokens, prompt, statistics.median(timed))
+    return VictimResult(first, max(timed), adapter, max_new_tokens, prompt, statistics.median(timed), token)
 
 
 @contextmanager
@@ -153,7 +155,7 @@ def victim_beside(server: InferenceServer, base: VictimResult, slowdown: float =
     attack's end (and made `min_runs` runs since it began), then checks that it was unharmed
     throughout (see `check_victim`) and, unless told not to, that the server is clean. Yields a list
     that holds the victim's runs (isolation_victim's events) afterwards."""
-    proc = _spawn_victim(server, base.prompt, base.adapter, base.max_new_tokens, loop=True)
+    proc = _spawn_victim(server, base.prompt, base.adapter, base.max_new_tokens, loop=True, token=base.token)
     runs: list[dict] = []
     try:
         events = _pumped_events(proc)

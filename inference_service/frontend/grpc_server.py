@@ -41,7 +41,7 @@ from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.cache_salt import cache_salt, grpc_identity
 from inference_service.frontend.grammar_check import COMPILE_CPU_S, shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
-from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
+from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_name, engine_end_error
 from inference_service.frontend.namespace import public_message
 from inference_service.frontend.preload import PreloadEntry, Preloader
 from inference_service.frontend.tenant_adapters import TenantAdapters
@@ -266,10 +266,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._unary("LoadAdapter", context, self._load_adapter, pb.LoadAdapterRequest, raw, admin=True)
 
     async def _load_adapter(self, request: pb.LoadAdapterRequest, context: Any) -> pb.LoadAdapterResponse:
-        load = adapter_load(request.name, request.uri, request.sha256, self.uri_policy)
-        _, info = await self.adapters.load(self.engine, self._tenant(context), load, pinned=request.pinned,
-                                           preload=request.preload, shared=request.shared, for_tenant=request.tenant)
-        return pb.LoadAdapterResponse(adapter=_adapter_pb(info, name=load.name))
+        _, info = await self.adapters.load(self.engine, self._tenant(context), request.name, request.uri,
+                                           request.sha256, pinned=request.pinned, preload=request.preload,
+                                           shared=request.shared, for_tenant=request.tenant)
+        return pb.LoadAdapterResponse(adapter=_adapter_pb(info, name=request.name))
 
     async def UnloadAdapter(self, raw: bytes, context: grpc.aio.ServicerContext):
         return await self._unary("UnloadAdapter", context, self._unload_adapter, pb.UnloadAdapterRequest, raw,

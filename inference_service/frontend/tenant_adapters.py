@@ -32,7 +32,7 @@ from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.client import EngineClient
 from inference_service.frontend import namespace
 from inference_service.frontend.adapter_store import Registration, RegistrationStore
-from inference_service.frontend.intake import AdapterLoad
+from inference_service.frontend.intake import AdapterLoad, adapter_load
 from inference_service.frontend.tenants import OTHER, Tenant, TenantSpec
 from inference_service.limits import shown
 
@@ -87,39 +87,42 @@ class TenantAdapters:
             return for_tenant
         return namespace.owner_of(tenant)
 
-    def check_source(self, tenant: Tenant, owner: str | None, uri: str) -> str:
-        """`uri` (the allow-list passed it) if the tenant's own sources allow it: the URI to load, a
-        file:// one with its links resolved, so what is read is what was checked. Admins answer to
-        the allow-list alone; a tenant without `sources` may load nothing."""
+    def checked_load(self, tenant: Tenant, owner: str | None, name: str, uri: str, sha256: str | None) -> AdapterLoad:
+        """The load with its URI checked against the operator's allow-list and then, for a tenant's
+        load, the tenant's own sources: a file:// URI comes back with its links resolved, so what is
+        read is what was checked. Admins answer to the allow-list alone; a tenant without `sources`
+        may load nothing. A tenant's refusal is counted and names its own sources only (the
+        allow-list may name other tenants' prefixes)."""
         if tenant.admin or owner is None:
-            return uri
+            return adapter_load(name, uri, sha256, self.policy)
         spec = self._specs.get(owner)
-        if spec is None or not spec.sources:
-            self._refuse(owner, "source")
-            raise PermissionDeniedError(f"adapter uri {shown(uri)!r} refused: this tenant has no adapter sources "
-                                        f"({SOURCES_FLAG})")
+        sources = spec.sources if spec is not None else ()
         scope = self._scopes.get(owner)
         if scope is None:
-            scope = self._scopes[owner] = UriPolicy(spec.sources, flag=SOURCES_FLAG)
+            scope = self._scopes[owner] = UriPolicy(sources, flag=SOURCES_FLAG)
         try:
-            checked = scope.check(uri)
-            if checked.startswith("file://"):
-                real = scope.resolve_file(checked[len("file://"):])
-                assert real is not None  # check() passed on the same path
-                checked = Path(real).as_uri()
+            load = adapter_load(name, uri, sha256, self.policy)
+            checked = scope.check(load.uri)
         except PermissionDeniedError:
             self._refuse(owner, "source")
-            raise
-        return checked
+            raise PermissionDeniedError(
+                f"adapter uri {shown(uri)!r} is outside this tenant's sources "
+                f"({', '.join(sources) or 'none'}; {SOURCES_FLAG})") from None
+        if checked.startswith("file://"):
+            real = scope.resolve_file(checked[len("file://"):])
+            assert real is not None  # check() passed on the same path
+            checked = Path(real).as_uri()
+        return AdapterLoad(load.name, checked, load.sha256)
 
-    async def load(self, engine: EngineClient, tenant: Tenant, load: AdapterLoad, pinned: bool = False,
-                   preload: bool = False, shared: bool = False, for_tenant: str = "",
+    async def load(self, engine: EngineClient, tenant: Tenant, name: str, uri: str, sha256: str | None = None,
+                   pinned: bool = False, preload: bool = False, shared: bool = False, for_tenant: str = "",
                    replace: bool = True) -> tuple[str, Any]:
-        """Registers `load` for its owner; (engine name, AdapterInfo). `replace=False`: an adapter of
-        that name is INVALID_ARGUMENT (HTTP's load_inplace)."""
+        """Registers adapter `name` from `uri` for its owner; (engine name, AdapterInfo). `replace=False`:
+        an adapter of that name is INVALID_ARGUMENT (HTTP's load_inplace)."""
         owner = self.load_owner(tenant, shared, for_tenant)
+        load = self.checked_load(tenant, owner, name, uri, sha256)
         engine_name = namespace.engine_name(owner, load.name)
-        uri = self.check_source(tenant, owner, load.uri)
+        uri = load.uri
         lock = self._locks.setdefault(owner, asyncio.Lock()) if owner is not None else None
         async with lock or contextlib.nullcontext():
             registered = engine.adapter_is_current(engine_name)

@@ -48,7 +48,7 @@ from inference_service.frontend.http.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
-from inference_service.frontend.intake import adapter_load, adapter_name, optional_adapter
+from inference_service.frontend.intake import adapter_name, optional_adapter
 from inference_service.frontend.tenant_adapters import TenantAdapters
 from inference_service.frontend.tenants import QuotaExceeded, Tenant, tenant_identity
 from inference_service.limits import shown
@@ -211,10 +211,9 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         if adapter_name(body.lora_name) in served_model_names:
             raise InvalidArgumentError(f"{body.lora_name!r} is the base model's name")
         path = body.lora_path
-        load = adapter_load(body.lora_name, Path(path).absolute().as_uri() if path.startswith("/") else path,
-                            body.sha256, uri_policy)
-        await adapters_of.load(engine, tenant, load, preload=True, shared=body.shared, for_tenant=body.tenant,
-                               replace=body.load_inplace)
+        uri = Path(path).absolute().as_uri() if path.startswith("/") else path
+        await adapters_of.load(engine, tenant, body.lora_name, uri, body.sha256, preload=True, shared=body.shared,
+                               for_tenant=body.tenant, replace=body.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
