@@ -95,7 +95,8 @@ def storm_server(tmp_path_factory):
     tenants = root / "tenants.json"
     tenants.write_text(json.dumps({"tenants": [
         {"name": name, "token_sha256": hashlib.sha256(token.encode()).hexdigest(), "min_priority": -10,
-         "max_running": 1000, "tokens_per_minute": 10_000_000} for name, token in STORM_TENANTS.items()]}))
+         "max_running": 1000, "tokens_per_minute": 10_000_000} for name, token in STORM_TENANTS.items()]
+        + [{"name": "anonymous", "anonymous": True}]}))  # every 4th request, and the loads, carry no token
     s = start_inference_server(
         ["--model", "builtin:tiny", "--max-loras", "4", "--max-queue", "1024",
          "--adapter-source-allow", root.as_uri(), "--tenants-file", str(tenants)],

@@ -92,9 +92,10 @@ class ServerConfig:
     watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: no stall check)
     adapter_resolver: str = ""  # URI template with {name}: unregistered adapters load on first use
     health_listen: str = ""  # HOST:PORT: grpc.health.v1 alone, plaintext (kubelet probes when --listen has TLS)
-    # Who may share prefix-cached KV (frontend/cache_salt.py): shared | listener | identity, and the
-    # operator's salt mixed into every key
-    prefix_cache_scope: str = "shared"
+    # Who may share prefix-cached KV (frontend/cache_salt.py): shared | listener | identity (None:
+    # identity with any tenant configuration, else shared; see cache_scope), and the operator's salt
+    # mixed into every key
+    prefix_cache_scope: str | None = None
     prefix_cache_salt: str | None = None
     # Tenants (frontend/tenants.py): --tenants-file's entries, the operator's trusted header, and the
     # tenants with their own label in the per-tenant metrics
@@ -110,7 +111,7 @@ class ServerConfig:
         """The tenant state both front ends of this server share (bindings, quotas, metrics)."""
         if self._tenancy is None:
             self._tenancy = Tenancy(self.tenants, self.admin_token, self.trusted_tenant_header,
-                                    self.tenant_metrics_top_k)
+                                    self.tenant_metrics_top_k, mtls=self.tls_client_ca is not None)
         return self._tenancy
 
     @property
@@ -120,6 +121,14 @@ class ServerConfig:
             self._adapters = TenantAdapters(self.tenants, UriPolicy(self.adapter_source_allow), self.state_dir,
                                             self.tenant_metrics_top_k)
         return self._adapters
+
+    @property
+    def cache_scope(self) -> str:
+        """The prefix-cache scope in force: the operator's, else per tenant whenever tenants are
+        configured (a prompt's cache hit must not tell one tenant what another sent)."""
+        if self.prefix_cache_scope is not None:
+            return self.prefix_cache_scope
+        return "identity" if self.tenancy.enabled else "shared"
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -168,7 +177,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if intake.params.grammar is not None:  # compiled once, bounded, before anything is submitted
                 await self.grammars.check(intake.params.grammar)
             await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, engine_adapter)
-            salt = cache_salt(self.config.prefix_cache_scope, self.config.prefix_cache_salt, "grpc",
+            salt = cache_salt(self.config.cache_scope, self.config.prefix_cache_salt, "grpc",
                               tenant_identity(tenant))
             if intake.n == 1:
                 streams = [self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=engine_adapter,

@@ -22,7 +22,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError, PermissionDeniedError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.client import EngineClient
 from inference_service.frontend.adapter_resolver import resolve_adapter
@@ -148,7 +148,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         except BaseException:
             ticket.release(0)
             raise
-        salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
+        salt = cache_salt(config.cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
         gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt, tenant.tag,
                             ticket, body.priority)
         if body.stream:
@@ -248,9 +248,14 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         return Response(status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(http: HttpRequest) -> Response:
         if registry is None:
             return error_response("metrics are not enabled", 404, "NOT_FOUND")
+        # Per-adapter and per-tenant series name every tenant's adapters: with tenants configured they
+        # are the admin's on this port (401 without a credential, 403 for a tenant's); Prometheus inside
+        # the cluster scrapes --metrics-port, which stays open.
+        if tenancy.enabled and not tenant_of(http).admin:
+            raise PermissionDeniedError("/metrics on this port needs an admin credential when tenants are configured")
         # Off the event loop: the residency collector waits for the scheduler thread (residency.py).
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
