@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tenants (docs/architecture.md, Tenants)")
     _add(g, "--tenants-file", "JSON or YAML {tenants: [{name, token_sha256 | token_file, admin, max_running, "
          "max_queued, tokens_per_minute, weight, mtls_common_name, min_priority, via_trusted_header, cache_group, "
-         "sources, max_adapters}]} "
+         "sources, max_adapters, adapter_pool_bytes}]} "
          "(docs/tenants.md): bearer tokens (gRPC metadata or HTTP Authorization) name tenants. With any tenant "
          "configuration (this file, --trusted-tenant-header, --tls-client-ca) a request without a valid credential "
          "is UNAUTHENTICATED (HTTP 401), unless an entry {name: anonymous, anonymous: true, <limits>} declares "
@@ -288,6 +288,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         host_cache_bytes=args.host_cache_bytes,
         seed=args.seed,
         max_registered_adapters=args.max_registered_adapters,
+        adapter_pool_shares={t.name: t.adapter_pool_bytes for t in tenants if t.adapter_pool_bytes is not None},
         host_load_workers=args.host_load_workers,
         adapter_load_timeout_s=args.adapter_load_timeout_s,
         limits=RequestLimits(

@@ -63,7 +63,7 @@ MAX_TENANTS = 10_000
 MAX_TRACKED = 10_000  # tenants whose counts are kept one by one (the rest: `other`)
 _FIELDS = {"name", "token_sha256", "token_file", "admin", "max_running", "max_queued", "tokens_per_minute",
            "weight", "mtls_common_name", "min_priority", "anonymous", "via_trusted_header", "cache_group",
-           "sources", "max_adapters"}
+           "sources", "max_adapters", "adapter_pool_bytes"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,9 @@ class TenantSpec:
     cache_group: str | None = None  # tenants of one group share prefix-cached KV (None: its own)
     sources: tuple[str, ...] = ()  # URI prefixes it may load adapters from (inside the allow-list); none: nothing
     max_adapters: int | None = None  # adapters it may have registered at once
+    # Bytes of the engine's adapter pool it is entitled to: its loads evict its own idle adapters first
+    # once it holds them, and no other tenant evicts its adapters while it is within them (lora/pool_shares.py)
+    adapter_pool_bytes: int | None = None
 
     @property
     def max_in_flight(self) -> int | None:
@@ -222,7 +225,8 @@ def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
                                 _int(entry, "max_queued", where), _int(entry, "tokens_per_minute", where),
                                 float(weight), cn, min_priority, anonymous=anonymous,
                                 via_trusted_header=via_header, cache_group=group,
-                                sources=_sources(entry, where), max_adapters=_int(entry, "max_adapters", where)))
+                                sources=_sources(entry, where), max_adapters=_int(entry, "max_adapters", where),
+                                adapter_pool_bytes=_int(entry, "adapter_pool_bytes", where)))
     if len(specs) > MAX_TENANTS:
         raise ValueError(f"tenants file: at most {MAX_TENANTS} tenants")
     return tuple(specs)
