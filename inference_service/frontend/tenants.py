@@ -147,8 +147,9 @@ def _sources(entry: Mapping[str, object], where: str) -> tuple[str, ...]:
 
 
 def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
-    """`{tenants: [{name, token_sha256 | token_file, admin, max_running, max_queued, tokens_per_minute,
-    weight, mtls_common_name}]}` → specs; ValueError on anything else."""
+    """`{tenants: [{name, ...the fields of _FIELDS}]}` → specs (TenantSpec says what each means; at most
+    one entry `{name: anonymous, anonymous: true, ...limits}`, with no credential); ValueError on
+    anything else."""
     import os
 
     if not isinstance(data, dict) or set(data) != {"tenants"} or not isinstance(data["tenants"], list):
