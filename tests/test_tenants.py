@@ -21,7 +21,7 @@ import pytest
 
 from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
 from harness.inference_server import InferenceServer, start_inference_server
-from harness.isolation import assert_clean, solo_run, victim_beside
+from harness.isolation import VICTIM_PROMPT, assert_clean, solo_run, victim_beside
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
@@ -439,7 +439,7 @@ def test_tenant_over_quota_never_fails_another_tenants_stream(env) -> None:
     prompt = "x" * 40  # 41 tokens with BOS
     spend = _complete(server, _headers("flooder"), max_tokens=FLOOD_RATE - 50, prompt=prompt)
     assert spend.status_code == 200, spend.text  # 291 of 300 spent: ~50 s until 241 fit again
-    base = solo_run(server, max_new_tokens=128)
+    base = solo_run(server, max_new_tokens=384)  # long enough that one scheduling hiccup is no stall
     refused_before = server.value("loraplex_tenant_quota_refusals_total", tenant="flooder", quota="tokens")
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -533,13 +533,14 @@ def test_refused_requests_leave_a_victims_stream_unharmed(env) -> None:
     ]
 
     def outcome(call: Callable[[], object]) -> object:
+        time.sleep(0.05)  # an attacker, not a CPU hog: the attacking client shares the 2-core box
         try:
             result = call()
         except grpc.RpcError as e:
             return e.code()
         return result.status_code if isinstance(result, httpx.Response) else "OK"
 
-    base = solo_run(server, max_new_tokens=128)
+    base = solo_run(server, max_new_tokens=384)  # long enough that one scheduling hiccup is no stall
     seen: list[tuple[str, object, object]] = []
     with victim_beside(server, base, slowdown=STALL_LIMIT, sustained=math.inf):
         for _ in range(3):
@@ -602,6 +603,41 @@ def test_prefix_cache_is_per_tenant_by_default(strict) -> None:
         assert cached("rated", group_prompt) == 0
         assert cached("teammate", group_prompt) == (len(group_prompt.encode()) - 1) // 16 * 16
         assert cached("alpha", group_prompt) == 0, api
+    assert_clean(strict)
+
+
+def test_no_credential_and_cache_probes_leave_a_victims_stream_unharmed(strict) -> None:
+    """Beside a victim tenant (beta, its token) streaming its prompt again and again: requests with
+    no credential or an untrusted header are 401 / UNAUTHENTICATED on both APIs, and another tenant
+    (alpha) sending the victim's very prompt finds none of it cached (0 cached tokens on both APIs),
+    while every victim run makes exactly its tokens alone, none stalled."""
+    base = solo_run(strict, max_new_tokens=384, token=TOKENS["beta"])
+    seen: list[tuple[str, object]] = []
+
+    def status(call: Callable[[], object]) -> object:
+        time.sleep(0.05)  # an attacker, not a CPU hog: the attacking client shares the 2-core box
+        try:
+            result = call()
+        except grpc.RpcError as e:
+            return e.code()
+        return result.status_code if isinstance(result, httpx.Response) else "OK"
+
+    with victim_beside(strict, base, slowdown=STALL_LIMIT, sustained=math.inf):
+        # alpha's first sending of the prompt on each API (later ones would hit alpha's own blocks)
+        r = _complete(strict, _headers("alpha"), prompt=VICTIM_PROMPT)
+        seen.append(("http probe", r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        seen.append(("grpc probe", _generate(strict, _md("alpha"), prompt=VICTIM_PROMPT)[-1].usage.cached_tokens))
+        for _ in range(3):
+            seen += [("grpc none", status(lambda: _generate(strict, ()))),
+                     ("http none", status(lambda: _complete(strict, {}))),
+                     ("grpc header", status(lambda: _generate(strict, (("x-tenant", "beta"),)))),
+                     ("http header", status(lambda: _complete(strict, {"x-tenant": "beta"}))),
+                     ("metrics", status(lambda: httpx.get(strict.http_url + "/metrics", timeout=30)))]
+    expected = {"grpc none": grpc.StatusCode.UNAUTHENTICATED, "http none": 401,
+                "grpc header": grpc.StatusCode.UNAUTHENTICATED, "http header": 401, "metrics": 401,
+                "http probe": 0, "grpc probe": 0}
+    assert [(what, got) for what, got in seen if got != expected[what]] == []
+    assert _generate(strict, _md("beta"), prompt=VICTIM_PROMPT)[-1].usage.cached_tokens == 16  # beta's own: a hit
     assert_clean(strict)
 
 
