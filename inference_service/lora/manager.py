@@ -63,6 +63,7 @@ class AdapterInfo:
     size_bytes: int
     active_requests: int
     owner: str | None = None  # the tenant it belongs to; None: shared
+    loads: int = 0  # copies into the pool completed (more than one: evicted and loaded again)
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ class LoRAManager:
             size_bytes=v.size_bytes,
             active_requests=len(v.refs),
             owner=v.owner,
+            loads=v.loads,
         )
 
     def has_version(self, uid: str) -> bool:
