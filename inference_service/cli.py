@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine: Engine | ProcessEngine = ProcessEngine(engine_cfg, metrics=sink, start_method="fork")
     else:
         engine = Engine(engine_cfg, metrics=sink)
-    registry.register(EngineCollector(engine.stats))
+    registry.register(EngineCollector(engine.stats, server_cfg.tenant_metrics_top_k))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     registry.register(server_cfg.tenancy.collector())
     registry.register(server_cfg.adapters.collector())
