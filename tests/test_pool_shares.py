@@ -71,7 +71,7 @@ def test_shares_in_pages_round_down_count_at_least_one_largest_adapter_and_leave
     shares = PoolShares.from_bytes({"a": 1000, "b": 100}, page_nbytes=100, largest=2, num_pages=20)
     assert shares.pages == {"a": 10, "b": 2}
     assert shares.pin_budget("a", 20) == 10 and shares.pin_budget(None, 20) == 8
-    with pytest.raises(ValueError, match="must leave 2 pages"):
+    with pytest.raises(ValueError, match=r"largest rank \(2 of the pages\)"):
         PoolShares.from_bytes({"a": 1000, "b": 900}, page_nbytes=100, largest=2, num_pages=20)
     assert not PoolShares.from_bytes({}, page_nbytes=100, largest=2, num_pages=2)
 

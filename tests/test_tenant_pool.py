@@ -101,3 +101,10 @@ def test_without_shares_the_same_churn_evicts_the_quiet_tenants_adapters(adapter
         assert sum(loads.values()) > QUIET
     finally:
         core.shutdown()
+
+
+def test_shares_that_leave_no_room_outside_them_are_refused_at_start():
+    page = bytes_per_page(builtin_tiny_config().lora_shapes(), 8, torch.float32)
+    with pytest.raises(ValueError, match="must leave room for an adapter of the largest rank"):
+        make_core(max_loras="auto", lora_page_rank=8, lora_memory_bytes=(POOL_PAGES + 1) * page,
+                  adapter_pool_shares={"quiet": 3 * page, "noisy": 3 * page})

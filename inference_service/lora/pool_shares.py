@@ -45,7 +45,7 @@ class PoolShares:
             raise ValueError(
                 f"tenants' adapter_pool_bytes come to {sum(pages.values())} pages of the adapter pool's "
                 f"{num_pages} ({page_nbytes} B each, a share counted as at least {largest}): together they "
-                f"must leave {largest} pages (an adapter of the largest rank) for shared adapters")
+                f"must leave room for an adapter of the largest rank ({largest} of the pages) for shared adapters")
         return cls(pages)
 
     def __bool__(self) -> bool:
