@@ -387,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine_cfg, server_cfg = configs_from_args(args)
         http_cfg = http_config_from_args(args)
+        adapters_collector = server_cfg.adapters.collector()  # reads --state-dir: a damaged file stops here
     except (ValueError, OSError, LoraplexError) as e:
         parser.error(str(e))
 
@@ -408,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry.register(EngineCollector(engine.stats, server_cfg.tenant_metrics_top_k))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     registry.register(server_cfg.tenancy.collector())
-    registry.register(server_cfg.adapters.collector())
+    registry.register(adapters_collector)
     engine.start()
     # Here, not in serve(): a process that runs many servers (the tests) would keep their cycles.
     freeze_startup_objects()

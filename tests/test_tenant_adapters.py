@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from harness.inference_server import InferenceServer, start_inference_server
+from harness.inference_server import ROOT, InferenceServer, start_inference_server
 from harness.isolation import assert_clean, solo_run, victim_beside
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
@@ -358,3 +360,13 @@ def test_a_tenants_adapters_survive_a_restart(tmp_path) -> None:
         assert_clean(server)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("content", ['{"adapters": [{"uri": 1}]}', "{not json", '{"adapters": 3}'])
+def test_a_damaged_state_file_stops_the_start_with_its_path(tmp_path, content: str) -> None:
+    """The server does not start half-remembering its tenants' adapters: exit 2 naming the file."""
+    (tmp_path / "adapters.json").write_text(content)
+    out = subprocess.run([sys.executable, "-m", "inference_service.cli", "--state-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert str(tmp_path / "adapters.json") in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -60,6 +60,8 @@ class RegistrationStore:
                 data = json.load(f)
         except FileNotFoundError:
             return []
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.path}: not JSON ({e})") from None
         if not isinstance(data, dict) or not isinstance(data.get("adapters"), list) \
                 or len(data["adapters"]) > MAX_ENTRIES:
             raise ValueError(f"{self.path}: expected {{adapters: [...]}} written by loraplex")

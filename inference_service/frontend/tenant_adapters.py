@@ -168,7 +168,7 @@ class TenantAdapters:
             raise NotFoundError(f"unknown adapter {name!r}") from None
         if self.store is not None:
             self.store.remove(engine_name)
-        log.info("adapter %s unloaded (%s)", name, engine_name)
+        log.info("adapter %s of %s unloaded (%s)", name, shown(tenant.name), engine_name)
         return engine_name
 
     async def restore(self, engine: EngineClient) -> None:
