@@ -8,13 +8,15 @@ churn. The same run without shares evicts them (the control: the test sees what 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import generate, load_adapters, make_core, run_to_completion
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import Request, SamplingParams
+from inference_service.engine.request import Request, SamplingParams, WaitReason
 from inference_service.lora.mem_pool import bytes_per_page
 from inference_service.models.loader import builtin_tiny_config
 
@@ -108,3 +110,40 @@ def test_shares_that_leave_no_room_outside_them_are_refused_at_start():
     with pytest.raises(ValueError, match="must leave room for an adapter of the largest rank"):
         make_core(max_loras="auto", lora_page_rank=8, lora_memory_bytes=(POOL_PAGES + 1) * page,
                   adapter_pool_shares={"quiet": 3 * page, "noisy": 3 * page})
+
+
+def test_a_tenants_request_that_cannot_get_room_never_holds_back_a_tenant_within_its_share(adapters):
+    """The aging barrier: the noisy tenant's request waits (its own adapters are all in use, the
+    quiet tenant's are within its share) past `aging_steps`, and the quiet tenant's later request on
+    its resident adapter still runs at once; only the noisy tenant's own later requests wait behind it."""
+    page = bytes_per_page(builtin_tiny_config().lora_shapes(), 8, torch.float32)
+    core = make_core(max_loras="auto", lora_page_rank=8, lora_memory_bytes=(POOL_PAGES + 1) * page, aging_steps=2,
+                     adapter_pool_shares={"quiet": QUIET * page, "noisy": 2 * page})
+    try:
+        load_adapters(core, adapters["quiet"], owner="quiet", preload=True)
+        load_adapters(core, {f"n{i}": adapters["noisy"][f"n{i}"] for i in range(5)}, owner="noisy")
+        long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+        for i in range(3):  # the free pages: the pool is shared while it has room
+            core.add_request(Request(f"noisy-{i}", [3, 4, 5], long), f"n{i}")
+        for _ in range(100):
+            core.step()
+            if all(core.scheduler.requests[f"noisy-{i}"].output_token_ids for i in range(3)):
+                break
+        core.add_request(Request("stuck", [3, 4, 5], PARAMS), "n3")
+        stuck = core.scheduler.requests["stuck"]
+        deadline = time.monotonic() + 60  # its staging runs on a host thread
+        while not (stuck.wait_reason is WaitReason.SLOTS_FULL and stuck.skipped_steps >= 3):
+            assert time.monotonic() < deadline, f"{stuck.wait_reason} after {stuck.skipped_steps} steps"
+            core.step()
+            time.sleep(0.001)
+        assert not stuck.output_token_ids
+        core.add_request(Request("quiet", [5, 17, 33], PARAMS), "q0")
+        core.add_request(Request("noisy-later", [3, 4, 5], PARAMS), "n4")
+        core.step()
+        core.step()
+        assert core.scheduler.requests["quiet"].output_token_ids, "the quiet tenant waited behind the noisy one"
+        assert core.scheduler.requests["noisy-later"].wait_reason is WaitReason.AGING
+        run_to_completion(core)
+        assert core.runner.kv.num_used == 0 and core.lora.stats().references == 0
+    finally:
+        core.shutdown()
