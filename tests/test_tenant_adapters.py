@@ -162,6 +162,18 @@ def test_two_tenants_each_have_their_own_foo(env) -> None:
     assert _models(server, "bob") == {"common", "foo"}
     assert set(_list(server, "admin")) >= {"common", engine_name("alice", "foo"), engine_name("bob", "foo"),
                                            engine_name("alice", "secret")}
+    # one adapter a page: bob's pages and their tokens hold his and the shared names only
+    with InferenceClient(server.address) as c:
+        seen, token = [], ""
+        while True:
+            page = c.stub.ListAdapters(pb.ListAdaptersRequest(page_size=1, page_token=token), metadata=_md("bob"),
+                                       timeout=30)
+            seen += [a.name for a in page.adapters]
+            token = page.next_page_token
+            if not token:
+                break
+            assert token.rpartition("@")[0] in ("common", "foo"), token
+    assert seen == ["common", "foo"]
     assert_clean(server)
 
 
