@@ -57,6 +57,7 @@ class VictimResult:
     adapter: str | None
     max_new_tokens: int
     prompt: str | Sequence[int]
+    token: str | None = None  # the victim tenant's bearer token (None: no credential)
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,9 @@ class Pause:
 
 
 def _spawn_victim(server: InferenceServer, prompt: str | Sequence[int], adapter: str | None, max_new_tokens: int,
-                  runs: int = 0, loop: bool = False) -> subprocess.Popen:
+                  runs: int = 0, loop: bool = False, token: str | None = None) -> subprocess.Popen:
     spec = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "adapter": adapter,
-            "max_new_tokens": max_new_tokens, "runs": runs, "loop": loop}
+            "max_new_tokens": max_new_tokens, "runs": runs, "loop": loop, "token": token}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "harness.isolation_victim", server.address, json.dumps(spec)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
@@ -107,16 +108,17 @@ def resident_adapter(server: InferenceServer, name: str, uri: str, token: str | 
 
 
 def solo_run(server: InferenceServer, adapter: str | None = None, max_new_tokens: int = 128,
-             prompt: str | Sequence[int] = VICTIM_PROMPT) -> VictimResult:
-    """The victim alone: its tokens, the same in each of SOLO_RUNS runs, all `max_new_tokens` of them."""
-    proc = _spawn_victim(server, prompt, adapter, max_new_tokens, runs=SOLO_RUNS)
+             prompt: str | Sequence[int] = VICTIM_PROMPT, token: str | None = None) -> VictimResult:
+    """The victim alone: its tokens, the same in each of SOLO_RUNS runs, all `max_new_tokens` of them.
+    `token`: the victim tenant's bearer token."""
+    proc = _spawn_victim(server, prompt, adapter, max_new_tokens, runs=SOLO_RUNS, token=token)
     assert proc.stdout is not None
     runs = [e for e in map(_event, proc.stdout) if "tokens" in e]
     assert proc.wait(120) == 0, "the solo victim process failed"
     first = runs[0]["tokens"]
     assert len(first) == max_new_tokens, f"victim made {len(first)} of {max_new_tokens} tokens alone"
     assert all(r["tokens"] == first for r in runs), "greedy victim is not deterministic on its own"
-    return VictimResult(first, adapter, max_new_tokens, prompt)
+    return VictimResult(first, adapter, max_new_tokens, prompt, token)
 
 
 @contextmanager
@@ -126,7 +128,7 @@ def victim_beside(server: InferenceServer, base: VictimResult, check_clean: bool
     and on exit lets it run until a run has ended after the attack's end, then checks that it was
     unharmed throughout (see `check_victim`) and, unless told not to, that the server is clean.
     Yields a list that holds the victim's runs (isolation_victim's events) afterwards."""
-    proc = _spawn_victim(server, base.prompt, base.adapter, base.max_new_tokens, loop=True)
+    proc = _spawn_victim(server, base.prompt, base.adapter, base.max_new_tokens, loop=True, token=base.token)
     runs: list[dict] = []
     try:
         events = _pumped_events(proc)

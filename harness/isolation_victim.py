@@ -38,6 +38,8 @@ def main() -> None:
     address, spec = sys.argv[1], json.loads(sys.argv[2])
     stop = _closed_stdin() if spec.get("loop") else None
     runs = 0
+    # a tenant's bearer token, when the victim is a tenant
+    metadata = (("authorization", f"Bearer {spec['token']}"),) if spec.get("token") else ()
     with InferenceClient(address) as client:
         while (stop is None and runs < spec["runs"]) or (stop is not None and not stop.is_set()):
             runs += 1
@@ -46,8 +48,9 @@ def main() -> None:
             finish = pb.FINISH_REASON_UNSPECIFIED
             t0 = time.monotonic()
             try:
-                for msg in client.generate(spec["prompt"], adapter=spec["adapter"], ignore_eos=True,
-                                           max_new_tokens=spec["max_new_tokens"], timeout=120):
+                request = client.request(spec["prompt"], adapter=spec["adapter"], ignore_eos=True,
+                                         max_new_tokens=spec["max_new_tokens"])
+                for msg in client.stub.Generate(request, metadata=metadata, timeout=120):
                     arrivals.append(time.monotonic())
                     if len(arrivals) == 1:
                         print(json.dumps({"first": True}), flush=True)

@@ -150,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
          default="on" if EngineConfig.prefix_cache else "off", choices=("on", "off"))
     _add(g, "--prefix-cache-scope", "who may share prefix-cached KV: shared (one namespace per weights, all clients), "
          "listener (gRPC and HTTP never share), identity (clients of different tenants never share, on both "
-         "front ends: --tenants-file token, --trusted-tenant-header or mTLS subject; anonymous requests share their "
-         "listener's namespace)",
-         default=ServerConfig.prefix_cache_scope, choices=SCOPES)
+         "front ends, unless the tenants file puts them in one cache_group; anonymous requests keep their "
+         "listener's namespace). Default: identity when any tenant configuration is given (--tenants-file, "
+         "--trusted-tenant-header, --tls-client-ca), else shared",
+         default=None, choices=SCOPES)
     _add(g, "--prefix-cache-salt", "the operator's salt, mixed into every prefix-cache key (e.g. per deployment)")
     _add(g, "--fair-share", "on: admission follows each tenant's served tokens (the Virtual Token Counter, weighted "
          "by the tenants file's weight) and a tenant holding more than its share of a full batch is preempted for "
@@ -263,12 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("tenants (docs/architecture.md, Tenants)")
     _add(g, "--tenants-file", "JSON or YAML {tenants: [{name, token_sha256 | token_file, admin, max_running, "
-         "max_queued, tokens_per_minute, weight, mtls_common_name}]}: bearer tokens (gRPC metadata or HTTP "
-         "Authorization) name tenants, and any other token is UNAUTHENTICATED (HTTP 401)")
+         "max_queued, tokens_per_minute, weight, mtls_common_name, min_priority, via_trusted_header, cache_group, "
+         "sources, max_adapters, adapter_pool_bytes}]} "
+         "(docs/tenants.md): bearer tokens (gRPC metadata or HTTP Authorization) name tenants. With any tenant "
+         "configuration (this file, --trusted-tenant-header, --tls-client-ca) a request without a valid credential "
+         "is UNAUTHENTICATED (HTTP 401), unless an entry {name: anonymous, anonymous: true, <limits>} declares "
+         "the anonymous tenant")
     _add(g, "--trusted-tenant-header", "header (gRPC metadata key) a gateway in front sets to name the tenant; "
-         "honoured only when set (empty: requests' headers never name a tenant)")
+         "honoured only when set, and only for tenants whose entry says via_trusted_header: true (a bearer token, "
+         "when present, decides instead). The port must then be reachable only through that gateway")
     _add(g, "--tenant-metrics-top-k", "tenants with their own label in the loraplex_tenant_* series (the rest: "
          "tenant=\"other\")", type=int, default=ServerConfig.tenant_metrics_top_k)
+    _add(g, "--state-dir", "directory for state that outlives the process: the adapters loaded through the API, "
+         "with their tenants, registered again at start (mount a volume here; docs/tenants.md)")
     return p
 
 
@@ -304,6 +312,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     if header is not None and (not header.isascii() or not header.replace("-", "").isalnum()
                                or header.lower() in ("authorization", "host", "content-type")):
         raise ValueError(f"--trusted-tenant-header {header!r} is not a header name this server can trust")
+    if header is not None and not any(t.via_trusted_header for t in tenants):
+        raise ValueError(f"--trusted-tenant-header {header}: no tenant of --tenants-file accepts it "
+                         "(via_trusted_header: true)")
     if args.tenant_metrics_top_k < 0:
         raise ValueError("--tenant-metrics-top-k must be >= 0")
     reason = admin_disabled_reason(args.listen, token, args.insecure_admin)
@@ -333,6 +344,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         grammar_cache_bytes=args.grammar_cache_bytes,
         seed=args.seed,
         max_registered_adapters=args.max_registered_adapters,
+        adapter_pool_shares={t.name: t.adapter_pool_bytes for t in tenants if t.adapter_pool_bytes is not None},
         host_load_workers=args.host_load_workers,
         adapter_load_timeout_s=args.adapter_load_timeout_s,
         limits=RequestLimits(
@@ -380,7 +392,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         tenants=tenants,
         trusted_tenant_header=header,
         tenant_metrics_top_k=args.tenant_metrics_top_k,
+        state_dir=args.state_dir,
     )
+    log.info("prefix cache scope: %s (%s)", server_cfg.cache_scope,
+             "--prefix-cache-scope" if args.prefix_cache_scope else
+             "tenants configured: per tenant" if server_cfg.tenancy.enabled else "no tenants configured")
     return engine_cfg, server_cfg
 
 
@@ -441,6 +457,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         engine_cfg, server_cfg = configs_from_args(args)
         http_cfg = http_config_from_args(args)
+        adapters_collector = server_cfg.adapters.collector()  # reads --state-dir: a damaged file stops here
     except (ValueError, OSError, LoraplexError) as e:
         parser.error(str(e))
 
@@ -463,9 +480,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, OSError, LoraplexError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    registry.register(EngineCollector(engine.stats))
+    registry.register(EngineCollector(engine.stats, server_cfg.tenant_metrics_top_k))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
     registry.register(server_cfg.tenancy.collector())
+    registry.register(adapters_collector)
     engine.start()
     # Here, not in serve(): a process that runs many servers (the tests) would keep their cycles.
     freeze_startup_objects()

@@ -101,8 +101,11 @@ class InferenceClient:
         return "".join(d.text for d in self.generate(prompt, timeout=timeout, **kwargs))
 
     def load_adapter(self, name: str, uri: str, sha256: str = "", pinned: bool = False,
-                     preload: bool = False, timeout: float | None = None) -> pb.Adapter:
-        req = pb.LoadAdapterRequest(name=name, uri=uri, sha256=sha256, pinned=pinned, preload=preload)
+                     preload: bool = False, timeout: float | None = None, shared: bool = False,
+                     tenant: str = "") -> pb.Adapter:
+        """`shared`, `tenant`: an admin's load of a shared adapter or into a tenant's namespace."""
+        req = pb.LoadAdapterRequest(name=name, uri=uri, sha256=sha256, pinned=pinned, preload=preload,
+                                    shared=shared, tenant=tenant)
         return self.stub.LoadAdapter(req, metadata=self._admin_md, timeout=timeout).adapter
 
     def unload_adapter(self, name: str, timeout: float | None = None) -> None:

@@ -97,6 +97,42 @@ def test_configs_from_args(tmp_path, monkeypatch):
         cli.configs_from_args(cli.build_parser().parse_args(["--max-loras", "4", "--lora-memory-bytes", "1000000"]))
 
 
+def test_tenants_adapter_pool_bytes_become_the_engines_pool_shares(tmp_path):
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [
+        {"name": "alice", "token_sha256": "ab" * 32, "adapter_pool_bytes": 1 << 20},
+        {"name": "bob", "token_sha256": "cd" * 32},
+    ]}))
+    engine_cfg, _ = cli.configs_from_args(cli.build_parser().parse_args(["--tenants-file", str(tenants)]))
+    assert engine_cfg.adapter_pool_shares == {"alice": 1 << 20}  # bob has no share: the pool's common part
+    for bad in (-1, "1MiB", 1.5, True):
+        tenants.write_text(json.dumps({"tenants": [{"name": "alice", "adapter_pool_bytes": bad}]}))
+        with pytest.raises(ValueError, match="adapter_pool_bytes must be a non-negative integer"):
+            cli.configs_from_args(cli.build_parser().parse_args(["--tenants-file", str(tenants)]))
+
+
+def test_prefix_cache_scope_follows_tenant_configuration(tmp_path):
+    """Per tenant by default whenever any tenant configuration is given; the operator's flag wins;
+    a trusted header that no tenant accepts is a usage error, not a server that refuses everyone."""
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [{"name": "alice", "token_sha256": "ab" * 32}]}))
+    opted_in = tmp_path / "opted-in.json"
+    opted_in.write_text(json.dumps({"tenants": [{"name": "alice", "via_trusted_header": True}]}))
+
+    def scope(*flags: str) -> str:
+        return cli.configs_from_args(cli.build_parser().parse_args(list(flags)))[1].cache_scope
+
+    assert scope() == "shared"
+    assert scope("--tenants-file", str(tenants)) == "identity"
+    assert scope("--tls-client-ca", str(tmp_path / "ca.pem")) == "identity"
+    assert scope("--tenants-file", str(opted_in), "--trusted-tenant-header", "x-tenant") == "identity"
+    assert scope("--tenants-file", str(tenants), "--prefix-cache-scope", "shared") == "shared"
+    for flags in (["--trusted-tenant-header", "x-tenant"],
+                  ["--tenants-file", str(tenants), "--trusted-tenant-header", "x-tenant"]):
+        with pytest.raises(ValueError, match="via_trusted_header"):
+            scope(*flags)
+
+
 def test_preload_file_entries_are_checked(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps([{"name": "a", "uri": "file:///a", "required": True}]))

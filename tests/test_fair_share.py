@@ -176,6 +176,28 @@ def test_a_lone_tenant_is_served_at_full_speed():
     _no_leak(core)
 
 
+def test_a_joining_tenant_starts_at_the_lowest_of_several_live_counters():
+    """Three tenants: a has been served alone, b joined later with more weight, so their counters
+    differ when c joins; c starts at the lower one (starting at the higher one, or at either in
+    particular, would fail here)."""
+    core = make_core(max_num_seqs=4)
+    for i in range(4):
+        _add(core, f"a{i}", TenantTag("a"))
+    for _ in range(4):
+        core.step()
+    for i in range(4):
+        _add(core, f"b{i}", TenantTag("b", weight=4.0))
+    for _ in range(8):
+        core.step()
+    counters = core.scheduler.fair.counters
+    assert set(counters) == {"a", "b"} and counters["a"] != counters["b"], counters
+    lowest = min(counters.values())
+    _add(core, "c0", TenantTag("c"))
+    assert counters["c"] == lowest < max(counters["a"], counters["b"]), counters
+    run_to_completion(core)
+    _no_leak(core)
+
+
 def test_prefix_cache_hits_and_recompute_are_not_charged():
     fair = FairShare(decode_weight=2.0)
     core = make_core(max_num_seqs=4)

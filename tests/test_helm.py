@@ -146,6 +146,10 @@ def test_pod_shape_defaults(default_docs: list[dict]) -> None:
     cs = containers(default_docs)
     assert set(cs) == {"loraplex-inference", "loraplex-cache"}
     assert cs["loraplex-inference"]["image"] == cs["loraplex-cache"]["image"]
+    # no scope flag: the service's own default (per tenant whenever tenants are configured) applies
+    assert not any(a.startswith("--prefix-cache-scope") for a in cs["loraplex-inference"]["args"])
+    # no tenants: no tenants' adapter registrations to keep
+    assert not any(a.startswith("--state-dir") for a in cs["loraplex-inference"]["args"])
     for c in cs.values():
         sc = c["securityContext"]
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
@@ -205,9 +209,15 @@ def test_pod_shape_all_features(all_docs: list[dict]) -> None:
                  "--adapter-source-allow=https://models.example.com/adapters/", "--dtype=bfloat16",
                  "--max-model-len=4096", "--watchdog-stall-s=30", "--shutdown-grace-s=23", "--drain-delay-s=1",
                  "--preload-reload-s=2", "--tenants-file=/etc/loraplex/tenants/tenants.yaml",
-                 "--trusted-tenant-header=x-tenant"):
+                 "--trusted-tenant-header=x-tenant", "--prefix-cache-scope=listener"):
         assert flag in inf["args"], flag
     assert {"name": "tenants", "mountPath": "/etc/loraplex/tenants", "readOnly": True} in inf["volumeMounts"]
+    # tenants configured: their adapter registrations kept (writable) across container restarts
+    assert "--state-dir=/var/lib/loraplex/state" in inf["args"]
+    assert {"name": "state", "mountPath": "/var/lib/loraplex/state"} in inf["volumeMounts"]
+    (deploy,) = by_kind(all_docs, "Deployment")
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes["state"]
     assert inf["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "3"]
     assert {"name": "LORAPLEX_MAX_QUEUE", "value": "512"} in inf["env"]
     assert inf["envFrom"] == [{"configMapRef": {"name": "loraplex-extra-env"}}]
@@ -262,8 +272,17 @@ def test_values_validate_against_schema() -> None:
         jsonschema.validate(bad, schema)
 
 
+def test_tenants_state_on_a_claim_outlives_the_pod() -> None:
+    docs = render(sets=("inference.state.existingClaim=loraplex-state",))
+    (deploy,) = by_kind(docs, "Deployment")
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["state"]["persistentVolumeClaim"] == {"claimName": "loraplex-state"}
+    assert "--state-dir=/var/lib/loraplex/state" in containers(docs)["loraplex-inference"]["args"]
+
+
 @pytest.mark.parametrize("bad", ["model.dtype=fp8", "inference.drain.preStopSeconds=-1", "preload.reloadSeconds=x",
-                                 "strategy.type=Sometimes", "tolerations[0].operator=Maybe"])
+                                 "strategy.type=Sometimes", "tolerations[0].operator=Maybe",
+                                 "inference.prefixCacheScope=everyone"])
 def test_helm_rejects_bad_new_values(bad: str) -> None:
     out = helm("template", "rel", str(CHART_DIR), "--set", bad)
     assert out.returncode != 0 and "schema" in out.stderr.lower(), out.stderr

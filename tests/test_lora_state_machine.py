@@ -1,14 +1,17 @@
 """A Hypothesis state machine over EngineCore + LoRAManager: the slot pool invariants of docs/architecture.md,
 for the fixed-slot pool (`--max-loras N`) and the pool sized by memory (pages of rank rows).
 
-Rules: load / version-swap an adapter (optionally pinned or preloaded), pin (the same version loaded pinned), unload,
+Rules: load / version-swap an adapter (optionally pinned or preloaded, owned by a tenant or shared; some pools give
+tenants shares of the pool), pin (the same version loaded pinned), unload,
 start a request (an adapter or the base model; a tenant and a priority, so fair-share and priority
 preemptions happen) or a request's n samples (a group: the scheduler holds the
 samples after the first until its prompt blocks are cached; every plan checks no sample was admitted before,
 and none is held once its leader ended or has its first token), abort one, run a scheduler step, and complete any
 host staging or slot copy in any order. After every rule every invariant of "Slot pool
 invariants" is checked, the slot buffers against the adapters' own tensors; every forward pass
-is checked as it is issued; at the end every request is ended and nothing may be left over.
+is checked as it is issued; at the end every request is ended and nothing may be left over. Every load that
+evicts is checked against the shares (lora/pool_shares.py): a tenant within its share never loses an adapter to
+another tenant, and an owner at or over its share evicts its own idle adapters before anyone else's.
 
 Host staging and slot copies run on hand-driven test doubles (`ManualExecutor`,
 `ManualCopyEngine`). They exist only to force completion orders a real thread pool and a single
@@ -55,6 +58,7 @@ MAX_EXAMPLES = 200
 STEPS = 60
 MAX_RANK = 8
 NAMES = ("a", "b", "c")
+OWNERS = (None, "t1", "t2")  # adapters' tenants (None: shared)
 TENANTS = (None, TenantTag("x"), TenantTag("y", weight=2.0), TenantTag("z", max_running=1))
 # Different ranks, scalings and target modules, so a reused slot must be fully overwritten.
 URI_SPECS = [
@@ -189,25 +193,37 @@ class SlotPoolMachine(RuleBasedStateMachine):
     @initialize(
         slots=st.integers(1, 3), kv_blocks=st.sampled_from([4, 64]), max_num_seqs=st.sampled_from([2, 64]),
         async_scheduling=st.sampled_from(["off", "on"]), pages=st.sampled_from([None, 2, 3, 5, 7]),
+        shared_tenants=st.integers(0, 2), extra=st.integers(0, 1),
     )
-    def setup(self, slots: int, kv_blocks: int, max_num_seqs: int, async_scheduling: str, pages: int | None
-              ) -> None:
+    def setup(self, slots: int, kv_blocks: int, max_num_seqs: int, async_scheduling: str, pages: int | None,
+              shared_tenants: int, extra: int) -> None:
         """`pages`: None, the fixed-slot pool of `slots` slots; else the pool sized by memory, with
-        room for that many pages of PAGE_RANK rows (a rank-8 adapter takes 2)."""
+        room for that many pages of PAGE_RANK rows (a rank-8 adapter takes 2). `shared_tenants`: how
+        many of t1, t2 get a share of the pool (an adapter of the largest rank, `extra` pages more for
+        t1), as many as leave room for one such adapter outside the shares."""
         self.executor, self.copies = ManualExecutor(), ManualCopyEngine()
 
         def manager(**kwargs: object) -> LoRAManager:
             return LoRAManager(**{**kwargs, "host_executor": self.executor})  # type: ignore[arg-type]
 
         pool: dict = {"max_loras": slots}
+        num_pages, largest = slots, 1
+        per_page = bytes_per_page(builtin_tiny_config().lora_shapes(), MAX_RANK, torch.float32)
         if pages is not None:
             per_page = bytes_per_page(builtin_tiny_config().lora_shapes(), PAGE_RANK, torch.float32)
             pool = {"max_loras": "auto", "lora_page_rank": PAGE_RANK, "lora_memory_bytes": (pages + 1) * per_page}
+            num_pages, largest = pages, 2
+        shares: dict[str, int] = {}
+        for tenant in OWNERS[1:][:shared_tenants]:
+            share = largest + (extra if tenant == "t1" else 0)
+            if sum(shares.values()) + share + largest <= num_pages:
+                shares[tenant] = share * per_page
         config = EngineConfig(
             model="builtin:tiny", device="cpu", **pool, max_lora_rank=MAX_RANK,
             kv_cache_bytes=kv_blocks * KV_BLOCK_BYTES,
             max_num_seqs=max_num_seqs, aging_steps=10**9,  # no aging barrier: every queued request's adapter is needed
             async_scheduling=async_scheduling,  # on: each step runs on the device worker while the next is planned
+            adapter_pool_shares=shares,
         )
         with mock.patch("inference_service.engine.core.LoRAManager", manager), \
                 mock.patch("inference_service.engine.core.make_copy_engine", lambda *a: self.copies):
@@ -215,6 +231,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
         assert self.core.runner.kv.num_blocks == kv_blocks
         if pages is not None:
             assert self.lora._pool.num_pages == pages and self.lora._pool.max_adapters is None
+        assert self.lora._pool.shares.pages == {t: b // per_page for t, b in shares.items()}
+        self._check_evictions_by_share()
         real_plan = self.core.runner.plan
 
         def checked_plan(batch):  # every step is planned here, with or without async scheduling
@@ -226,19 +244,19 @@ class SlotPoolMachine(RuleBasedStateMachine):
     # ---- rules ----
 
     @rule(name=st.sampled_from(NAMES), uri=st.integers(0, len(URI_SPECS) - 1), pinned=st.booleans(),
-          preload=st.booleans())
-    def load(self, name: str, uri: int, pinned: bool, preload: bool) -> None:
-        """Register, re-register or version-swap (a different URI) an adapter."""
-        self._load(lambda: self.lora.load_adapter(name, self.uris[uri], pinned=pinned, preload=preload), name, pinned,
-                   self.uris[uri])
+          preload=st.booleans(), owner=st.sampled_from(OWNERS))
+    def load(self, name: str, uri: int, pinned: bool, preload: bool, owner: str | None) -> None:
+        """Register, re-register or version-swap (a different URI or owner) an adapter."""
+        self._load(lambda: self.lora.load_adapter(name, self.uris[uri], pinned=pinned, preload=preload, owner=owner),
+                   name, pinned, self.uris[uri], owner)
 
     @precondition(lambda self: self.core is not None and bool(self.lora._registry.current))
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(self.lora._registry.current)))
         current = self.lora._registry.resolve(name)
-        self._load(lambda: self.lora.load_adapter(name, current.uri, current.sha256, pinned=True), name, True,
-                   current.uri)
+        self._load(lambda: self.lora.load_adapter(name, current.uri, current.sha256, pinned=True, owner=current.owner),
+                   name, True, current.uri, current.owner)
 
     @rule(name=st.sampled_from(NAMES))
     def unload(self, name: str) -> None:
@@ -392,6 +410,16 @@ class SlotPoolMachine(RuleBasedStateMachine):
             assert sum(by_name.values()) + pool.pages_for(MAX_RANK) <= pool.num_pages
             resident = sum(len(pages) for u, pages in pool.uid_to_pages.items() if u in pinned_now)
             assert resident + pool.pages_for(MAX_RANK) <= pool.num_pages
+        # And none takes every page of a share (or of the part no share holds): per group, as above.
+        if pool.shares:
+            by_group: dict[tuple[str | None, str], int] = {}
+            for u in pinned_now:
+                v = registry.versions[u]
+                group = v.owner if pool.shares.share(v.owner) is not None else None
+                by_group[(group, v.name)] = max(by_group.get((group, v.name), 0), pool.pages_for(v.rank or MAX_RANK))
+            for group in {g for g, _ in by_group}:
+                total = sum(p for (g, _), p in by_group.items() if g == group)
+                assert total + pool.pages_for(MAX_RANK) <= pool.shares.pin_budget(group, pool.num_pages), group
         # An adapter that was protected before the last rule still holds the same pages.
         protected = self.prev_protected - (self.prev_pinned - pinned_now)
         for uid, pages in self.prev_pages.items():
@@ -443,22 +471,67 @@ class SlotPoolMachine(RuleBasedStateMachine):
         assert self.core is not None
         return self.core.lora
 
+    def _check_evictions_by_share(self) -> None:
+        """Wrap the manager's slot loads: each one's capacity evictions, in order, must follow the shares."""
+        lora = self.lora
+        real_start, real_evict = lora._start_slot_load, lora._evict
+        evicted: list[str] = []
+
+        def recording_evict(uid: str, cause: str, why: str = "") -> None:
+            if cause == "capacity":
+                evicted.append(uid)
+            real_evict(uid, cause, why)
+
+        def checked_start(entry, needed: set[str]) -> bool:
+            pool, shares = lora._pool, lora._pool.shares
+            held, owners = pool.pages_by_owner(), dict(pool.uid_to_owner)
+            pages = {uid: len(p) for uid, p in pool.uid_to_pages.items()}
+            evictable = set(pool.uid_to_pages) - lora.unevictable(needed | {entry.uid})
+            wanted, requester = pool.pages_for(entry.host.rank), entry.owner
+            fits = wanted <= pool.free_pages and (pool.max_adapters is None or len(pages) < pool.max_adapters)
+            evicted.clear()
+            started = real_start(entry, needed)
+            if fits or not started:
+                assert not evicted, "evicted while the pool had room, or for a load that did not start"
+            within = shares.within(requester, held, wanted)
+            left = Counter(held)
+            for i, uid in enumerate(evicted):
+                owner = owners[uid]
+                assert uid in evictable
+                if owner != requester:
+                    # A tenant within its share never loses an adapter to another tenant.
+                    assert shares.unprotected(owner, left), f"{uid} of {owner} evicted for {entry.uid} of {requester}"
+                    if shares.share(requester) is not None and not within:
+                        mine = {u for u in evictable if owners[u] == requester}
+                        assert mine <= set(evicted[:i]), f"{uid} evicted before {requester}'s own {mine}"
+                left[owner] -= pages[uid]
+            return started
+
+        lora._start_slot_load = checked_start  # type: ignore[method-assign]
+        lora._evict = recording_evict  # type: ignore[method-assign]
+
     def _pinned(self) -> set[str]:
         return {v.uid for v in self.lora._registry.versions.values() if v.pinned and not v.draining}
 
-    def _load(self, call: Callable[[], concurrent.futures.Future], name: str, pinned: bool, uri: str) -> None:
+    def _load(self, call: Callable[[], concurrent.futures.Future], name: str, pinned: bool, uri: str,
+              owner: str | None) -> None:
         registry = self.lora._registry
         current = registry.versions[registry.current[name]] if name in registry.current else None
-        already_pinned = current is not None and current.pinned and current.uri == uri
+        same = current is not None and current.uri == uri and current.owner == owner
+        already_pinned = same and current.pinned
         # The manager counts pinned versions of the other names (a swap replaces this name's).
         others = [v for v in registry.versions.values() if v.pinned and not v.draining and v.name != name]
         pool = self.lora._pool
         if pool.max_adapters is not None:
             full = len(others) + 1 >= pool.max_adapters
-        else:  # pages: the others' and this one's (at the largest rank until staged) leave room for one more
-            mine = pool.pages_for((current.rank if current is not None and current.uri == uri else 0) or MAX_RANK)
+        mine = pool.pages_for((current.rank if same else 0) or MAX_RANK)
+        if pool.max_adapters is None:  # pages: the others' and this one's (at the largest rank until staged) leave room
             full = sum(pool.pages_for(v.rank or MAX_RANK) for v in others) + mine + pool.pages_for(MAX_RANK) \
                 > pool.num_pages
+        shares = pool.shares
+        if shares:  # and so do those of its share (or of the part no share holds)
+            group = sum(pool.pages_for(v.rank or MAX_RANK) for v in others if shares.in_group(owner, v.owner))
+            full = full or group + mine + pool.pages_for(MAX_RANK) > shares.pin_budget(owner, pool.num_pages)
         refused = pinned and not already_pinned and full
         try:
             self.load_futures.append(call())

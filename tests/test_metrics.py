@@ -6,7 +6,7 @@ import subprocess
 import urllib.request
 from dataclasses import dataclass, field
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.ports import free_port
@@ -77,6 +77,7 @@ class FakeStats:
     lora_pool_bytes_used: int = 300
     lora_resident_by_rank: tuple = ((8, 2), (16, 1))
     lora_evictions_by_cause: tuple = (("capacity", 4), ("drained", 1), ("failed", 0))
+    lora_pool_bytes_by_owner: tuple = (("alice", 200), ("bob", 100))
     preemptions_by_cause: tuple = (("fair_share", 3),)
     updated_at: float = 1.7e9
 
@@ -187,6 +188,18 @@ def test_adapter_labels_are_bounded_to_top_k():
 ACCEPTED_LINT = {name: "should not contain ':'" for name in VLLM_NAMES} | {
     "loraplex_lora_slots_total": 'non-counter metrics should not have "_total" suffix'
 }
+
+
+def test_tenant_pool_bytes_are_bounded_to_top_k_tenants():
+    """One label per tenant up to the top-K by bytes; the rest add up under `other`, so the bound can
+    fail: 12 tenants against a top-K of 10."""
+    by_owner = tuple((f"t{i:02d}", 100 * (i + 1)) for i in range(12))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(lambda: FakeStats(lora_pool_bytes_by_owner=by_owner), tenant_top_k=10))
+    got = {dict(k[1])["tenant"]: v for k, v in _samples(generate_latest(registry).decode()).items()
+           if k[0] == "loraplex_tenant_adapter_pool_bytes"}
+    assert got == {**{f"t{i:02d}": 100 * (i + 1) for i in range(2, 12)}, "other": 100 + 200}
+    assert sum(got.values()) == sum(n for _, n in by_owner)
 
 
 def test_promtool_check_metrics_clean_except_fixed_names():

@@ -91,7 +91,7 @@ class FakeEngine:
     def adapter_is_current(self, name):
         return name in self.adapters
 
-    def load_adapter(self, name, uri, sha256=None, pinned=False, preload=False):
+    def load_adapter(self, name, uri, sha256=None, pinned=False, preload=False, owner=None):
         import concurrent.futures
 
         fut = concurrent.futures.Future()

@@ -58,6 +58,7 @@ ALLOWED_CODES: dict[str, set[str | None]] = {
     "deadline": {"DEADLINE_EXCEEDED", "CANCELLED", "OK", None},
     "killed": {"CANCELLED"},
 }
+STORM_ADMIN_TOKEN = "storm-admin-token"
 LOG_LINE = re.compile(r"request (\S+) adapter=\S+ finish=(\S+) code=(\w+) tokens=(\d+)")
 # The references gauge also sees references on adapters not in a slot (a stream cancelled while its
 # adapter stages holds one there), which the slot gauge cannot.
@@ -95,16 +96,17 @@ def storm_server(tmp_path_factory):
     tenants = root / "tenants.json"
     tenants.write_text(json.dumps({"tenants": [
         {"name": name, "token_sha256": hashlib.sha256(token.encode()).hexdigest(), "min_priority": -10,
-         "max_running": 1000, "tokens_per_minute": 10_000_000} for name, token in STORM_TENANTS.items()]}))
+         "max_running": 1000, "tokens_per_minute": 10_000_000} for name, token in STORM_TENANTS.items()]
+        + [{"name": "anonymous", "anonymous": True}]}))  # every 4th request carries no token
     s = start_inference_server(
         ["--model", "builtin:tiny", "--max-loras", "4", "--max-queue", "1024",
          "--adapter-source-allow", root.as_uri(), "--tenants-file", str(tenants)],
-        log_dir=tmp_path_factory.mktemp("storm-logs"),
+        log_dir=tmp_path_factory.mktemp("storm-logs"), env={"LORAPLEX_ADMIN_TOKEN": STORM_ADMIN_TOKEN},
     )
-    with InferenceClient(s.address) as c:
+    with InferenceClient(s.address, token=STORM_ADMIN_TOKEN) as c:  # shared: every tenant's requests use them
         for i in range(N_ADAPTERS):
             path = write_peft_adapter(root / f"s{i}", rank=(4, 8, 16)[i % 3], seed=500 + i)
-            c.load_adapter(f"s{i}", path.as_uri())  # not preloaded: the storm triggers the loads
+            c.load_adapter(f"s{i}", path.as_uri(), shared=True)  # not preloaded: the storm triggers the loads
     yield s
     s.stop()
 

@@ -1,6 +1,7 @@
 """The inference server's listeners, on a real `loraplex-inference` subprocess:
 - mTLS (`--tls-client-ca`): a client certificate from another CA is refused, also when that CA
-  carries the trusted CA's very name; one from the trusted CA is served;
+  carries the trusted CA's very name; one from the trusted CA is served; the HTTP port, which takes
+  no certificates, refuses a request without a credential (401);
 - `--listen unix:///path`: Generate, health and admin RPCs over the socket, and a restart after a
   crash on the socket file the dead server left behind.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -37,8 +39,14 @@ def test_mtls_refuses_a_client_certificate_from_another_ca(tmp_path: Path) -> No
     root = ca.cert.read_bytes()
     creds = grpc.ssl_channel_credentials(root, *reversed(trusted.pem()))
     server = start_inference_server(["--tls-cert", str(server_cert.cert), "--tls-key", str(server_cert.key),
-                                     "--tls-client-ca", str(ca.cert)], log_dir=tmp_path, credentials=creds)
+                                     "--tls-client-ca", str(ca.cert)], log_dir=tmp_path, credentials=creds,
+                                    http=True)
     try:
+        # The HTTP port takes no client certificates: with mTLS required, it is no way around it
+        # (no credential: 401), while its probe stays open.
+        r = httpx.post(server.http_url + "/v1/completions", json={"model": "builtin:tiny", "prompt": "hi"}, timeout=30)
+        assert r.status_code == 401, r.text
+        assert httpx.get(server.http_url + "/health", timeout=30).status_code == 200
         address = server.address
         cert, key = foreign.pem()
         with InferenceClient(address, root_certificates=root, client_cert=cert, client_key=key) as client:

@@ -215,18 +215,22 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "uri", "sha256", "pinned", "preload")
+    __slots__ = ("name", "uri", "sha256", "pinned", "preload", "shared", "tenant")
     NAME_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     PRELOAD_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     name: str
     uri: str
     sha256: str
     pinned: bool
     preload: bool
-    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., preload: _Optional[bool] = ...) -> None: ...
+    shared: bool
+    tenant: str
+    def __init__(self, name: _Optional[str] = ..., uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., preload: _Optional[bool] = ..., shared: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "uri", "state", "slot", "pinned", "rank", "size_bytes", "active_requests", "version")

@@ -60,6 +60,7 @@ class LoadAdapter:
     pinned: bool = False
     preload: bool = False
     on_demand: bool = False  # the adapter resolver's registration (see LoRAManager.load_adapter)
+    owner: str | None = None  # the tenant it belongs to (its share of the adapter pool); None: shared
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,11 @@ class EngineClient(Protocol):
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None: ...
 
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]: ...
+                     preload: bool = False, on_demand: bool = False,
+                     owner: str | None = None) -> concurrent.futures.Future[AdapterInfo]:
+        """`owner`: the tenant the adapter belongs to, whose share of the adapter pool it takes
+        (None: shared, an operator's)."""
+        ...
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]: ...
 
@@ -266,9 +271,11 @@ class EngineClientBase(abc.ABC):
         return streams
 
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
-        """`on_demand`: the adapter resolver's registration (see LoRAManager.load_adapter)."""
-        return self._run(LoadAdapter(adapter_name(name), uri, sha256, pinned, preload, on_demand))
+                     preload: bool = False, on_demand: bool = False,
+                     owner: str | None = None) -> concurrent.futures.Future[AdapterInfo]:
+        """`on_demand`: the adapter resolver's registration; `owner`: its tenant (see
+        LoRAManager.load_adapter)."""
+        return self._run(LoadAdapter(adapter_name(name), uri, sha256, pinned, preload, on_demand, owner))
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         return self._run(UnloadAdapter(adapter_name(name)))

@@ -34,6 +34,10 @@ class EngineConfig:
     # pool"), less what the KV cache needs for one request of the whole context.
     lora_memory_fraction: float | None = None
     lora_page_rank: int = 8
+    # Bytes of the adapter pool per tenant (the tenants file's adapter_pool_bytes): a load evicts its
+    # tenant's own adapters before anyone else's once the tenant holds its share, and never those of a
+    # tenant within its share (lora/pool_shares.py). Empty: one least-recently-used pool for all.
+    adapter_pool_shares: dict[str, int] = field(default_factory=dict)
     block_size: int = 16  # tokens per KV block
     # Automatic prefix caching: full KV blocks are kept, keyed by their content, weights and the
     # operator's salt, and a prompt reuses the longest cached chain of them (engine.prefix_cache)

@@ -178,6 +178,7 @@ def build_lora_manager(
         b_rank_major=model.lora_op.b_rank_major,
         max_registered=config.max_registered_adapters,
         load_timeout_s=config.adapter_load_timeout_s,
+        pool_shares=config.adapter_pool_shares,
     )
     model.attach_lora_buffers(lora.slot_buffers)
     return lora
@@ -427,9 +428,9 @@ class EngineCore:
 
     def load_adapter(
         self, name: str, uri: str, sha256: str | None = None, pinned: bool = False, preload: bool = False,
-        on_demand: bool = False,
+        on_demand: bool = False, owner: str | None = None,
     ) -> concurrent.futures.Future[AdapterVersion]:
-        return self.lora.load_adapter(name, uri, sha256, pinned, preload, on_demand)
+        return self.lora.load_adapter(name, uri, sha256, pinned, preload, on_demand, owner)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         return self.lora.unload_adapter(name)
@@ -476,6 +477,7 @@ class EngineCore:
             lora_pool_bytes_used=lora.pool_bytes_used,
             lora_resident_by_rank=lora.resident_by_rank,
             lora_evictions_by_cause=lora.evictions_by_cause,
+            lora_pool_bytes_by_owner=lora.pool_bytes_by_owner,
             preemptions_by_cause=tuple(self.scheduler.preemptions.items()),
             updated_at=time.time(),
         )

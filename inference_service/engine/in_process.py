@@ -107,11 +107,12 @@ class CoreThread:
         return result
 
     def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False, on_demand: bool = False) -> concurrent.futures.Future[AdapterInfo]:
+                     preload: bool = False, on_demand: bool = False,
+                     owner: str | None = None) -> concurrent.futures.Future[AdapterInfo]:
         result: concurrent.futures.Future[AdapterInfo] = concurrent.futures.Future()
 
         def run(core: EngineCore) -> None:
-            inner = core.load_adapter(name, uri, sha256, pinned, preload, on_demand)
+            inner = core.load_adapter(name, uri, sha256, pinned, preload, on_demand, owner)
             inner.add_done_callback(lambda f: self._resolve_adapter(f, result, name))
 
         self._commands.put(lambda core: self._guarded(core, run, result))
@@ -130,7 +131,8 @@ class CoreThread:
         """A typed call (engine.client.CoreCall) on the scheduler thread, each on a named method
         of EngineCore; its result (or error) in the future."""
         if isinstance(call, LoadAdapter):
-            return self.load_adapter(call.name, call.uri, call.sha256, call.pinned, call.preload, call.on_demand)
+            return self.load_adapter(call.name, call.uri, call.sha256, call.pinned, call.preload, call.on_demand,
+                                     call.owner)
         if isinstance(call, UnloadAdapter):
             return self.unload_adapter(call.name)
         return self.call(run_call, call)

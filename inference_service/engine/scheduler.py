@@ -278,11 +278,9 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        barrier = self._aging_barrier()
+        barred = self._aging_barrier()
         needed = {r.adapter_uid for r in self.running if r.adapter_uid}
-        needed |= {
-            r.adapter_uid for r in self.waiting if r.adapter_uid and (barrier is None or r.arrival_seq <= barrier)
-        }
+        needed |= {r.adapter_uid for r in self.waiting if r.adapter_uid and not barred(r)}
         admission = _Admission(batch, budget, Counter(tenant_of(r) for r in self.running), self.fair)
         failed: list[tuple[Request, LoraplexError]] = []
         blocked = False
@@ -293,7 +291,7 @@ class Scheduler:
                 reason = WaitReason.SAMPLES  # the line goes on without it
             elif blocked:
                 reason = WaitReason.QUEUED
-            elif barrier is not None and request.arrival_seq > barrier and request.adapter_uid is not None:
+            elif barred(request):
                 reason = WaitReason.AGING  # an older request must get a slot first
             elif admission.budget == 0:
                 reason = WaitReason.BATCH_FULL
@@ -495,14 +493,17 @@ class Scheduler:
                 break
             self.kv.pool.cache(table[i], hashes[i])
 
-    def _aging_barrier(self) -> int | None:
-        """Arrival number of the oldest waiting request that has aged out and cannot get a slot."""
-        for request in self.waiting:
-            if request.skipped_steps < self.config.aging_steps or request.adapter_uid is None:
+    def _aging_barrier(self) -> Callable[[Request], bool]:
+        """Which requests wait behind the oldest waiting request that has aged out and cannot get a
+        slot: later ones with an adapter whose pool pages it could take (with per-tenant pool shares,
+        not those of a tenant within its share, which it could never evict: lora/pool_shares.py)."""
+        for aged in self.waiting:
+            if aged.skipped_steps < self.config.aging_steps or aged.adapter_uid is None:
                 continue
-            if request.wait_reason is WaitReason.SLOTS_FULL:
-                return request.arrival_seq
-        return None
+            if aged.wait_reason is WaitReason.SLOTS_FULL:
+                seq, competes = aged.arrival_seq, self.lora.held_back_by(aged.adapter_uid)
+                return lambda r: r.adapter_uid is not None and r.arrival_seq > seq and competes(r.adapter_uid)
+        return lambda r: False
 
 
 class _Admission:

@@ -92,6 +92,8 @@ class EngineStats:
     lora_pool_bytes_used: int = 0
     lora_resident_by_rank: tuple[tuple[int, int], ...] = ()
     lora_evictions_by_cause: tuple[tuple[str, int], ...] = ()
+    # (tenant, bytes its resident adapters hold): at most one row per resident adapter, never per registered
+    lora_pool_bytes_by_owner: tuple[tuple[str, int], ...] = ()
     preemptions_by_cause: tuple[tuple[str, int], ...] = ()  # (cause, count): request.PREEMPTION_CAUSES
     updated_at: float = 0.0  # wall-clock time of this snapshot: vllm:lora_requests_info's value
 

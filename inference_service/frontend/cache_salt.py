@@ -3,13 +3,15 @@
 The engine keys cached blocks by the weights and this salt (engine.prefix_cache). It is built here
 from what the operator configured and what the transport authenticated, never from a request
 field: `--prefix-cache-salt` (the operator's, mixed into every key), and `--prefix-cache-scope`:
-- `shared` (default): one namespace per weights (base model or adapter version) for all clients:
-  a prompt another client sent is a hit, which that client can observe as a faster first token.
+- `shared` (the default without tenant configuration): one namespace per weights (base model or
+  adapter version) for all clients: a prompt another client sent is a hit, which that client can
+  observe as a faster first token and in `cached_tokens`.
 - `listener`: the gRPC and HTTP listeners never share.
-- `identity`: clients of different tenants never share (frontend/tenants.py: a bearer token of
-  --tenants-file or the admin token, the operator's trusted tenant header, or the mTLS client
-  certificate's subject), on either front end. Anonymous requests share their listener's
-  namespace: without an identity there is no tenant to tell apart.
+- `identity` (the default with any tenant configuration, ServerConfig.cache_scope): clients of
+  different tenants never share (frontend/tenants.py: a bearer token of --tenants-file or the admin
+  token, the operator's trusted tenant header, or the mTLS client certificate's subject), on either
+  front end, unless the operator puts tenants in one `cache_group`. The anonymous tenant keeps its
+  listener's namespace, apart from every named tenant's.
 Typed (kind, value) pairs, so no listener, identity or operator salt can be spelled as another.
 """
 

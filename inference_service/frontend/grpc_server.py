@@ -42,8 +42,10 @@ from inference_service.frontend.cache_salt import cache_salt, grpc_identity
 from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.grammar_check import COMPILE_CPU_S, COMPILE_PROCESSES, shared_checker
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
-from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_load, adapter_name, engine_end_error
+from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_name, engine_end_error
+from inference_service.frontend.namespace import public_message
 from inference_service.frontend.preload import PreloadEntry, Preloader
+from inference_service.frontend.tenant_adapters import TenantAdapters
 from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, TenantSpec, Ticket, tenant_identity
 from inference_service.limits import ADAPTER_NAME_PATTERN, shown
 
@@ -94,24 +96,43 @@ class ServerConfig:
     watchdog_stall_s: float = 60.0  # a scheduler step this long: NOT_SERVING, liveness fails (0: no stall check)
     adapter_resolver: str = ""  # URI template with {name}: unregistered adapters load on first use
     health_listen: str = ""  # HOST:PORT: grpc.health.v1 alone, plaintext (kubelet probes when --listen has TLS)
-    # Who may share prefix-cached KV (frontend/cache_salt.py): shared | listener | identity, and the
-    # operator's salt mixed into every key
-    prefix_cache_scope: str = "shared"
+    # Who may share prefix-cached KV (frontend/cache_salt.py): shared | listener | identity (None:
+    # identity with any tenant configuration, else shared; see cache_scope), and the operator's salt
+    # mixed into every key
+    prefix_cache_scope: str | None = None
     prefix_cache_salt: str | None = None
     # Tenants (frontend/tenants.py): --tenants-file's entries, the operator's trusted header, and the
     # tenants with their own label in the per-tenant metrics
     tenants: tuple[TenantSpec, ...] = ()
     trusted_tenant_header: str | None = None
     tenant_metrics_top_k: int = 10
+    state_dir: str | None = None  # adapters loaded through the API are kept here across restarts
     _tenancy: Tenancy | None = field(default=None, init=False, repr=False, compare=False)
+    _adapters: TenantAdapters | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def tenancy(self) -> Tenancy:
         """The tenant state both front ends of this server share (bindings, quotas, metrics)."""
         if self._tenancy is None:
             self._tenancy = Tenancy(self.tenants, self.admin_token, self.trusted_tenant_header,
-                                    self.tenant_metrics_top_k)
+                                    self.tenant_metrics_top_k, mtls=self.tls_client_ca is not None)
         return self._tenancy
+
+    @property
+    def adapters(self) -> TenantAdapters:
+        """The adapter namespaces, sources and limits both front ends of this server share."""
+        if self._adapters is None:
+            self._adapters = TenantAdapters(self.tenants, UriPolicy(self.adapter_source_allow), self.state_dir,
+                                            self.tenant_metrics_top_k)
+        return self._adapters
+
+    @property
+    def cache_scope(self) -> str:
+        """The prefix-cache scope in force: the operator's, else per tenant whenever tenants are
+        configured (a prompt's cache hit must not tell one tenant what another sent)."""
+        if self.prefix_cache_scope is not None:
+            return self.prefix_cache_scope
+        return "identity" if self.tenancy.enabled else "shared"
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -131,6 +152,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                        config.grammar_compile_wall_s, config.grammar_check_processes)
         self.preloader: Preloader | None = None  # set by serve(): its entries show in ListAdapters
         self.tenancy = config.tenancy
+        self.adapters = config.adapters
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The caller's tenant (frontend/tenants.py); UNAUTHENTICATED for a token the tenants file lacks."""
@@ -140,6 +162,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         started = time.monotonic()
         request_id, adapter = "-", None
+        engine_adapter: str | None = None  # what the adapter name means for this tenant (frontend/namespace.py)
         code = "OK"
         reason: FinishReason | None = None
         generated = 0
@@ -154,22 +177,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             request_id = request.request_id or uuid.uuid4().hex
             adapter = request.adapter or None
             intake = self.intake.from_grpc(request, request_id, self.chat_template)
-            self.tenancy.check_visible(tenant, intake.adapter)  # another tenant's adapter: as if none
+            engine_adapter = self.adapters.resolve(self.engine, tenant, intake.adapter)  # its own, else shared
             self.tenancy.check_priority(tenant, request.priority)
             # The quotas first: a tenant over them costs no grammar compile and no adapter load.
             ticket = self.tenancy.admit(tenant, intake.n, len(intake.prompt_token_ids), intake.params.max_new_tokens)
             if intake.params.grammar is not None:  # compiled once, bounded, before anything is submitted
                 await self.grammars.check(intake.params.grammar)
-            await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, intake.adapter)
-            salt = cache_salt(self.config.prefix_cache_scope, self.config.prefix_cache_salt, "grpc",
+            await resolve_adapter(self.engine, self.config.adapter_resolver, self.uri_policy, engine_adapter)
+            salt = cache_salt(self.config.cache_scope, self.config.prefix_cache_salt, "grpc",
                               tenant_identity(tenant))
             if intake.n == 1:
-                streams = [self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=intake.adapter,
+                streams = [self.engine.add_request(intake.prompt_token_ids, intake.params, adapter=engine_adapter,
                                                    request_id=intake.request_id, cache_salt=salt, tenant=tenant.tag,
                                                    priority=request.priority)]
             else:  # n samples sharing the prompt's prefill, each its own engine request
                 streams = self.engine.add_samples(intake.prompt_token_ids, intake.params, intake.n,
-                                                  adapter=intake.adapter, request_id=intake.request_id,
+                                                  adapter=engine_adapter, request_id=intake.request_id,
                                                   cache_salt=salt, tenant=tenant.tag, priority=request.priority)
             sample_ids = [stream.request_id for stream in streams]
             counts = [0] * len(streams)
@@ -191,12 +214,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 # (the other samples are aborted below).
                 error = engine_end_error(engine_ended)
                 code = error.code if error.code in grpc.StatusCode.__members__ else "INTERNAL"
-                await context.abort(grpc.StatusCode[code], str(error))
+                await context.abort(grpc.StatusCode[code], public_message(str(error), engine_adapter, adapter))
         except LoraplexError as e:
             code = e.code
             if isinstance(e, QuotaExceeded):  # the retry hint, as HTTP's Retry-After
                 context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000) + 1)),))
-            await context.abort(grpc.StatusCode[e.code], str(e))
+            await context.abort(grpc.StatusCode[e.code], public_message(str(e), engine_adapter, adapter))
         except (asyncio.CancelledError, _ClientGone) as e:
             code = _cancel_code(context)
             if code == "DEADLINE_EXCEEDED":
@@ -259,47 +282,38 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._unary("LoadAdapter", context, self._load_adapter, pb.LoadAdapterRequest, raw, admin=True)
 
     async def _load_adapter(self, request: pb.LoadAdapterRequest, context: Any) -> pb.LoadAdapterResponse:
-        load = adapter_load(request.name, request.uri, request.sha256, self.uri_policy)
-        with self.tenancy.loading(self._tenant(context), load.name, self.engine.adapter_is_current(load.name)):
-            fut = self.engine.load_adapter(load.name, load.uri, sha256=load.sha256, pinned=request.pinned,
-                                           preload=request.preload)
-            info = await asyncio.wrap_future(fut)
-        log.info("adapter %s loaded from %s (pinned=%s preload=%s)", load.name, shown(load.uri), request.pinned,
-                 request.preload)
-        return pb.LoadAdapterResponse(adapter=_adapter_pb(info))
+        _, info = await self.adapters.load(self.engine, self._tenant(context), request.name, request.uri,
+                                           request.sha256, pinned=request.pinned, preload=request.preload,
+                                           shared=request.shared, for_tenant=request.tenant)
+        return pb.LoadAdapterResponse(adapter=_adapter_pb(info, name=request.name))
 
     async def UnloadAdapter(self, raw: bytes, context: grpc.aio.ServicerContext):
         return await self._unary("UnloadAdapter", context, self._unload_adapter, pb.UnloadAdapterRequest, raw,
                                  admin=True)
 
     async def _unload_adapter(self, request: pb.UnloadAdapterRequest, context: Any) -> pb.UnloadAdapterResponse:
-        name = adapter_name(request.name)
-        self.tenancy.check_unload(self._tenant(context), name)
-        await asyncio.wrap_future(self.engine.unload_adapter(name))
-        self.tenancy.bind(name, None)
-        log.info("adapter %s unloaded", request.name)
+        await self.adapters.unload(self.engine, self._tenant(context), adapter_name(request.name))
         return pb.UnloadAdapterResponse()
 
     async def ListAdapters(self, raw: bytes, context: grpc.aio.ServicerContext):
         return await self._unary("ListAdapters", context, self._list_adapters, pb.ListAdaptersRequest, raw)
 
     async def _list_adapters(self, request: pb.ListAdaptersRequest, context: Any) -> pb.ListAdaptersResponse:
-        """One page, ordered by (name, version). URIs only for admin callers: they can locate
+        """One page, ordered by (name, version) of the names the caller knows them by: a tenant its own
+        and the shared ones, an admin every engine name. URIs only for admin callers: they can locate
         (and, with credentials or internal hosts in them, reveal) where other tenants' weights live."""
         if request.page_size > LIST_MAX_PAGE_SIZE:
             raise InvalidArgumentError(f"page_size must be at most {LIST_MAX_PAGE_SIZE}")
         size = request.page_size or LIST_PAGE_SIZE
         after = _page_key(request.page_token) if request.page_token else None
-        # One more than asked: it says whether a next page exists.
-        infos = await asyncio.wrap_future(self.engine.list_adapters(size + 1, after))
-        page, more = infos[:size], len(infos) > size
         admin = self._is_admin(context)
-        tenant = self._tenant(context)
-        # A tenant sees its own adapters and unbound ones (a page may then hold fewer than page_size).
-        resp = pb.ListAdaptersResponse(adapters=[_adapter_pb(a, with_uri=admin) for a in page
-                                                 if self.tenancy.visible(tenant, a.name)])
+        # Paged over what this caller sees, so a page token never names an adapter it may not see.
+        seen = [(name, info) for name, info in await self.adapters.visible(self.engine, self._tenant(context))
+                if after is None or (name, info.version) > after]
+        page, more = seen[:size], len(seen) > size
+        resp = pb.ListAdaptersResponse(adapters=[_adapter_pb(info, with_uri=admin, name=name) for name, info in page])
         if more:
-            resp.next_page_token = f"{page[-1].name}@{page[-1].version}"
+            resp.next_page_token = f"{page[-1][0]}@{page[-1][1].version}"
         else:
             resp.adapters.extend(await self._unregistered_preloads(admin))
         return resp
@@ -499,10 +513,11 @@ def _since(start: float, end: float | None) -> float:
     return max(0.0, end - start) if end is not None and math.isfinite(end) else 0.0
 
 
-def _adapter_pb(info: Any, with_uri: bool = True) -> pb.Adapter:
+def _adapter_pb(info: Any, with_uri: bool = True, name: str | None = None) -> pb.Adapter:
+    """`name`: what the caller knows it by (namespace.shown_name), the engine name by default."""
     state = getattr(pb, "ADAPTER_STATE_" + str(info.state).upper().split(".")[-1].split("(")[0], 0)
     return pb.Adapter(
-        name=info.name,
+        name=info.name if name is None else name,
         uri=info.uri if with_uri else "",
         state=state,
         slot=info.slot if info.slot is not None else -1,
@@ -596,6 +611,7 @@ async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
     are in. Other preloads load (and retry) in the background. `collectors`: a prometheus registry
     to register the health and preload metrics on."""
     running = await build_server(engine, config, metrics, serving=False, chat_template=chat_template)
+    await config.adapters.restore(engine)  # the tenants' adapters of the last run, before readiness
     reporter = HealthReporter(running.health, ("", SERVICE_NAME))
     try:  # before the preloads can make readiness SERVING: a ready server serves on every port
         for front_end in front_ends:

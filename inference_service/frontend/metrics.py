@@ -37,6 +37,7 @@ LOAD_TIERS = tuple(LoadTier)
 WAIT_REASONS = tuple(WaitReason)
 BASE_ADAPTER_LABEL = "base"  # adapter label of requests on the base model
 OTHER_ADAPTER_LABEL = "other"  # adapters outside the top-K by traffic
+OTHER_TENANT_LABEL = "other"  # tenants outside the top-K (frontend/tenants.py's OTHER)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -179,10 +180,12 @@ class _AdapterTrafficCollector(Collector):
 
 
 class EngineCollector(Collector):
-    """Gauges read from `stats()` (an EngineStats) at scrape time."""
+    """Gauges read from `stats()` (an EngineStats) at scrape time. `tenant_top_k`: tenants with a
+    label of their own in the per-tenant pool gauge (the rest summed as `other`)."""
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(self, stats: Callable[[], Any], tenant_top_k: int = 10) -> None:
         self._stats = stats
+        self.tenant_top_k = max(0, tenant_top_k)
 
     def collect(self) -> Iterable[Any]:
         s = self._stats()
@@ -227,6 +230,7 @@ class EngineCollector(Collector):
         for cause, count in s.lora_evictions_by_cause:
             evictions.add_metric([cause], count)
         yield evictions
+        yield self._pool_by_tenant(s.lora_pool_bytes_by_owner)
         preemptions = CounterMetricFamily(
             "loraplex_preemptions",
             "Running requests preempted by recompute, by cause: kv_cache (no KV memory to grow), priority (for a "
@@ -281,6 +285,23 @@ class EngineCollector(Collector):
             "vllm:num_requests_waiting", "Requests waiting to be scheduled.", sum(s.requests_waiting.values())
         )
         yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", s.kv_cache_usage)
+
+
+    def _pool_by_tenant(self, by_owner: Iterable[tuple[str, int]]) -> GaugeMetricFamily:
+        """Bytes of the pool each tenant's resident adapters hold: at most one row per resident
+        adapter come from the engine; the top-K tenants by bytes (then name) keep their label."""
+        family = GaugeMetricFamily(
+            "loraplex_tenant_adapter_pool_bytes",
+            "Device bytes of the adapter pool held by a tenant's resident adapters (shared adapters are in "
+            "loraplex_lora_pool_bytes only); the top-K tenants by bytes, the rest as tenant=\"other\".",
+            labels=["tenant"],
+        )
+        ranked = sorted(by_owner, key=lambda row: (-row[1], row[0]))
+        for tenant, nbytes in ranked[: self.tenant_top_k]:
+            family.add_metric([tenant], nbytes)
+        if len(ranked) > self.tenant_top_k:
+            family.add_metric([OTHER_TENANT_LABEL], sum(nbytes for _, nbytes in ranked[self.tenant_top_k:]))
+        return family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,29 +1,39 @@
 """Tenants: who sent a request (from the trusted side only), what they may see, and their quotas.
 
-A request's tenant comes from, in this order:
+Tenant configuration is any of `--tenants-file`, `--trusted-tenant-header`, `--tls-client-ca`. With
+none, every request is the one anonymous tenant, without limits (a single-user server). With any, a
+request's tenant comes from:
 1. `Authorization: Bearer <token>` (gRPC metadata or HTTP header): the admin token names the admin
-   principal (sees everything); a token of `--tenants-file` names its tenant. With a tenants file,
-   any other token, or an Authorization value that is not `Bearer <token>`, is UNAUTHENTICATED
-   (HTTP 401) on every route. Without one the header keeps its old meaning (admin routes only).
-2. `--trusted-tenant-header NAME` (set by the operator for a gateway in front; ignored otherwise):
-   the tenant that header names.
+   principal (sees everything); a token of the tenants file names its tenant. Any other token, or an
+   Authorization value that is not `Bearer <token>`, is UNAUTHENTICATED (HTTP 401) on every route.
+   A token decides even when the trusted header is there too (the header is then ignored).
+2. The operator's trusted header: only a tenant whose entry says `via_trusted_header: true`; a
+   header naming any other (or no) tenant is UNAUTHENTICATED. It is never an admin. The port must
+   then be reachable only through the gateway that sets it.
 3. The mTLS client certificate's subject common name: the tenant whose `mtls_common_name` (or
-   name) it is, else a tenant of that name with no limits.
-4. Nothing: the anonymous tenant (one tenant for every anonymous request).
+   name) it is, else a tenant of that name with no limits (the CA vouched for it).
+4. Nothing: the tenant declared by the entry `{name: anonymous, anonymous: true, ...limits}`, with
+   its own limits like any other; without that entry, UNAUTHENTICATED (HTTP 401).
+A repeated Authorization or trusted header is UNAUTHENTICATED: which value counts would be a guess.
 
-Adapters loaded by a tenant are bound to it: another tenant gets the answer a name that does not
-exist gets (NOT_FOUND, HTTP 404), and lists show a tenant its own adapters and unbound ones.
+Adapters: each tenant has its own namespace (frontend/namespace.py), sources and max_adapters
+(frontend/tenant_adapters.py).
 
-Quotas (per tenant, from the tenants file): `max_running + max_queued` requests in flight (a request
-of n samples counts n), and `tokens_per_minute`, a token bucket that refills continuously and
-holds a minute's worth: a request reserves prompt + max_new_tokens per sample at admission and the
-unused part of its reservation is refunded when it ends. Refusals are RESOURCE_EXHAUSTED (HTTP 429)
-with a retry hint (`QuotaExceeded.retry_after_s`); the limits never touch other tenants' requests.
+Quotas (per tenant, from the tenants file): `max_running + max_queued` requests in flight, where
+each of a request's n samples counts as one, and `tokens_per_minute`, a token bucket that refills
+continuously and holds a minute's worth: a request reserves prompt + max_new_tokens per sample at
+admission and the unused part of its reservation is refunded when it ends. A request over a quota
+now is RESOURCE_EXHAUSTED (HTTP 429) with a retry hint (`QuotaExceeded.retry_after_s`); one that can
+never fit (n above the in-flight cap, a reservation above tokens_per_minute) is INVALID_ARGUMENT
+(HTTP 400), and a tenant whose cap is 0 gets PERMISSION_DENIED (HTTP 403): no retry would pass.
+The limits never touch other tenants' requests.
+
+Prefix cache: per tenant by default whenever tenants are configured (ServerConfig.cache_scope);
+tenants whose entries share a `cache_group` share cached prompts (`tenant_identity`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
@@ -37,11 +47,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from adapter_cache.errors import (
     InvalidArgumentError,
-    NotFoundError,
+    LoraplexError,
     PermissionDeniedError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
+from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.request import TenantTag
 
 ANONYMOUS = "anonymous"  # every request without a credential
@@ -51,7 +62,8 @@ RESERVED_NAMES = (ANONYMOUS, ADMIN, OTHER)
 MAX_TENANTS = 10_000
 MAX_TRACKED = 10_000  # tenants whose counts are kept one by one (the rest: `other`)
 _FIELDS = {"name", "token_sha256", "token_file", "admin", "max_running", "max_queued", "tokens_per_minute",
-           "weight", "mtls_common_name", "min_priority"}
+           "weight", "mtls_common_name", "min_priority", "anonymous", "via_trusted_header", "cache_group",
+           "sources", "max_adapters", "adapter_pool_bytes"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,14 @@ class TenantSpec:
     weight: float = 1.0
     mtls_common_name: str | None = None
     min_priority: int = 0  # the lowest (most urgent) request priority this tenant may ask for
+    anonymous: bool = False  # the tenant of requests without a credential (name `anonymous`)
+    via_trusted_header: bool = False  # the operator's trusted header may name this tenant
+    cache_group: str | None = None  # tenants of one group share prefix-cached KV (None: its own)
+    sources: tuple[str, ...] = ()  # URI prefixes it may load adapters from (inside the allow-list); none: nothing
+    max_adapters: int | None = None  # adapters it may have registered at once
+    # Bytes of the engine's adapter pool it is entitled to: its loads evict its own idle adapters first
+    # once it holds them, and no other tenant evicts its adapters while it is within them (lora/pool_shares.py)
+    adapter_pool_bytes: int | None = None
 
     @property
     def max_in_flight(self) -> int | None:
@@ -91,14 +111,18 @@ class Tenant:
         return TenantTag(self.name, self.spec.weight, self.spec.max_running)
 
 
-ANONYMOUS_TENANT = Tenant(ANONYMOUS)
 ADMIN_TENANT = Tenant(ADMIN, admin=True)
 
 
 def tenant_identity(tenant: Tenant) -> str | None:
-    """The prefix-cache identity (frontend/cache_salt.py, scope `identity`) of a tenant: its name;
-    None for the anonymous tenant (which shares its listener's namespace)."""
-    return None if tenant.name == ANONYMOUS else tenant.name
+    """The prefix-cache identity (frontend/cache_salt.py, scope `identity`) of a tenant: its
+    tenants-file `cache_group` when it has one (the operator's choice to share), else its name,
+    each typed so a group can never be spelled as a tenant; None for the anonymous tenant (which
+    keeps its listener's namespace, apart from every named tenant's)."""
+    if tenant.name == ANONYMOUS:
+        return None
+    group = tenant.spec.cache_group if tenant.spec is not None else None
+    return f"group:{group}" if group is not None else f"tenant:{tenant.name}"
 
 
 def _int(entry: Mapping[str, object], key: str, where: str) -> int | None:
@@ -110,9 +134,22 @@ def _int(entry: Mapping[str, object], key: str, where: str) -> int | None:
     return value
 
 
+def _sources(entry: Mapping[str, object], where: str) -> tuple[str, ...]:
+    """A tenant's adapter sources: URI prefixes, checked as the allow-list's (adapter_cache/uri_policy.py)."""
+    value = entry.get("sources", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{where}: sources must be a list of URI prefixes")
+    try:
+        UriPolicy(value)
+    except LoraplexError as e:
+        raise ValueError(f"{where}: sources: {e}") from None
+    return tuple(value)
+
+
 def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
-    """`{tenants: [{name, token_sha256 | token_file, admin, max_running, max_queued, tokens_per_minute,
-    weight, mtls_common_name}]}` → specs; ValueError on anything else."""
+    """`{tenants: [{name, ...the fields of _FIELDS}]}` → specs (TenantSpec says what each means; at most
+    one entry `{name: anonymous, anonymous: true, ...limits}`, with no credential); ValueError on
+    anything else."""
     import os
 
     if not isinstance(data, dict) or set(data) != {"tenants"} or not isinstance(data["tenants"], list):
@@ -130,7 +167,17 @@ def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
         name = entry.get("name")
         if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable():
             raise ValueError(f"{where}: name must be a printable string of 1-128 characters")
-        if name in RESERVED_NAMES or name in names:
+        anonymous = entry.get("anonymous", False)
+        if not isinstance(anonymous, bool):
+            raise ValueError(f"{where}: anonymous must be true or false")
+        if anonymous and name != ANONYMOUS:
+            raise ValueError(f"{where}: the anonymous tenant is named {ANONYMOUS!r}")
+        if anonymous and set(entry) & {"token_sha256", "token_file", "mtls_common_name", "via_trusted_header", "admin"}:
+            raise ValueError(f"{where}: the anonymous tenant has no credential and is no admin")
+        if name == ANONYMOUS and not anonymous:
+            raise ValueError(f"{where}: {ANONYMOUS!r} is reserved: declare the tenant of requests without a "
+                             "credential with `anonymous: true`")
+        if (name in RESERVED_NAMES and not anonymous) or name in names:
             raise ValueError(f"{where}: tenant name {name!r} is reserved or repeated")
         names.add(name)
         digest: bytes | None = None
@@ -169,9 +216,18 @@ def parse_tenants(data: object, base_dir: str = ".") -> tuple[TenantSpec, ...]:
         min_priority = entry.get("min_priority", 0)
         if not isinstance(min_priority, int) or isinstance(min_priority, bool) or abs(min_priority) > 2**31 - 1:
             raise ValueError(f"{where}: min_priority must be an int32")
+        via_header = entry.get("via_trusted_header", False)
+        if not isinstance(via_header, bool):
+            raise ValueError(f"{where}: via_trusted_header must be true or false")
+        group = entry.get("cache_group")
+        if group is not None and (not isinstance(group, str) or not group or len(group) > 128):
+            raise ValueError(f"{where}: cache_group must be a string of 1-128 characters")
         specs.append(TenantSpec(name, digest, admin, _int(entry, "max_running", where),
                                 _int(entry, "max_queued", where), _int(entry, "tokens_per_minute", where),
-                                float(weight), cn, min_priority))
+                                float(weight), cn, min_priority, anonymous=anonymous,
+                                via_trusted_header=via_header, cache_group=group,
+                                sources=_sources(entry, where), max_adapters=_int(entry, "max_adapters", where),
+                                adapter_pool_bytes=_int(entry, "adapter_pool_bytes", where)))
     if len(specs) > MAX_TENANTS:
         raise ValueError(f"tenants file: at most {MAX_TENANTS} tenants")
     return tuple(specs)
@@ -244,9 +300,15 @@ class Tenancy:
 
     def __init__(self, specs: Iterable[TenantSpec] = (), admin_token: str | None = None,
                  trusted_header: str | None = None, metrics_top_k: int = 10,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, mtls: bool = False) -> None:
         self.specs = tuple(specs)
-        self.enabled = bool(self.specs)  # a tenants file: unknown bearer tokens are refused everywhere
+        # Any tenant configuration (a tenants file, a trusted header, an mTLS client CA): every request
+        # needs a credential (or the declared anonymous tenant), and unknown bearer tokens are refused.
+        self.enabled = bool(self.specs) or trusted_header is not None or mtls
+        anonymous = next((s for s in self.specs if s.anonymous), None)
+        # the tenant of requests without a credential; None: they are refused
+        self.anonymous: Tenant | None = (
+            Tenant(ANONYMOUS, spec=anonymous) if anonymous is not None or not self.enabled else None)
         self._by_digest = [(s.token_sha256, s) for s in self.specs if s.token_sha256 is not None]
         self._by_name = {s.name: s for s in self.specs}
         self._by_cn = {s.mtls_common_name: s for s in self.specs if s.mtls_common_name}
@@ -257,37 +319,47 @@ class Tenancy:
         self._lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
         self._folded = _Usage()  # counters of idle tenants no longer tracked one by one (_fold_idle)
-        self.bindings: dict[str, str] = {}  # adapter name → the tenant it is bound to
 
     # ---- identity ----------------------------------------------------------------------------
 
     def resolve(self, metadata: Iterable[tuple[str, str | bytes]] | None, mtls_identity: str | None) -> Tenant:
-        """The tenant of a request from its headers/metadata and its verified mTLS identity."""
-        authorization: str | bytes | None = None
-        header: str | bytes | None = None
+        """The tenant of a request from its headers/metadata and its verified mTLS identity.
+        A bearer token decides when there is one (the trusted header is then ignored); a repeated
+        Authorization or trusted header is UNAUTHENTICATED, whichever value came first."""
+        authorization: list[str | bytes] = []
+        header: list[str | bytes] = []
         for key, value in metadata or ():
             k = key.lower()
-            if k == "authorization" and authorization is None:
-                authorization = value
-            elif self.trusted_header is not None and k == self.trusted_header and header is None:
-                header = value
-        if authorization is not None and (self.enabled or self._admin is not None):
-            tenant = self._from_token(authorization)
+            if k == "authorization":
+                authorization.append(value)
+            elif self.trusted_header is not None and k == self.trusted_header:
+                header.append(value)
+        checked = self.enabled or self._admin is not None
+        if checked and len(authorization) > 1:
+            raise UnauthenticatedError("the request has more than one authorization header")
+        if len(header) > 1:
+            raise UnauthenticatedError(f"the request has more than one {self.trusted_header} header")
+        if authorization and checked:
+            tenant = self._from_token(authorization[0])
             if tenant is not None:
                 return tenant
-        if header is not None:
-            name = header.decode("utf-8", "replace") if isinstance(header, bytes) else header
-            name = name.strip()
-            if not name or len(name) > 128 or not name.isprintable() or name in RESERVED_NAMES:
-                raise UnauthenticatedError(f"the {self.trusted_header} header does not name a tenant")
-            return self._named(name, admin_allowed=False)  # a header names a tenant, never an admin
+        if header:
+            raw = header[0]
+            name = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw).strip()
+            spec = self._by_name.get(name)
+            if spec is None or not spec.via_trusted_header:  # a header never names an admin either
+                raise UnauthenticatedError(f"the {self.trusted_header} header names no tenant that accepts it")
+            return Tenant(spec.name, spec=spec)
         if mtls_identity is not None:
             spec = self._by_cn.get(mtls_identity) or self._by_name.get(mtls_identity)
             name = spec.name if spec else mtls_identity
             if name in RESERVED_NAMES:
                 raise UnauthenticatedError("the client certificate's subject is a reserved tenant name")
             return self._named(name)
-        return ANONYMOUS_TENANT
+        if self.anonymous is None:
+            raise UnauthenticatedError("this server needs a credential (a bearer token) and declares no "
+                                       "anonymous tenant")
+        return self.anonymous
 
     def _named(self, name: str, admin_allowed: bool = True) -> Tenant:
         spec = self._by_name.get(name)
@@ -316,55 +388,6 @@ class Tenancy:
             raise UnauthenticatedError("unknown bearer token")
         return None
 
-    # ---- adapters ----------------------------------------------------------------------------
-
-    def visible(self, tenant: Tenant, adapter: str | None) -> bool:
-        if adapter is None or tenant.admin:
-            return True
-        owner = self.bindings.get(adapter)
-        return owner is None or owner == tenant.name
-
-    def check_visible(self, tenant: Tenant, adapter: str | None) -> None:
-        """NOT_FOUND with the engine's own words for an unknown adapter: the name's existence stays hidden."""
-        if not self.visible(tenant, adapter):
-            raise NotFoundError(f"unknown adapter {adapter!r}")
-
-    @contextlib.contextmanager
-    def loading(self, tenant: Tenant, name: str, registered: bool) -> Iterator[None]:
-        """Around a LoadAdapter: a named, non-admin tenant binds the adapter to itself, and may only
-        (re)load a name nobody holds or one bound to it (PERMISSION_DENIED otherwise: adapter names
-        are one namespace). Admins and the anonymous tenant load unbound adapters (or keep the
-        binding of the name they replace). The binding is in place before the load starts, and
-        undone if the load fails."""
-        before = self.bindings.get(name)
-        if tenant.admin or tenant.name == ANONYMOUS:
-            if not self.visible(tenant, name):
-                raise PermissionDeniedError(f"adapter name {name!r} is not available to this tenant")
-            yield
-            return
-        if not (before == tenant.name or (before is None and not registered)):
-            raise PermissionDeniedError(f"adapter name {name!r} is not available to this tenant")
-        self.bindings[name] = tenant.name
-        try:
-            yield
-        except BaseException:
-            if before is None and self.bindings.get(name) == tenant.name:
-                self.bindings.pop(name, None)
-            raise
-
-    def check_unload(self, tenant: Tenant, name: str) -> None:
-        """Another tenant's adapter is NOT_FOUND (as a name that does not exist); an unbound one is
-        the operator's: PERMISSION_DENIED for a named, non-admin tenant."""
-        self.check_visible(tenant, name)
-        if not tenant.admin and tenant.name != ANONYMOUS and self.bindings.get(name) is None:
-            raise PermissionDeniedError(f"adapter {name!r} is not this tenant's to unload")
-
-    def bind(self, name: str, tenant: str | None) -> None:
-        if tenant is None:
-            self.bindings.pop(name, None)
-        else:
-            self.bindings[name] = tenant
-
     # ---- quotas ------------------------------------------------------------------------------
 
     @staticmethod
@@ -382,6 +405,8 @@ class Tenancy:
         cap = spec.max_in_flight if spec is not None else None
         if cap is None:
             return
+        if cap == 0:
+            raise PermissionDeniedError("this tenant may run no requests (its max_running and max_queued are 0)")
         with self._lock:
             usage = self._usage.get(tenant.name)
             if usage is not None and usage.waiting + usage.running >= cap:
@@ -389,34 +414,39 @@ class Tenancy:
                 raise QuotaExceeded(f"tenant over its limit of {cap} requests running or queued", 1.0, "requests")
 
     def admit(self, tenant: Tenant, samples: int, prompt_tokens: int, max_new_tokens: int) -> Ticket:
-        """The request's ticket, or QuotaExceeded (nothing held) / INVALID_ARGUMENT for a request
-        larger than its tenant's whole token rate."""
+        """The request's ticket (each of its n samples counts as one request in flight), or
+        QuotaExceeded (nothing held; a retry may pass), or INVALID_ARGUMENT for a request that can
+        never fit its tenant's caps (more samples than its in-flight cap, more tokens than its whole
+        rate): a 429 there would have clients retry forever."""
         spec = tenant.spec
         reserved = samples * (prompt_tokens + max_new_tokens)
+        cap = spec.max_in_flight if spec is not None else None
+        rate = spec.tokens_per_minute if spec is not None else None
+        if cap == 0:
+            raise PermissionDeniedError("this tenant may run no requests (its max_running and max_queued are 0)")
+        if cap is not None and samples > cap:
+            raise InvalidArgumentError(
+                f"n={samples} samples is more than its tenant's limit of {cap} requests running or queued")
+        if rate is not None and reserved > rate:
+            raise InvalidArgumentError(
+                f"the request reserves {reserved} tokens (prompt + max_new_tokens per sample), more "
+                f"than its tenant's tokens_per_minute of {rate}")
         with self._lock:
             usage = self._usage.get(tenant.name)
             if usage is None:
                 if len(self._usage) >= MAX_TRACKED:
                     self._fold_idle()
                 usage = self._usage[tenant.name] = _Usage()
-            if spec is not None:
-                cap = spec.max_in_flight
-                if cap is not None and usage.waiting + usage.running + samples > cap:
-                    self._refuse(usage, "requests")
-                    raise QuotaExceeded(
-                        f"tenant over its limit of {cap} requests running or queued", 1.0, "requests")
-                rate = spec.tokens_per_minute
-                if rate is not None:
-                    if reserved > rate:
-                        raise InvalidArgumentError(
-                            f"the request reserves {reserved} tokens (prompt + max_new_tokens per sample), more "
-                            f"than its tenant's tokens_per_minute of {rate}")
-                    self._refill(usage, rate)
-                    if usage.bucket < reserved:
-                        self._refuse(usage, "tokens")
-                        wait = (reserved - usage.bucket) * 60.0 / rate
-                        raise QuotaExceeded(f"tenant over its limit of {rate} tokens per minute", wait, "tokens")
-                    usage.bucket -= reserved
+            if cap is not None and usage.waiting + usage.running + samples > cap:
+                self._refuse(usage, "requests")
+                raise QuotaExceeded(f"tenant over its limit of {cap} requests running or queued", 1.0, "requests")
+            if rate is not None:
+                self._refill(usage, rate)
+                if usage.bucket < reserved:
+                    self._refuse(usage, "tokens")
+                    wait = (reserved - usage.bucket) * 60.0 / rate
+                    raise QuotaExceeded(f"tenant over its limit of {rate} tokens per minute", wait, "tokens")
+                usage.bucket -= reserved
             usage.waiting += samples
         return Ticket(self, tenant, samples, prompt_tokens, reserved)
 

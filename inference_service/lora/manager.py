@@ -13,6 +13,7 @@ import heapq
 import logging
 import time
 import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,8 @@ class AdapterInfo:
     rank: int
     size_bytes: int
     active_requests: int
+    owner: str | None = None  # the tenant it belongs to; None: shared
+    loads: int = 0  # copies into the pool completed (more than one: evicted and loaded again)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class LoRAStats:
     pool_bytes_used: int = 0  # pages holding an adapter
     resident_by_rank: tuple[tuple[int, int], ...] = ()  # (rank, adapters resident)
     evictions_by_cause: tuple[tuple[str, int], ...] = ()  # (cause, count): see EVICTION_CAUSES
+    pool_bytes_by_owner: tuple[tuple[str, int], ...] = ()  # (tenant, bytes its resident adapters hold)
 
 
 # Why an adapter left the pool: made room for another (least recently used), its version was
@@ -110,9 +114,11 @@ class LoRAManager:
         load_timeout_s: float = 120.0,
         num_pages: int | None = None,
         page_rank: int = DEFAULT_PAGE_RANK,
+        pool_shares: Mapping[str, int] | None = None,
     ) -> None:
         """`num_slots`: a fixed-slot pool of that many max-rank slots; None: a paged pool of
-        `num_pages` pages of `page_rank` rank rows (sized by memory, `pool_pages`).
+        `num_pages` pages of `page_rank` rank rows (sized by memory, `pool_pages`). `pool_shares`:
+        bytes of the pool per tenant (lora/pool_shares.py: whose adapters a load may evict).
         `host_executor` replaces the host-preparation pool (tests use it to order stagings);
         `b_rank_major`: the pages' B layout, as the model's LoRA op reads it; `max_registered`: adapter
         names held at most; `load_timeout_s`: a host preparation's deadline (see StagingPool)."""
@@ -121,7 +127,7 @@ class LoRAManager:
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
         self._registry = AdapterRegistry()
         self._pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major, num_pages=num_pages,
-                                    page_rank=page_rank)
+                                    page_rank=page_rank, share_bytes=pool_shares)
         self._loader = OverlapLoader(copy_engine)
         self._source = source
         self.metrics = metrics or NullMetrics()
@@ -139,6 +145,9 @@ class LoRAManager:
                  pool.page_nbytes / 1024, pool.nbytes / 2**20,
                  f"at most {num_slots} adapters" if num_slots is not None else
                  f"{pool.max_rank_capacity} adapters of rank {max_rank}, more of lower ranks")
+        if pool.shares:
+            log.info("LoRA pool shares (pages): %s",
+                     ", ".join(f"{tenant}={pages}" for tenant, pages in sorted(pool.shares.pages.items())))
 
     # ---- admin API (public: logs, wraps the private implementation) ----
 
@@ -150,14 +159,17 @@ class LoRAManager:
         pinned: bool = False,
         preload: bool = False,
         on_demand: bool = False,
+        owner: str | None = None,
     ) -> concurrent.futures.Future[AdapterVersion]:
         """Register `name` at `uri` (a new version if the name exists); resolves when registered,
         or once in a slot with preload/pinned. Validation errors surface through the future.
         `on_demand`: the adapter resolver's registration, which the registry may unregister when idle
-        to make room for a new name; an operator's LoadAdapter of the name makes it theirs."""
-        log.info("load adapter %s from %s (pinned=%s preload=%s on_demand=%s); %s", name, shown(uri), pinned,
-                 preload, on_demand, self._memory())
-        return self._load_adapter(name, uri, sha256, pinned, preload, on_demand)
+        to make room for a new name; an operator's LoadAdapter of the name makes it theirs.
+        `owner`: the tenant the adapter belongs to, whose share of the pool it takes (None: shared);
+        another owner for a registered name is a new version."""
+        log.info("load adapter %s from %s (owner=%s pinned=%s preload=%s on_demand=%s); %s", name, shown(uri),
+                 owner or "shared", pinned, preload, on_demand, self._memory())
+        return self._load_adapter(name, uri, sha256, pinned, preload, on_demand, owner)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
         """Stop new requests at once; in-flight ones finish, then the slot is freed."""
@@ -173,15 +185,16 @@ class LoRAManager:
         return future
 
     def _load_adapter(
-        self, name: str, uri: str, sha256: str | None, pinned: bool, preload: bool, on_demand: bool
+        self, name: str, uri: str, sha256: str | None, pinned: bool, preload: bool, on_demand: bool,
+        owner: str | None,
     ) -> concurrent.futures.Future[AdapterVersion]:
         future: concurrent.futures.Future[AdapterVersion] = concurrent.futures.Future()
         existing = self._registry.current.get(name)
         if existing is not None:
             current = self._registry.versions[existing]
-            if current.uri == uri and current.sha256 == sha256 and current.failure is None:
+            if current.uri == uri and current.sha256 == sha256 and current.owner == owner and current.failure is None:
                 if pinned and not current.pinned:
-                    self._check_pin_capacity(name, current.rank)
+                    self._check_pin_capacity(name, current.rank, owner)
                 current.pinned = current.pinned or pinned
                 if not on_demand:
                     self._registry.set_on_demand(name, False)
@@ -190,8 +203,8 @@ class LoRAManager:
         if name not in self._registry.names:
             self._make_room()
         if pinned:
-            self._check_pin_capacity(name, 0)
-        entry = self._registry.add_version(name, uri, sha256, pinned)
+            self._check_pin_capacity(name, 0, owner)
+        entry = self._registry.add_version(name, uri, sha256, pinned, owner)
         # A new name from the resolver is its; a new version of a name an operator holds stays theirs.
         self._registry.set_on_demand(name, on_demand and (existing is None or name in self._registry.on_demand))
         self._start_staging(entry)
@@ -225,24 +238,34 @@ class LoRAManager:
         # Only an operator can make room (UnloadAdapter): retrying cannot succeed before that.
         raise FailedPreconditionError(f"{held}, all by LoadAdapter or preload; an operator must unload one")
 
-    def _check_pin_capacity(self, name: str, rank: int) -> None:
-        """Pinning never takes every slot: room for one more adapter of the largest rank stays.
+    def _check_pin_capacity(self, name: str, rank: int, owner: str | None) -> None:
+        """Pinning never takes every slot: room for one more adapter of the largest rank stays, in
+        the pool and, with shares, in the owner's share (or in what the shares leave, for owners
+        without one), so a tenant's loads always find room once its adapters are idle.
         Another version of the same name is replaced by this one, so it does not count; a version
         not staged yet (rank 0) counts at the largest rank."""
         others = [v for v in self._registry.versions.values() if v.pinned and not v.draining and v.name != name]
         pool = self._pool
-        if pool.max_adapters is not None:
-            if len(others) + 1 >= pool.max_adapters:
-                raise ResourceExhaustedError(f"pinning another adapter would leave no unpinned slot "
-                                             f"({len(others)} of {pool.max_adapters} pinned)")
-            return
+        largest = pool.pages_for(self.max_rank)
+        if pool.max_adapters is not None and len(others) + 1 >= pool.max_adapters:
+            raise ResourceExhaustedError(f"pinning another adapter would leave no unpinned slot "
+                                         f"({len(others)} of {pool.max_adapters} pinned)")
         pages = [pool.pages_for(v.rank or self.max_rank) for v in others]
-        pages.append(pool.pages_for(rank or self.max_rank))
-        if sum(pages) + pool.pages_for(self.max_rank) > pool.num_pages:
+        mine = pool.pages_for(rank or self.max_rank)
+        if pool.max_adapters is None and sum(pages) + mine + largest > pool.num_pages:
             raise ResourceExhaustedError(
-                f"pinning another adapter would leave no room for an unpinned one ({sum(pages) - pages[-1]} of "
+                f"pinning another adapter would leave no room for an unpinned one ({sum(pages)} of "
                 f"{pool.num_pages} pages pinned)"
             )
+        shares = pool.shares
+        if shares:
+            group = sum(pool.pages_for(v.rank or self.max_rank) for v in others if shares.in_group(owner, v.owner))
+            budget = shares.pin_budget(owner, pool.num_pages)
+            if group + mine + largest > budget:
+                whose = "its tenant's share" if shares.share(owner) is not None else "the part no share holds"
+                raise ResourceExhaustedError(
+                    f"pinning another adapter would leave no room for an unpinned one in {whose} of the adapter "
+                    f"pool ({group} of {budget} pages pinned)")
 
     # ---- request references ----
 
@@ -279,6 +302,8 @@ class LoRAManager:
             pool_bytes_used=(pool.num_pages - pool.free_pages) * pool.page_nbytes,
             resident_by_rank=tuple(sorted(by_rank.items())),
             evictions_by_cause=tuple(self.evictions.items()),
+            pool_bytes_by_owner=tuple(sorted((owner, pages * pool.page_nbytes)
+                                             for owner, pages in pool.pages_by_owner().items() if owner is not None)),
         )
 
     @property
@@ -309,6 +334,8 @@ class LoRAManager:
             rank=v.rank,
             size_bytes=v.size_bytes,
             active_requests=len(v.refs),
+            owner=v.owner,
+            loads=v.loads,
         )
 
     def has_version(self, uid: str) -> bool:
@@ -455,6 +482,21 @@ class LoRAManager:
         for uid in uids:
             self._pool.touch(uid)
 
+    def held_back_by(self, uid: str) -> Callable[[str], bool]:
+        """Which adapters' later requests a request of `uid` that cannot get a slot holds back (the
+        scheduler's aging barrier): those of adapters whose pool pages its load may take, its
+        owner's and those of owners over their share or without one. Without shares: every one."""
+        pool, versions = self._pool, self._registry.versions
+        if not pool.shares:
+            return lambda other: True
+        owner, held = versions[uid].owner, pool.pages_by_owner()
+
+        def competes(other: str) -> bool:
+            theirs = versions[other].owner
+            return theirs == owner or pool.shares.unprotected(theirs, held)
+
+        return competes
+
     def unevictable(self, needed: set[str]) -> set[str]:
         versions = self._registry.versions
         pinned = {uid for uid in self._pool.uid_to_pages if versions[uid].pinned}
@@ -530,21 +572,23 @@ class LoRAManager:
         the copy; False when the adapter cannot fit now."""
         host = entry.host
         assert host is not None
-        victims = self._pool.find_room(host.rank, self.unevictable(needed | {entry.uid}))
+        victims = self._pool.find_room(host.rank, self.unevictable(needed | {entry.uid}), entry.owner)
         if victims is None:
             return False
         for victim in victims:
-            self._evict(victim, "capacity")
-        pages = self._pool.assign(entry.uid, host.rank)
+            self._evict(victim, "capacity", f"for {entry.uid} of {entry.owner or 'shared'}")
+        pages = self._pool.assign(entry.uid, host.rank, entry.owner)
         self._loader.start(entry.uid, pages[0], self._pool.copy_into_pages(pages, host), entry.tier, time.monotonic())
         return True
 
-    def _evict(self, uid: str, cause: str) -> None:
+    def _evict(self, uid: str, cause: str, why: str = "") -> None:
+        owner = self._pool.uid_to_owner[uid]
         pages = self._pool.free(uid)
         self.evictions[cause] += 1
         if cause == "capacity":
             self.metrics.adapter_evicted()
-        log.info("adapter %s left the pool (%s): %d pages free", uid, cause, len(pages))
+        log.info("adapter %s of %s left the pool (%s%s): %d pages free", uid, owner or "shared", cause,
+                 f", {why}" if why else "", len(pages))
 
     def _finish_load(
         self, uid: str, seconds: float, tier: LoadTier, error: BaseException | None, result: DrainResult
@@ -557,6 +601,7 @@ class LoRAManager:
             return
         self._drop_host(entry)  # the slot holds it now; re-staging is cheap (sidecar cache)
         entry.tier = LoadTier.CACHE
+        entry.loads += 1
         self.loads_total += 1
         self.metrics.adapter_loaded(tier, seconds)
         log.info("adapter %s loaded into pages %s in %.1f ms (%s)", uid, self._pool.uid_to_pages[uid], seconds * 1e3,

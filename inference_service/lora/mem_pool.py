@@ -31,6 +31,8 @@ import dataclasses
 import functools
 import heapq
 import itertools
+from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
@@ -39,6 +41,7 @@ from inference_service.kernels import hugepages
 from inference_service.kernels.copy import CopyJob, CopyProgram
 from inference_service.lora.backend import transpose_into
 from inference_service.lora.ops import SlicedB
+from inference_service.lora.pool_shares import PoolShares
 
 PageBuffers = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 GroupBuffers = dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[SlicedB]]]
@@ -68,16 +71,20 @@ class LoRAMemoryPool:
         *,
         num_pages: int | None = None,
         page_rank: int = DEFAULT_PAGE_RANK,
+        share_bytes: Mapping[str, int] | None = None,
     ) -> None:
         """`num_slots`: a fixed-slot pool (the old one, and `--max-loras N`): that many pages of
         `max_rank` rows, one adapter each, whatever its rank. None: `num_pages` pages of `page_rank`
-        rows, as many adapters as they hold (the pool sized by memory)."""
+        rows, as many adapters as they hold (the pool sized by memory). `share_bytes`: each tenant's
+        share of the pool (pool_shares.py), which decides whose adapters a load may evict."""
         if num_slots is not None:
             num_pages, page_rank = num_slots, max_rank
         assert num_pages is not None
         if num_pages < pages_for(max_rank, page_rank):
             raise ValueError(f"an adapter pool of {num_pages} pages cannot hold one adapter of rank {max_rank}")
         self.num_pages, self.page_rank, self.max_rank = num_pages, page_rank, max_rank
+        self.shares = PoolShares.from_bytes(share_bytes or {}, bytes_per_page(shapes, page_rank, dtype),
+                                            pages_for(max_rank, page_rank), num_pages)
         self.b_rank_major, self.max_adapters = b_rank_major, num_slots
         self.zero_page = num_pages
         self.group_buffers: GroupBuffers = {}
@@ -112,6 +119,7 @@ class LoRAMemoryPool:
         }
         self.uid_to_pages: dict[str, tuple[int, ...]] = {}
         self.page_to_uid: list[str | None] = [None] * num_pages
+        self.uid_to_owner: dict[str, str | None] = {}  # a resident adapter's tenant (None: shared)
         self._free: list[int] = list(range(num_pages))  # a heap: the lowest pages first (less memory touched)
         self._last_use: dict[str, int] = {}
         self._clock = itertools.count(1)
@@ -141,25 +149,29 @@ class LoRAMemoryPool:
         count = self.num_pages // self.pages_for(self.max_rank)
         return count if self.max_adapters is None else min(count, self.max_adapters)
 
-    def find_room(self, rank: int, unevictable: set[str]) -> list[str] | None:
-        """The adapters to evict (least recently used first, none of `unevictable`) so that one of
-        `rank` fits; [] if it fits now; None if it cannot fit without evicting an unevictable one."""
-        needed = self.pages_for(rank) - len(self._free)
+    def pages_by_owner(self) -> Counter[str | None]:
+        """Pages each owner's resident adapters hold (copies in flight included). O(resident)."""
+        held: Counter[str | None] = Counter()
+        for uid, pages in self.uid_to_pages.items():
+            held[self.uid_to_owner[uid]] += len(pages)
+        return held
+
+    def find_room(self, rank: int, unevictable: set[str], owner: str | None = None) -> list[str] | None:
+        """The adapters to evict (least recently used first, none of `unevictable`, only those the
+        shares let `owner` take: pool_shares.py) so that one of `rank` fits; [] if it fits now; None
+        if it cannot fit without evicting one it may not."""
+        wanted = self.pages_for(rank)
+        needed = wanted - len(self._free)
         over_count = self.max_adapters is not None and len(self.uid_to_pages) >= self.max_adapters
         if needed <= 0 and not over_count:
             return []
         candidates = sorted((uid for uid in self.uid_to_pages if uid not in unevictable),
                             key=self._last_use.__getitem__)
-        victims: list[str] = []
-        for uid in candidates:
-            if needed <= 0 and not over_count:
-                break
-            victims.append(uid)
-            needed -= len(self.uid_to_pages[uid])
-            over_count = False
-        return victims if needed <= 0 and not over_count else None
+        return self.shares.victims(owner, wanted, [(uid, self.uid_to_owner[uid], len(self.uid_to_pages[uid]))
+                                                   for uid in candidates],
+                                   self.pages_by_owner(), needed, over_count)
 
-    def assign(self, uid: str, rank: int) -> tuple[int, ...]:
+    def assign(self, uid: str, rank: int, owner: str | None = None) -> tuple[int, ...]:
         assert uid not in self.uid_to_pages, f"{uid} already has pages"
         count = self.pages_for(rank)
         assert count <= len(self._free), f"{count} pages wanted, {len(self._free)} free"
@@ -168,11 +180,13 @@ class LoRAMemoryPool:
         for page in pages:
             self.page_to_uid[page] = uid
         self.uid_to_pages[uid] = pages
+        self.uid_to_owner[uid] = owner
         self.touch(uid)
         return pages
 
     def free(self, uid: str) -> tuple[int, ...]:
         pages = self.uid_to_pages.pop(uid)
+        del self.uid_to_owner[uid]
         del self._last_use[uid]
         for page in pages:
             self.page_to_uid[page] = None

@@ -38,6 +38,7 @@ class AdapterVersion:
     version: int
     uri: str
     sha256: str | None
+    owner: str | None = None  # the tenant it belongs to (its share of the pool); None: shared, an operator's
     pinned: bool = False
     draining: bool = False
     failure: LoraplexError | None = None
@@ -49,6 +50,7 @@ class AdapterVersion:
     retry_at: float = 0.0  # monotonic time before which a transiently refused staging is not retried
     refs: set[str] = field(default_factory=set)  # ids of queued and running requests
     stagings: int = 0  # host preparations started (each may read other bytes when no digest pins them)
+    loads: int = 0  # copies into the pool completed (more than one: it was evicted and loaded again)
 
     @property
     def uid(self) -> str:
@@ -73,10 +75,11 @@ class AdapterRegistry:
         self._next_version: dict[str, int] = {}
         self.current_changes = 0  # bumped whenever `current` changes: mirrors of it know when to refresh
 
-    def add_version(self, name: str, uri: str, sha256: str | None, pinned: bool) -> AdapterVersion:
+    def add_version(self, name: str, uri: str, sha256: str | None, pinned: bool,
+                    owner: str | None = None) -> AdapterVersion:
         version = self._next_version.get(name, 1)
         self._next_version[name] = version + 1
-        entry = AdapterVersion(name=name, version=version, uri=uri, sha256=sha256, pinned=pinned)
+        entry = AdapterVersion(name=name, version=version, uri=uri, sha256=sha256, owner=owner, pinned=pinned)
         self.versions[entry.uid] = entry
         self.names[name] += 1
         return entry

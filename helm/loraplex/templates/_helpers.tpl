@@ -54,6 +54,12 @@ app.kubernetes.io/part-of: loraplex
 {{- define "loraplex.adminTokenPath" -}}/etc/loraplex/admin/{{ .Values.inference.adminToken.key }}{{- end }}
 {{- define "loraplex.tenantsPath" -}}/etc/loraplex/tenants/{{ .Values.inference.tenants.key }}{{- end }}
 {{- define "loraplex.tlsDir" -}}/etc/loraplex/tls{{- end }}
+{{- define "loraplex.stateDir" -}}/var/lib/loraplex/state{{- end }}
+{{/* --state-dir (tenants' adapter registrations, docs/tenants.md): whenever tenants are configured,
+or a claim is given for it. */}}
+{{- define "loraplex.stateEnabled" -}}
+{{- if or .Values.inference.tenants.existingSecret .Values.inference.state.existingClaim }}true{{- end }}
+{{- end }}
 {{- define "loraplex.kernelCacheDir" -}}/var/cache/loraplex/kernels{{- end }}
 {{/* Both containers' TCP listeners (gRPC, /metrics) bind every pod address: probes, Services and
 Prometheus reach them on the pod IP, kubectl port-forward on localhost. */}}

@@ -24,7 +24,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError
+from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError, PermissionDeniedError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.client import EngineClient
 from inference_service.frontend.adapter_resolver import resolve_adapter
@@ -51,8 +51,9 @@ from inference_service.frontend.http.protocol import (
     UnloadLoraAdapterRequest,
 )
 from inference_service.frontend.http.request_metrics import HttpRequestCounter
-from inference_service.frontend.intake import adapter_load, adapter_name, optional_adapter
-from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, tenant_identity
+from inference_service.frontend.intake import adapter_name, optional_adapter
+from inference_service.frontend.tenant_adapters import TenantAdapters
+from inference_service.frontend.tenants import QuotaExceeded, Tenant, tenant_identity
 from inference_service.limits import shown
 
 log = logging.getLogger("loraplex.http")
@@ -84,6 +85,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template,
                               tool_call_parser)
     tenancy = config.tenancy
+    adapters_of = config.adapters  # names, sources and limits of tenants' adapters (frontend/tenant_adapters.py)
     auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
     uri_policy = UriPolicy(config.adapter_source_allow)
     started = int(time.time())
@@ -136,7 +138,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
         adapter = openai.adapter_of(body.model)
         with _model_named(body.model):
-            tenancy.check_visible(tenant, optional_adapter(adapter))  # another tenant's adapter: as if none
+            adapter = adapters_of.resolve(engine, tenant, optional_adapter(adapter))  # its own, else the shared one
         try:
             tenancy.check_priority(tenant, body.priority)
         except InvalidArgumentError as e:
@@ -150,13 +152,12 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
                     await grammars.check(params.grammar)
                 except InvalidArgumentError as e:
                     raise BadField(str(e), _grammar_field(body)) from None
-            adapter = optional_adapter(adapter)
             with _model_named(body.model):
                 await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
         except BaseException:
             ticket.release(0)
             raise
-        salt = cache_salt(config.prefix_cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
+        salt = cache_salt(config.cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
         with _model_named(body.model):
             gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt,
                                 tenant.tag, ticket, body.priority)
@@ -184,9 +185,6 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     async def chat_completions(http: HttpRequest) -> Response:
         return await generate(http, chat=True)
 
-    async def adapters() -> list[Any]:
-        return await asyncio.wrap_future(engine.list_adapters())
-
     def is_admin(http: HttpRequest) -> bool:
         if tenant_of(http).admin:
             return True
@@ -203,10 +201,10 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         # root: the model's name, never where the server keeps its files
         data = [{**card, "id": name, "root": info.name, "parent": None} for name in served_model_names]
         tenant = tenant_of(http)
-        # listed by (name, version): the last one wins; a tenant sees its own adapters and unbound ones
-        latest = {a.name: a for a in await adapters() if tenancy.visible(tenant, a.name)}
+        # listed by (name, version): the last one wins; a tenant sees its own adapters and the shared ones
+        latest = dict(await adapters_of.visible(engine, tenant))
         admin = is_admin(http)  # URIs only for admins, as ListAdapters: they say where tenants' weights live
-        data += [{**card, "id": a.name, "root": a.uri if admin else a.name, "parent": base} for a in latest.values()]
+        data += [{**card, "id": name, "root": a.uri if admin else name, "parent": base} for name, a in latest.items()]
         return JSONResponse({"object": "list", "data": data})
 
     def admin_check(http: HttpRequest) -> Tenant:
@@ -224,26 +222,16 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         if adapter_name(body.lora_name) in served_model_names:
             raise InvalidArgumentError(f"{body.lora_name!r} is the base model's name")
         path = body.lora_path
-        load = adapter_load(body.lora_name, Path(path).absolute().as_uri() if path.startswith("/") else path,
-                            body.sha256, uri_policy)
-        registered = any(a.name == load.name for a in await adapters())
-        with tenancy.loading(tenant, load.name, registered):
-            if not body.load_inplace and registered:
-                raise InvalidArgumentError(
-                    f"adapter {load.name!r} is already loaded (set load_inplace to replace it)")
-            await asyncio.wrap_future(engine.load_adapter(load.name, load.uri, sha256=load.sha256, preload=True))
-        log.info("adapter %s loaded from %s (HTTP)", load.name, load.uri)
+        uri = Path(path).absolute().as_uri() if path.startswith("/") else path
+        await adapters_of.load(engine, tenant, body.lora_name, uri, body.sha256, preload=True, shared=body.shared,
+                               for_tenant=body.tenant, replace=body.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(http: HttpRequest) -> Response:
         tenant = admin_check(http)
         body = await offload.parse(http, UnloadLoraAdapterRequest)
-        name = adapter_name(body.lora_name)
-        tenancy.check_unload(tenant, name)
-        await asyncio.wrap_future(engine.unload_adapter(name))
-        tenancy.bind(name, None)
-        log.info("adapter %s unloaded (HTTP)", body.lora_name)
+        await adapters_of.unload(engine, tenant, adapter_name(body.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
@@ -251,7 +239,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenant = tenant_of(http)
         body = await offload.parse(http, TokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
-            await _known_adapter(engine, body.model, tenancy, tenant)
+            await _known_adapter(engine, body.model, adapters_of, tenant)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidArgumentError("give exactly one of prompt and messages")
         ids = await offload.run(openai.tokenize, body)
@@ -262,7 +250,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenant = tenant_of(http)
         body = await offload.parse(http, DetokenizeRequest)
         if body.model is not None and body.model not in served_model_names:
-            await _known_adapter(engine, body.model, tenancy, tenant)
+            await _known_adapter(engine, body.model, adapters_of, tenant)
         return JSONResponse({"prompt": await offload.run(openai.detokenize, body.tokens)})
 
     @app.get("/health")
@@ -271,9 +259,14 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         return Response(status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(http: HttpRequest) -> Response:
         if registry is None:
             return error_response("metrics are not enabled", 404, "NOT_FOUND")
+        # Per-adapter and per-tenant series name every tenant's adapters: with tenants configured they
+        # are the admin's on this port (401 without a credential, 403 for a tenant's); Prometheus inside
+        # the cluster scrapes --metrics-port, which stays open.
+        if tenancy.enabled and not tenant_of(http).admin:
+            raise PermissionDeniedError("/metrics on this port needs an admin credential when tenants are configured")
         # Off the event loop: the residency collector waits for the scheduler thread (residency.py).
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -296,9 +289,12 @@ def _model_named(model: str) -> Iterator[None]:
         raise error from None
 
 
-async def _known_adapter(engine: EngineClient, name: str, tenancy: Tenancy, tenant: Tenant) -> None:
-    if not tenancy.visible(tenant, name) or not any(
-            a.name == name for a in await asyncio.wrap_future(engine.list_adapters())):
+async def _known_adapter(engine: EngineClient, name: str, adapters_of: TenantAdapters, tenant: Tenant) -> None:
+    try:
+        engine_name = adapters_of.resolve(engine, tenant, adapter_name(name))
+    except InvalidArgumentError:
+        engine_name = None
+    if engine_name is None or not engine.adapter_is_current(engine_name):
         raise NotFoundError(f"model {name!r} does not exist")
 
 

@@ -148,6 +148,8 @@ class LoadLoraAdapterRequest(BaseModel):
     lora_path: str
     load_inplace: bool = False
     sha256: str | None = None  # extension (gRPC's LoadAdapter field): expected digest of the weights
+    shared: bool = False  # extension, admins only: visible to every tenant (gRPC's LoadAdapter field)
+    tenant: str = ""  # extension, admins only: load into this tenant's namespace (gRPC's LoadAdapter field)
 
 
 class UnloadLoraAdapterRequest(BaseModel):
