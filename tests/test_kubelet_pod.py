@@ -366,9 +366,10 @@ def test_every_option_install(mode: str, request: pytest.FixtureRequest, tmp_pat
                    "loraplex-tls": {k: pki[k] for k in ("tls.crt", "tls.key", "ca.crt")},
                    "loraplex-s3": {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"},
                    "loraplex-cache-extra": {"LORAPLEX_CACHE_FETCH_ATTEMPTS": "2"},
-                   # inference.tenants.existingSecret: one tenant, named by its token's digest.
+                   # inference.tenants.existingSecret: one tenant, named by its token's digest or the trusted header.
                    "loraplex-tenants": {"tenants.yaml": yaml.safe_dump({"tenants": [{
-                       "name": "team-a", "token_sha256": hashlib.sha256(b"kubelet-tenant-token").hexdigest()}]})}},
+                       "name": "team-a", "token_sha256": hashlib.sha256(b"kubelet-tenant-token").hexdigest(),
+                       "via_trusted_header": True}]})}},  # the chart's trustedHeader needs a tenant that accepts it
         "ConfigMap": {"loraplex-extra-env": {"LORAPLEX_ADAPTER_METRICS_TOP_K": "10"}},
     }
     docs = render_chart(ALL_VALUES, _overlay(root, adapters, adapter_bytes))
