@@ -91,14 +91,18 @@ def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSour
                                 allow=config.adapter_source_allow)
 
 
-def memory_budget(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the LoRA slots and the KV cache together."""
+def memory_budget(config: EngineConfig, device: torch.device, weight_bytes_saved: int = 0) -> int:
+    """Bytes for the LoRA slots and the KV cache together. On CPU the default grows by what quantized
+    weights save against dense ones (on CUDA the free memory already shows it)."""
     if config.memory_budget_bytes is not None:
         return config.memory_budget_bytes
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
-    return CPU_DEFAULT_BUDGET
+    if weight_bytes_saved:
+        log.info("memory budget on CPU: %.0f MiB + %.1f MiB that quantized weights save, for the adapter pool "
+                 "and the KV cache", CPU_DEFAULT_BUDGET / 2**20, weight_bytes_saved / 2**20)
+    return CPU_DEFAULT_BUDGET + weight_bytes_saved
 
 
 def lora_pool_pages(config: EngineConfig, budget: int, shapes: BaseModelShapes, dtype: torch.dtype,
@@ -199,11 +203,12 @@ class EngineCore:
         # A captured decode step reads dense weights: no packing for the CPU GEMM then.
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
                                            config.tokenizer, config.revision,
-                                           pack_weights=not config.decode_graphs_on())
+                                           pack_weights=not config.decode_graphs_on(),
+                                           weights_dtype=config.weights_dtype)
         source = source or default_source(config, model.config.lora_shapes())
         model.lora_op = make_lora_op(model.device, model.dtype, config.triton_kernels)
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
-        budget = memory_budget(config, model.device)  # measured before the slots take their part
+        budget = memory_budget(config, model.device, model.weight_bytes_saved)  # before the slots take theirs
         self.lora = build_lora_manager(config, model, source, self.metrics, budget)
         kv = build_kv_cache(config, model, budget, self.lora)
         self.runner = ModelRunner(model, self.tokenizer, self.lora, kv, build_decode_graphs(config, model, kv,

@@ -1,0 +1,228 @@
+"""Q8_0 base weights served as blocks (kernels/q8_linear, --weights-dtype): the kernel against gguf-py's
+dequantization of the same blocks then F.linear in fp32, and the engine on a Q8_0 GGUF against the
+engine on the same file dequantized (with and without adapters in one batch).
+
+Tolerances: the kernel's fp32 output within 1e-4 of the sum of |x_k w_k| (+ |bias|) per output, the
+scale of fp32 rounding in a dot product (measured: ~3e-7 of it); bf16 outputs within one bf16 step of
+the fp32 reference. Engine logits within 1e-4 absolute, greedy tokens equal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from adapter_cache.errors import FailedPreconditionError
+from harness.engine_helpers import greedy_logits
+from harness.gguf_files import make_base_checkpoint, write_gguf
+from inference_service.demo_adapters import write_peft_adapter
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.kernels import q8_linear
+from inference_service.models.config import ModelConfig
+from inference_service.models.gguf import GGUFFile
+from inference_service.models.loader import load_model
+
+CPU = torch.device("cpu")
+Q8 = GGMLQuantizationType.Q8_0
+KERNEL_TOL = 1e-4
+LOGITS_TOL = 1e-4
+NEW_TOKENS = 10
+# (out, in): odd panel counts, a single block, an input of 3 blocks, SmolLM2's widths
+SHAPES = [(16, 32), (48, 96), (272, 160), (1040, 576), (576, 1536)]
+ROWS = [1, 2, 7, 32]
+
+pytestmark = pytest.mark.skipif(not q8_linear.available(), reason="no C compiler: the Q8_0 kernel is not built")
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(Q8_0 blocks of a random [n, k] weight, gguf-py's dequantization of those blocks)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quantize(w, Q8)
+    return blocks, torch.from_numpy(dequantize(blocks, Q8).reshape(n, k).copy())
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Per output, the sum of the magnitudes fp32 rounding is relative to."""
+    return F.linear(x.float().abs(), w.abs(), None if bias is None else bias.float().abs())
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_fp32_kernel_equals_dequantized_reference(n, k, rows):
+    blocks, reference_w = _weight(n, k, seed=n + k)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    weight = q8_linear.pack(blocks, n, k, torch.float32)
+    assert weight is not None
+    for b in (None, bias):
+        got = weight(x, b)
+        expected = F.linear(x, reference_w, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert ((got - expected).abs() <= KERNEL_TOL * _bound(x, reference_w, b)).all()
+
+
+@pytest.mark.parametrize("n,k", [(48, 96), (1040, 576)])
+def test_a_rows_output_does_not_depend_on_its_batch(n, k):
+    blocks, _ = _weight(n, k, seed=3)
+    weight = q8_linear.pack(blocks, n, k, torch.float32)
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(0))
+    together = weight(x, None)
+    for rows in (1, 2, 7):
+        assert torch.equal(weight(x[:rows], None), together[:rows])
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_bf16_kernel_equals_dequantized_reference_rounded(rows):
+    n, k = 272, 160
+    blocks, reference_w = _weight(n, k, seed=5)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    weight = q8_linear.pack(blocks, n, k, torch.bfloat16)
+    expected = F.linear(x.float(), reference_w, bias.float())
+    step = 2.0**-7 * expected.abs() + KERNEL_TOL * _bound(x, reference_w, bias)  # one bf16 step
+    got = weight(x, bias)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - expected).abs() <= step).all()
+    as_float = weight.float_output(x, bias)  # the LM head's form: bf16-rounded values as fp32
+    assert as_float.dtype == torch.float32 and torch.equal(as_float, got.float())
+
+
+def test_portable_c_build_equals_the_avx2_one(tmp_path):
+    """The kernel built without AVX2/FMA/F16C (the fallback for CPUs without them) on the same panels."""
+    source = Path(q8_linear.__file__).with_name("q8_linear.c")
+    library = tmp_path / "q8_portable.so"
+    subprocess.run(["cc", "-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-o", str(library), str(source),
+                    "-lm"], check=True, capture_output=True)
+    portable = ctypes.CDLL(str(library))
+    assert portable.q8_linear_vectorised() == 0
+    n, k, rows = 272, 160, 7
+    blocks, reference_w = _weight(n, k, seed=7)
+    weight = q8_linear.pack(blocks, n, k, torch.float32)
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    out = torch.empty(rows, n)
+    fn = portable.q8_linear_f32
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    assert fn(x.data_ptr(), weight.storage.data_ptr(), bias.data_ptr(), out.data_ptr(), rows, n, k, 0) == 0
+    expected = F.linear(x, reference_w, bias)
+    assert ((out - expected).abs() <= KERNEL_TOL * _bound(x, reference_w, bias)).all()
+    # the same sums in the same order (k increasing, FMA): equal to the vector build's bit for bit
+    assert torch.equal(out, weight(x, bias))
+
+
+def test_panels_hold_each_columns_scale_and_weights():
+    n, k = 32, 64
+    blocks, _ = _weight(n, k, seed=11)
+    packed = q8_linear.panels(blocks, n, k).reshape(n // 16, k // 32, 544)
+    rows = blocks.reshape(n, k // 32, 34)
+    for column in (0, 5, 17, 31):
+        for block in range(k // 32):
+            panel, c = divmod(column, 16)
+            stored = packed[panel, block]
+            assert bytes(stored[2 * c: 2 * c + 2]) == bytes(rows[column, block, :2])  # the fp16 scale
+            assert bytes(stored[32 + c::16]) == bytes(rows[column, block, 2:])  # its 32 int8, k by k
+
+
+# Engine level: a tiny LLaMA GGUF with Q8_0 projections (and a vocabulary of whole 16-column panels,
+# so the LM head runs on the kernel too).
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("q8")
+    checkpoint = make_base_checkpoint(root / "llama", "llama", seed=3, vocab_size=288, tie_word_embeddings=True)
+    return {qtype: write_gguf(checkpoint, root / f"tiny-{qtype}.gguf", qtype) for qtype in ("Q8_0", "F32")}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, files) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("q8-adapters")
+    config = ModelConfig.from_hf(GGUFFile(files["Q8_0"]).hf_config())
+    return {name: write_peft_adapter(root / name, config, rank=4, alpha=8.0, seed=seed, scale=0.3)
+            for seed, name in enumerate(("a", "b"))}
+
+
+PROMPTS = [("base", [1, 40, 72, 69, 3, 77], None), ("a", [5, 6, 7, 8, 9, 10, 11], "a"),
+           ("b", [100, 101], "b"), ("a2", [60, 61, 62], "a")]
+
+
+def _core(path: Path, weights_dtype: str) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", weights_dtype=weights_dtype,
+                                   kv_cache_bytes=4 << 20, max_loras=2, max_lora_rank=8))
+
+
+def _projection_kernels(core: EngineCore) -> set[str]:
+    model = core.runner.model
+    packed = [p.packed for layer in model.layers for p in layer.projections()] + [model.packed_lm_head]
+    return {type(p).__name__ for p in packed}
+
+
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_engine_on_q8_0_blocks_equals_the_dequantized_engine(files, adapters, with_adapters):
+    prompts = PROMPTS if with_adapters else [(rid, tokens, None) for rid, tokens, _ in PROMPTS]
+    used = adapters if with_adapters else {}
+    quantized = _core(files["Q8_0"], "auto")
+    assert _projection_kernels(quantized) == {"Q8Weight"}
+    assert quantized.runner.model.weight_bytes_saved > 0
+    ours = greedy_logits(quantized, used, prompts, NEW_TOKENS)
+    dequantized = _core(files["Q8_0"], "bf16")
+    assert "Q8Weight" not in _projection_kernels(dequantized)
+    reference = greedy_logits(dequantized, used, prompts, NEW_TOKENS)
+    for rid, (logits, tokens) in reference.items():
+        assert ours[rid][1] == tokens, rid
+        assert (ours[rid][0] - logits).abs().max().item() < LOGITS_TOL, rid
+    if with_adapters:  # the adapters change the output: the LoRA side path ran on the quantized base
+        base = dict(greedy_logits(_core(files["Q8_0"], "auto"), {}, [("a", PROMPTS[1][1], None)], NEW_TOKENS))
+        assert not torch.allclose(base["a"][0], ours["a"][0])
+
+
+def test_q8_0_requantizes_another_type_as_llama_cpp_does(files):
+    """An F32 file served with --weights-dtype q8_0 holds the blocks the Q8_0 file was written with (both
+    quantized by gguf-py from the same weights, q/k rows permuted or not): every projection's packed
+    copy and the LM head's, byte for byte. (The embedding stays the file's own: F32 here.)"""
+
+    def packed(path: Path, weights_dtype: str) -> list[torch.Tensor]:
+        model, _ = load_model(str(path), CPU, torch.float32, weights_dtype=weights_dtype)
+        weights = [p.packed for layer in model.layers for p in layer.projections()] + [model.packed_lm_head]
+        assert all(isinstance(w, q8_linear.Q8Weight) for w in weights)
+        return [w.storage for w in weights]
+
+    for requantized, from_file in zip(packed(files["F32"], "q8_0"), packed(files["Q8_0"], "auto"), strict=True):
+        assert torch.equal(requantized, from_file)
+    model, _ = load_model(str(files["F32"]), CPU, torch.float32)  # auto keeps an F32 file dense
+    assert model.weight_bytes_saved == 0
+
+
+def test_saved_weight_memory_goes_to_the_adapter_pool_and_kv_cache(files):
+    def pools(weights_dtype: str) -> tuple[int, int]:
+        core = EngineCore(EngineConfig(model=str(files["Q8_0"]), device="cpu", dtype="float32",
+                                       weights_dtype=weights_dtype))
+        sizes = core.model_info.lora_pool_bytes, core.runner.kv.nbytes
+        saved = core.runner.model.weight_bytes_saved
+        core.shutdown()
+        return sizes[0] + sizes[1], saved
+
+    quantized_total, saved = pools("auto")
+    dense_total, no_saving = pools("bf16")
+    assert no_saving == 0 and saved > 0
+    assert quantized_total > dense_total
+
+
+def test_q8_0_is_refused_where_it_cannot_be_served(files):
+    with pytest.raises(FailedPreconditionError, match="not one"):
+        load_model("builtin:tiny", CPU, torch.float32, weights_dtype="q8_0")
+    with pytest.raises(FailedPreconditionError, match="packed weights only"):
+        load_model(str(files["Q8_0"]), CPU, torch.float32, weights_dtype="q8_0", pack_weights=False)
+    with pytest.raises(FailedPreconditionError, match="weights dtype must be one of"):
+        load_model(str(files["Q8_0"]), CPU, torch.float32, weights_dtype="q4_k")
+    # auto with dense weights (a captured decode step) dequantizes, as before
+    model, _ = load_model(str(files["Q8_0"]), CPU, torch.float32, pack_weights=False)
+    assert model.weight_bytes_saved == 0 and model.layers[0].qkv.weight.numel() > 0
