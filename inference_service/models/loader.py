@@ -15,7 +15,7 @@ from adapter_cache.errors import FailedPreconditionError
 from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
 from inference_service.models.llama import LlamaModel
-from inference_service.models.quantized import WEIGHTS_DTYPES
+from inference_service.models.quantized import QUANTIZED_DTYPES, WEIGHTS_DTYPES
 from inference_service.models.registry import CausalLM, model_class
 from inference_service.models.source import BUILTIN_PREFIX, ModelSource, resolve_model
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
@@ -50,8 +50,9 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
     refused when it has none (a byte tokenizer on a real model's ids is garbage text, not an error
     anyone would notice); byte: the byte-level tokenizer, asked for explicitly. `pack_weights=False`
     keeps the dense weights (what a captured decode step reads) instead of the CPU GEMM's packing.
-    `weights_dtype` (models/quantized.py): auto keeps a GGUF file's Q8_0 projections quantized where
-    they can be served so (on CPU, packed), q8_0 asks for it (quantizing other types), bf16 dequantizes."""
+    `weights_dtype` (models/quantized.py): auto keeps a GGUF file's Q8_0/Q4_0 projections quantized where
+    they can be served so (on CPU, packed), q8_0 or q4_0 asks for that type (quantizing others), bf16
+    dequantizes."""
     if tokenizer_mode not in ("auto", "byte"):
         raise FailedPreconditionError(f"tokenizer must be auto or byte, got {tokenizer_mode!r}")
     if weights_dtype not in WEIGHTS_DTYPES:
@@ -59,11 +60,12 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
             f"weights dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {weights_dtype!r}")
     source = resolve_model(spec, revision)
     quantized_ok = device.type == "cpu" and pack_weights
-    if weights_dtype == "q8_0" and source.kind != "gguf":
-        raise FailedPreconditionError(f"--weights-dtype q8_0 serves a GGUF file's weights; {spec} is not one")
-    if weights_dtype == "q8_0" and not quantized_ok:
+    if weights_dtype in QUANTIZED_DTYPES and source.kind != "gguf":
         raise FailedPreconditionError(
-            f"--weights-dtype q8_0 is served on CPU with packed weights only (here: {device}"
+            f"--weights-dtype {weights_dtype} serves a GGUF file's weights; {spec} is not one")
+    if weights_dtype in QUANTIZED_DTYPES and not quantized_ok:
+        raise FailedPreconditionError(
+            f"--weights-dtype {weights_dtype} is served on CPU with packed weights only (here: {device}"
             f"{'' if pack_weights else ', dense weights for captured decode steps'}); use bf16 or auto")
     if not quantized_ok:
         weights_dtype = "bf16"
@@ -83,7 +85,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
     if pack_weights:
         model.pack_weights()
     if model.weight_bytes_saved:
-        log.info("weights: projections in Q8_0 (--weights-dtype %s), %.1f MiB less than in %s",
+        log.info("weights: projections kept quantized (--weights-dtype %s), %.1f MiB less than in %s",
                  weights_dtype, model.weight_bytes_saved / 2**20, dtype)
     c = model.config
     log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, vocab %d", spec, source.path,

@@ -1,11 +1,12 @@
 """Base weights kept in a GGUF quantization (`--weights-dtype`) instead of dequantized at load.
 
-`auto` keeps each projection whose GGUF tensors are Q8_0 (llama.cpp's 8-bit type) as Q8_0 blocks,
-which a kernel reads as they are (kernels/q8_linear); `q8_0` serves every projection in Q8_0,
-quantizing (gguf-py, llama.cpp's rounding) those the file holds in another type; `bf16` dequantizes
-every weight to the serving dtype (`--dtype`), as before. Quantized weights are served on CPU only,
-packed for the kernel (a captured decode step reads dense weights). Embeddings and norms stay in the
-serving dtype; LoRA adds its bf16/fp32 product on top of the quantized projection's output.
+`auto` keeps each projection whose GGUF tensors are Q8_0 or Q4_0 (llama.cpp's 8- and 4-bit types) as
+blocks, which a kernel reads as they are (kernels/quant_linear); `q8_0` / `q4_0` serve every
+projection in that type, quantizing (gguf-py, llama.cpp's rounding) those the file holds in another
+type; `bf16` dequantizes every weight to the serving dtype (`--dtype`), as before. Quantized weights
+are served on CPU only, packed for the kernel (a captured decode step reads dense weights).
+Embeddings and norms stay in the serving dtype; LoRA adds its bf16/fp32 product on top of the
+quantized projection's output.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-WEIGHTS_DTYPES = ("auto", "bf16", "q8_0")
-Q8_0 = "Q8_0"
+KEPT_TYPES = ("Q8_0", "Q4_0")  # GGUF types served as blocks
+QUANTIZED_DTYPES = tuple(t.lower() for t in KEPT_TYPES)
+WEIGHTS_DTYPES = ("auto", "bf16", *QUANTIZED_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,10 @@ class QuantizedWeights(Protocol):
         ...
 
 
-def quantize_q8_0(weight: np.ndarray) -> QuantizedWeight:
-    """An fp32 weight [out, in] (in a multiple of 32) as Q8_0 blocks, rounded as llama.cpp rounds."""
+def quantize_blocks(weight: np.ndarray, type_name: str) -> QuantizedWeight:
+    """An fp32 weight [out, in] (in a multiple of 32) as blocks of `type_name`, rounded as llama.cpp rounds."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    blocks = quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType.Q8_0)
-    return QuantizedWeight(Q8_0, blocks, weight.shape[0], weight.shape[1])
+    blocks = quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType[type_name])
+    return QuantizedWeight(type_name, blocks, weight.shape[0], weight.shape[1])
