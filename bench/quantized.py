@@ -1,16 +1,16 @@
 """Quantized base weights against bf16 on the same GGUF file, in one process (`--weights-dtype`).
 
-The real model's file (SmolLM2-135M-Instruct, Q4_1) is served twice: `bf16`, every weight dequantized
-to bf16 at load (what the engine did before), and `q8_0`, every projection and the LM head quantized
-to Q8_0 at load by gguf-py (llama.cpp's rounding) and read by the Q8_0 kernel (kernels/q8_linear.c).
-The two engines take turns (ROUNDS rounds, each timing batch 1 and 32 on the base model and batch 32
+The real model's file (SmolLM2-135M-Instruct, Q4_1) is served three times: `bf16`, every weight
+dequantized to bf16 at load (what the engine did before), and `q8_0` / `q4_0`, every projection and
+the LM head quantized to that type at load by gguf-py (llama.cpp's rounding) and read as blocks by
+kernels/quant_linear.c. The engines take turns (ROUNDS rounds, each timing batch 1 and 32 on the base model and batch 32
 over 8 resident adapters), so a busy host's slow seconds fall on both; each figure is the median
 decode step (prefill excluded, in-process EngineCore.step, as bench/roofline.py times it), and the
 ratios compare the medians over the rounds. Run it with nothing else on the machine; the load
 average is printed before and after.
 
 RESULT q8_vs_bf16_batch1=<bf16 step time / q8_0 step time at batch 1> (above 1: Q8_0 is faster),
-RESULT q8_vs_bf16_batch32=, RESULT q8_vs_bf16_lora8_batch32=.
+RESULT q8_vs_bf16_batch32=, RESULT q8_vs_bf16_lora8_batch32=, and the same for q4.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from inference_service.engine.config import EngineConfig  # noqa: E402
 from inference_service.engine.core import EngineCore  # noqa: E402
 
 ROUNDS = 3
-WEIGHTS = ("bf16", "q8_0")
+WEIGHTS = ("bf16", "q8_0", "q4_0")
 WORKLOADS = (("batch1", 1, False), ("batch32", 32, False), ("lora8_batch32", 32, True))
 ADAPTERS = 8
 
@@ -72,9 +72,10 @@ def main() -> None:
         core.shutdown()
     print(f"load average at end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads "
           f"{torch.get_num_threads()}")
-    for name, _, _ in WORKLOADS:
-        bf16, q8 = (statistics.median(steps[(w, name)]) for w in WEIGHTS)
-        print(f"RESULT q8_vs_bf16_{name}={bf16 / q8:.2f}")
+    for weights in WEIGHTS[1:]:
+        for name, _, _ in WORKLOADS:
+            ratio = statistics.median(steps[("bf16", name)]) / statistics.median(steps[(weights, name)])
+            print(f"RESULT {weights[:2]}_vs_bf16_{name}={ratio:.2f}")
 
 
 if __name__ == "__main__":
