@@ -27,6 +27,7 @@ from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.kernels import quant_linear
+from inference_service.models import decode_stack
 from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
 from inference_service.models.loader import load_model
@@ -193,6 +194,8 @@ def test_engine_on_blocks_equals_the_dequantized_engine(files, adapters, qtype, 
     quantized = _core(files[qtype], "auto")
     assert _projection_kernels(quantized) == {"QuantWeight"}
     assert quantized.runner.model.weight_bytes_saved > 0
+    if decode_stack.enabled():  # decode steps run in C on the same kernel (and the C LoRA op)
+        assert quantized.runner.model.decode_stack() is not None
     ours = greedy_logits(quantized, used, prompts, NEW_TOKENS)
     dequantized = _core(files[qtype], "bf16")
     assert "QuantWeight" not in _projection_kernels(dequantized)
