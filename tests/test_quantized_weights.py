@@ -251,3 +251,24 @@ def test_q8_0_is_refused_where_it_cannot_be_served(files):
     # auto with dense weights (a captured decode step) dequantizes, as before
     model, _ = load_model(str(files["Q8_0"]), CPU, torch.float32, pack_weights=False)
     assert model.weight_bytes_saved == 0 and model.layers[0].qkv.weight.numel() > 0
+
+
+def test_a_fused_projection_of_mixed_types_is_served_dense(files):
+    """q/k/v fused into one projection: when the file holds v in another kept type than q and k, that
+    projection is dequantized (one panel layout per projection); the others stay blocks."""
+    from inference_service.models.gguf import GGUFStateDict
+    from inference_service.models.llama import LlamaModel
+    from inference_service.models.quantized import QuantizedWeight, quantize_blocks
+
+    class MixedTypes(GGUFStateDict):
+        def quantized(self, name: str) -> QuantizedWeight | None:
+            weight = super().quantized(name)
+            return quantize_blocks(self[name].numpy(), "Q4_0") if weight and "v_proj" in name else weight
+
+    file = GGUFFile(files["Q8_0"])
+    model = LlamaModel(ModelConfig.from_hf(file.hf_config()), CPU, torch.float32)
+    model.load_hf_state_dict(MixedTypes(file, "auto"))
+    model.pack_weights()
+    for layer in model.layers:
+        assert not isinstance(layer.qkv.packed, quant_linear.QuantWeight)
+        assert isinstance(layer.o.packed, quant_linear.QuantWeight) and layer.o.packed.type_name == "Q8_0"

@@ -229,18 +229,19 @@ class LlamaModel(nn.Module):
             used.add(name)
             return tensors[name]
 
-        # Projections the checkpoint keeps quantized (a GGUF file served with --weights-dtype auto or
-        # q8_0) take its blocks instead of a dense copy: by the parameter each would fill.
+        # Projections the checkpoint keeps quantized (a GGUF file served with --weights-dtype auto, q8_0
+        # or q4_0) take its blocks instead of a dense copy: by the parameter each would fill. A fused
+        # projection whose parts differ in type (a mixed file) is served dense.
         quantized = tensors.quantized if isinstance(tensors, QuantizedWeights) else None
         projections = {id(p.weight): p for layer in self.layers for p in layer.projections()}
 
         def put(dst: torch.Tensor, *names: str) -> None:
             if quantized is not None and (id(dst) in projections or dst is self.lm_head) and all(
                     n in tensors for n in names):
-                parts = [quantized(n) for n in names]
-                if all(part is not None for part in parts):
+                parts = [part for part in (quantized(n) for n in names) if part is not None]
+                if len(parts) == len(names) and len({part.type_name for part in parts}) == 1:
                     used.update(names)
-                    weight = QuantizedWeight.concat([part for part in parts if part is not None])
+                    weight = QuantizedWeight.concat(parts)
                     if dst is self.lm_head:
                         self.quantized_lm_head = weight
                         self.lm_head.data = self.lm_head.data.new_empty(0)
