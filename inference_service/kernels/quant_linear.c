@@ -86,18 +86,17 @@ static inline __attribute__((always_inline)) __m256 bias8(const void *bias, int6
 // A k's 16 weights at q (K_BYTES(qt) bytes) as two fp32 vectors, columns 0-7 and 8-15, times their scales.
 static inline __attribute__((always_inline)) void widen16(const uint8_t *q, const int qt, const __m256 s0,
                                                           const __m256 s1, __m256 *w0, __m256 *w1) {
-    __m256i lo, hi;
     if (qt == Q8_0) {
-        lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
-        hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
-    } else {
+        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), s0);
+        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))), s1);
+    } else {  // q x s - 8 s in one FMA: q s and 8 s are exact, so is their difference, (q - 8) s
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-        const __m256i eight = _mm256_set1_epi32(8);
-        lo = _mm256_sub_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xF)), eight);
-        hi = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight);
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        const __m256 minus8 = _mm256_set1_ps(-8.0f);
+        *w0 = _mm256_fmadd_ps(lo, s0, _mm256_mul_ps(minus8, s0));
+        *w1 = _mm256_fmadd_ps(hi, s1, _mm256_mul_ps(minus8, s1));
     }
-    *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s0);
-    *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), s1);
 }
 
 // Rows m0 .. m0 + MR against panels p .. p + NP (MR x NP at most 4: 8 accumulators, plus the scales
