@@ -32,6 +32,7 @@ from inference_service.frontend.preload import PreloadEntry, read_preload_file
 from inference_service.frontend.tenants import read_tenants_file
 from inference_service.frontend.tool_parsers import PARSERS
 from inference_service.limits import RequestLimits
+from inference_service.models.quantized import WEIGHTS_DTYPES
 
 log = logging.getLogger("loraplex.cli")
 ENV_PREFIX = "LORAPLEX_"
@@ -101,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
          "accelerator, on CPU bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX) or the AVX2 kernel "
          "runs (AVX2 without AVX-512), else float32",
          default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    _add(g, "--weights-dtype", "auto | bf16 | q8_0 | q4_0: how a GGUF file's projection weights are served on "
+         "CPU; auto keeps Q8_0 and Q4_0 tensors as they are (read as blocks by their kernel, never dequantized as "
+         "a whole), q8_0 / q4_0 serve every projection in that type (quantizing other types at load), bf16 "
+         "dequantizes every weight to --dtype",
+         default=EngineConfig.weights_dtype, choices=WEIGHTS_DTYPES)
     _add(g, "--max-model-len", "longest prompt + output in tokens (default: the model's context)", type=int)
     _add(g, "--max-loras", "the adapter pool: auto sizes it by memory (--lora-memory-bytes), an adapter taking "
          "memory in proportion to its rank; N: N fixed slots of --max-lora-rank", type=_max_loras,
@@ -325,6 +331,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         revision=args.revision,
         device=args.device,
         dtype=args.dtype,
+        weights_dtype=args.weights_dtype,
         max_model_len=args.max_model_len,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

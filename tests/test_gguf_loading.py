@@ -91,7 +91,7 @@ def _engine_run(model: str, prompts: list[list[int]], **config) -> dict[str, tup
                   [t for o in outs for t in o.new_token_ids]) for rid, outs in outputs.items()}
 
 
-@pytest.mark.parametrize("family,qtype", [("llama", "Q8_0"), ("llama", "Q4_K"), ("qwen2", "Q4_1")])
+@pytest.mark.parametrize("family,qtype", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_K"), ("qwen2", "Q4_1")])
 def test_engine_matches_transformers_on_the_gguf(checkpoints, gguf_dir, family, qtype):
     path = _file(checkpoints, gguf_dir, family, qtype)
     reference = _transformers_model(path)

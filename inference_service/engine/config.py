@@ -22,6 +22,9 @@ class EngineConfig:
     revision: str | None = None  # branch, tag or commit of an HF model id (default: main)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "float32"  # auto | float32 | float16 | bfloat16 (the CLI defaults to auto)
+    # auto | bf16 | q8_0 | q4_0: a GGUF file's projections kept quantized or dequantized to `dtype`
+    # (models/quantized.py)
+    weights_dtype: str = "auto"
     # The adapter pool. auto: sized by memory (lora_memory_bytes, else lora_memory_fraction of the
     # memory budget, taken before the KV cache), in pages of lora_page_rank rank rows, so an adapter
     # takes memory in proportion to its rank; N: the fixed-slot pool, N slots of max_lora_rank.

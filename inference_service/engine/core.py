@@ -95,9 +95,12 @@ def default_source(config: EngineConfig, shapes: BaseModelShapes) -> AdapterSour
                                 allow=config.adapter_source_allow)
 
 
-def memory_budget(config: EngineConfig, device: torch.device) -> int:
+def memory_budget(config: EngineConfig, device: torch.device, weight_bytes_saved: int = 0) -> int:
     """Bytes for the adapter pool and the KV cache together: --memory-budget-bytes, else a fraction of
-    the memory available once the weights are loaded (engine/memory.py)."""
+    the memory available once the weights are loaded (engine/memory.py): what quantized weights save
+    against dense ones is already in that measurement, and logged."""
+    if weight_bytes_saved:
+        log.info("quantized weights take %.1f MiB less than dense ones", weight_bytes_saved / 2**20)
     if config.memory_budget_bytes is not None:
         return config.memory_budget_bytes
     budget, how = default_budget(device)
@@ -260,10 +263,11 @@ class EngineCore:
         # A captured decode step reads dense weights: no packing for the CPU GEMM then.
         model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
                                            config.tokenizer, config.revision,
-                                           pack_weights=not config.decode_graphs_on())
+                                           pack_weights=not config.decode_graphs_on(),
+                                           weights_dtype=config.weights_dtype)
         model.lora_op = make_lora_op(model.device, model.dtype, config.triton_kernels)
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
-        budget = memory_budget(config, model.device)  # measured before the slots take their part
+        budget = memory_budget(config, model.device, model.weight_bytes_saved)  # before the slots take theirs
         if config.max_lora_rank == "auto":
             pages = None if config.fixed_loras() is not None else pool_pages_for(config, model, budget)
             config = self.config = dataclasses.replace(config, max_lora_rank=resolve_max_rank(config, pages))

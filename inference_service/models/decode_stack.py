@@ -6,7 +6,7 @@ core waited. `DecodeStack.run` hands the whole step to C, which calls the very k
 forward calls, in the same order, so the result is bit-identical (tests/test_decode_stack.py).
 
 Where it applies (`build` checks once, `run` per step; otherwise the layer forward runs):
-- on CPU, every projection on one packed kernel that C can call (AMX's, in bf16; AVX2's, in bf16 or
+- on CPU, every projection on one packed kernel that C can call (AMX's, in bf16; AVX2's or Q8_0/Q4_0's, in bf16 or
   fp32), the fused per-token ops and the C decode attention built for the model's dtype, and the C
   LoRA op (or no adapters in the step);
 - layers that are plain LLaMA's: a family that overrides a step (Qwen3's q/k norms) keeps Python;
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inference_service.kernels import amx_linear, avx2_linear, fused
+from inference_service.kernels import amx_linear, avx2_linear, fused, quant_linear
 from inference_service.kernels import paged_attention as attention_kernels
 from inference_service.kernels.build import load_library
 from inference_service.lora.backend import CpuLoRAOp
@@ -115,6 +115,9 @@ class DecodeStack:
             linear = amx_linear.kernel_address()
         elif all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in projections):
             linear = avx2_linear.kernel_address(model.dtype)
+        elif all(isinstance(p.packed, quant_linear.QuantWeight) for p in projections) and len(
+                types := {getattr(p.packed, "type_name", None) for p in projections}) == 1:
+            linear = quant_linear.kernel_address(str(types.pop()), model.dtype)  # one kernel for every layer
         else:
             return None
         if not fused.available(model.device, model.dtype) or not isinstance(model.attention, CpuPagedAttention):
@@ -215,7 +218,7 @@ class DecodeStack:
 
     def _describe(self, entry: _Projection, projection: LoRALinear, keep_alive: list[object]) -> bool:
         packed = projection.packed
-        assert isinstance(packed, amx_linear.AMXWeight | avx2_linear.AVX2Weight)  # build() checked
+        assert isinstance(packed, amx_linear.AMXWeight | avx2_linear.AVX2Weight | quant_linear.QuantWeight)  # build()
         bias = projection.bias
         if bias is not None:
             if bias.dtype != self.model.dtype:

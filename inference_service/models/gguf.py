@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from adapter_cache.errors import FailedPreconditionError
 from inference_service.models.gguf_reader import read_gguf
 from inference_service.models.gguf_tokenizer import build_tokenizer
+from inference_service.models.quantized import KEPT_TYPES, QuantizedWeight, quantize_blocks
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,14 @@ class GGUFFile:
         # GGUF lists dimensions innermost first.
         return data.reshape(tuple(int(d) for d in reversed(tensor.shape))).astype(np.float32, copy=False)
 
-    def state_dict(self) -> GGUFStateDict:
+    def type_name(self, name: str) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensors[name].type_id).name
+
+    def state_dict(self, weights_dtype: str = "bf16") -> GGUFStateDict:
         self.check_tensor_types()
-        return GGUFStateDict(self)
+        return GGUFStateDict(self, weights_dtype)
 
     def tokenizer(self) -> Tokenizer:
         return build_tokenizer({k: v for k, v in self._metadata.items() if k.startswith("tokenizer.ggml.")},
@@ -193,10 +199,12 @@ class GGUFFile:
 
 
 class GGUFStateDict(Mapping[str, torch.Tensor]):
-    """HF-named float32 weights of a GGUF file, dequantized (and q/k un-permuted) when read."""
+    """HF-named float32 weights of a GGUF file, dequantized (and q/k un-permuted) when read; with a
+    `weights_dtype` other than bf16 (models/quantized.py), projections as blocks (`quantized`)."""
 
-    def __init__(self, file: GGUFFile) -> None:
+    def __init__(self, file: GGUFFile, weights_dtype: str = "bf16") -> None:
         self._file = file
+        self.weights_dtype = weights_dtype
         config = file.hf_config()
         self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         # Tensors without an HF name keep their GGUF name, so the loader's "weights this model does
@@ -209,6 +217,25 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
             data = _unpermute(data, self._heads[name.split(".")[-2]])
         # F32 tensors come back as views of the read-only memory map: copy those.
         return torch.from_numpy(np.array(data, copy=not data.flags.writeable or not data.flags.c_contiguous))
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """Weight `name` [out, in] as blocks, or None where it is served dense: weights dtype bf16, or
+        auto and the tensor is not of a type kept as blocks, or an input size that is not whole blocks."""
+        gguf_name = self._names[name]
+        tensor = self._file.tensors[gguf_name]
+        if self.weights_dtype == "bf16" or len(tensor.shape) != 2 or tensor.shape[0] % 32:
+            return None
+        out_features, in_features = int(tensor.shape[1]), int(tensor.shape[0])
+        type_name = self._file.type_name(gguf_name)
+        wanted = type_name if self.weights_dtype == "auto" else self.weights_dtype.upper()
+        if wanted not in KEPT_TYPES:
+            return None
+        if type_name != wanted:  # quantized at load as llama.cpp would have
+            return quantize_blocks(self[name].numpy(), wanted)
+        blocks = tensor.data
+        if self._file.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+            blocks = _unpermute(blocks, self._heads[name.split(".")[-2]])  # whole rows: blocks move with them
+        return QuantizedWeight(type_name, blocks, out_features, in_features)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would dequantize the tensor
         return name in self._names

@@ -18,6 +18,7 @@ from inference_service.kernels.hugepages import Arena
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB
 from inference_service.models import linear as dense
 from inference_service.models.config import ModelConfig
+from inference_service.models.quantized import QuantizedWeight
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,8 +129,31 @@ class LoRALinear(nn.Module):
         self.bias = frozen_param(start, None, device, dtype) if bias else None
         self.lora = LoRASlices(targets)
         self.packed: dense.PackedWeight | None = None
+        # Set by the loader when the weight is kept quantized (models/quantized.py) until `pack`.
+        self.quantized: QuantizedWeight | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Keep the weight as quantized blocks: the dense parameter is never filled (held empty)."""
+        assert (weight.out_features, weight.in_features) == tuple(self.weight.shape)
+        self.quantized = weight
+        self.weight.data = self.weight.data.new_empty(0)
+
+    def pack_quantized(self) -> int:
+        """A kept quantized weight into its kernel's layout, or dequantized into the dense weight where
+        no kernel takes it here (then `pack` packs it). Returns the bytes saved against the dense weight."""
+        quantized, self.quantized = self.quantized, None
+        if quantized is None:
+            return 0
+        dtype = self.weight.dtype
+        self.packed = dense.pack_quantized(quantized, dtype)
+        if self.packed is None:
+            self.weight.data = quantized.dequantize().to(dtype)
+            return 0
+        return quantized.out_features * quantized.in_features * dtype.itemsize - self.packed.nbytes
 
     def pack(self, arena: Arena | None = None) -> None:
+        if self.packed is not None:  # a quantized weight's kernel copy
+            return
         self.packed = dense.pack(self.weight.data, arena)
         if self.packed is not None:
             self.weight.data = self.weight.data.new_empty(0)

@@ -7,6 +7,8 @@ Three packed forms, chosen per weight when the model is loaded (`pack`):
   level with oneDNN, and ~0.85 of its rate at 2048 rows in one step.
 - AVX2 (`kernels/avx2_linear`): fp32 on CPUs with AVX2 but no AVX-512 (AMD Zen 1-3), where
   oneDNN's kernels read a decode step's weights at a third of a plain read's rate.
+- Q8_0 / Q4_0 (`kernels/quant_linear`): a weight kept in GGUF's 8- or 4-bit blocks (`--weights-dtype`,
+  models/quantized.py), read as blocks + fp16 scales and summed in fp32, on any CPU (`pack_quantized`).
 - oneDNN (`torch.ops.mkldnn._linear_pointwise`): everywhere else on CPU. MKL's GEMM behind
   `F.linear` repacks the weight on every call; at decode batch sizes that repacking is 15-30% of
   a projection (more in bf16). A oneDNN-packed weight (what torch's own inductor uses when it
@@ -24,8 +26,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from inference_service.kernels import amx_linear, avx2_linear
+from inference_service.kernels import amx_linear, avx2_linear, quant_linear
 from inference_service.kernels.hugepages import Arena
+from inference_service.models.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,13 @@ class PackedWeight(Protocol):
     def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`self(x, bias).float()` (the LM head's logits), in one pass where the GEMM can."""
         ...
+
+
+class QuantizedPackedWeight(PackedWeight, Protocol):
+    """A packed copy of a quantized weight."""
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class OneDNNWeight:
@@ -93,6 +103,12 @@ def pack(weight: torch.Tensor, arena: Arena | None = None) -> PackedWeight | Non
     if avx2 is not None:
         return avx2
     return OneDNNWeight(weight) if _packing_works(weight.dtype) else None
+
+
+def pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedPackedWeight | None:
+    """A kernel's copy of a quantized weight for activations of `dtype`, or None where no kernel takes
+    it here (the caller then serves it dequantized)."""
+    return quant_linear.pack(weight.type_name, weight.blocks, weight.out_features, weight.in_features, dtype)
 
 
 @functools.cache

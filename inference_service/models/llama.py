@@ -31,6 +31,7 @@ from inference_service.models.layers import (
     apply_rope,
     frozen_param,
 )
+from inference_service.models.quantized import QuantizedWeight, QuantizedWeights
 
 
 class PutWeights(Protocol):
@@ -147,6 +148,9 @@ class LlamaModel(nn.Module):
         self.lora_op: LoRAOp = TorchLoRAOp(device)  # the engine picks the op for its device
         self.attention: AttentionBackend = make_attention_backend(device, dtype)
         self.packed_lm_head: dense.PackedWeight | None = None
+        self.quantized_lm_head: QuantizedWeight | None = None  # kept quantized by the loader until packed
+        # Bytes the quantized weights' kernel copies save against dense ones (models/quantized.py).
+        self.weight_bytes_saved = 0
         # Decode steps in one C call where the kernels allow (decode_stack.py); built on first use,
         # once the engine has set the LoRA op. False: not built yet.
         self._decode_stack: DecodeStack | None | bool = False
@@ -171,13 +175,26 @@ class LlamaModel(nn.Module):
         return stack
 
     def pack_weights(self) -> None:
-        """Once the weights are in: prepack the projections for the CPU GEMM (no-op elsewhere), the AMX
-        copies into one arena on 2 MiB pages."""
-        arena = dense.arena_for([self.lm_head.data, *(p.weight.data for layer in self.layers
-                                                      for p in layer.projections())])
-        self.packed_lm_head = dense.pack(self.lm_head.data, arena)
-        if self.packed_lm_head is not None:
-            self.lm_head.data = self.lm_head.data.new_empty(0)
+        """Once the weights are in: quantized weights into their kernels' layout, then the dense
+        projections prepacked for the CPU GEMM (no-op elsewhere), the AMX copies into one arena on
+        2 MiB pages."""
+        projections = [p for layer in self.layers for p in layer.projections()]
+        saved = sum(p.pack_quantized() for p in projections)
+        if self.quantized_lm_head is not None:
+            quantized, self.quantized_lm_head = self.quantized_lm_head, None
+            packed = dense.pack_quantized(quantized, self.dtype)
+            if packed is None:
+                self.lm_head.data = quantized.dequantize().to(self.dtype)
+            else:
+                self.packed_lm_head = packed
+                saved += quantized.out_features * quantized.in_features * self.dtype.itemsize - packed.nbytes
+        self.weight_bytes_saved = saved
+        lm_head = [self.lm_head.data] if self.packed_lm_head is None else []
+        arena = dense.arena_for([*lm_head, *(p.weight.data for p in projections if p.packed is None)])
+        if self.packed_lm_head is None:
+            self.packed_lm_head = dense.pack(self.lm_head.data, arena)
+            if self.packed_lm_head is not None:
+                self.lm_head.data = self.lm_head.data.new_empty(0)
         for layer in self.layers:
             layer.pack_weights(arena)
 
@@ -224,7 +241,25 @@ class LlamaModel(nn.Module):
             used.add(name)
             return tensors[name]
 
+        # Projections the checkpoint keeps quantized (a GGUF file served with --weights-dtype auto, q8_0
+        # or q4_0) take its blocks instead of a dense copy: by the parameter each would fill. A fused
+        # projection whose parts differ in type (a mixed file) is served dense.
+        quantized = tensors.quantized if isinstance(tensors, QuantizedWeights) else None
+        projections = {id(p.weight): p for layer in self.layers for p in layer.projections()}
+
         def put(dst: torch.Tensor, *names: str) -> None:
+            if quantized is not None and (id(dst) in projections or dst is self.lm_head) and all(
+                    n in tensors for n in names):
+                parts = [part for part in (quantized(n) for n in names) if part is not None]
+                if len(parts) == len(names) and len({part.type_name for part in parts}) == 1:
+                    used.update(names)
+                    weight = QuantizedWeight.concat(parts)
+                    if dst is self.lm_head:
+                        self.quantized_lm_head = weight
+                        self.lm_head.data = self.lm_head.data.new_empty(0)
+                    else:
+                        projections[id(dst)].set_quantized(weight)
+                    return
             dst.copy_(torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0]))
 
         with torch.no_grad():

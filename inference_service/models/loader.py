@@ -15,6 +15,7 @@ from adapter_cache.errors import FailedPreconditionError
 from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
 from inference_service.models.llama import LlamaModel
+from inference_service.models.quantized import QUANTIZED_DTYPES, WEIGHTS_DTYPES
 from inference_service.models.registry import CausalLM, model_class
 from inference_service.models.source import BUILTIN_PREFIX, ModelSource, resolve_model
 from inference_service.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
@@ -42,16 +43,32 @@ TINY_SEED = 1234
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype,
                tokenizer_mode: str = "auto", revision: str | None = None,
-               pack_weights: bool = True) -> tuple[CausalLM, Tokenizer]:
+               pack_weights: bool = True, weights_dtype: str = "auto") -> tuple[CausalLM, Tokenizer]:
     """`spec`: builtin:tiny, a checkpoint directory, a .gguf file (or a directory holding one), or a
     Hugging Face id (`revision` pins it) found in the Hugging Face cache (models/source.py).
     `tokenizer_mode` auto: the checkpoint's tokenizer (tokenizer.json, or the GGUF file's own),
     refused when it has none (a byte tokenizer on a real model's ids is garbage text, not an error
     anyone would notice); byte: the byte-level tokenizer, asked for explicitly. `pack_weights=False`
-    keeps the dense weights (what a captured decode step reads) instead of the CPU GEMM's packing."""
+    keeps the dense weights (what a captured decode step reads) instead of the CPU GEMM's packing.
+    `weights_dtype` (models/quantized.py): auto keeps a GGUF file's Q8_0/Q4_0 projections quantized where
+    they can be served so (on CPU, packed), q8_0 or q4_0 asks for that type (quantizing others), bf16
+    dequantizes."""
     if tokenizer_mode not in ("auto", "byte"):
         raise FailedPreconditionError(f"tokenizer must be auto or byte, got {tokenizer_mode!r}")
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise FailedPreconditionError(
+            f"weights dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {weights_dtype!r}")
     source = resolve_model(spec, revision)
+    quantized_ok = device.type == "cpu" and pack_weights
+    if weights_dtype in QUANTIZED_DTYPES and source.kind != "gguf":
+        raise FailedPreconditionError(
+            f"--weights-dtype {weights_dtype} serves a GGUF file's weights; {spec} is not one")
+    if weights_dtype in QUANTIZED_DTYPES and not quantized_ok:
+        raise FailedPreconditionError(
+            f"--weights-dtype {weights_dtype} is served on CPU with packed weights only (here: {device}"
+            f"{'' if pack_weights else ', dense weights for captured decode steps'}); use bf16 or auto")
+    if not quantized_ok:
+        weights_dtype = "bf16"
     if source.kind == "builtin":
         if spec != BUILTIN_TINY:
             raise FailedPreconditionError(f"unknown builtin model {spec!r} (there is {BUILTIN_TINY})")
@@ -62,11 +79,14 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
     assert source.path is not None  # set for every kind but builtin
     start = time.perf_counter()
     if source.kind == "gguf":
-        model, tokenizer = _load_gguf(source, device, dtype, tokenizer_mode)
+        model, tokenizer = _load_gguf(source, device, dtype, tokenizer_mode, weights_dtype)
     else:
         model, tokenizer = _load_hf_dir(source, device, dtype, tokenizer_mode)
     if pack_weights:
         model.pack_weights()
+    if model.weight_bytes_saved:
+        log.info("weights: projections kept quantized (--weights-dtype %s), %.1f MiB less than in %s",
+                 weights_dtype, model.weight_bytes_saved / 2**20, dtype)
     c = model.config
     log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, vocab %d", spec, source.path,
              time.perf_counter() - start, c.num_layers, c.hidden_size, c.vocab_size)
@@ -96,7 +116,7 @@ def _load_hf_dir(source: ModelSource, device: torch.device, dtype: torch.dtype,
 
 
 def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               tokenizer_mode: str) -> tuple[CausalLM, Tokenizer]:
+               tokenizer_mode: str, weights_dtype: str) -> tuple[CausalLM, Tokenizer]:
     assert source.path is not None
     gguf = GGUFFile(source.path)
     hf_config = gguf.hf_config()
@@ -105,8 +125,9 @@ def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype,
     tokenizer: Tokenizer = ByteTokenizer() if tokenizer_mode == "byte" else FileTokenizer(
         gguf.tokenizer(), config.eos_token_ids)
     model = model_cls(config, device, dtype)
-    # Dequantized one tensor at a time as the model takes it, cast to `dtype` on copy.
-    model.load_hf_state_dict(gguf.state_dict())
+    # Dequantized one tensor at a time as the model takes it, cast to `dtype` on copy; projections
+    # kept quantized (weights_dtype) are taken as blocks.
+    model.load_hf_state_dict(gguf.state_dict(weights_dtype))
     return model, tokenizer
 
 

@@ -29,6 +29,7 @@ class CausalLM(Protocol):
     dtype: torch.dtype
     lora_op: LoRAOp  # set by the engine for its device before the LoRA slots are allocated
     attention: AttentionBackend
+    weight_bytes_saved: int  # by weights kept quantized, against dense ones (set by pack_weights)
 
     def __call__(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
         """Next-token logits [S, vocab] (fp32) of `batch.logits_rows`: `logits(hidden(...))`."""

@@ -1,0 +1,127 @@
+"""Projections on GGUF block-quantized weights (`quant_linear.c`): no dequantized copy of the model.
+
+Q8_0 rows are blocks of 34 bytes (an fp16 scale, then 32 int8 weights along the input); Q4_0 rows
+blocks of 18 (an fp16 scale, then 32 4-bit q in 16 bytes: weight i in byte i's low nibble, weight
+i + 16 in its high one; value (q - 8) x scale). `pack` repacks a weight's blocks once, at load,
+into the kernel's 16-column panels (still int8 or 4-bit + fp16 scales: 1.0625 or 0.5625 bytes a
+weight against bf16's 2); the kernel widens them in registers and sums in fp32 with FMA, on AVX2 +
+FMA + F16C (any AVX-512 CPU has them), else in portable C. Activations are the model's dtype (fp32
+or bf16), as for the dense kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import numpy as np
+import torch
+
+from inference_service.kernels.build import address, load_library
+from inference_service.kernels.projection_rows import project_rows
+
+log = logging.getLogger(__name__)
+
+PANEL = 16  # output columns a panel holds
+BLOCK = 32  # weights per block (along the input)
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}  # GGUF's block: fp16 scale + the weights
+TYPES = tuple(BLOCK_BYTES)
+DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes
+_VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def panels(type_name: str, blocks: np.ndarray, out_features: int, in_features: int) -> np.ndarray:
+    """GGUF rows (uint8 [N, K/32 * block bytes]) as the kernel's panels, flat uint8: [N/16][K/32][16
+    fp16 scales, then per k the 16 columns' weights (Q8_0: 16 int8; Q4_0: 8 bytes, column j's q in
+    byte j's low nibble and column j + 8's in its high one)]."""
+    n, kb = out_features, in_features // BLOCK
+    rows = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n // PANEL, PANEL, kb, BLOCK_BYTES[type_name])
+    scales = rows[..., :2].transpose(0, 2, 1, 3).reshape(n // PANEL, kb, 2 * PANEL)
+    if type_name == "Q8_0":
+        weights = rows[..., 2:].transpose(0, 2, 3, 1)  # [panel, block, k, column]
+    else:
+        packed = rows[..., 2:]
+        q = np.concatenate([packed & 0xF, packed >> 4], axis=-1).transpose(0, 2, 3, 1)  # [panel, block, k, col]
+        weights = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)
+    return np.concatenate([scales, weights.reshape(n // PANEL, kb, -1)], axis=-1).reshape(-1)
+
+
+class QuantWeight:
+    """A Q8_0 or Q4_0 weight [N, K] in panels: out = x @ W^T (+ bias) for any number of rows, in
+    `dtype` (x and bias in it too)."""
+
+    def __init__(self, type_name: str, blocks: np.ndarray, out_features: int, in_features: int,
+                 dtype: torch.dtype) -> None:
+        self.type_name, self.out_features, self.in_features, self.dtype = type_name, out_features, in_features, dtype
+        functions = _functions()
+        assert functions is not None, "a QuantWeight exists only where the kernel runs"
+        self._fn = functions[(type_name, dtype)]
+        self.panels = torch.from_numpy(panels(type_name, blocks, out_features, in_features))
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The packed weight as the kernel reads it (the decode stack passes its address)."""
+        return self.panels
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._run(x, bias, self.dtype)
+
+    def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`self(x, bias).float()` in one pass (bf16: the bf16-rounded products written as fp32)."""
+        return self._run(x, bias, torch.float32)
+
+    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        assert x.dtype == self.dtype
+
+        def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
+            if self._fn(x2, self.panels.data_ptr(), b, out, rows, self.out_features, self.in_features,
+                        out_dtype == torch.float32):
+                raise MemoryError(f"{self.type_name} projection: its per-thread buffer could not be allocated")
+
+        return project_rows(x, bias, self.in_features, self.out_features, out_dtype, kernel)
+
+
+def pack(type_name: str, blocks: np.ndarray, out_features: int, in_features: int,
+         dtype: torch.dtype) -> QuantWeight | None:
+    """The panels of a Q8_0 or Q4_0 weight, or None where the kernel cannot take it (another type, N not
+    a multiple of 16, an activation dtype other than fp32/bf16, the kernel not built or disabled)."""
+    if (type_name not in TYPES or out_features % PANEL or in_features % BLOCK or dtype not in DTYPES
+            or not available()):
+        return None
+    return QuantWeight(type_name, blocks, out_features, in_features, dtype)
+
+
+def available() -> bool:
+    return _functions() is not None
+
+
+def kernel_address(type_name: str, dtype: torch.dtype) -> int | None:
+    """The C function's address for `type_name` weights and activations of `dtype`, or None."""
+    functions = _functions()
+    if functions is None or (type_name, dtype) not in functions:
+        return None
+    return address(functions[(type_name, dtype)])
+
+
+@functools.cache
+def _functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    """quant_linear_{q8_0,q4_0}_{f32,bf16} by (type, activation dtype), or None where the kernel
+    cannot be had."""
+    library = load_library("quant_linear")
+    if library is None:
+        return None
+    library.quant_linear_vectorised.restype = ctypes.c_int
+    log.info("Q8_0/Q4_0 projections: %s", "AVX2/FMA/F16C" if library.quant_linear_vectorised() else "portable C")
+    functions = {}
+    for type_name in TYPES:
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(library, f"quant_linear_{type_name.lower()}_{suffix}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
+            functions[(type_name, dtype)] = fn
+    return functions
