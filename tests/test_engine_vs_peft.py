@@ -279,15 +279,16 @@ def test_tied_embeddings_checkpoint_matches_peft(tmp_path):
 
 def test_mistral_sliding_window_bounds_the_context_and_matches_peft(tmp_path):
     """Mistral's sliding window: the engine serves within it (full attention is exact there), so its
-    context is the window, a request beyond it is refused, and within it logits match PEFT's."""
-    from adapter_cache.errors import ResourceExhaustedError
+    context is the window, a request beyond it is refused (INVALID_ARGUMENT: it can never fit), and
+    within it logits match PEFT's."""
+    from adapter_cache.errors import InvalidArgumentError
 
     window = 24
     checkpoint = make_checkpoint(tmp_path / "mistral", "mistral", seed=6, sliding_window=window)
     adapter = make_adapter(checkpoint, tmp_path / "a", AdapterSpec("a", 8, 16, seed=12))
     core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", kv_cache_bytes=4 << 20))
     assert core.model_info.max_context == window
-    with pytest.raises(ResourceExhaustedError):
+    with pytest.raises(InvalidArgumentError, match="does not fit the context of 24 tokens"):
         core.validate(list(range(3, 10)), SamplingParams(max_new_tokens=window - 6))
     core.shutdown()
     prompts = [("x", list(range(3, 10)), "a"), ("y", list(range(20, 27)), None)]  # 7 + 17 = the window

@@ -226,19 +226,42 @@ def test_requantizing_another_type_gives_llama_cpps_blocks(files, qtype):
     assert model.weight_bytes_saved == 0
 
 
-def test_saved_weight_memory_goes_to_the_adapter_pool_and_kv_cache(files):
-    def pools(weights_dtype: str) -> tuple[int, int]:
-        core = EngineCore(EngineConfig(model=str(files["Q8_0"]), device="cpu", dtype="float32",
-                                       weights_dtype=weights_dtype))
-        sizes = core.model_info.lora_pool_bytes, core.runner.kv.nbytes
+def test_the_budget_is_measured_with_the_quantized_weights_resident_and_the_saving_logged(files, monkeypatch,
+                                                                                         caplog):
+    """The budget (adapter pool + KV cache) is a share of the memory available once the weights are
+    loaded (engine/memory.py): measured after the quantized weights are resident, so the memory they
+    save against dense ones is in what is measured; the saving is logged at start."""
+    from inference_service.engine import core as engine_core
+
+    events: list[str] = []
+    real_load, real_budget = engine_core.load_model, engine_core.default_budget
+
+    def load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        loaded = real_load(*args, **kwargs)
+        events.append("weights loaded")
+        return loaded
+
+    def budget(device):  # type: ignore[no-untyped-def]
+        events.append("budget measured")
+        return real_budget(device)
+
+    monkeypatch.setattr(engine_core, "load_model", load)
+    monkeypatch.setattr(engine_core, "default_budget", budget)
+
+    def start(weights_dtype: str) -> tuple[int, list[str]]:
+        events.clear()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="inference_service.engine.core"):
+            core = EngineCore(EngineConfig(model=str(files["Q8_0"]), device="cpu", dtype="float32",
+                                           weights_dtype=weights_dtype))
         saved = core.runner.model.weight_bytes_saved
         core.shutdown()
-        return sizes[0] + sizes[1], saved
+        assert events == ["weights loaded", "budget measured"]
+        return saved, [r.getMessage() for r in caplog.records if "quantized weights take" in r.getMessage()]
 
-    quantized_total, saved = pools("auto")
-    dense_total, no_saving = pools("bf16")
-    assert no_saving == 0 and saved > 0
-    assert quantized_total > dense_total
+    saved, logged = start("auto")
+    assert saved > 0 and logged == [f"quantized weights take {saved / 2**20:.1f} MiB less than dense ones"]
+    assert start("bf16") == (0, [])
 
 
 def test_q8_0_is_refused_where_it_cannot_be_served(files):

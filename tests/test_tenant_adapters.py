@@ -378,7 +378,8 @@ def test_a_tenants_adapters_survive_a_restart(tmp_path) -> None:
 def test_a_damaged_state_file_stops_the_start_with_its_path(tmp_path, content: str) -> None:
     """The server does not start half-remembering its tenants' adapters: exit 2 naming the file."""
     (tmp_path / "adapters.json").write_text(content)
-    out = subprocess.run([sys.executable, "-m", "inference_service.cli", "--state-dir", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "inference_service.cli", "--model", "builtin:tiny",
+                          "--state-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2, out.stderr
     assert str(tmp_path / "adapters.json") in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -174,6 +174,15 @@ class GGUFFile:
 
         return GGMLQuantizationType(self.tensors[name].type_id).name
 
+    def dominant_type(self) -> str:
+        """The type holding most of the file's matrix elements (2-D tensors)."""
+        elements: dict[str, int] = {}
+        for name, tensor in self.tensors.items():
+            if len(tensor.shape) == 2:
+                kind = self.type_name(name)
+                elements[kind] = elements.get(kind, 0) + int(tensor.shape[0]) * int(tensor.shape[1])
+        return max(elements, key=elements.__getitem__) if elements else "F32"
+
     def state_dict(self, weights_dtype: str = "bf16") -> GGUFStateDict:
         self.check_tensor_types()
         return GGUFStateDict(self, weights_dtype)
@@ -204,6 +213,11 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
 
     def __init__(self, file: GGUFFile, weights_dtype: str = "bf16") -> None:
         self._file = file
+        # auto keeps the file's quantization only where its weights are mostly of a kept type: a Q4_1 or
+        # Q4_K file whose token embedding alone is Q8_0 (llama.cpp's usual mix) is served dense, not
+        # with one matrix (the tied LM head) on another kernel than the rest.
+        if weights_dtype == "auto" and file.dominant_type() not in KEPT_TYPES:
+            weights_dtype = "bf16"
         self.weights_dtype = weights_dtype
         config = file.hf_config()
         self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
