@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
          default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     _add(g, "--weights-dtype", "auto | bf16 | q8_0 | q4_0: how a GGUF file's projection weights are served on "
          "CPU; auto keeps Q8_0 and Q4_0 tensors as they are in a file mostly of those types (read as blocks by "
-         "their kernel, never dequantized as a whole), q8_0 / q4_0 serve every projection in that type (quantizing other types at load), bf16 "
+         "their kernel, never dequantized as a whole), q8_0 / q4_0 serve every projection in that type "
+         "(quantizing other types at load), bf16 "
          "dequantizes every weight to --dtype",
          default=EngineConfig.weights_dtype, choices=WEIGHTS_DTYPES)
     _add(g, "--max-model-len", "longest prompt + output in tokens (default: the model's context)", type=int)
