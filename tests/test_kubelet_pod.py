@@ -438,7 +438,7 @@ def _every_option_checks(pod: Pod, docs: list[dict], pki: dict[str, str], token:
 
 def _drive_traffic(pod: Pod, pki: dict[str, str]) -> None:
     """Enough for every dashboard panel: requests over more adapters than slots and than the sidecar
-    holds (slot and cache evictions), a cancelled stream, and bad requests."""
+    holds (slot and cache evictions), a cancelled stream, and bad requests on both APIs."""
     with _client(pod, pki) as client:
         for round_ in range(3):
             for name in ("a1", "a2", "a3", "req", None):
@@ -455,6 +455,9 @@ def _drive_traffic(pod: Pod, pki: dict[str, str]) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 call()
             assert info.value.code().name == code
+    # The HTTP API's errors panel: a request without a credential where tenants are configured.
+    r = httpx.get(f"http://{pod.service_target('http')}/v1/models", timeout=30)
+    assert r.status_code == 401, r.text
 
 
 # ---- faults ----------------------------------------------------------------------------------------
