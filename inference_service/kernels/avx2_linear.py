@@ -22,7 +22,7 @@ import logging
 import torch
 
 from inference_service.kernels.build import address, load_library
-from inference_service.kernels.projection_rows import project_rows
+from inference_service.kernels.projection_rows import PanelWeight
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class AVX2Weight:
+class AVX2Weight(PanelWeight):
     """A weight [N, K] (fp32 or bf16) as [N/16][K][16] panels: out = x @ W^T (+ bias) for any number of
     rows, in the weight's dtype (x and bias in it too)."""
 
@@ -41,34 +41,12 @@ class AVX2Weight:
         self.dtype = weight.dtype
         functions = _functions()
         assert functions is not None, "an AVX2Weight exists only where the kernel runs"
-        self._f32, self._bf16 = functions
+        self._kernel = functions[0] if self.dtype == torch.float32 else functions[1]
+        self._name = f"AVX2 {'fp32' if self.dtype == torch.float32 else 'bf16'}"
         panels = weight.reshape(n // PANEL, PANEL, k).permute(0, 2, 1)
         if self.dtype == torch.bfloat16:  # per k: c0 c8 c1 c9 ... c7 c15 (the kernel splits even/odd)
             panels = panels.reshape(n // PANEL, k, 2, PANEL // 2).transpose(-1, -2)
         self.panels = panels.contiguous()
-
-    @property
-    def storage(self) -> torch.Tensor:
-        """The packed weight as the kernel reads it (the decode stack passes its address)."""
-        return self.panels
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._run(x, bias, self.dtype)
-
-    def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`self(x, bias).float()` in one pass (bf16: the bf16-rounded products written as fp32)."""
-        return self._run(x, bias, torch.float32)
-
-    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        assert x.dtype == self.dtype
-
-        def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
-            fn = self._f32 if self.dtype == torch.float32 else self._bf16
-            if fn(x2, self.panels.data_ptr(), b, out, rows, self.out_features, self.in_features,
-                  out_dtype == torch.float32):
-                raise MemoryError("AVX2 bf16 projection: its per-thread buffers could not be allocated")
-
-        return project_rows(x, bias, self.in_features, self.out_features, out_dtype, kernel)
 
 
 def takes(weight: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from inference_service.kernels.build import address, load_library
-from inference_service.kernels.projection_rows import project_rows
+from inference_service.kernels.projection_rows import PanelWeight
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def panels(type_name: str, blocks: np.ndarray, out_features: int, in_features: i
     return np.concatenate([scales, weights.reshape(n // PANEL, kb, -1)], axis=-1).reshape(-1)
 
 
-class QuantWeight:
+class QuantWeight(PanelWeight):
     """A Q8_0 or Q4_0 weight [N, K] in panels: out = x @ W^T (+ bias) for any number of rows, in
     `dtype` (x and bias in it too)."""
 
@@ -56,34 +56,13 @@ class QuantWeight:
         self.type_name, self.out_features, self.in_features, self.dtype = type_name, out_features, in_features, dtype
         functions = _functions()
         assert functions is not None, "a QuantWeight exists only where the kernel runs"
-        self._fn = functions[(type_name, dtype)]
+        self._kernel = functions[(type_name, dtype)]
+        self._name = type_name
         self.panels = torch.from_numpy(panels(type_name, blocks, out_features, in_features))
-
-    @property
-    def storage(self) -> torch.Tensor:
-        """The packed weight as the kernel reads it (the decode stack passes its address)."""
-        return self.panels
 
     @property
     def nbytes(self) -> int:
         return self.panels.numel()
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._run(x, bias, self.dtype)
-
-    def float_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`self(x, bias).float()` in one pass (bf16: the bf16-rounded products written as fp32)."""
-        return self._run(x, bias, torch.float32)
-
-    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        assert x.dtype == self.dtype
-
-        def kernel(x2: int, b: int | None, out: int, rows: int) -> None:
-            if self._fn(x2, self.panels.data_ptr(), b, out, rows, self.out_features, self.in_features,
-                        out_dtype == torch.float32):
-                raise MemoryError(f"{self.type_name} projection: its per-thread buffer could not be allocated")
-
-        return project_rows(x, bias, self.in_features, self.out_features, out_dtype, kernel)
 
 
 def pack(type_name: str, blocks: np.ndarray, out_features: int, in_features: int,
