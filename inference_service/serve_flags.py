@@ -29,7 +29,7 @@ SERVING = "serving"
 HEALTH = "health and shutdown"
 HTTP = "OpenAI-compatible HTTP API (docs/http.md)"
 SECURITY = "security"
-TENANTS = "tenants (docs/architecture.md, Tenants)"
+TENANTS = "tenants (docs/tenants.md)"
 
 
 def _max_loras(value: str) -> int | str:

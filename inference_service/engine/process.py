@@ -4,7 +4,7 @@ Why a process: the front ends (gRPC, HTTP) do Python work per message (protobuf,
 detokenization, the transport's own bookkeeping). On the engine's interpreter that work and the
 scheduler thread take turns on one GIL, and every step stretches by it; at hundreds of streams the
 front end, not the accelerator, set the pace (vLLM's EngineCore process and SGLang's scheduler
-process are the same answer). docs/architecture.md has the measurements.
+process are the same answer). docs/performance.md has the measurements.
 
 This module is the process's lifecycle: starting the core process, its main and command reader,
 stopping, reaping and reporting how it ended. What crosses the pipe is engine/pipe.py. The core
