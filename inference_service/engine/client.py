@@ -236,14 +236,20 @@ class EngineClientBase(abc.ABC):
 
     # ---- shared ----
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
-                    group: str | None = None, tenant: TenantTag | None = None,
-                    priority: int = 0) -> RequestStream:
+    def _checked(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
+                 request_id: str | None, priority: int) -> str:
+        """The checks a request passes before it leaves the caller's thread; its request id."""
         request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
         check_priority(priority)
         if adapter and not self.adapter_is_current(adapter):  # the core checks again at intake
             raise NotFoundError(f"unknown adapter {adapter!r}")
+        return request_id
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
+                    group: str | None = None, tenant: TenantTag | None = None,
+                    priority: int = 0) -> RequestStream:
+        request_id = self._checked(prompt_token_ids, params, adapter, request_id, priority)
         stream = self.streams.open(request_id, prompt_token_ids, params)
         try:
             self._submit(EngineRequest(request_id, list(prompt_token_ids), params, adapter, cache_salt, group,
@@ -260,10 +266,7 @@ class EngineClientBase(abc.ABC):
         if n == 1:
             return [self.add_request(prompt_token_ids, params, adapter, request_id, cache_salt, tenant=tenant,
                                      priority=priority)]
-        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
-        check_priority(priority)
-        if adapter and not self.adapter_is_current(adapter):
-            raise NotFoundError(f"unknown adapter {adapter!r}")
+        request_id = self._checked(prompt_token_ids, params, adapter, request_id, priority)
         ids = [sample_request_id(request_id, i, n) for i in range(n)]
         samples = [dataclasses.replace(params, seed=sample_seed(params.seed, i)) for i in range(n)]
         streams: list[RequestStream] = []
