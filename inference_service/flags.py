@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from adapter_cache.env_flags import add_env_flag, env_name
 
-F = TypeVar("F")
+S = TypeVar("S")
 _SPEC = "flag"
 
 
@@ -71,11 +71,13 @@ def _argparse_options(field: dataclasses.Field, annotation: Any, prefix: str) ->
         options["action"] = "store_true"
     else:
         options["default"] = _default(field)
-        kinds = [a for a in typing.get_args(annotation) if a is not type(None)] if isinstance(
-            annotation, types.UnionType) else [annotation]
-        if typing.get_origin(annotation) is list:
+        if typing.get_origin(annotation) is list:  # repeatable, or several values after one flag
             options["action"] = "extend" if spec.nargs else "append"
             kinds = list(typing.get_args(annotation))
+        elif isinstance(annotation, types.UnionType):  # `int | None`: an int or unset
+            kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        else:
+            kinds = [annotation]
         value_type = spec.parse or (kinds[0] if len(kinds) == 1 and kinds[0] in (int, float) else None)
         if value_type is not None:
             options["type"] = value_type
@@ -95,12 +97,14 @@ def build_parser(settings: type, parser: argparse.ArgumentParser, prefix: str) -
     hints = typing.get_type_hints(settings)
     for field in dataclasses.fields(settings):
         spec = _spec(field)
-        group = groups.get(spec.group) or groups.setdefault(spec.group, parser.add_argument_group(spec.group))
-        add_env_flag(group, prefix, flag_name(field), spec.help, **_argparse_options(field, hints[field.name], prefix))
+        if spec.group not in groups:
+            groups[spec.group] = parser.add_argument_group(spec.group)
+        add_env_flag(groups[spec.group], prefix, flag_name(field), spec.help,
+                     **_argparse_options(field, hints[field.name], prefix))
     return parser
 
 
-def from_namespace(settings: type[F], args: argparse.Namespace) -> F:
+def from_namespace(settings: type[S], args: argparse.Namespace) -> S:
     """The parsed flags as the settings dataclass."""
     return settings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(settings)})
 
