@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,8 +14,10 @@ import pytest
 
 from adapter_cache.errors import PermissionDeniedError
 from inference_service import cli, client_cli
+from inference_service.flags import flag_name, from_namespace
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.preload import PreloadEntry, read_preload_file
+from inference_service.serve_flags import ServeFlags
 
 FLAGS = [
     "--model", "--listen", "--metrics-port", "--max-loras", "--max-lora-rank", "--kv-cache-bytes",
@@ -53,6 +56,20 @@ def test_help_documents_every_flag_and_its_env_var(module):
         assert action.help.split("[env")[0].split(" (default:")[0].strip(), f"{flag} has no description"
     if module == "inference_service.cli":
         assert set(FLAGS) <= {a.option_strings[-1] for a in actions}
+
+
+def test_each_flag_is_one_declared_field():
+    """The parser holds ServeFlags' fields and nothing else, in their order; a flag declared `into` a
+    config names one of that config's fields, and parsed flags read back as the dataclass."""
+    fields = dataclasses.fields(ServeFlags)
+    parser = cli.build_parser()
+    assert [a.option_strings for a in parser._actions if a.dest != "help"] == [[flag_name(f)] for f in fields]
+    for field in fields:
+        spec = field.metadata["flag"]
+        if spec.into is not None:
+            assert (spec.field or field.name) in {f.name for f in dataclasses.fields(spec.into)}, field.name
+    flags = from_namespace(ServeFlags, parser.parse_args(["--max-num-seqs", "5", "--lora-modules", "a=/x"]))
+    assert (flags.model, flags.max_num_seqs, flags.lora_modules) == ("builtin:tiny", 5, [("a", "/x")])
 
 
 def test_env_vars_mirror_flags(monkeypatch):

@@ -1,7 +1,8 @@
 """Imports run one way (docs/architecture.md): the sidecar is the lower layer, kernels are the
 ground floor, models and the LoRA pool lie below the engine, the engine knows no front end, front
-ends reach the engine only through its client interface and the types it names, and benches share
-the harness with the tests but import no test module.
+ends reach the engine only through its client interface and the types it names, the interface
+itself (engine/client.py) names no implementation, and benches share the harness with the tests
+but import no test module.
 
 Walks every module's imports with ast (function-level and TYPE_CHECKING imports count too).
 """
@@ -19,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What a front end may import of the engine: the interface and the types that cross it.
 ENGINE_INTERFACE = tuple(f"inference_service.engine.{name}" for name in ("client", "types", "request", "streams"))
+# What the interface itself may import of the engine: those types and the settings it is built from.
+INTERFACE_TYPES = (*ENGINE_INTERFACE, "inference_service.engine.config")
 
 
 def _module_name(path: Path) -> str:
@@ -48,7 +51,9 @@ def _under(module: str, package: str) -> bool:
 
 
 def _violations(directory: str, forbidden: str, allowed: tuple[str, ...] = ()) -> list[str]:
-    files = sorted((ROOT / directory).rglob("*.py"))
+    """`directory` may be one module's file."""
+    where = ROOT / directory
+    files = [where] if where.is_file() else sorted(where.rglob("*.py"))
     assert files, f"no modules under {directory}"
     return [
         f"{path.relative_to(ROOT)} imports {module}"
@@ -72,10 +77,16 @@ def _violations(directory: str, forbidden: str, allowed: tuple[str, ...] = ()) -
         ("inference_service/models", "inference_service.frontend", ()),
         ("inference_service/engine", "inference_service.cli", ()),
         ("inference_service/frontend", "inference_service.engine", ENGINE_INTERFACE),
+        ("inference_service/engine/client.py", "inference_service.engine", INTERFACE_TYPES),
+        ("inference_service/engine/client.py", "inference_service.models", ()),
+        ("inference_service/engine/client.py", "inference_service.lora", ()),
+        ("inference_service/engine/client.py", "inference_service.kernels", ()),
     ],
     ids=["sidecar-below-inference", "kernels-ground-floor", "bench-no-tests", "harness-no-tests",
          "models-below-engine", "lora-below-engine", "engine-knows-no-front-end", "lora-knows-no-front-end",
-         "models-know-no-front-end", "engine-not-the-wiring", "front-ends-through-the-client"],
+         "models-know-no-front-end", "engine-not-the-wiring", "front-ends-through-the-client",
+         "interface-names-no-engine-implementation", "interface-names-no-model", "interface-names-no-lora-pool",
+         "interface-names-no-kernel"],
 )
 def test_imports_run_one_way(directory, forbidden, allowed):
     assert _violations(directory, forbidden, allowed) == []

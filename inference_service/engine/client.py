@@ -3,12 +3,16 @@
 `EngineClient` is what the gRPC servicer, the HTTP app, health, preload, residency and the adapter
 resolver may use of an engine: requests in, streams out, aborts, admin calls, a stats snapshot and
 named calls to the core (the watchdog's heartbeat, the residency scrape, test faults). Two engines
-implement it: `engine.Engine` (the core on a thread of this process) and
+implement it: `engine.in_process.Engine` (the core on a thread of this process) and
 `engine.process.ProcessEngine` (the core in a process of its own). Both derive from
 `EngineClientBase`, which holds what they share: the checks made before a request leaves the
-caller, the stream it opens, and the admin calls as typed `CoreCall`s, which one engine hands to
-its scheduler thread and the other sends down its pipe (`CoreThread.run_call` runs them on the
-scheduler thread by type, each on a named method of `EngineCore`).
+caller, the stream it opens, the one message a request travels as (`EngineRequest`) and the admin
+calls as typed `CoreCall`s. One engine hands these to its scheduler thread, the other sends them
+down its pipe as they are; on the scheduler thread `CoreThread` (engine/in_process.py) turns the
+message into the core's `Request` and runs each call from one table.
+
+This module is the interface: it names no implementation (no core, scheduler, model or pool;
+tests/test_layering.py holds it to that), so a front end that imports it imports no engine.
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from adapter_cache.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from inference_service.engine.config import EngineConfig
-from inference_service.engine.core import EngineCore
 from inference_service.engine.request import (
     CacheSalt,
     FinishReason,
@@ -50,7 +54,23 @@ from inference_service.tokenizer import Tokenizer
 T = TypeVar("T")
 
 
-# ---- calls to the core (typed: they cross the pipe as they are) -------------------------------------------
+# ---- what reaches the scheduler thread (typed: it crosses the pipe as it is) --------------------------------
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One checked request on its way to the scheduler thread, built once by EngineClientBase:
+    queued as it is by the in-process engine, sent as it is down the process engine's pipe."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    cache_salt: CacheSalt | None = None  # who may share its prefix-cached KV (frontend/cache_salt.py)
+    group: str | None = None  # the id a request's n samples share (Request.group)
+    tenant: TenantTag | None = None  # whose request it is (frontend/tenants.py)
+    priority: int = 0  # lower first (Scheduler.add)
+    arrival: float = field(default_factory=time.monotonic)  # the caller's intake (monotonic): TTFT counts from it
+
 
 @dataclass(frozen=True)
 class LoadAdapter:
@@ -207,9 +227,7 @@ class EngineClientBase(abc.ABC):
     def stats(self) -> EngineStats: ...
 
     @abc.abstractmethod
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
-                tenant: TenantTag | None = None, priority: int = 0) -> None:
+    def _submit(self, request: EngineRequest) -> None:
         """Hands a checked request to the scheduler thread; UnavailableError when there is none."""
 
     @abc.abstractmethod
@@ -218,17 +236,24 @@ class EngineClientBase(abc.ABC):
 
     # ---- shared ----
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
-                    group: str | None = None, tenant: TenantTag | None = None,
-                    priority: int = 0) -> RequestStream:
+    def _checked(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
+                 request_id: str | None, priority: int) -> str:
+        """The checks a request passes before it leaves the caller's thread; its request id."""
         request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
         check_priority(priority)
         if adapter and not self.adapter_is_current(adapter):  # the core checks again at intake
             raise NotFoundError(f"unknown adapter {adapter!r}")
+        return request_id
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None, cache_salt: CacheSalt | None = None,
+                    group: str | None = None, tenant: TenantTag | None = None,
+                    priority: int = 0) -> RequestStream:
+        request_id = self._checked(prompt_token_ids, params, adapter, request_id, priority)
         stream = self.streams.open(request_id, prompt_token_ids, params)
         try:
-            self._submit(request_id, prompt_token_ids, params, adapter, cache_salt, group, tenant, priority)
+            self._submit(EngineRequest(request_id, list(prompt_token_ids), params, adapter, cache_salt, group,
+                                       tenant, priority))
         except UnavailableError:
             self.streams.close(request_id)
             raise
@@ -241,10 +266,7 @@ class EngineClientBase(abc.ABC):
         if n == 1:
             return [self.add_request(prompt_token_ids, params, adapter, request_id, cache_salt, tenant=tenant,
                                      priority=priority)]
-        request_id = checked_request(self.model_info, prompt_token_ids, params, adapter, request_id)
-        check_priority(priority)
-        if adapter and not self.adapter_is_current(adapter):
-            raise NotFoundError(f"unknown adapter {adapter!r}")
+        request_id = self._checked(prompt_token_ids, params, adapter, request_id, priority)
         ids = [sample_request_id(request_id, i, n) for i in range(n)]
         samples = [dataclasses.replace(params, seed=sample_seed(params.seed, i)) for i in range(n)]
         streams: list[RequestStream] = []
@@ -256,11 +278,12 @@ class EngineClientBase(abc.ABC):
                 self.streams.close(stream.request_id)
             raise
         group = f"{request_id}#{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its request id
+        request = EngineRequest(request_id, list(prompt_token_ids), params, adapter, cache_salt, group, tenant,
+                                priority)
         sent = 0
         try:
             for sample_id, sample_params in zip(ids, samples, strict=True):
-                self._submit(sample_id, prompt_token_ids, sample_params, adapter, cache_salt, group, tenant,
-                             priority)
+                self._submit(dataclasses.replace(request, request_id=sample_id, params=sample_params))
                 sent += 1
         except UnavailableError:
             for sample_id in ids[:sent]:
@@ -305,22 +328,7 @@ class EngineClientBase(abc.ABC):
         return self._run(RunFunction(fn, args))
 
 
-def run_call(core: EngineCore, call: CoreCall) -> Any:
-    """A call that completes on the scheduler thread (not the adapter loads: see CoreThread.run_call)."""
-    if isinstance(call, ListAdapters):
-        return core.list_adapters(call.limit, call.after)
-    if isinstance(call, Heartbeat):
-        return core.heartbeat()
-    if isinstance(call, ReadResidency):
-        return core.adapter_residency()
-    if isinstance(call, InjectFault):
-        return core.inject_fault(call.fault)
-    if isinstance(call, RunFunction):
-        return call.fn(core, *call.args)
-    raise TypeError(f"not a call the core runs at once: {call!r}")
-
-
 __all__ = [
-    "CoreCall", "EngineClient", "EngineClientBase", "Heartbeat", "InjectFault", "ListAdapters", "LoadAdapter",
-    "ReadResidency", "Residency", "RunFunction", "TestFault", "UnloadAdapter", "checked_request", "run_call",
+    "CoreCall", "EngineClient", "EngineClientBase", "EngineRequest", "Heartbeat", "InjectFault", "ListAdapters",
+    "LoadAdapter", "ReadResidency", "Residency", "RunFunction", "TestFault", "UnloadAdapter", "checked_request",
 ]

@@ -2,11 +2,14 @@
 
 `CoreThread` runs an `engine.core.EngineCore`: other threads talk to it only through a command
 queue; it hands each step's outputs to one callback, once per step (never per token), and
-publishes a stats snapshot after each step. `Engine` is the in-process front end over it (the
-request streams of inference_service/engine/streams.py); `engine.process.ProcessEngine` is the same front
-end over a CoreThread in a process of its own, which is what `loraplex-inference` serves with. Both
-implement engine.client.EngineClient, the one interface the front ends use, and share its code
-(engine.client.EngineClientBase).
+publishes a stats snapshot after each step. What reaches it is typed (engine/client.py): a request
+as an `EngineRequest`, which it turns into the core's `Request`, and an admin call as a
+`CoreCall`, which it runs from one table (`CORE_CALLS`) for both engines.
+
+`Engine` is the in-process front end over it (the request streams of engine/streams.py);
+`engine.process.ProcessEngine` is the same front end over a CoreThread in a process of its own,
+which is what `loraplex-inference` serves with. Both implement engine.client.EngineClient, the one
+interface the front ends use, and share its code (engine.client.EngineClientBase).
 """
 
 from __future__ import annotations
@@ -17,26 +20,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from adapter_cache.errors import LoraplexError, NotFoundError
 from inference_service.engine.client import (
     CoreCall,
     EngineClientBase,
+    EngineRequest,
+    Heartbeat,
+    InjectFault,
+    ListAdapters,
     LoadAdapter,
+    ReadResidency,
+    RunFunction,
     UnloadAdapter,
-    run_call,
 )
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.request import (
-    CacheSalt,
-    FinishReason,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    TenantTag,
-)
+from inference_service.engine.request import FinishReason, Request, RequestOutput
 from inference_service.engine.streams import StreamTable
 from inference_service.engine.types import AdapterInfo, EngineStats
 from inference_service.lora.source import AdapterSource
@@ -44,9 +45,51 @@ from inference_service.metrics_sink import MetricsSink
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Command = Callable[[EngineCore], None]
 OutputsCallback = Callable[[list[RequestOutput]], None]
+
+
+# ---- each CoreCall and what runs it on the scheduler thread: the one dispatch of both engines ----
+
+def _load_adapter(core: EngineCore, call: LoadAdapter) -> concurrent.futures.Future[AdapterInfo]:
+    """Registers the adapter now; the future resolves once it is loaded, with what it became."""
+    info: concurrent.futures.Future[AdapterInfo] = concurrent.futures.Future()
+
+    def loaded(version: concurrent.futures.Future) -> None:
+        if version.exception() is not None:
+            info.set_exception(version.exception())
+            return
+        found = core.adapter_info(version.result().uid)
+        if found is None:
+            info.set_exception(NotFoundError(f"adapter {call.name} was unloaded while loading"))
+        else:
+            info.set_result(found)
+
+    core.load_adapter(call.name, call.uri, call.sha256, call.pinned, call.preload, call.on_demand,
+                      call.owner).add_done_callback(loaded)
+    return info
+
+
+# A call's runner returns its value, or a future when the call completes later (the adapter loads):
+# CoreThread.run_call then settles the caller's future from it.
+CORE_CALLS: dict[type, Callable[[EngineCore, Any], Any]] = {
+    LoadAdapter: _load_adapter,
+    UnloadAdapter: lambda core, call: core.unload_adapter(call.name),
+    ListAdapters: lambda core, call: core.list_adapters(call.limit, call.after),
+    Heartbeat: lambda core, call: core.heartbeat(),
+    ReadResidency: lambda core, call: core.adapter_residency(),
+    InjectFault: lambda core, call: core.inject_fault(call.fault),
+    RunFunction: lambda core, call: call.fn(core, *call.args),
+}
+
+
+def core_request(message: EngineRequest) -> Request:
+    """The core's Request for a request message (the one place either engine makes one)."""
+    request = Request(message.request_id, message.prompt_token_ids, message.params)
+    request.timings.arrival = message.arrival  # TTFT counts from the caller's intake
+    request.cache_salt, request.group, request.tenant = message.cache_salt, message.group, message.tenant
+    request.priority = message.priority
+    return request
 
 
 class CoreThread:
@@ -82,60 +125,37 @@ class CoreThread:
 
     # ---- commands (any thread) ----
 
-    def add_request(self, request: Request, adapter: str | None) -> None:
-        self._commands.put(lambda core: self._intake(core, request, adapter))
+    def add_request(self, message: EngineRequest) -> None:
+        request = core_request(message)
+        self._commands.put(lambda core: self._intake(core, request, message.adapter))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         self._commands.put(lambda core: core.abort(request_id, reason))
 
-    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """`fn(core, *args)` on the scheduler thread between steps; its result (or error) in the future."""
-        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+    def run_call(self, call: CoreCall) -> concurrent.futures.Future[Any]:
+        """A typed call (engine.client.CoreCall) on the scheduler thread between steps, run by its
+        entry in CORE_CALLS; its result (or error) in the future."""
+        run = CORE_CALLS.get(type(call))
+        if run is None:
+            raise TypeError(f"not a call the core runs: {call!r}")
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-        def run(core: EngineCore) -> None:
+        def command(core: EngineCore) -> None:
             try:
-                value = fn(core, *args)
+                value = run(core, call)
             except Exception as exc:  # noqa: BLE001 - the caller gets it (SystemExit still ends the loop)
                 if not isinstance(exc, LoraplexError):
-                    what = type(args[0]).__name__ if fn is run_call else getattr(fn, "__name__", fn)
-                    log.exception("engine call %s failed", what)
+                    log.exception("engine call %s failed", type(call).__name__)
                 result.set_exception(exc)
+                return
+            if isinstance(value, concurrent.futures.Future):  # started: it completes off this thread
+                self._stats = core.stats()
+                value.add_done_callback(lambda done: self._settle(done, result))
             else:
                 result.set_result(value)
 
-        self._commands.put(run)
+        self._commands.put(command)
         return result
-
-    def load_adapter(self, name: str, uri: str, sha256: str | None = None, pinned: bool = False,
-                     preload: bool = False, on_demand: bool = False,
-                     owner: str | None = None) -> concurrent.futures.Future[AdapterInfo]:
-        result: concurrent.futures.Future[AdapterInfo] = concurrent.futures.Future()
-
-        def run(core: EngineCore) -> None:
-            inner = core.load_adapter(name, uri, sha256, pinned, preload, on_demand, owner)
-            inner.add_done_callback(lambda f: self._resolve_adapter(f, result, name))
-
-        self._commands.put(lambda core: self._guarded(core, run, result))
-        return result
-
-    def unload_adapter(self, name: str) -> concurrent.futures.Future[None]:
-        result: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def run(core: EngineCore) -> None:
-            core.unload_adapter(name).add_done_callback(lambda f: _copy_future(f, result))
-
-        self._commands.put(lambda core: self._guarded(core, run, result))
-        return result
-
-    def run_call(self, call: CoreCall) -> concurrent.futures.Future[Any]:
-        """A typed call (engine.client.CoreCall) on the scheduler thread, each on a named method
-        of EngineCore; its result (or error) in the future."""
-        if isinstance(call, LoadAdapter):
-            return self.load_adapter(call.name, call.uri, call.sha256, call.pinned, call.preload, call.on_demand,
-                                     call.owner)
-        if isinstance(call, UnloadAdapter):
-            return self.unload_adapter(call.name)
-        return self.call(run_call, call)
 
     # ---- the loop (the scheduler thread) ----
 
@@ -196,31 +216,13 @@ class CoreThread:
             self._on_outputs([RequestOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
                                             prompt_tokens=request.num_prompt_tokens, error=exc)])
 
-    def _guarded(self, core: EngineCore, run: Command, result: concurrent.futures.Future) -> None:
-        try:
-            run(core)
-        except LoraplexError as exc:
-            result.set_exception(exc)
-        self._stats = core.stats()
-
-    def _resolve_adapter(self, inner: concurrent.futures.Future, result: concurrent.futures.Future[AdapterInfo],
-                         name: str) -> None:
-        if inner.exception() is not None:
-            result.set_exception(inner.exception())
-            return
+    def _settle(self, done: concurrent.futures.Future, result: concurrent.futures.Future) -> None:
+        """A call that completed later: the stats first (an adapter that loaded is counted), then its result."""
         self._stats = self.core.stats()
-        info = self.core.adapter_info(inner.result().uid)
-        if info is None:
-            result.set_exception(NotFoundError(f"adapter {name} was unloaded while loading"))
-            return
-        result.set_result(info)
-
-
-def _copy_future(inner: concurrent.futures.Future, result: concurrent.futures.Future) -> None:
-    if inner.exception() is not None:
-        result.set_exception(inner.exception())
-    else:
-        result.set_result(inner.result())
+        if done.exception() is not None:
+            result.set_exception(done.exception())
+        else:
+            result.set_result(done.result())
 
 
 class Engine(EngineClientBase):
@@ -244,12 +246,8 @@ class Engine(EngineClientBase):
         self._thread.stop()
         self.core.shutdown()
 
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
-                tenant: TenantTag | None = None, priority: int = 0) -> None:
-        request = Request(request_id, prompt_token_ids, params)
-        request.cache_salt, request.group, request.tenant, request.priority = cache_salt, group, tenant, priority
-        self._thread.add_request(request, adapter)
+    def _submit(self, request: EngineRequest) -> None:
+        self._thread.add_request(request)
 
     def _run(self, call: CoreCall) -> concurrent.futures.Future[Any]:
         return self._thread.run_call(call)

@@ -4,12 +4,12 @@ Why a process: the front ends (gRPC, HTTP) do Python work per message (protobuf,
 detokenization, the transport's own bookkeeping). On the engine's interpreter that work and the
 scheduler thread take turns on one GIL, and every step stretches by it; at hundreds of streams the
 front end, not the accelerator, set the pace (vLLM's EngineCore process and SGLang's scheduler
-process are the same answer). docs/architecture.md has the measurements.
+process are the same answer). docs/performance.md has the measurements.
 
-The core process runs a `CoreThread` over its EngineCore (detokenize=False) on its main thread and
-reads commands from a pipe on another; after each step it sends ONE message: the step's outputs
-(compact tuples for plain token deltas), the metric events the step recorded, the stats snapshot
-and the set of adapter names when they changed, and the results of admin calls. This process
+This module is the process's lifecycle: starting the core process, its main and command reader,
+stopping, reaping and reporting how it ended. What crosses the pipe is engine/pipe.py. The core
+process runs a `CoreThread` over its EngineCore (detokenize=False) on its main thread and reads
+commands from the pipe on another; after each step it sends ONE `pipe.Update`. This process
 (`ProcessEngine`) keeps the request streams, detokenizes, replays the metric events into the real
 metrics sink and mirrors the snapshot, so `stats()` and admission never wait for the core.
 
@@ -24,15 +24,12 @@ dies takes its core with it, and one that exits without `shutdown()` stops it on
 from __future__ import annotations
 
 import atexit
-import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import signal
 import threading
 import time
@@ -40,23 +37,27 @@ import weakref
 from typing import Any, Literal
 
 from adapter_cache.errors import LoraplexError, UnavailableError
-from inference_service.engine.client import CoreCall, EngineClientBase
+from inference_service.engine.client import CoreCall, EngineClientBase, EngineRequest
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.heap import freeze_startup_objects
 from inference_service.engine.in_process import CoreThread
-from inference_service.engine.request import (
-    CacheSalt,
-    FinishReason,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    TenantTag,
+from inference_service.engine.pipe import (
+    AbortRequest,
+    CallCore,
+    CoreFailed,
+    CoreReady,
+    Outbox,
+    RecordedMetrics,
+    StopCore,
+    ToCore,
+    Update,
+    replay,
 )
-from inference_service.engine.streams import Delta, StreamTable
-from inference_service.engine.types import EngineStats, ModelInfo
+from inference_service.engine.request import FinishReason
+from inference_service.engine.streams import StreamTable
+from inference_service.engine.types import EngineStats
 from inference_service.metrics_sink import MetricsSink, NullMetrics
-from inference_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -67,229 +68,7 @@ STOP_TIMEOUT_S = 30.0  # a core asked to stop is killed after this long
 REAP_TIMEOUT_S = 5.0  # a core whose pipe closed is killed if it has not exited after this long
 
 
-# ---- what crosses the pipe: typed messages -----------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AddRequest:
-    """Front end → core: one checked request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    adapter: str | None
-    arrival: float  # the front end's monotonic intake time: TTFT counts from it
-    cache_salt: CacheSalt | None = None  # who may share its prefix-cached KV (frontend/cache_salt.py)
-    group: str | None = None  # the id a request's n samples share (Request.group)
-    tenant: TenantTag | None = None  # whose request it is (frontend/tenants.py)
-    priority: int = 0  # lower first (Scheduler.add)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AbortRequest:
-    request_id: str
-    reason: FinishReason
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CallCore:
-    """Front end → core: a typed call (engine.client.CoreCall); its answer comes back as a CallResult."""
-
-    call_id: int
-    call: CoreCall
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StopCore:
-    """Front end → core: stop the scheduler loop and exit."""
-
-
-ToCore = AddRequest | AbortRequest | CallCore | StopCore
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CoreReady:
-    """Core → front end, once: the core is built."""
-
-    model_info: ModelInfo
-    tokenizer: Tokenizer
-    stats: EngineStats
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CoreFailed:
-    """Core → front end, once: building the core raised `error` (the front end raises it)."""
-
-    error: BaseException
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CallResult:
-    """Core → front end, inside an _Update: a CallCore's value, or its error."""
-
-    call_id: int
-    error: LoraplexError | None
-    value: Any = None
-
-
-@dataclasses.dataclass
-class _Update:
-    """Everything one turn of the core's loop tells the front end, in one message."""
-
-    deltas: list[Delta]
-    outputs: list[RequestOutput]  # finished ones and those with logits/logprobs: whole
-    recorded_metrics: RecordedMetricsBatch
-    stats: EngineStats | None  # when it changed
-    adapter_names: frozenset[str] | None  # when it changed
-    results: list[CallResult]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AdapterLoaded:
-    tier: str
-    seconds: float
-
-    def replay(self, metrics: MetricsSink) -> None:
-        metrics.adapter_loaded(self.tier, self.seconds)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AdapterEvicted:
-    def replay(self, metrics: MetricsSink) -> None:
-        metrics.adapter_evicted()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokensCounted:
-    prompt: int
-    generated: int
-
-    def replay(self, metrics: MetricsSink) -> None:
-        metrics.tokens(self.prompt, self.generated)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestFinished:
-    finish_reason: str
-    adapter: str | None
-
-    def replay(self, metrics: MetricsSink) -> None:
-        metrics.request_finished(self.finish_reason, self.adapter)
-
-
-MetricEvent = AdapterLoaded | AdapterEvicted | TokensCounted | RequestFinished
-RecordedMetricsBatch = tuple[list[float], list[float], list[MetricEvent]]
-
-
-class RecordedMetrics:
-    """The core process's metrics sink: records what it is told as typed events for the front end
-    to replay into the real sink. Per-token timings go into plain lists (one pickled list of floats
-    per step, not an object per token); appends are atomic, and loader threads report loads."""
-
-    def __init__(self) -> None:
-        self._ttft: list[float] = []
-        self._itl: list[float] = []
-        self._events: collections.deque[MetricEvent] = collections.deque()
-
-    def take(self) -> RecordedMetricsBatch:
-        ttft, self._ttft = self._ttft, []
-        itl, self._itl = self._itl, []
-        events = []
-        while self._events:
-            events.append(self._events.popleft())
-        return ttft, itl, events
-
-    def adapter_loaded(self, tier: str, seconds: float) -> None:
-        self._events.append(AdapterLoaded(tier, seconds))
-
-    def adapter_evicted(self) -> None:
-        self._events.append(AdapterEvicted())
-
-    def first_token(self, seconds: float) -> None:
-        self._ttft.append(seconds)
-
-    def inter_token(self, seconds: float) -> None:
-        self._itl.append(seconds)
-
-    def tokens(self, prompt: int, generated: int) -> None:
-        self._events.append(TokensCounted(prompt, generated))
-
-    def request_finished(self, finish_reason: str, adapter: str | None) -> None:
-        self._events.append(RequestFinished(finish_reason, adapter))
-
-
-def replay(metrics: MetricsSink, recorded: RecordedMetricsBatch) -> None:
-    ttft, itl, events = recorded
-    for seconds in ttft:
-        metrics.first_token(seconds)
-    for seconds in itl:
-        metrics.inter_token(seconds)
-    for event in events:
-        event.replay(metrics)
-
-
 # ---- the core process ------------------------------------------------------------------------------------
-
-class _Outbox:
-    """Collects a loop turn's outputs and call results; a sender thread encodes and sends them as
-    one `_Update`, while the scheduler thread goes on with the next step (the forward pass
-    releases the GIL: on an accelerator the encoding overlaps it)."""
-
-    def __init__(self, conn: multiprocessing.connection.Connection, core: EngineCore, sink: RecordedMetrics) -> None:
-        self._conn, self._core, self._sink = conn, core, sink
-        self._outputs: list[RequestOutput] = []
-        self._results: collections.deque[CallResult] = collections.deque()
-        self._sent_stats: EngineStats | None = None
-        self._sent_names = -1
-        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_loop, name="sender", daemon=True)
-        self._sender.start()
-
-    def add_outputs(self, outputs: list[RequestOutput]) -> None:
-        self._outputs += outputs
-
-    def add_result(self, call_id: int, future: concurrent.futures.Future) -> None:
-        error = future.exception()
-        if error is not None and not isinstance(error, LoraplexError):
-            # Only our errors are known to cross the pipe; anything else is a bug, reported as one.
-            error = LoraplexError(f"internal error in the engine core: {type(error).__name__}: {error}")
-        self._results.append(CallResult(call_id, error) if error is not None else CallResult(call_id, None,
-                                                                                            future.result()))
-
-    def flush(self, stats: EngineStats) -> None:
-        """On the scheduler thread, once per loop turn: hands over what changed (cheap)."""
-        plain = dataclasses.replace(stats, updated_at=0.0)
-        stats_changed = plain != self._sent_stats
-        names_changes = self._core.adapter_names_changes()
-        names = self._core.adapter_names() if names_changes != self._sent_names else None
-        recorded = self._sink.take()
-        if not (self._outputs or self._results or any(recorded) or stats_changed or names is not None):
-            return
-        results = []
-        while self._results:
-            results.append(self._results.popleft())
-        outputs, self._outputs = self._outputs, []
-        self._queue.put((outputs, recorded, stats if stats_changed else None, names, results))
-        self._sent_stats, self._sent_names = plain, names_changes
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._sender.join(timeout=10)
-
-    def _send_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            outputs, recorded, stats, names, results = item
-            deltas: list[Delta] = []
-            whole: list[RequestOutput] = []
-            for out in outputs:
-                if out.finished or out.logits is not None or out.logprobs is not None or out.error is not None:
-                    whole.append(out)
-                else:
-                    deltas.append((out.request_id, out.new_token_ids, out.text, out.generated_tokens))
-            try:
-                self._conn.send(_Update(deltas, whole, recorded, stats, names, results))
-            except (OSError, ValueError):
-                return  # the front end has gone; the command reader stops the loop
-
 
 def _core_main(conn: multiprocessing.connection.Connection, front_end: multiprocessing.connection.Connection,
                config: EngineConfig) -> None:
@@ -306,7 +85,7 @@ def _core_main(conn: multiprocessing.connection.Connection, front_end: multiproc
         conn.send(CoreFailed(exc))
         return
     freeze_startup_objects()
-    outbox = _Outbox(conn, core, sink)
+    outbox = Outbox(conn, core, sink)
     thread = CoreThread(core, outbox.add_outputs, outbox.flush)
     conn.send(CoreReady(core.model_info, core.tokenizer, thread.stats()))
     threading.Thread(target=_read_commands, args=(conn, thread, outbox), name="commands", daemon=True).start()
@@ -317,25 +96,22 @@ def _core_main(conn: multiprocessing.connection.Connection, front_end: multiproc
         core.shutdown()
 
 
-def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThread, outbox: _Outbox) -> None:
+def _read_commands(conn: multiprocessing.connection.Connection, thread: CoreThread, outbox: Outbox) -> None:
     try:
         while True:
             message: ToCore = conn.recv()
-            if isinstance(message, AddRequest):
-                request = Request(message.request_id, message.prompt_token_ids, message.params)
-                request.timings.arrival = message.arrival  # TTFT counts from the front end's intake
-                request.cache_salt, request.group, request.tenant = message.cache_salt, message.group, message.tenant
-                request.priority = message.priority
-                thread.add_request(request, message.adapter)
-            elif isinstance(message, AbortRequest):
-                thread.abort(message.request_id, message.reason)
-            elif isinstance(message, CallCore):
-                future = thread.run_call(message.call)
-                future.add_done_callback(lambda f, call_id=message.call_id: outbox.add_result(call_id, f))
-            elif isinstance(message, StopCore):
-                break
-            else:
-                log.error("unknown message on the engine core's pipe: %s", type(message).__name__)
+            match message:
+                case EngineRequest():
+                    thread.add_request(message)
+                case AbortRequest(request_id, reason):
+                    thread.abort(request_id, reason)
+                case CallCore(call_id, call):
+                    future = thread.run_call(call)
+                    future.add_done_callback(lambda f, call_id=call_id: outbox.add_result(call_id, f))
+                case StopCore():
+                    break
+                case _:
+                    log.error("unknown message on the engine core's pipe: %s", type(message).__name__)
     except (EOFError, OSError):
         log.warning("the front end has gone: stopping the engine core")
         # A scheduler stuck in a step would keep this process alive with nobody to serve.
@@ -441,11 +217,8 @@ class ProcessEngine(EngineClientBase):
 
     # ---- what EngineClientBase asks of an engine ----
 
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                adapter: str | None, cache_salt: CacheSalt | None, group: str | None = None,
-                tenant: TenantTag | None = None, priority: int = 0) -> None:
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, adapter, time.monotonic(), cache_salt,
-                              group, tenant, priority))
+    def _submit(self, request: EngineRequest) -> None:
+        self._send(request)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         try:
@@ -510,7 +283,7 @@ class ProcessEngine(EngineClientBase):
         log.log(logging.INFO if stopping and code == 0 else logging.ERROR,
                 "the engine core process %d exited with %s", self._process.pid, _exit_status(code))
 
-    def _apply(self, update: _Update) -> None:
+    def _apply(self, update: Update) -> None:
         # Names and stats first: a LoadAdapter that returns must find its adapter admissible.
         if update.adapter_names is not None:
             self._adapter_names = update.adapter_names
