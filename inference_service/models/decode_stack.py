@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+# kernels.h's DecodeKernels, DecodeProjection, DecodeLayer and DecodeStep, field for field (the layouts
+# are compared in tests/test_kernel_build.py).
 class _Kernels(ctypes.Structure):
     _fields_ = [("linear", _P), ("add_rms_norm", _P), ("rope_and_cache", _P), ("silu_mul", _P),
                 ("attention", _P), ("lora", _P)]
