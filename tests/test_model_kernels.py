@@ -14,7 +14,7 @@ from harness.engine_helpers import load_adapters, run_to_completion
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import amx_linear, avx2_linear, build, fused, greedy
+from inference_service.kernels import amx_linear, avx2_linear, bindings, build, fused, greedy
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
@@ -414,15 +414,17 @@ def test_engine_output_is_the_same_on_onednn_as_on_amx(monkeypatch, tmp_path):
 
 
 def forget_kernels() -> None:
-    for cached in (build.load_library, cpu_kernels._kernel, lora_kernel._function, fused._function,
-                   amx_linear._function, greedy._function):
+    for cached in (build.load_library, bindings.function, cpu_kernels._kernel, lora_kernel._function,
+                   fused._function, amx_linear._function, greedy._function):
         cached.cache_clear()
 
 
 @pytest.fixture
 def kernel_cache(monkeypatch, tmp_path):
-    """An empty kernel cache, and the process's loaded kernels forgotten before and after."""
+    """An empty kernel cache and no prebuilt kernels (each is built at run time, the fallback), and the
+    process's loaded kernels forgotten before and after."""
     monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("LORAPLEX_KERNEL_PREBUILT", str(tmp_path / "no-prebuilt"))
     forget_kernels()
     yield tmp_path
     forget_kernels()
@@ -471,7 +473,7 @@ def test_no_compiler_on_the_path_falls_back(monkeypatch, kernel_cache, caplog, t
 
 
 def _cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux lists them (the kernels are built with -march=native)."""
+    """This CPU's feature flags as Linux lists them (the kernels are built for what they allow)."""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())

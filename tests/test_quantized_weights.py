@@ -10,7 +10,6 @@ the fp32 reference. Engine logits within 1e-4 absolute, greedy tokens equal.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from harness.gguf_files import make_base_checkpoint, write_gguf
 from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.kernels import quant_linear
+from inference_service.kernels import bindings, build, quant_linear, variants
 from inference_service.models import decode_stack
 from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
@@ -102,11 +101,11 @@ def test_bf16_kernel_equals_dequantized_reference_rounded(qtype, rows):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_portable_c_build_equals_the_avx2_one(tmp_path, qtype):
-    """The kernel built without AVX2/FMA/F16C (the fallback for CPUs without them) on the same panels."""
-    source = Path(quant_linear.__file__).with_name("quant_linear.c")
+    """The kernel built without AVX2/FMA/F16C (the x86-64 variant, for CPUs without them) on the same panels."""
     library = tmp_path / "quant_portable.so"
-    subprocess.run(["cc", "-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-o", str(library), str(source),
-                    "-lm"], check=True, capture_output=True)
+    compiler = build.find_compiler()
+    assert compiler is not None
+    build.compile_library(compiler, "quant_linear", variants.X86_64[0].flags, library)
     portable = ctypes.CDLL(str(library))
     assert portable.quant_linear_vectorised() == 0
     n, k, rows = 272, 160, 7
@@ -114,8 +113,10 @@ def test_portable_c_build_equals_the_avx2_one(tmp_path, qtype):
     weight = quant_linear.pack(qtype, blocks, n, k, torch.float32)
     x, bias = torch.randn(rows, k), torch.randn(n)
     out = torch.empty(rows, n)
-    fn = getattr(portable, f"quant_linear_{qtype.lower()}_f32")
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    symbol = f"quant_linear_{qtype.lower()}_f32"
+    fn = getattr(portable, symbol)
+    signature = bindings.LIBRARIES["quant_linear"][symbol]  # the table's types, on this other build
+    fn.restype, fn.argtypes = signature.restype, list(signature.argtypes)
     assert fn(x.data_ptr(), weight.storage.data_ptr(), bias.data_ptr(), out.data_ptr(), rows, n, k, 0) == 0
     expected = F.linear(x, reference_w, bias)
     assert ((out - expected).abs() <= KERNEL_TOL * _bound(x, reference_w, bias)).all()

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #ifdef LORAPLEX_AMX
 #include <omp.h>

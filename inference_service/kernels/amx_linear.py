@@ -7,20 +7,18 @@ the caller then keeps oneDNN. `AMXWeight` is the packed weight, called like a pr
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 
 import torch
 
-from inference_service.kernels.build import address, load_library
+from inference_service.kernels.bindings import CFunction, address, function
 from inference_service.kernels.hugepages import Arena
 from inference_service.kernels.projection_rows import project_rows
 
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # the kernel's column and depth block
-_VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class AMXWeight:
@@ -99,26 +97,18 @@ def kernel_address() -> int | None:
     return None if fn is None else address(fn)
 
 
-@functools.cache
-def _argmax_function() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    library = load_library("amx_linear")
-    assert library is not None and _function() is not None
-    fn = library.amx_argmax_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_VOID_P] * 3 + [_INT64] * 3 + [_VOID_P] * 2
+def _argmax_function() -> CFunction:
+    fn = function("amx_linear", "amx_argmax_bf16")
+    assert fn is not None and _function() is not None
     return fn
 
 
 @functools.cache
-def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("amx_linear")
-    if library is None:
+def _function() -> CFunction | None:
+    init = function("amx_linear", "amx_linear_init")
+    if init is None:
         return None
-    library.amx_linear_init.restype = ctypes.c_int
-    if not library.amx_linear_init():
+    if not init():
         log.info("no AMX on this CPU (or the kernel denied its tile state): bf16 projections use oneDNN")
         return None
-    fn = library.amx_linear_bf16
-    fn.restype = ctypes.c_int  # always 0
-    fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
-    return fn
+    return function("amx_linear", "amx_linear_bf16")

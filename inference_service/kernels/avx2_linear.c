@@ -16,6 +16,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 
 // Built wherever AVX2 and FMA exist, so every such CPU can run (and test) it; preferred only where
 // there is no AVX-512: there oneDNN's kernels use it and are faster.

@@ -15,20 +15,18 @@ kernel wherever it runs (`takes`), which is how it is tested on AVX-512 CPUs too
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 
 import torch
 
-from inference_service.kernels.build import address, load_library
+from inference_service.kernels.bindings import CFunction, address, function
 from inference_service.kernels.projection_rows import PanelWeight
 
 log = logging.getLogger(__name__)
 
 PANEL = 16  # the kernel's column panel
 DTYPES = (torch.float32, torch.bfloat16)
-_VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class AVX2Weight(PanelWeight):
@@ -72,10 +70,9 @@ def preferred() -> bool:
 
 @functools.cache
 def _preferred() -> bool:
-    library = load_library("avx2_linear")
-    assert library is not None
-    library.avx2_linear_preferred.restype = ctypes.c_int
-    return bool(library.avx2_linear_preferred())
+    fn = function("avx2_linear", "avx2_linear_preferred")
+    assert fn is not None
+    return bool(fn())
 
 
 def kernel_address(dtype: torch.dtype) -> int | None:
@@ -87,17 +84,14 @@ def kernel_address(dtype: torch.dtype) -> int | None:
 
 
 @functools.cache
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+def _functions() -> tuple[CFunction, CFunction] | None:
     """(avx2_linear_f32, avx2_linear_bf16), or None where the kernel does not run."""
-    library = load_library("avx2_linear")
-    if library is None:
+    init = function("avx2_linear", "avx2_linear_init")
+    if init is None:
         return None
-    library.avx2_linear_init.restype = ctypes.c_int
-    if not library.avx2_linear_init():
+    if not init():
         log.info("a CPU without AVX2/FMA: projections use oneDNN")
         return None
-    f32, bf16 = library.avx2_linear_f32, library.avx2_linear_bf16
-    for fn in (f32, bf16):  # the same signature (kernels/decode_stack.c calls either)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
+    f32, bf16 = function("avx2_linear", "avx2_linear_f32"), function("avx2_linear", "avx2_linear_bf16")
+    assert f32 is not None and bf16 is not None
     return f32, bf16

@@ -11,14 +11,11 @@
 #include <unistd.h>
 #endif
 
-// A slot load as a list of pieces, run in one call so the copy thread holds the GIL only to set it
-// up: copies of host tensors already in the slots' form (`LoRAMemoryPool.host_form`) and zero
-// fills (ranks and modules the adapter lacks).
-typedef struct {
-    void *dst;
-    const void *src;  // NULL: a zero fill
-    int64_t nbytes;
-} CopyOp;
+#include "kernels.h"
+
+// A slot load as a list of pieces (CopyOp, kernels.h), run in one call so the copy thread holds the
+// GIL only to set it up: copies of host tensors already in the slots' form
+// (`LoRAMemoryPool.host_form`) and zero fills (ranks and modules the adapter lacks).
 
 static void run_copy_op(const CopyOp *op) {
     if (op->src)
@@ -32,12 +29,7 @@ void run_copy_program(const CopyOp *ops, int64_t n) {
     for (int64_t k = 0; k < n; k++) run_copy_op(&ops[k]);
 }
 
-// The pass gate that ThreadCopyEngine shares with this copy thread: `hold` is 1 while a forward
-// pass runs; `scheduler_cpu` is the core the scheduler thread ended its last pass on.
-typedef struct {
-    int32_t hold;
-    int32_t scheduler_cpu;
-} PassGate;
+// The pass gate (PassGate, kernels.h) is shared by ThreadCopyEngine and this copy thread.
 
 // Sleeps until the pass ends or `timeout_ns` passes, whichever is first. A futex: the thread is
 // woken by the end of the pass itself, in microseconds, with no GIL to take.

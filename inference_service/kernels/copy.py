@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.kernels.build import load_library
+from inference_service.kernels import bindings
 
 # The most elements one piece of a copy program moves: 256 KiB of fp32, ~30 µs of one core here.
 # Pieces are what runs during a forward pass (see ThreadCopyEngine), so their size bounds how long
@@ -143,16 +143,6 @@ class CopyJob:
 
 
 @functools.cache
-def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("copy")
-    if library is None:
-        return None
-    fn = getattr(library, symbol)
-    if symbol in ("run_copy_program", "run_copy_program_gated"):
-        fn.restype = None
-        gate = [ctypes.c_void_p, ctypes.c_int64] if symbol.endswith("gated") else []
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, *gate]
-        assert ctypes.sizeof(ctypes.c_void_p) == 8 and _OP.size == 24, "CopyOp layout as in copy.c"
-    else:  # pass_gate_open
-        fn.restype, fn.argtypes = None, [ctypes.c_void_p]
-    return fn
+def _function(symbol: str) -> bindings.CFunction | None:
+    assert ctypes.sizeof(ctypes.c_void_p) == 8 and _OP.size == 24, "CopyOp's layout as in kernels.h"
+    return bindings.function("copy", symbol)

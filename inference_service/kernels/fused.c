@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 // Threads only for work big enough to repay waking them: a 32-row decode step's SiLU x mul (49 K
 // elements on SmolLM2) runs in 0.6 of its one-thread time on two.

@@ -6,20 +6,13 @@ runs its torch ops, which compute the same thing.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from inference_service.kernels.build import address, load_library
+from inference_service.kernels.bindings import CFunction, address, function
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_VOID_P, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "add_rms_norm": [_VOID_P] * 4 + [_INT64] * 2 + [_FLOAT],
-    "rope_and_cache": [_VOID_P] + [_INT64] * 5 + [_VOID_P] * 5,
-    "silu_mul": [_VOID_P] * 2 + [_INT64] * 2,
-}
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -90,11 +83,5 @@ def _fits(*tensors: torch.Tensor | None) -> bool:
 
 
 @functools.cache
-def _function(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("fused")
-    if library is None:
-        return None
-    fn = getattr(library, f"{name}_{_SUFFIX[dtype]}")
-    fn.restype = None
-    fn.argtypes = _SIGNATURES[name]
-    return fn
+def _function(name: str, dtype: torch.dtype) -> CFunction | None:
+    return function("fused", f"{name}_{_SUFFIX[dtype]}")

@@ -4,12 +4,11 @@ sampler then takes torch's max."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from inference_service.kernels.build import load_library
+from inference_service.kernels.bindings import CFunction, function
 
 
 def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -26,11 +25,5 @@ def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 
 @functools.cache
-def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("greedy")
-    if library is None:
-        return None
-    fn = library.argmax_rows_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    return fn
+def _function() -> CFunction | None:
+    return function("greedy", "argmax_rows_f32")

@@ -21,10 +21,9 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
-typedef struct {
-    int64_t first_row, end_row, pages_at, rank;
-} Group;
+typedef LoraRun Group;  // kernels.h: rows [first_row, end_row) on one adapter
 
 #define TILE_ROWS 8  // rows of a group per task: enough to reuse each weight row from L1
 // How far ahead (elements) the shrink and the expand ask for the weight rows they stream, as they go.

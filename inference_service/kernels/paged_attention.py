@@ -8,12 +8,11 @@ the blocks, then SDPA).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from inference_service.kernels.build import address, load_library
+from inference_service.kernels.bindings import CFunction, address, function
 
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 _PREFILL_SYMBOLS = {torch.float32: "paged_prefill_attention_f32", torch.bfloat16: "paged_prefill_attention_bf16"}
@@ -59,8 +58,8 @@ def prefill_preferred(device: torch.device, dtype: torch.dtype) -> bool:
     CPU without AVX-512, where torch's SDPA is the slower (on AVX-512 and AMX CPUs torch's is kept)."""
     if device.type != "cpu" or dtype not in _PREFILL_SYMBOLS or _prefill_kernel(dtype) is None:
         return False
-    library = load_library("paged_prefill_attention")
-    return library is not None and bool(library.paged_prefill_attention_preferred())
+    preferred = function("paged_prefill_attention", "paged_prefill_attention_preferred")
+    return preferred is not None and bool(preferred())
 
 
 def prefill_attention(
@@ -101,8 +100,7 @@ def kernel_address(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: in
     return None if kernel is None else address(kernel)
 
 
-def _choose(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
-            block_size: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _choose(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> CFunction | None:
     """The AMX kernel where it fits, else the portable one for the dtype."""
     kernel = _amx_kernel(q_heads, kv_heads, head_dim, block_size) if dtype == torch.bfloat16 else None
     return kernel or _kernel(dtype)
@@ -123,37 +121,19 @@ def _layout_taken(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @functools.cache
-def _kernel(dtype: torch.dtype) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _symbol(_SYMBOLS[dtype])
+def _kernel(dtype: torch.dtype) -> CFunction | None:
+    return function("paged_decode_attention", _SYMBOLS[dtype])
 
 
 @functools.cache
-def _amx_kernel(q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _amx_kernel(q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> CFunction | None:
     """The bf16 kernel on AMX tile products, where the CPU has AMX and the shapes fit it."""
-    library = load_library("paged_decode_attention")
-    shape = (ctypes.c_int64(q_heads), ctypes.c_int64(kv_heads), ctypes.c_int64(head_dim), ctypes.c_int64(block_size))
-    if library is None or not library.paged_decode_attention_bf16_amx_fits(*shape):
+    fits = function("paged_decode_attention", "paged_decode_attention_bf16_amx_fits")
+    if fits is None or not fits(q_heads, kv_heads, head_dim, block_size):
         return None
-    return _symbol("paged_decode_attention_bf16_amx")
+    return function("paged_decode_attention", "paged_decode_attention_bf16_amx")
 
 
 @functools.cache
-def _prefill_kernel(dtype: torch.dtype) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("paged_prefill_attention")
-    if library is None:
-        return None
-    library.paged_prefill_attention_preferred.restype = ctypes.c_int
-    fn = getattr(library, _PREFILL_SYMBOLS[dtype])
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-    return fn
-
-
-def _symbol(name: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("paged_decode_attention")
-    if library is None:
-        return None
-    fn = getattr(library, name)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-    return fn
+def _prefill_kernel(dtype: torch.dtype) -> CFunction | None:
+    return function("paged_prefill_attention", _PREFILL_SYMBOLS[dtype])

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 #include "vec8.h"
 
 // Rows of the next tokens are fetched ahead: a sequence's blocks lie anywhere in the cache, and
@@ -392,5 +393,12 @@ int paged_decode_attention_bf16_amx_fits(int64_t q_heads, int64_t kv_heads, int6
     (void)q_heads, (void)kv_heads, (void)head_dim, (void)block_size;
     return 0;
 }
-int paged_decode_attention_bf16_amx(void) { return -3; }
+int paged_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                    const int64_t *tables, const int64_t *lens, uint16_t *out, int64_t batch,
+                                    int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                    int64_t max_blocks, float scale) {
+    (void)q, (void)k_cache, (void)v_cache, (void)tables, (void)lens, (void)out, (void)batch, (void)q_heads;
+    (void)kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale;
+    return -3;
+}
 #endif

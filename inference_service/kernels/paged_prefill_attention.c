@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 #include "vec8.h"
 
 #define KT 64        // keys per tile

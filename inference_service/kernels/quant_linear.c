@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define PANEL 16
 #define QK 32

@@ -11,14 +11,13 @@ or bf16), as for the dense kernels.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 
 import numpy as np
 import torch
 
-from inference_service.kernels.build import address, load_library
+from inference_service.kernels.bindings import CFunction, address, function
 from inference_service.kernels.projection_rows import PanelWeight
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ BLOCK = 32  # weights per block (along the input)
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}  # GGUF's block: fp16 scale + the weights
 TYPES = tuple(BLOCK_BYTES)
 DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes
-_VOID_P, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def panels(type_name: str, blocks: np.ndarray, out_features: int, in_features: int) -> np.ndarray:
@@ -88,19 +86,17 @@ def kernel_address(type_name: str, dtype: torch.dtype) -> int | None:
 
 
 @functools.cache
-def _functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+def _functions() -> dict[tuple[str, torch.dtype], CFunction] | None:
     """quant_linear_{q8_0,q4_0}_{f32,bf16} by (type, activation dtype), or None where the kernel
     cannot be had."""
-    library = load_library("quant_linear")
-    if library is None:
+    vectorised = function("quant_linear", "quant_linear_vectorised")
+    if vectorised is None:
         return None
-    library.quant_linear_vectorised.restype = ctypes.c_int
-    log.info("Q8_0/Q4_0 projections: %s", "AVX2/FMA/F16C" if library.quant_linear_vectorised() else "portable C")
+    log.info("Q8_0/Q4_0 projections: %s", "AVX2/FMA/F16C" if vectorised() else "portable C")
     functions = {}
     for type_name in TYPES:
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = getattr(library, f"quant_linear_{type_name.lower()}_{suffix}")
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_VOID_P] * 4 + [_INT64] * 3 + [ctypes.c_int]
+            fn = function("quant_linear", f"quant_linear_{type_name.lower()}_{suffix}")
+            assert fn is not None
             functions[(type_name, dtype)] = fn
     return functions

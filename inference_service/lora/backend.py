@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from inference_service.kernels.build import address, load_library
+from inference_service.kernels.bindings import CFunction, address, function
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 
 _APPLY = {torch.float32: "lora_apply_f32", torch.bfloat16: "lora_apply_bf16"}
@@ -88,20 +88,8 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> 
 
 
 @functools.cache
-def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("lora") if symbol else None
-    if library is None:
-        return None
-    fn = getattr(library, symbol)
-    if symbol in _TRANSPOSE.values():
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_float]
-    else:
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    return fn
+def _function(symbol: str) -> CFunction | None:
+    return function("lora", symbol) if symbol else None
 
 
 def triton_available() -> bool:

@@ -17,7 +17,6 @@ Where it applies (`build` checks once, `run` per step; otherwise the layer forwa
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 
 from inference_service.kernels import amx_linear, avx2_linear, fused, quant_linear
 from inference_service.kernels import paged_attention as attention_kernels
-from inference_service.kernels.build import load_library
+from inference_service.kernels.bindings import CFunction, function
 from inference_service.lora.backend import CpuLoRAOp
 from inference_service.models.attention import CpuPagedAttention, KVLayer
 from inference_service.models.batch import ForwardBatch
@@ -39,6 +38,8 @@ if TYPE_CHECKING:
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+# kernels.h's DecodeKernels, DecodeProjection, DecodeLayer and DecodeStep, field for field (the layouts
+# are compared in tests/test_kernel_build.py).
 class _Kernels(ctypes.Structure):
     _fields_ = [("linear", _P), ("add_rms_norm", _P), ("rope_and_cache", _P), ("silu_mul", _P),
                 ("attention", _P), ("lora", _P)]
@@ -242,12 +243,5 @@ class DecodeStack:
         return True
 
 
-@functools.cache
-def _run_function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    library = load_library("decode_stack")
-    if library is None:
-        return None
-    fn = library.decode_stack
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _P, _I64, _P, _P, _P]
-    return fn
+def _run_function() -> CFunction | None:
+    return function("decode_stack", "decode_stack")
