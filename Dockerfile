@@ -68,23 +68,29 @@ COPY adapter_cache ./adapter_cache
 RUN pip install --no-deps . \
  && python image_requirements.py check /tmp/pins.txt \
  && cd / && python -P /src/image_smoke_check.py
-# The CPU kernels, prebuilt into the installed package for every named ISA variant, so that the runtime
-# stage needs no compiler; the build fails if none came out.
+# The CPU kernels, prebuilt into the installed package (kernels/prebuilt/<variant>/) for every named ISA
+# variant, so that the runtime stage needs no compiler; on x86-64 the build fails if none came out (other
+# architectures have no prebuilt variants: their kernels compile at run time where a compiler is).
 RUN if [ "${CPU_KERNELS}" = "1" ]; then \
       cd / && python -m inference_service.kernels.build --all \
-      && find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels -name '*.so' | grep -q . \
-      || { echo "no prebuilt CPU kernels in the installed package (CPU_KERNELS=0 builds without)" >&2; exit 1; }; \
+      && if [ "$(uname -m)" = x86_64 ] && ! find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels \
+              -name '*.so' | grep -q .; then \
+           echo "no prebuilt CPU kernels in the installed package (CPU_KERNELS=0 builds without)" >&2; exit 1; \
+         fi; \
     fi \
  && python -m pip uninstall -q -y pip
 
 FROM ${BASE_IMAGE} AS runtime
+ARG CPU_KERNELS=1
 ARG RUNTIME_COMPILER=0
 RUN if [ "${RUNTIME_COMPILER}" = "1" ]; then \
       apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
       && apt-get clean && rm -rf /var/lib/apt/lists/*; \
     fi
 LABEL org.opencontainers.image.title="loraplex" \
-      org.opencontainers.image.description="Multi-LoRA LLM inference service and adapter-cache sidecar"
+      org.opencontainers.image.description="Multi-LoRA LLM inference service and adapter-cache sidecar" \
+      io.loraplex.cpu-kernels="${CPU_KERNELS}" \
+      io.loraplex.runtime-compiler="${RUNTIME_COMPILER}"
 # Fixed numeric ids: the chart's securityContext runs as 10001:10001 with runAsNonRoot.
 RUN groupadd --system --gid 10001 loraplex \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \

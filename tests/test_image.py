@@ -1,7 +1,8 @@
 """The CPU image itself (scripts/build_image.sh, which fails when the image is over its size limit): what
 its runtime stage holds, run as the chart runs it (uid 10001, read-only root filesystem, no network).
 
-- no C compiler and no pip: the CPU kernels are built in the build stage;
+- no C compiler and no pip: the CPU kernels are built in the build stage, and (an image built with
+  CPU_KERNELS=1, the default, as its label says) every one of them loads from the prebuilt variants;
 - none of the packages pyproject.toml's `[tool.loraplex.image] leave-out` names, and no CUDA runtime
   wheel (`nvidia-*`), while what the services import is there: scripts/image_smoke_check.py imports the
   servers and runs the structured-output path (xgrammar compiles a JSON schema, its matcher masks logits);
@@ -56,6 +57,21 @@ def test_runtime_stage_has_no_compiler_pip_or_left_out_packages(image: str) -> N
     assert {"xgrammar", "torch", "transformers", "loraplex"} <= dists
     assert dists.isdisjoint(left_out), dists & set(left_out)
     assert not [d for d in dists if d.startswith("nvidia-")]
+
+
+def _label(image: str, name: str) -> str:
+    return podman("image", "inspect", "--format", f'{{{{index .Config.Labels "{name}"}}}}', image).stdout.strip()
+
+
+def test_prebuilt_kernels_load_without_a_compiler(image: str) -> None:
+    if _label(image, "io.loraplex.cpu-kernels") != "1":
+        pytest.skip("the image was built with CPU_KERNELS=0: no prebuilt kernels")
+    assert _label(image, "io.loraplex.runtime-compiler") == "0"
+    script = ("import json; from inference_service.kernels import build as b;"
+              "names = sorted({n for libs in b.read_manifest(b.prebuilt_dir()).values() for n in libs});"
+              "print(json.dumps({'names': names, 'missing': [n for n in names if b.load_library(n) is None]}))")
+    result = json.loads(podman(*RUN, image, "python", "-c", script, timeout=300).stdout.splitlines()[-1])
+    assert result["names"] and result["missing"] == [], result
 
 
 def test_structured_output_path_runs_in_the_image(image: str) -> None:
