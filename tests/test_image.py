@@ -67,7 +67,8 @@ def test_prebuilt_kernels_load_without_a_compiler(image: str) -> None:
     if _label(image, "io.loraplex.cpu-kernels") != "1":
         pytest.skip("the image was built with CPU_KERNELS=0: no prebuilt kernels")
     assert _label(image, "io.loraplex.runtime-compiler") == "0"
-    script = ("import json; from inference_service.kernels import build as b;"
+    # torch first, as in the service: its wheel's libgomp.so.1 is the OpenMP runtime the kernels link to.
+    script = ("import json, torch; from inference_service.kernels import build as b;"
               "names = sorted({n for libs in b.read_manifest(b.prebuilt_dir()).values() for n in libs});"
               "print(json.dumps({'names': names, 'missing': [n for n in names if b.load_library(n) is None]}))")
     result = json.loads(podman(*RUN, image, "python", "-c", script, timeout=300).stdout.splitlines()[-1])
