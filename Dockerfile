@@ -70,13 +70,15 @@ RUN pip install --no-deps . \
  && cd / && python -P /src/image_smoke_check.py
 # The CPU kernels, prebuilt into the installed package (kernels/prebuilt/<variant>/) for every named ISA
 # variant, so that the runtime stage needs no compiler; on x86-64 the build fails if none came out (other
-# architectures have no prebuilt variants: their kernels compile at run time where a compiler is).
+# architectures have no prebuilt variants: their kernels compile at run time where a compiler is). Built
+# by root, loaded by uid 10001: made world-readable (in this layer, so nothing else is copied up).
 RUN if [ "${CPU_KERNELS}" = "1" ]; then \
       cd / && python -m inference_service.kernels.build --all \
       && if [ "$(uname -m)" = x86_64 ] && ! find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels \
               -name '*.so' | grep -q .; then \
            echo "no prebuilt CPU kernels in the installed package (CPU_KERNELS=0 builds without)" >&2; exit 1; \
-         fi; \
+         fi \
+      && find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels -name '*.so' -exec chmod a+rX {} +; \
     fi \
  && python -m pip uninstall -q -y pip
 
