@@ -13,11 +13,16 @@
 #   Local wheels:    any *.whl in the context's build/image-wheels/ is offered to pip too (the build
 #                    script copies the torch wheel on disk there; empty in a plain clone).
 #   PIP_CERT, PIP_INDEX_URL  pip's CA bundle (e.g. a host bundle mounted with -v) and index, in the build.
-#   CPU_KERNELS      1 (default): the runtime image gets a C compiler, with which the inference
-#                    service builds its CPU kernels at first start for the node's own CPU
-#                    (-march=native), into $LORAPLEX_KERNEL_CACHE (the chart points it at an emptyDir
-#                    only the inference container mounts, since the process dlopen()s what is there).
-#                    0: no compiler (e.g. for CUDA images); the CPU ops then fall back to torch.
+#   CPU_KERNELS      1 (default): the build stage compiles the CPU kernels, every named ISA variant
+#                    (`python -m inference_service.kernels.build --all`), into the installed package; the
+#                    service picks the variant the node's CPU runs at start. 0: none (e.g. for CUDA images);
+#                    the CPU ops then fall back to torch.
+#   RUNTIME_COMPILER 0 (default): the runtime image has no C compiler. 1: it gets gcc, for the service's
+#                    logged fallback of building a kernel at start where no prebuilt variant fits the CPU.
+# Python packages: the project's dependencies as pip resolves them, less what pyproject.toml's
+# [tool.loraplex.image] leave-out names (e.g. triton, which xgrammar requires and nothing here imports on a
+# CPU) and whatever only those pull in (scripts/image_requirements.py); scripts/image_smoke_check.py then
+# imports the servers and runs the structured-output path, so a package left out that is needed fails here.
 # Examples:
 #   docker build -t loraplex:cpu .
 #   docker build -t loraplex:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
@@ -43,25 +48,51 @@ RUN mkdir -p /wheels \
  && pip install --index-url "${TORCH_INDEX_URL}" --find-links /wheels "torch==${TORCH_VERSION}" \
  && rm -rf /opt/loraplex/lib/python3*/site-packages/torch/test
 WORKDIR /src
-COPY pyproject.toml README.md ./
-# The dependencies first, in a layer of their own that a code change does not invalidate.
-RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
-      >/tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt
-COPY inference_service ./inference_service
-COPY adapter_cache ./adapter_cache
-RUN pip install --no-deps . && pip check \
- && python -c "import torch, inference_service, adapter_cache; print('torch', torch.__version__)" \
- && python -m pip uninstall -q -y pip
-
-FROM ${BASE_IMAGE} AS runtime
+COPY pyproject.toml README.md scripts/image_requirements.py scripts/image_smoke_check.py ./
+# The dependencies first, in a layer of their own that a code change does not invalidate: pip resolves
+# them (a dry run), the image keeps what is reachable without passing through a left-out package.
+RUN pip install packaging \
+ && python image_requirements.py requirements pyproject.toml >/tmp/requirements.txt \
+ && pip install --dry-run --quiet --report /tmp/report.json --find-links /wheels -r /tmp/requirements.txt \
+ && python image_requirements.py pins pyproject.toml /tmp/report.json >/tmp/pins.txt \
+ && cat /tmp/pins.txt \
+ && pip install --no-deps --find-links /wheels -r /tmp/pins.txt
 ARG CPU_KERNELS=1
 RUN if [ "${CPU_KERNELS}" = "1" ]; then \
       apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
       && apt-get clean && rm -rf /var/lib/apt/lists/*; \
     fi
+COPY inference_service ./inference_service
+COPY adapter_cache ./adapter_cache
+# Checked from / with -P so that the installed package is what is imported (not /src's copy).
+RUN pip install --no-deps . \
+ && python image_requirements.py check /tmp/pins.txt \
+ && cd / && python -P /src/image_smoke_check.py
+# The CPU kernels, prebuilt into the installed package (kernels/prebuilt/<variant>/) for every named ISA
+# variant, so that the runtime stage needs no compiler; on x86-64 the build fails if none came out (other
+# architectures have no prebuilt variants: their kernels compile at run time where a compiler is). Built
+# by root, loaded by uid 10001: made world-readable (in this layer, so nothing else is copied up).
+RUN if [ "${CPU_KERNELS}" = "1" ]; then \
+      cd / && python -m inference_service.kernels.build --all \
+      && if [ "$(uname -m)" = x86_64 ] && ! find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels \
+              -name '*.so' | grep -q .; then \
+           echo "no prebuilt CPU kernels in the installed package (CPU_KERNELS=0 builds without)" >&2; exit 1; \
+         fi \
+      && find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels -name '*.so' -exec chmod a+rX {} +; \
+    fi \
+ && python -m pip uninstall -q -y pip
+
+FROM ${BASE_IMAGE} AS runtime
+ARG CPU_KERNELS=1
+ARG RUNTIME_COMPILER=0
+RUN if [ "${RUNTIME_COMPILER}" = "1" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+      && apt-get clean && rm -rf /var/lib/apt/lists/*; \
+    fi
 LABEL org.opencontainers.image.title="loraplex" \
-      org.opencontainers.image.description="Multi-LoRA LLM inference service and adapter-cache sidecar"
+      org.opencontainers.image.description="Multi-LoRA LLM inference service and adapter-cache sidecar" \
+      io.loraplex.cpu-kernels="${CPU_KERNELS}" \
+      io.loraplex.runtime-compiler="${RUNTIME_COMPILER}"
 # Fixed numeric ids: the chart's securityContext runs as 10001:10001 with runAsNonRoot.
 RUN groupadd --system --gid 10001 loraplex \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \

@@ -7,9 +7,12 @@
 #     into build/image-wheels/ (part of the build context) and installed as 2.13.0+cpu, so nothing
 #     can pull another build of it; every other package comes from PyPI;
 #   - layers are cached in podman's storage: a rebuild after a code change redoes only the last steps.
-# Prints the image's name, size and build time. Needs root (rootful podman); installs podman, runc and
-# debootstrap from Debian's packages where missing. See ../shared/TOOLS.md for why each step looks as it does.
+# Prints the image's name, size and build time, and fails if it is larger than LORAPLEX_IMAGE_MAX_MB
+# (default 1500, i.e. 1.5 GB as podman counts: the uncompressed layers, 10^6 bytes a MB). Arguments
+# are passed on to `podman build` (e.g. --build-arg CPU_KERNELS=0). Needs root (rootful podman);
+# installs podman, runc and debootstrap from Debian's packages where missing. See ../shared/TOOLS.md for why each step looks as it does.
 # Env: LORAPLEX_IMAGE (default localhost/loraplex:cpu), LORAPLEX_IMAGE_BASE, LORAPLEX_PIP_INDEX_URL,
+#      LORAPLEX_IMAGE_MAX_MB,
 #      DEBIAN_MIRROR (default: this machine's apt source, else deb.debian.org).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,7 @@ IMAGE="${LORAPLEX_IMAGE:-localhost/loraplex:cpu}"
 BASE="${LORAPLEX_IMAGE_BASE:-localhost/loraplex-base:bookworm-py311-2}"
 TORCH_VERSION="2.13.0"
 PIP_INDEX="${LORAPLEX_PIP_INDEX_URL:-https://pypi.org/simple}"
+MAX_MB="${LORAPLEX_IMAGE_MAX_MB:-1500}"
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
@@ -74,7 +78,11 @@ find build/image-wheels -name '*.whl' ! -name "torch-$TORCH_VERSION+cpu-*" -dele
   --build-arg TORCH_VERSION="$TORCH_VERSION+cpu" \
   --build-arg PIP_CERT=/host-certs/ca-certificates.crt \
   --build-arg PIP_INDEX_URL="$PIP_INDEX" \
-  -f Dockerfile -t "$IMAGE" . >&2
+  "$@" -f Dockerfile -t "$IMAGE" . >&2
 
 size=$("${P[@]}" image inspect --format '{{.Size}}' "$IMAGE")
 echo "image $IMAGE: $((size / 1000000)) MB ($size bytes), built in $(($(date +%s) - started)) s"
+if [ $((size / 1000000)) -gt "$MAX_MB" ]; then
+  echo "image $IMAGE is $((size / 1000000)) MB, over the $MAX_MB MB limit (LORAPLEX_IMAGE_MAX_MB)" >&2
+  exit 1
+fi
