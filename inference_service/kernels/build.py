@@ -211,6 +211,9 @@ def compile_library(compiler: str, name: str, flags: Sequence[str], path: Path) 
     try:
         subprocess.run([compiler, *_COMMON_FLAGS, *flags, "-o", tmp, str(SOURCES / f"{name}.c"), "-lm"], check=True,
                        capture_output=True, text=True, timeout=300)
+        # mkstemp makes the file 0600: a library built by one user (the image's build, a shared install)
+        # must load for the uid that serves.
+        os.chmod(tmp, 0o755)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
