@@ -173,7 +173,10 @@ def test_stream_interval_groups_the_tokens_of_each_message(tmp_path: Path) -> No
         with InferenceClient(server.address) as client:
             messages = list(client.generate("group", max_new_tokens=10, ignore_eos=True, timeout=60))
         sizes = [len(m.token_ids) for m in messages]
-        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 10, sizes
+        # The first token's message is not held for the interval (< 4 tokens); that it goes at once
+        # is tests/test_streams.py's check, on the stream table itself: here a lagging servicer may
+        # take it a step late.
+        assert sizes[0] < 4 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 10, sizes
         assert len(messages) <= 4 and messages[-1].usage.generated_tokens == 10
     finally:
         server.stop()
