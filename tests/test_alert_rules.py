@@ -8,7 +8,6 @@ test is the self-test of harness/prometheus.py: a real server scraping an in-pro
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -78,7 +77,6 @@ def test_real_prometheus_scrapes_and_evaluates() -> None:
     server, thread = start_http_server(0, addr="127.0.0.1", registry=reg)
     try:
         target = f"127.0.0.1:{server.server_port}"
-        started = time.monotonic()
         with running_prometheus({"loraplex-inference": [target]}, rule_files=[ALERT_RULES_FILE]) as prom:
             result = prom.wait_for('loraplex_lora_slots_total{job="loraplex-inference"}', timeout=30)
             assert result[0]["value"][1] == "8" and result[0]["metric"]["instance"] == target
@@ -91,7 +89,6 @@ def test_real_prometheus_scrapes_and_evaluates() -> None:
             assert {r["name"] for r in rules} == {r.alert for r in alert_rules()}
             assert all(r["health"] == "ok" for r in rules), [r.get("lastError") for r in rules]
             assert prom.query("up")[0]["value"][1] == "1"
-        assert time.monotonic() - started < 30
     finally:
         server.shutdown()
         thread.join(timeout=5)

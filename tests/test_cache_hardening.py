@@ -250,12 +250,13 @@ def test_follower_of_a_stuck_flight_times_out(tmp_path):
     leader.start()
     assert store.entered.wait(5)
     try:
-        start = time.monotonic()
         with pytest.raises(UnavailableError, match="another call that has not finished within 0.2s"):
             stager.stage("s3://b/a", owner="y", wait_s=0.2)  # its caller's own RPC deadline
         with pytest.raises(UnavailableError, match="within 0.5s"):  # no RPC deadline: deadline + grace
             stager.stage("s3://b/a", owner="y", wait_s=1e9)
-        assert time.monotonic() - start < 2.0
+        # Both answered at their own bounds, not at the leader's end: it is still stuck (its store
+        # call returns after 30 s at most, a hang bound, and then with NotFoundError).
+        assert leader.is_alive() and not leader_error
         assert stager.metrics.followers._value.get() == 0
     finally:
         store.release.set()

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -24,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.inference_server import start_inference_server
+from harness.waiting import wait_until
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.client import InferenceClient
@@ -42,13 +42,6 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _health(address: str) -> str:
@@ -116,14 +109,14 @@ def test_a_dead_core_process_ends_streams_unavailable_and_health_not_serving(tmp
         stream = stub.Generate(pb.GenerateRequest(text="long", max_new_tokens=1000, ignore_eos=True), timeout=60)
         next(stream)
         server.proc.send_signal(signal.SIGUSR1)
-        started = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             list(stream)
+        # Ended by the core's exit, not left to hang to the call's 60 s deadline (DEADLINE_EXCEEDED)
+        # nor streamed to its 1000 tokens.
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "engine core process has exited" in info.value.details()
-        assert time.monotonic() - started < 10
-        _wait(lambda: not _alive(core), 10, "the core process to exit")
-        _wait(lambda: _health(server.address) == "NOT_SERVING", 10, "health NOT_SERVING")
+        wait_until(lambda: not _alive(core), "the core process to exit")
+        wait_until(lambda: _health(server.address) == "NOT_SERVING", "health NOT_SERVING")
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(text="after", max_new_tokens=2), timeout=10))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -137,7 +130,7 @@ def test_a_killed_front_end_takes_its_core_process_with_it(tmp_path: Path) -> No
     assert _tokens(server.address, "hi", n=2)
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
-    _wait(lambda: not _alive(core), 15, "the orphaned core process to exit")
+    wait_until(lambda: not _alive(core), "the orphaned core process to exit")
 
 
 EMBEDDER_THAT_FAILS = """
@@ -158,14 +151,14 @@ def test_a_program_that_never_shuts_its_engine_down_still_exits(tmp_path: Path) 
     script.write_text(EMBEDDER_THAT_FAILS)
     proc = subprocess.Popen([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[1],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    try:  # a hang bound: the failure this tests waits forever; a start on a loaded host takes seconds
         out, err = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the core too: it is in the same session
         proc.communicate()
         pytest.fail("the program did not exit: its exit waited for the engine core")
     assert proc.returncode == 1 and "the embedder failed before its shutdown()" in err, err[-2000:]
-    _wait(lambda: not _alive(int(out.split()[0])), 10, "the core process to exit")
+    wait_until(lambda: not _alive(int(out.split()[0])), "the core process to exit")
 
 
 def test_stream_interval_groups_the_tokens_of_each_message(tmp_path: Path) -> None:
@@ -180,7 +173,10 @@ def test_stream_interval_groups_the_tokens_of_each_message(tmp_path: Path) -> No
         with InferenceClient(server.address) as client:
             messages = list(client.generate("group", max_new_tokens=10, ignore_eos=True, timeout=60))
         sizes = [len(m.token_ids) for m in messages]
-        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 10, sizes
+        # The first token's message is not held for the interval (< 4 tokens); that it goes at once
+        # is tests/test_streams.py's check, on the stream table itself: here a lagging servicer may
+        # take it a step late.
+        assert sizes[0] < 4 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 10, sizes
         assert len(messages) <= 4 and messages[-1].usage.generated_tokens == 10
     finally:
         server.stop()

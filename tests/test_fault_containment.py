@@ -17,6 +17,7 @@ import torch
 
 from adapter_cache.errors import UnavailableError
 from harness.engine_helpers import run_to_completion
+from harness.waiting import HANG_S
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import FinishReason, Request, SamplingParams
@@ -90,18 +91,24 @@ def test_sampling_marks_only_non_finite_rows_and_tiny_temperatures_are_greedy():
 
 
 def test_staging_pool_abandons_hung_tasks_and_a_stuck_source_does_not_block_another():
+    """The clock is injected (`expire(now)`): no verdict waits on the host's speed. A deadline far
+    away (60 s) is never reached by itself during the test."""
     release = threading.Event()
-    pool = StagingPool(workers=2, timeout_s=0.5)
+    pool = StagingPool(workers=2, timeout_s=60.0)
     hung = [pool.submit(release.wait, key="http://stuck") for _ in range(3)]
     other = pool.submit(lambda: "ok", key="s3://fine")
-    assert other.result(timeout=0.4) == "ok"  # the stuck source holds both workers, yet this one runs
-    t0 = time.monotonic()
-    while not all(f.done() for f in hung):
-        pool.expire()
-        time.sleep(0.02)
-        assert time.monotonic() - t0 < 5
-    for f in hung:
-        assert isinstance(f.exception(), UnavailableError)
+    # The stuck source holds both workers (and its third task queues), yet this one runs: nothing
+    # was abandoned yet, as expire() has not been called.
+    assert other.result(timeout=HANG_S) == "ok"
+    assert not any(f.done() for f in hung)
+    pool.expire(now=time.monotonic())  # before the deadline: nothing abandoned
+    assert not any(f.done() for f in hung)
+    pool.expire(now=time.monotonic() + pool.timeout_s)  # past the running two's deadline
+    done = [f for f in hung if f.done()]
+    assert len(done) == 2 and all(isinstance(f.exception(), UnavailableError) for f in done)
+    # The queued third started when the two were abandoned; it is abandoned at its own deadline.
+    pool.expire(now=time.monotonic() + 2 * pool.timeout_s)
+    assert isinstance(hung[2].exception(timeout=0), UnavailableError)
     release.set()
-    assert pool.submit(lambda: 7).result(timeout=2) == 7
+    assert pool.submit(lambda: 7).result(timeout=HANG_S) == 7
     pool.shutdown()

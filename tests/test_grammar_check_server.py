@@ -91,9 +91,7 @@ def test_a_hostile_schema_does_not_hold_up_another_clients_schema(server):
     with ThreadPoolExecutor(1) as pool:
         hostile = pool.submit(_post, server, _hostile_schema())
         time.sleep(1.0)
-        started = time.monotonic()
         victim = _post(server, _small_schema())
-        victim_s = time.monotonic() - started
         assert victim.status_code == 200, victim.text
         assert not hostile.done(), f"the hostile schema was answered first ({hostile.result().text})"
         refused = hostile.result()
@@ -102,7 +100,6 @@ def test_a_hostile_schema_does_not_hold_up_another_clients_schema(server):
     message = refused.json()["error"]["message"]
     assert (refused.status_code, f"did not compile within {CPU_S:g} CPU seconds" in message) == (400, True) or (
         refused.status_code, "retry later" in message) == (503, True), refused.text
-    assert victim_s < 30, victim_s  # a generous stall bound; what matters is the order above
     assert_clean(server)
 
 
@@ -128,9 +125,7 @@ def test_a_compile_starved_of_cpu_is_not_cached_as_a_refusal(server):
     _start_both_compile_processes(server)
     schema = _small_schema()
     with _compile_processes_paused(server):
-        started = time.monotonic()
-        starved = _post(server, schema)
-        assert time.monotonic() - started < WALL_S + 30
+        starved = _post(server, schema)  # answered at the wall bound; the call's 180 s timeout stops a hang
     assert starved.status_code == 503, starved.text
     error = starved.json()["error"]
     assert error["code"] == "UNAVAILABLE" and "retry" in error["message"], error

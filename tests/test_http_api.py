@@ -25,6 +25,7 @@ from harness.bad_adapters import write_admin_error_adapters
 from harness.devices import SERVER_DEVICE
 from harness.engine_helpers import generate, load_adapters
 from harness.inference_server import start_inference_server
+from harness.waiting import HANG_S, wait_until
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
@@ -378,7 +379,7 @@ def test_health(env):
 
 # ---- disconnects ----------------------------------------------------------------------------
 
-def _log_has(server, needle: str, within: float = 5.0) -> bool:
+def _log_has(server, needle: str, within: float = HANG_S) -> bool:
     deadline = time.monotonic() + within
     while needle not in server.log():
         if time.monotonic() > deadline:
@@ -397,9 +398,10 @@ def test_client_closing_mid_stream_aborts_and_leaves_metrics_leak_free(env):
         first = next(line for line in lines if line.startswith("data: "))
         request_id = json.loads(first[len("data: "):])["id"]
         assert _http_value(server, "loraplex_requests_running") >= 1
-    closed = time.monotonic()
-    leaks = _wait_leak_free(server, within=1.0)
-    assert not leaks, f"still held {time.monotonic() - closed:.2f}s after the client left: {leaks}"
+    # Released because it was cancelled (the log line), not because it ran to its 600 tokens; how
+    # soon depends on the host, the wait only stops a hang.
+    leaks = _wait_leak_free(server, within=HANG_S)
+    assert not leaks, f"still held after the client left: {leaks}"
     assert _log_has(server, f"request {request_id} adapter={ADAPTERS[1]} finish=cancelled status=499")
 
 
@@ -411,11 +413,8 @@ def test_client_leaving_a_non_streaming_request_aborts_it(env):
     with socket.create_connection((url.hostname, url.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        deadline = time.monotonic() + 10
-        while not _http_value(server, "loraplex_requests_running"):
-            assert time.monotonic() < deadline, "request never ran"
-            time.sleep(0.02)
-    leaks = _wait_leak_free(server, within=1.0)
+        wait_until(lambda: _http_value(server, "loraplex_requests_running"), "the request to run", poll_s=0.02)
+    leaks = _wait_leak_free(server, within=HANG_S)  # cancelled (the log line below), not run to its end
     assert not leaks, leaks
     assert _log_has(server, "adapter=- finish=cancelled status=499")
 
@@ -438,10 +437,8 @@ def test_load_and_unload_over_http_with_and_without_token(env):
     text = _client(server).completions.create(model="spare", prompt="hi", max_tokens=4, temperature=0).choices[0]
     assert text.finish_reason in ("length", "stop")
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "spare"}, token=TOKEN).status_code == 200
-    deadline = time.monotonic() + 10
-    while "spare" in {m.id for m in _client(server).models.list().data}:
-        assert time.monotonic() < deadline, "unloaded adapter still listed"
-        time.sleep(0.05)
+    wait_until(lambda: "spare" not in {m.id for m in _client(server).models.list().data},
+               "the unloaded adapter gone from /v1/models")
     with pytest.raises(openai.NotFoundError):
         _client(server).completions.create(model="spare", prompt="hi", max_tokens=4)
 
@@ -759,27 +756,3 @@ def test_accepted_connections_send_without_nagle() -> None:
             server.close()
 
     assert asyncio.run(accepted_nodelay()) == 1
-
-
-def test_streamed_first_token_on_a_keep_alive_connection(env) -> None:
-    """TTFT of a streamed 5-token prompt, one keep-alive connection: 44-52 ms while each first
-    chunk waited for a delayed ACK (the 40 ms floor), 4-20 ms with TCP_NODELAY (2-core box, load
-    ~2.5). The bound sits between, below the floor."""
-    server, _, _ = env
-    body = {"model": BASE, "prompt": "hello", "max_tokens": 2, "temperature": 0, "stream": True}
-
-    def ttft(client: httpx.Client) -> float:
-        started = time.perf_counter()
-        first = None
-        with client.stream("POST", server.http_url + "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if first is None and line.startswith("data: {"):
-                    first = time.perf_counter() - started
-        assert first is not None
-        return first
-
-    with httpx.Client(timeout=60) as client:
-        for _ in range(3):
-            ttft(client)
-        times = sorted(ttft(client) for _ in range(9))
-    assert times[len(times) // 2] < 0.030, [round(1000 * t, 1) for t in times]

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -27,6 +26,7 @@ import pytest
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import assert_clean, status_of
 from harness.sidecar import RangeIgnoringOrigin, Sidecar
+from harness.waiting import wait_until
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.client import InferenceClient
@@ -92,17 +92,10 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     s.stop()
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def _staging_reference_seen(server: InferenceServer) -> None:
     """While one request waits for its adapter's staging: its reference is counted, and the slot
     gauges, which the leak checks read before this gauge existed, show nothing of it."""
-    wait_until(lambda: server.value(REFS) == 1)
+    wait_until(lambda: server.value(REFS) == 1, "the staging reference taken")
     samples = server.samples()
     assert samples[("loraplex_requests_waiting", (("reason", "adapter_loading"),))] == 1
     assert samples[("loraplex_lora_slots_referenced", ())] == 0
@@ -115,10 +108,10 @@ def test_a_request_cancelled_during_staging_leaves_no_reference(stack):
     with server.channel() as ch:
         call = pb_grpc.InferenceStub(ch).Generate(
             pb.GenerateRequest(text="cancelled while staging", adapter="drip-cancel", max_new_tokens=8), timeout=60)
-        wait_until(lambda: stack.origin.gets["/drip-cancel/adapter_model.safetensors"] >= 1)
+        wait_until(lambda: stack.origin.gets["/drip-cancel/adapter_model.safetensors"] >= 1, "the dripping fetch begun")
         _staging_reference_seen(server)
         call.cancel()
-        wait_until(lambda: server.value(REFS) == 0)
+        wait_until(lambda: server.value(REFS) == 0, "the reference released")
         # The staging itself goes on (until the sidecar's deadline) with no request on it.
         assert stack.sidecar.metric("loraplex_cache_inflight_fetches") == 1
     assert_clean(server)

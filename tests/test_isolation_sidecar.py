@@ -30,6 +30,7 @@ from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import VictimResult, resident_adapter, solo_run, status_of, victim_beside
 from harness.sidecar import RangeIgnoringOrigin, Sidecar, write_token
 from harness.tools import skip_or_fail
+from harness.waiting import wait_until
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
 
@@ -137,7 +138,8 @@ def sidecar_clean(stack):
     """After each attack the sidecar is clean too: no fetch or follower left, no half-written
     file, still SERVING, no traceback in its log."""
     yield
-    wait_until(lambda: stack.sidecar.metric("loraplex_cache_inflight_fetches") == 0)
+    wait_until(lambda: stack.sidecar.metric("loraplex_cache_inflight_fetches") == 0, "no fetch in flight",
+               poll_s=0.02)
     assert stack.sidecar.metric("loraplex_cache_stage_followers") == 0
     assert not [p.name for p in stack.sidecar.shm_dir.iterdir() if ".tmp-" in p.name]
     stack.sidecar.wait_healthy(timeout=5)
@@ -189,7 +191,8 @@ def test_never_ending_slow_origin_hits_the_fetch_deadline_while_others_load(stac
         slow = threading.Thread(target=lambda: result.append(
             _load_code(stack, "slow", f"{stack.origin.url}/drip")))
         slow.start()
-        wait_until(lambda: stack.origin.gets["/drip/adapter_model.safetensors"] > drips)
+        wait_until(lambda: stack.origin.gets["/drip/adapter_model.safetensors"] > drips, "the dripping fetch begun",
+                   poll_s=0.02)
         stack.load("beside-slow", (stack.adapters / "good1").as_uri())
         assert not result, "another adapter's load waited for the slow origin's fetch to end"
         slow.join(DEADLINE_S + 10)
@@ -212,7 +215,8 @@ def test_follower_of_a_stuck_flight_times_out(stack):
     with victim_beside(stack.server, stack.base):
         t = threading.Thread(target=lead)
         t.start()
-        wait_until(lambda: stack.sidecar.metric("loraplex_cache_inflight_fetches") == 1)
+        wait_until(lambda: stack.sidecar.metric("loraplex_cache_inflight_fetches") == 1, "one fetch in flight",
+                   poll_s=0.02)
         with pytest.raises(grpc.RpcError) as info:
             stack.stub().Stage(cpb.StageRequest(uri=uri), metadata=_md(stack.tenant_token), timeout=2.0)
         # its own deadline, explained (the client's would be DEADLINE_EXCEEDED)
@@ -316,8 +320,3 @@ def _connect_as(uid: int, path: Path) -> str:
     return {0: "connected", 3: "refused"}.get(os.waitstatus_to_exitcode(status), "probe failed")
 
 
-def wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_cache.uri_policy import UriPolicy
 from harness.inference_server import InferenceServer, start_inference_server
+from harness.waiting import wait_until
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
@@ -66,15 +67,8 @@ def _readiness(server: InferenceServer) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        time.sleep(0.05)
-
-
 def test_an_unloaded_preload_stays_unloaded_and_reads_so_everywhere(server: InferenceServer, tmp_path: Path) -> None:
-    _wait(lambda: _states(server).get("q", ("",))[0] == "ADAPTER_STATE_LOADED", "q loaded")
+    wait_until(lambda: _states(server).get("q", ("",))[0] == "ADAPTER_STATE_LOADED", "q loaded")
     assert _states(server)["p"][0] == "ADAPTER_STATE_LOADED"
     with InferenceClient(server.address) as client:
         client.unload_adapter("p", timeout=30)
@@ -90,15 +84,15 @@ def test_an_unloaded_preload_stays_unloaded_and_reads_so_everywhere(server: Infe
     # Another entry changes: the file is applied again, and p is still not loaded back.
     reloads = server.value(RELOADS)
     (tmp_path / "preload.json").write_text(_entries(tmp_path, p_pinned=True, q_pinned=True))
-    _wait(lambda: server.value(RELOADS) > reloads, "the changed preload file applied")
-    _wait(lambda: _states(server).get("q", ("", -1))[1] >= 0 and
+    wait_until(lambda: server.value(RELOADS) > reloads, "the changed preload file applied")
+    wait_until(lambda: _states(server).get("q", ("", -1))[1] >= 0 and
           server.value("loraplex_preload_adapters", state="loading") == 0, "q reloaded")
     assert "p" not in _states(server)
     assert server.value("loraplex_preload_adapters", state="unloaded") == 1
 
     # Its own line changes: that is the operator asking for it again.
     (tmp_path / "preload.json").write_text(_entries(tmp_path, p_pinned=False, q_pinned=True))
-    _wait(lambda: _states(server).get("p", ("",))[0] == "ADAPTER_STATE_LOADED", "p loaded again")
+    wait_until(lambda: _states(server).get("p", ("",))[0] == "ADAPTER_STATE_LOADED", "p loaded again")
     assert server.value("loraplex_preload_adapters", state="unloaded") == 0
     with InferenceClient(server.address) as client:
         assert client.generate_text("Hello", adapter="p", max_new_tokens=2, timeout=30)
@@ -123,7 +117,7 @@ def test_an_unload_during_a_preload_reload_is_not_undone(slow_server: InferenceS
     q): the new version registers and waits for a slot; an UnloadAdapter then retires it. The
     preloader must take that as the operator's decision, not as a failure to retry."""
     server = slow_server
-    _wait(lambda: {n for n, (s, _) in _states(server).items() if s == "ADAPTER_STATE_LOADED"} == {"p", "q"},
+    wait_until(lambda: {n for n, (s, _) in _states(server).items() if s == "ADAPTER_STATE_LOADED"} == {"p", "q"},
           "p and q loaded")
     with InferenceClient(server.address) as client:
         info = client.model_info()
@@ -140,9 +134,9 @@ def test_an_unload_during_a_preload_reload_is_not_undone(slow_server: InferenceS
             return {a.version: pb.AdapterState.Name(a.state) for a in client.list_adapters(timeout=30) if a.name == "p"}
 
         # Version 2 is current (version 1 drains under its request) and waits for a slot.
-        _wait(lambda: versions() == {1: "ADAPTER_STATE_DRAINING", 2: "ADAPTER_STATE_HOST_READY"}, "p@2 waiting")
+        wait_until(lambda: versions() == {1: "ADAPTER_STATE_DRAINING", 2: "ADAPTER_STATE_HOST_READY"}, "p@2 waiting")
         client.unload_adapter("p", timeout=30)
-        _wait(lambda: "preload p: adapter p was unloaded or replaced while loading" in server.log(),
+        wait_until(lambda: "preload p: adapter p was unloaded or replaced while loading" in server.log(),
               "the preloader saw the unload")
         time.sleep(2.5)  # longer than the preloader's first retry backoff (1 s): a retry would be in by now
         assert versions() == {1: "ADAPTER_STATE_DRAINING"}
@@ -153,7 +147,7 @@ def test_an_unload_during_a_preload_reload_is_not_undone(slow_server: InferenceS
         assert _readiness(server) == "SERVING"
         for stream in holds:
             stream.cancel()
-        _wait(lambda: not versions(), "p@1 drained once its request ended")
+        wait_until(lambda: not versions(), "p@1 drained once its request ended")
 
 
 def test_a_failing_entry_stays_failed_while_it_is_retried(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from harness.adapters import write_tiny_adapter
 from harness.devices import DEVICES
 from harness.engine_helpers import generate, load_adapters, run_to_completion
+from harness.waiting import wait_until
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.kv_cache import kv_bytes_per_block
@@ -185,10 +186,14 @@ def test_a_step_fills_with_resident_adapters_while_others_wait(tiny_adapters):
     # neither gets pages while a0/a1 hold both.
     assert {r.wait_reason for r in waiting} <= {WaitReason.ADAPTER_LOADING, WaitReason.SLOTS_FULL}
     assert all(core.lora.slot_of(core.lora.uid_of(n)) is None for n in ("a2", "a3"))
-    for _ in range(20):  # once staged, they wait for slots, and the a0/a1 requests keep running
-        core.step()
-        time.sleep(0.002)
+    # Once staged (on host threads: how soon is the host's business), they wait for slots, and the
+    # a0/a1 requests keep running.
+    cold = [core.lora._registry.versions[core.lora.uid_of(n)] for n in ("a2", "a3")]
+    wait_until(lambda: all(e.host is not None or (e.staging is not None and e.staging.done()) for e in cold),
+               "a2/a3 staged", poll_s=0.002)
+    core.step()
     assert {r.wait_reason for r in core.scheduler.waiting} == {WaitReason.SLOTS_FULL}
+    assert {"hold0", "hold1"} <= {r.request_id for r in core.scheduler.running}
     for request_id in list(core.scheduler.requests):
         core.abort(request_id)
     core.step()

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -35,17 +34,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness.devices import SERVER_DEVICE
 from harness.inference_server import ROOT, InferenceServer, start_inference_server
 from harness.ports import free_port
+from harness.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 BASE = "builtin:tiny"
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out: {what() if callable(what) else what}"
-        time.sleep(0.05)
 
 
 def _health(address: str, service: str = "") -> str:
@@ -77,14 +70,13 @@ def test_a_killed_core_turns_health_not_serving_is_reaped_and_logged(stall_s: st
         (core,) = _children(server.proc.pid)
         assert _health(server.address, "liveness") == "SERVING"
         os.kill(core, signal.SIGKILL)
-        killed = time.monotonic()
-        _wait(lambda: _health(server.address, "") == "NOT_SERVING", 5, "readiness NOT_SERVING")
-        _wait(lambda: _health(server.address, "liveness") == "NOT_SERVING", 5, "liveness NOT_SERVING")
+        # No request is sent: the health watcher alone notices the exit (it looks every second).
+        wait_until(lambda: _health(server.address, "") == "NOT_SERVING", "readiness NOT_SERVING")
+        wait_until(lambda: _health(server.address, "liveness") == "NOT_SERVING", "liveness NOT_SERVING")
         # /proc/PID stays while the process is a zombie: gone means reaped.
-        _wait(lambda: not Path(f"/proc/{core}").exists(), 5, "the killed core reaped, not left a zombie")
-        _wait(lambda: f"the engine core process {core} exited with code -9 (SIGKILL)" in server.log(), 5,
-              "the core's exit status logged")
-        assert time.monotonic() - killed < 6
+        wait_until(lambda: not Path(f"/proc/{core}").exists(), "the killed core reaped, not left a zombie")
+        wait_until(lambda: f"the engine core process {core} exited with code -9 (SIGKILL)" in server.log(),
+                   "the core's exit status logged")
     finally:
         server.stop(timeout=10)
 
@@ -107,7 +99,9 @@ def test_the_http_port_serves_new_connections_through_the_drain_delay(tmp_path: 
         assert ok.status_code == 200 and ok.headers.get("connection") != "close"  # keep-alive while ready
         server.proc.send_signal(signal.SIGTERM)
         sigterm = time.monotonic()
-        _wait(lambda: httpx.get(server.http_url + "/health", timeout=10).status_code == 503, 2, "/health 503")
+        # 503 within the delay, while new connections are still served (a round below needs it).
+        wait_until(lambda: httpx.get(server.http_url + "/health", timeout=10).status_code == 503, "/health 503",
+                   timeout=delay - LAST_ROUND_BEFORE_END_S)
         served: list[tuple[float, float]] = []  # each round's start and end, seconds after SIGTERM
         while (start := time.monotonic() - sigterm) < delay - LAST_ROUND_BEFORE_END_S:
             try:
@@ -128,13 +122,15 @@ def test_the_http_port_serves_new_connections_through_the_drain_delay(tmp_path: 
         assert served and served[-1][1] >= delay - LAST_ROUND_BEFORE_END_S - 0.5, served
 
         def refused() -> bool:
+            """No answer: refused, or reset (a connection the kernel completed into the listener's
+            backlog as the port closed is reset, never served; when is asserted below)."""
             try:
-                httpx.get(server.http_url + "/health", timeout=2)
-            except httpx.ConnectError:
+                httpx.get(server.http_url + "/health", timeout=10)  # a hang bound, not a verdict
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
                 return True
             return False
 
-        _wait(refused, delay + 5, "new HTTP connections refused after the delay")
+        wait_until(refused, "new HTTP connections refused after the delay")
         assert time.monotonic() - sigterm >= delay
         assert server.proc.wait(30) == 0
     finally:
@@ -216,9 +212,11 @@ def test_slow_clients_are_closed_after_the_header_timeout_while_others_are_serve
     try:
         _victim(server)
         assert clients.open() == 300, "the victim was not served while the 300 slow connections were held"
-        _wait(lambda: clients.open() == 0, timeout + 10, lambda: f"{clients.open()} slow connections still open")
+        # Every one closed, the dribbling ones too (a header timeout reset by each byte would keep
+        # them open), and none before the timeout; how long after it depends on the host's load.
+        wait_until(lambda: clients.open() == 0, lambda: f"{clients.open()} slow connections still open")
         late = {s: clients.closed[s] - clients.opened[s] for s in clients.socks}
-        assert all(timeout - 0.5 <= t <= timeout + 2.0 for t in late.values()), sorted(late.values())
+        assert all(t >= timeout - 0.5 for t in late.values()), sorted(late.values())
         _victim(server)
     finally:
         clients.stop()
@@ -231,7 +229,7 @@ def test_connections_past_the_cap_are_closed_as_they_are_accepted(tmp_path: Path
     port = int(server.http_url.rsplit(":", 1)[1])
     clients = _SlowClients(port, idle=30, dribbling=0, keep_alive=0)
     try:
-        _wait(lambda: clients.open() == 20, 5, lambda: f"{clients.open()} connections open, expected the cap of 20")
+        wait_until(lambda: clients.open() == 20, lambda: f"{clients.open()} connections open, expected the cap of 20")
         assert set(clients.closed) == set(clients.socks[20:])  # the first 20 were kept
         time.sleep(1.0)
         assert clients.open() == 20

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -25,6 +25,7 @@ from inference_service.engine.core import EngineCore
 from inference_service.engine.grammar import GrammarCompiler
 from inference_service.engine.kv_cache import kv_bytes_per_block
 from inference_service.engine.request import FinishReason, Request, SamplingParams, WaitReason
+from inference_service.frontend import grammar_check
 from inference_service.frontend.grammar_check import GrammarChecker
 from inference_service.models.loader import builtin_tiny_config
 from inference_service.structured import GrammarSpec, choice_spec, json_schema_spec
@@ -187,48 +188,96 @@ def _slow_schema() -> dict:
                                              for i in range(900)}}
 
 
-def test_checker_bounds_compile_time_and_restarts(tmp_path):
-    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=2.0, wall_s=20.0)
+def _count_compiles(monkeypatch) -> list[GrammarSpec]:  # noqa: ANN001
+    """Records each spec a compile child is given: a check answered from the cache adds none."""
+    compiled: list[GrammarSpec] = []
+    real = grammar_check._CompileProcess.compile
+
+    def compile(self, spec, waited_s):  # type: ignore[no-untyped-def]
+        compiled.append(spec)
+        return real(self, spec, waited_s)
+
+    monkeypatch.setattr(grammar_check._CompileProcess, "compile", compile)
+    return compiled
+
+
+def test_checker_bounds_compile_time_and_restarts(monkeypatch):
+    """The CPU bound fires on the child's CPU reading (injected here: each reading 0.5 s more, so
+    the verdict does not wait on the host's speed, and the wall bound, 600 s, never decides): the
+    child is killed, the refusal names the CPU bound and is cached (the same spec is not compiled
+    again), and the next check gets a new child."""
+    compiled = _count_compiles(monkeypatch)
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=2.0, wall_s=600.0)
     try:
         assert checker.check_blocking(json_schema_spec(SCHEMA)) is None  # starts the child
+        (first_child,) = [c._proc for c in checker._children if c._proc is not None]  # the one started
         slow = json_schema_spec(_slow_schema())
         assert len(slow.text) < 64 * 1024
-        started = time.monotonic()
-        error = checker.check_blocking(slow)
-        took = time.monotonic() - started
-        assert error is not None and "did not compile within" in error, error
-        assert took < 20.0 + 1.0
-        started = time.monotonic()
-        assert checker.check_blocking(slow) == error and time.monotonic() - started < 0.1  # cached
+        readings = iter(range(10**6))
+        with monkeypatch.context() as patched:  # this check only: the ones below read the real CPU time
+            patched.setattr(grammar_check, "_cpu_seconds", lambda pid: 0.5 * next(readings))
+            error = checker.check_blocking(slow)
+        assert error is not None and "did not compile within 2 CPU seconds" in error, error
+        assert first_child.poll() is not None, "the child that passed the bound was not killed"
+        assert checker.check_blocking(slow) == error and compiled.count(slow) == 1  # cached
         assert checker.check_blocking(GrammarSpec("regex", "(")) is not None  # xgrammar's own error
         assert checker.check_blocking(GrammarSpec("grammar", 'root ::= "a"')) is None  # a new child works
     finally:
         checker.close()
 
 
-def test_checker_refuses_by_cpu_time_used_and_caches_only_that():
-    """The CPU bound by itself: a wall bound far away (120 s) never decides. The refusal names the CPU
-    bound, comes long before the wall bound, and is cached (CPU time the spec really used is its own
-    verdict); a wall bound alone would answer after 120 s, uncached."""
-    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=1.0, wall_s=120.0)
+def test_checker_refuses_by_cpu_time_used_and_caches_only_that(monkeypatch):
+    """The CPU bound by itself, on the real CPU reading: a wall bound far away (300 s, a hang bound)
+    never decides. The refusal names the CPU bound (a wall-bound answer says the server was busy)
+    and is cached: CPU time the spec really used is its own verdict."""
+    compiled = _count_compiles(monkeypatch)
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=1.0, wall_s=300.0)
     try:
         assert checker.check_blocking(json_schema_spec(SCHEMA)) is None  # starts the child
         slow = json_schema_spec(_slow_schema())
-        started = time.monotonic()
         error = checker.check_blocking(slow)
         assert error is not None and "within 1 CPU seconds" in error, error
-        assert time.monotonic() - started < 60
-        started = time.monotonic()
-        assert checker.check_blocking(slow) == error and time.monotonic() - started < 0.1  # cached
+        assert checker.check_blocking(slow) == error and compiled.count(slow) == 1  # cached
     finally:
         checker.close()
 
 
-def test_checker_bounds_memory():
-    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=30.0, wall_s=30.0, memory_bytes=8 << 20)
+def test_checker_wall_bound_answers_busy_and_caches_nothing(monkeypatch):
+    """The wall bound, on an injected clock (each reading 1 s later) and a CPU reading that never
+    moves (a child given no CPU): the answer says the server was busy (UNAVAILABLE, retryable), the
+    child is restarted, and nothing is cached: the same spec is compiled again, and compiles."""
+    compiled = _count_compiles(monkeypatch)
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=1.0, wall_s=20.0)
     try:
-        error = checker.check_blocking(json_schema_spec(_slow_schema()))
-        assert error is not None and "MiB" in error, error
+        assert checker.check_blocking(json_schema_spec(SCHEMA)) is None  # starts the child
+        spec = json_schema_spec({**SCHEMA, "title": "starved"})
+        ticks = iter(range(10**6))
+        with monkeypatch.context() as patched:
+            patched.setattr(grammar_check, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+            patched.setattr(grammar_check, "_cpu_seconds", lambda pid: 0.0)
+            patched.setattr(grammar_check, "select", SimpleNamespace(select=lambda r, w, x, t: ([], [], [])))
+            error = checker.check_blocking(spec)
+        assert error is not None and "no CPU time to check it within 20 s" in error and "retry later" in error, error
+        assert checker.check_blocking(spec) is None and compiled.count(spec) == 2  # compiled again: not cached
+    finally:
+        checker.close()
+
+
+def test_checker_bounds_memory(monkeypatch):
+    """The memory bound fires on the child's RSS reading (4 MiB more injected at each reading, with
+    the CPU and wall bounds far away, so the host's speed decides nothing): the refusal names the
+    bound in MiB and is cached (the spec's own verdict)."""
+    compiled = _count_compiles(monkeypatch)
+    checker = GrammarChecker(ByteTokenizer(), 258, cpu_s=600.0, wall_s=600.0, memory_bytes=8 << 20)
+    try:
+        assert checker.check_blocking(json_schema_spec(SCHEMA)) is None  # starts the child (its base RSS)
+        slow = json_schema_spec(_slow_schema())
+        readings, real_rss = iter(range(10**6)), grammar_check._rss
+        with monkeypatch.context() as patched:
+            patched.setattr(grammar_check, "_rss", lambda pid: real_rss(pid) + (4 << 20) * next(readings))
+            error = checker.check_blocking(slow)
+        assert error is not None and "more than 8 MiB" in error, error
+        assert checker.check_blocking(slow) == error and compiled.count(slow) == 1  # cached
     finally:
         checker.close()
 
