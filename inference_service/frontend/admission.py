@@ -37,7 +37,7 @@ from inference_service.frontend.adapter_resolver import resolve_adapter
 from inference_service.frontend.cache_salt import cache_salt
 from inference_service.frontend.config import ServerConfig
 from inference_service.frontend.grammar_check import shared_checker
-from inference_service.frontend.intake import EngineRequest, optional_adapter
+from inference_service.frontend.intake import EngineRequest
 from inference_service.frontend.tenants import Tenant, Ticket, tenant_identity
 
 
@@ -129,8 +129,9 @@ class Admission:
         self.tenancy.check_in_flight(tenant)
 
     def adapter(self, tenant: Tenant, name: str | None) -> str | None:
-        """The engine's name of the adapter the request names (None: the base model)."""
-        return self.adapters.resolve(self.engine, tenant, optional_adapter(name))
+        """The engine's name of the adapter the request names (`name`: checked by intake.optional_adapter;
+        None: the base model)."""
+        return self.adapters.resolve(self.engine, tenant, name)
 
     def check_priority(self, tenant: Tenant, priority: int) -> None:
         self.tenancy.check_priority(tenant, priority)

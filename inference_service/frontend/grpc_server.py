@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import Message
@@ -51,18 +51,25 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 LIST_PAGE_SIZE = 100  # ListAdapters default page
 LIST_MAX_PAGE_SIZE = 1000
 
-__all__ = ["SERVICE_NAME", "InferenceServicer", "RunningServer", "ServerConfig", "add_servicer", "build_server"]
+__all__ = ["SERVICE_NAME", "GrpcMetrics", "InferenceServicer", "RunningServer", "ServerConfig", "add_servicer",
+           "build_server"]
+
+
+class GrpcMetrics(Protocol):
+    """Where each RPC's outcome is counted (frontend/metrics.py's sink)."""
+
+    def grpc_request(self, method: str, code: str) -> None: ...
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     """loraplex.v1.Inference over an engine (engine.client.EngineClient)."""
 
-    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: Any = None,
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: GrpcMetrics | None = None,
                  chat_template: ChatTemplate | None = None) -> None:
         self.engine = engine
         self.chat_template = chat_template  # GenerateRequest.messages: the HTTP API's template too
         self.config = config
-        self.metrics = metrics  # PrometheusMetrics or None
+        self.metrics = metrics
         self.auth = AdminAuth(config.admin_token,
                               admin_disabled_reason(config.listen, config.admin_token, config.insecure_admin))
         self.intake = Intake(engine.model_info, engine.tokenizer, config.default_max_new_tokens)
@@ -344,7 +351,7 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
-async def build_server(engine: EngineClient, config: ServerConfig, metrics: Any = None,
+async def build_server(engine: EngineClient, config: ServerConfig, metrics: GrpcMetrics | None = None,
                        serving: bool = True, chat_template: ChatTemplate | None = None) -> RunningServer:
     """A started grpc.aio server with the Inference service, health and reflection; health starts
     SERVING unless `serving` is False (then the caller's HealthReporter decides). `chat_template`:

@@ -18,7 +18,7 @@ from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.client import EngineClient
 from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.config import ServerConfig
-from inference_service.frontend.grpc_server import SERVICE_NAME, RunningServer, build_server
+from inference_service.frontend.grpc_server import SERVICE_NAME, GrpcMetrics, RunningServer, build_server
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import adapter_name
 from inference_service.frontend.preload import Preloader
@@ -35,7 +35,7 @@ class FrontEnd(Protocol):
     async def stop(self, grace_s: float) -> None: ...
 
 
-async def serve(engine: EngineClient, config: ServerConfig, metrics: Any = None,
+async def serve(engine: EngineClient, config: ServerConfig, metrics: GrpcMetrics | None = None,
                 stop: asyncio.Event | None = None, collectors: Any = None, front_ends: Sequence[FrontEnd] = (),
                 chat_template: ChatTemplate | None = None) -> None:
     """Serves until `stop` is set (or the task is cancelled), then drains (see ServerConfig).
