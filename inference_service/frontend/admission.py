@@ -4,16 +4,16 @@
 A request passes these steps in this order; each refuses before the next costs anything:
 
 1. `enter`: its tenant's in-flight cap, before the request is even parsed.
-2. (the front end parses its API's request)
+2. (the front end parses its API's request and maps it to an `EngineRequest`: intake.py, sizes
+   before the work that grows with them, then the whole request checked once against the model.
+   HTTP maps after steps 3 and 4, so that an unknown `model` costs no tokenizing.)
 3. `adapter`: the adapter name the tenant uses becomes the engine's (its own, else the shared
    one); NOT_FOUND for one it may not see.
 4. `check_priority`: at or above its tenant's floor.
-5. (the front end maps the request to an `EngineRequest`: intake.py, sizes before the work that
-   grows with them, then the whole request checked once against the model)
-6. `submit`: the tenant's quota ticket; the grammar compiled once, bounded; the adapter resolved
+5. `submit`: the tenant's quota ticket; the grammar compiled once, bounded; the adapter resolved
    (loaded on first use); the prefix-cache salt; the request's n samples into the engine. It
    returns the `Generation`, or releases the ticket and raises.
-7. `Generation.close`, exactly once whatever ended the request (its last token, a cancel or a
+6. `Generation.close`, exactly once whatever ended the request (its last token, a cancel or a
    disconnect, a deadline, an error): every sample not seen ending is aborted in the engine (its KV
    blocks and adapter reference are released within one scheduler step) and the ticket released.
 
