@@ -370,3 +370,13 @@ def test_mtls(pki):
             await running.stop(0)
 
     run(main())
+
+
+def test_every_engine_adapter_state_has_its_proto_value():
+    """ListAdapters' states come from the generated AdapterState values; one the proto lacks is UNSPECIFIED."""
+    from inference_service.frontend.grpc_proto import adapter_state
+    from inference_service.lora.registry import AdapterState
+
+    for state in AdapterState:
+        assert adapter_state(state.value) == pb.AdapterState.Value(f"ADAPTER_STATE_{state.value}") != 0
+    assert adapter_state("NOT_A_STATE") == pb.ADAPTER_STATE_UNSPECIFIED
