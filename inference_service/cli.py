@@ -27,7 +27,7 @@ from inference_service.flags import build_parser as build_flag_parser
 from inference_service.flags import from_namespace, settings_for
 from inference_service.frontend.adapter_resolver import check_template
 from inference_service.frontend.auth import admin_disabled_reason, read_token_file
-from inference_service.frontend.grpc_server import ServerConfig
+from inference_service.frontend.config import ServerConfig
 from inference_service.frontend.http.config import HttpConfig
 from inference_service.frontend.preload import PreloadEntry, read_preload_file
 from inference_service.frontend.tenants import read_tenants_file
@@ -147,7 +147,7 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig:
 
 async def _serve_until_signal(engine: EngineClient, server_cfg: ServerConfig, sink: Any, http_cfg: HttpConfig,
                               registry: Any) -> None:
-    from inference_service.frontend.grpc_server import serve
+    from inference_service.frontend.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

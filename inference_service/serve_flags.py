@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from inference_service.engine.config import EngineConfig
 from inference_service.flags import flag
 from inference_service.frontend.cache_salt import SCOPES
-from inference_service.frontend.grpc_server import ServerConfig
+from inference_service.frontend.config import ServerConfig
 from inference_service.frontend.http.config import HttpConfig
 from inference_service.frontend.tool_parsers import PARSERS
 from inference_service.limits import RequestLimits

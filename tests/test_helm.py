@@ -177,7 +177,8 @@ def test_pod_shape_defaults(default_docs: list[dict]) -> None:
     assert [c["name"] for c in spec["containers"]] == ["loraplex-inference"]
     # Metrics on the pod address for both; dtype auto; drain budget derived from the pod's grace.
     assert "--metrics-addr=0.0.0.0" in inf["args"] and "--metrics-addr=0.0.0.0" in cache["args"]
-    assert "--dtype=auto" in inf["args"] and "--weights-dtype=auto" in inf["args"] and "--listen=0.0.0.0:50051" in inf["args"]
+    assert "--dtype=auto" in inf["args"] and "--weights-dtype=auto" in inf["args"]
+    assert "--listen=0.0.0.0:50051" in inf["args"]
     assert "--shutdown-grace-s=50" in inf["args"] and "--drain-delay-s=2" in inf["args"]
     assert spec["terminationGracePeriodSeconds"] == 60
     assert inf["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
@@ -206,8 +207,9 @@ def test_pod_shape_all_features(all_docs: list[dict]) -> None:
     assert "add" not in inf["securityContext"]["capabilities"]
     for flag in ("--admin-token-file=/etc/loraplex/admin/token", "--tls-client-ca=/etc/loraplex/tls/ca.crt",
                  "--preload-file=/etc/loraplex/preload/preload.yaml", "--kv-cache-bytes=21474836480",
-                 "--adapter-source-allow=https://models.example.com/adapters/", "--dtype=bfloat16", "--weights-dtype=q8_0",
-                 "--max-model-len=4096", "--watchdog-stall-s=30", "--shutdown-grace-s=23", "--drain-delay-s=1",
+                 "--adapter-source-allow=https://models.example.com/adapters/", "--dtype=bfloat16",
+                 "--weights-dtype=q8_0", "--max-model-len=4096", "--watchdog-stall-s=30", "--shutdown-grace-s=23",
+                 "--drain-delay-s=1",
                  "--preload-reload-s=2", "--tenants-file=/etc/loraplex/tenants/tenants.yaml",
                  "--trusted-tenant-header=x-tenant", "--prefix-cache-scope=listener"):
         assert flag in inf["args"], flag
@@ -280,7 +282,8 @@ def test_tenants_state_on_a_claim_outlives_the_pod() -> None:
     assert "--state-dir=/var/lib/loraplex/state" in containers(docs)["loraplex-inference"]["args"]
 
 
-@pytest.mark.parametrize("bad", ["model.dtype=fp8", "model.weightsDtype=q5_k", "inference.drain.preStopSeconds=-1", "preload.reloadSeconds=x",
+@pytest.mark.parametrize("bad", ["model.dtype=fp8", "model.weightsDtype=q5_k", "inference.drain.preStopSeconds=-1",
+                                 "preload.reloadSeconds=x",
                                  "strategy.type=Sometimes", "tolerations[0].operator=Maybe",
                                  "inference.prefixCacheScope=everyone"])
 def test_helm_rejects_bad_new_values(bad: str) -> None:

@@ -152,3 +152,43 @@ def test_names_and_digests_are_checked_in_the_intake_alone():
     digest_checks = [str(p.relative_to(ROOT)) for p in (ROOT / "inference_service").rglob("*.py")
                      if "0123456789abcdef" in p.read_text()]
     assert digest_checks == ["inference_service/frontend/intake.py"]
+
+
+@pytest.fixture
+def check_counts(monkeypatch) -> dict[str, int]:
+    """How often stop conditions and sampling ranges are checked: every module's `check_stop` and
+    `SamplingParams.validate` wrapped with a counter (the real checks still run)."""
+    import sys
+
+    counts = {"stop": 0, "params": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("inference_service")]:
+        if callable(getattr(module, "check_stop", None)):
+            monkeypatch.setattr(module, "check_stop", counted(module.check_stop, "stop"))
+    monkeypatch.setattr(SamplingParams, "validate", counted(SamplingParams.validate, "params"))
+    return counts
+
+
+def test_the_front_door_checks_a_grpc_request_once(intake, check_counts):
+    request = pb.GenerateRequest(text="hi", max_new_tokens=4, stop=[".", "!"], stop_token_ids=[3])
+    request.sampling.temperature = 0.5
+    intake.from_grpc(request)
+    assert check_counts == {"stop": 1, "params": 1}
+
+
+def test_the_front_door_checks_an_http_request_once(check_counts):
+    from types import SimpleNamespace
+
+    from inference_service.frontend.http.mapping import OpenAIMapping
+    from inference_service.frontend.http.protocol import CompletionRequest
+
+    mapping = OpenAIMapping(SimpleNamespace(model_info=INFO, tokenizer=ByteTokenizer()), ("base",), 16, None)
+    request = mapping.prepare(CompletionRequest(model="base", prompt="hi", max_tokens=4, stop=[".", "!"]), "cmpl-1")
+    assert (request.request_id, request.params.stop) == ("cmpl-1", (".", "!"))
+    assert check_counts == {"stop": 1, "params": 1}

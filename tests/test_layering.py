@@ -92,6 +92,33 @@ def test_imports_run_one_way(directory, forbidden, allowed):
     assert _violations(directory, forbidden, allowed) == []
 
 
+FRONTEND = "inference_service.frontend"
+GRPC_FRONT_END = (f"{FRONTEND}.grpc_server", f"{FRONTEND}.grpc_proto")
+HTTP_FRONT_END = (f"{FRONTEND}.http",)
+PROCESS = f"{FRONTEND}.server"  # starts both front ends: the one module above them
+
+
+def _front_end_imports(path: Path) -> list[str]:
+    """The modules of a front end (or of the process above them) that `path` imports."""
+    return sorted(m for m in imports_of(path) if any(_under(m, f) for f in (*GRPC_FRONT_END, *HTTP_FRONT_END, PROCESS)))
+
+
+def test_front_ends_stand_side_by_side():
+    """HTTP imports nothing of gRPC and gRPC nothing of HTTP; what they share (config, admission,
+    intake, tenants, ...) imports neither, nor the process module that starts them."""
+    frontend = ROOT / "inference_service" / "frontend"
+    found = []
+    for path in sorted(frontend.rglob("*.py")):
+        module = _module_name(path)
+        if _under(module, PROCESS):
+            continue
+        own = GRPC_FRONT_END if any(_under(module, m) for m in GRPC_FRONT_END) else \
+            HTTP_FRONT_END if any(_under(module, m) for m in HTTP_FRONT_END) else ()
+        found += [f"{path.relative_to(ROOT)} imports {m}" for m in _front_end_imports(path)
+                  if not any(_under(m, o) for o in own)]
+    assert found == []
+
+
 def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
     """The checker itself: plain, from, relative and function-level imports are all found."""
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)

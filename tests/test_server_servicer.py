@@ -30,9 +30,11 @@ GRPCURL = Path(sys.executable).with_name("grpcurl")  # the venv running the test
 
 
 def fake_model_info() -> ModelInfo:
-    """The engine's own type (a hand-made twin drifted: it lacked the pool's fields GetModelInfo reads)."""
+    """The engine's own type (a hand-made twin drifted: it lacked the pool's fields GetModelInfo reads),
+    with a KV cache that holds the context, as every engine's does (the front door checks against it)."""
     return ModelInfo(name="fake", max_context=64, vocab_size=258, max_loras=2, max_lora_rank=8,
-                     max_new_tokens_limit=32, limits=RequestLimits(), max_registered_adapters=8)
+                     max_new_tokens_limit=32, limits=RequestLimits(), max_registered_adapters=8,
+                     kv_cache_blocks=4, kv_block_size=16)
 
 
 @dataclass
@@ -368,3 +370,13 @@ def test_mtls(pki):
             await running.stop(0)
 
     run(main())
+
+
+def test_every_engine_adapter_state_has_its_proto_value():
+    """ListAdapters' states come from the generated AdapterState values; one the proto lacks is UNSPECIFIED."""
+    from inference_service.frontend.grpc_proto import adapter_state
+    from inference_service.lora.registry import AdapterState
+
+    for state in AdapterState:
+        assert adapter_state(state.value) == pb.AdapterState.Value(f"ADAPTER_STATE_{state.value}") != 0
+    assert adapter_state("NOT_A_STATE") == pb.ADAPTER_STATE_UNSPECIFIED

@@ -8,8 +8,14 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from adapter_cache.errors import PermissionDeniedError, UnauthenticatedError
+from adapter_cache.errors import LoraplexError, PermissionDeniedError, UnauthenticatedError
+
+if TYPE_CHECKING:
+    from inference_service.frontend.tenants import Tenant
+
+Metadata = Iterable[tuple[str, str | bytes]] | None  # gRPC invocation metadata or HTTP headers
 
 
 class AdminAuth:
@@ -24,7 +30,24 @@ class AdminAuth:
     def enabled(self) -> bool:
         return self._token is not None
 
-    def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> None:
+    def is_admin(self, tenant: Tenant, metadata: Metadata) -> bool:
+        """Whether the caller may see what only admins see (adapter URIs): an admin tenant, or the
+        admin token rules (`check`) pass."""
+        if tenant.admin:
+            return True
+        try:
+            self.check(metadata)
+        except LoraplexError:
+            return False
+        return True
+
+    def require_admin(self, tenant: Tenant, metadata: Metadata) -> None:
+        """Admin RPCs and routes: an admin or a tenant of the tenants file (which acts on its own
+        adapters) passes; anyone else needs the admin token (`check`)."""
+        if not (tenant.admin or tenant.from_token):
+            self.check(metadata)
+
+    def check(self, metadata: Metadata) -> None:
         if self.disabled_reason is not None:
             raise PermissionDeniedError(self.disabled_reason)
         if self._token is None:

@@ -1,12 +1,13 @@
-"""One intake: what both front ends (gRPC: server.py, HTTP: http/) check of a request before it
+"""One intake: what both front ends (gRPC: grpc_server.py, HTTP: http/) check of a request before it
 reaches the engine, and how either API's request becomes the engine's (`EngineRequest`).
 
 Every check raises a LoraplexError subclass (adapter_cache/errors.py), whose `code` is a gRPC
 status name: server.py answers `grpc.StatusCode[code]`, http/errors.py maps it to an HTTP status
 in its one table, so a bad input means the same on both front ends. Sizes are checked before the
-work that grows with them (tokenizing, copying, decoding). The engine checks the engine request
-once more where it leaves the caller (engine.client.checked_request, over the same functions), for
-the embedders that call it directly.
+work that grows with them (tokenizing, decoding); the mapped request is then checked once, whole,
+against the model (`engine_request`: stop conditions, sampling knobs, context). The engine checks it
+once more where it leaves the caller (engine.client.checked_request, over the same function), for
+the embedders that call it directly: once per boundary.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from adapter_cache.errors import InvalidArgumentError, LoraplexError
 from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.request import FinishReason, RequestOutput, SamplingParams
 from inference_service.engine.types import ModelInfo, validate_request
-from inference_service.limits import adapter_name, check_n, check_request_id, check_stop
+from inference_service.limits import adapter_name, check_n, check_request_id
 from inference_service.structured import MAX_CHOICES, GrammarSpec, choice_spec, json_schema_spec
 from inference_service.tokenizer import Tokenizer
 
@@ -150,18 +151,14 @@ class Intake:
         default = room if self.default_max_new_tokens is None else self.default_max_new_tokens
         return max(1, min(default, info.max_new_tokens_limit, room))
 
-    def sampling(self, params: SamplingParams) -> SamplingParams:
-        """Stop conditions bounded (counts first), then every knob in its range."""
-        check_stop(params.stop, len(params.stop_token_ids), self.model_info.limits)
-        params.validate(self.model_info.max_new_tokens_limit)
-        return params
-
     def engine_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
-                       request_id: str | None = None) -> EngineRequest:
-        """The whole request against the model (context, KV cache, token ranges): what the engine
-        would refuse, refused here, where the caller's thread does the work."""
+                       request_id: str | None = None, n: int = 1) -> EngineRequest:
+        """The whole request checked once against the model: its stop conditions (counts first), every
+        sampling knob in its range, the prompt and its new tokens within the context and vocabulary.
+        What the engine would refuse, refused here, where the caller's thread does the work.
+        `adapter`: a checked name (optional_adapter)."""
         validate_request(self.model_info, prompt_token_ids, params)
-        return EngineRequest(prompt_token_ids, params, optional_adapter(adapter), request_id)
+        return EngineRequest(prompt_token_ids, params, adapter, request_id, n)
 
     # ---- the gRPC API ----
 
@@ -182,8 +179,7 @@ class Intake:
         else:
             prompt_ids = self.grpc_chat_ids(request.messages, chat_template)
         s = request.sampling
-        check_stop(request.stop, len(request.stop_token_ids), self.model_info.limits)  # before copying them
-        params = self.sampling(SamplingParams(
+        params = SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p if s.HasField("top_p") else 1.0,
             top_k=s.top_k,
@@ -202,11 +198,10 @@ class Intake:
             logprobs=request.logprobs if request.HasField("logprobs") else None,
             skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
             grammar=grpc_grammar(s),
-        ))
+        )
         n = request.n if request.HasField("n") else 1
         check_n(n, self.model_info.limits.max_n)
-        return EngineRequest(prompt_ids, params, adapter, request_id, n)
-
+        return self.engine_request(prompt_ids, params, adapter, request_id, n)
 
     def grpc_chat_ids(self, chat: pb.ChatMessages, template: ChatTemplate | None) -> list[int]:
         if not chat.messages:

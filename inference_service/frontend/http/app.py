@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,14 +26,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from adapter_cache.errors import InvalidArgumentError, LoraplexError, NotFoundError, PermissionDeniedError
-from adapter_cache.uri_policy import UriPolicy
 from inference_service.engine.client import EngineClient
-from inference_service.frontend.adapter_resolver import resolve_adapter
+from inference_service.frontend.admission import Admission, GrammarRefused, with_adapter
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
-from inference_service.frontend.cache_salt import cache_salt
 from inference_service.frontend.chat_template import ChatTemplate
-from inference_service.frontend.grammar_check import shared_checker
-from inference_service.frontend.grpc_server import ServerConfig
+from inference_service.frontend.config import ServerConfig
 from inference_service.frontend.http.body import BodyLimit, BodyTooLarge, Offload, max_values, too_large
 from inference_service.frontend.http.errors import (
     HTTP_STATUS,
@@ -41,7 +39,8 @@ from inference_service.frontend.http.errors import (
     loraplex_error_response,
     status_of,
 )
-from inference_service.frontend.http.generation import Generation, OpenAIGeneration
+from inference_service.frontend.http.exchange import Exchange
+from inference_service.frontend.http.mapping import OpenAIMapping
 from inference_service.frontend.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,10 +49,11 @@ from inference_service.frontend.http.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from inference_service.frontend.http.rendering import OpenAIRendering
 from inference_service.frontend.http.request_metrics import HttpRequestCounter
 from inference_service.frontend.intake import adapter_name, optional_adapter
 from inference_service.frontend.tenant_adapters import TenantAdapters
-from inference_service.frontend.tenants import QuotaExceeded, Tenant, tenant_identity
+from inference_service.frontend.tenants import QuotaExceeded, Tenant
 from inference_service.limits import shown
 
 log = logging.getLogger("loraplex.http")
@@ -61,18 +61,18 @@ log = logging.getLogger("loraplex.http")
 ROUTE_CODES = {**{status: code for code, status in HTTP_STATUS.items()}, 405: "UNIMPLEMENTED"}
 
 
-class _GenerationResponse(StreamingResponse):
-    """An SSE response that ends its Generation exactly once, however the response ends."""
+class _ExchangeResponse(StreamingResponse):
+    """An SSE response that closes its Exchange exactly once, however the response ends."""
 
-    def __init__(self, gen: Generation, content: Any) -> None:
+    def __init__(self, exchange: Exchange, content: Any) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.gen = gen
+        self.exchange = exchange
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.gen.close()
+            self.exchange.close()
 
 
 def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tuple[str, ...],
@@ -82,17 +82,16 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     process exposes. Admin routes follow the gRPC rules for that address (auth.admin_disabled_reason).
     `tool_call_parser`: how tool_choice `auto` finds calls in the model's text (frontend/tool_parsers.py)."""
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None, openapi_url=None)
-    openai = OpenAIGeneration(engine, served_model_names, config.default_max_new_tokens, chat_template,
-                              tool_call_parser)
+    openai = OpenAIMapping(engine, served_model_names, config.default_max_new_tokens, chat_template,
+                           tool_call_parser)
+    render = OpenAIRendering(engine.tokenizer)
+    admission = Admission(engine, config, "http")
     tenancy = config.tenancy
     adapters_of = config.adapters  # names, sources and limits of tenants' adapters (frontend/tenant_adapters.py)
     auth = AdminAuth(config.admin_token, admin_disabled_reason(listen, config.admin_token, config.insecure_admin))
-    uri_policy = UriPolicy(config.adapter_source_allow)
     started = int(time.time())
     base = served_model_names[0]
     offload = Offload(max_values(engine.model_info.max_context))
-    grammars = shared_checker(engine.tokenizer, engine.model_info.vocab_size, config.grammar_compile_cpu_s,
-                              config.grammar_compile_wall_s, config.grammar_check_processes)
 
     @app.exception_handler(LoraplexError)
     async def _loraplex_error(http: HttpRequest, exc: LoraplexError) -> JSONResponse:
@@ -134,48 +133,37 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
 
     async def generate(http: HttpRequest, chat: bool) -> Response:
         tenant = tenant_of(http)
-        tenancy.check_in_flight(tenant)  # at its cap: refused before the body is read
+        admission.enter(tenant)  # at its cap: refused before the body is read
         body = await offload.parse(http, ChatCompletionRequest if chat else CompletionRequest)
-        adapter = openai.adapter_of(body.model)
-        with _model_named(body.model):
-            adapter = adapters_of.resolve(engine, tenant, optional_adapter(adapter))  # its own, else the shared one
+        with _model_named(body.model):  # its own adapter, else the shared one
+            adapter = admission.adapter(tenant, optional_adapter(openai.adapter_of(body.model)))
         try:
-            tenancy.check_priority(tenant, body.priority)
+            admission.check_priority(tenant, body.priority)
         except InvalidArgumentError as e:
             raise BadField(str(e), "priority") from None
-        prompt_ids, params = await offload.run(openai.prepare, body)
-        # The quotas first: a tenant over them costs no grammar compile and no adapter load.
-        ticket = tenancy.admit(tenant, body.n, len(prompt_ids), params.max_new_tokens)
+        request = await offload.run(openai.prepare, body, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
         try:
-            if params.grammar is not None:  # compiled once, bounded, before anything is submitted
-                try:
-                    await grammars.check(params.grammar)
-                except InvalidArgumentError as e:
-                    raise BadField(str(e), _grammar_field(body)) from None
             with _model_named(body.model):
-                await resolve_adapter(engine, config.adapter_resolver, uri_policy, adapter)
-        except BaseException:
-            ticket.release(0)
-            raise
-        salt = cache_salt(config.cache_scope, config.prefix_cache_salt, "http", tenant_identity(tenant))
-        with _model_named(body.model):
-            gen = openai.submit(prompt_ids, params, adapter, "chatcmpl" if chat else "cmpl", body.n, salt,
-                                tenant.tag, ticket, body.priority)
+                gen = await admission.submit(tenant, with_adapter(request, adapter), body.priority)
+        except GrammarRefused as e:
+            raise BadField(str(e), _grammar_field(body)) from None
+        exchange = Exchange(gen)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _GenerationResponse(gen, openai.sse(gen, body.model, chat, include_usage, openai.tool_mode(body)))
+            return _ExchangeResponse(exchange, render.sse(exchange, body.model, chat, include_usage,
+                                                          openai.tool_mode(body)))
         try:
-            result = await openai.collect(gen, http)
+            result = await render.collect(exchange, http)
         except LoraplexError as e:
-            gen.status = status_of(e)
+            exchange.status = status_of(e)
             raise
         finally:
-            gen.close()
+            exchange.close()
         if result is None:
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
         if chat:
-            return JSONResponse(openai.chat_body(gen, body.model, result, openai.tool_mode(body)))
-        return JSONResponse(openai.completion_body(gen, body.model, result))
+            return JSONResponse(render.chat_body(exchange, body.model, result, openai.tool_mode(body)))
+        return JSONResponse(render.completion_body(exchange, body.model, result))
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:
@@ -184,15 +172,6 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Response:
         return await generate(http, chat=True)
-
-    def is_admin(http: HttpRequest) -> bool:
-        if tenant_of(http).admin:
-            return True
-        try:
-            auth.check(http.headers.items())
-        except LoraplexError:
-            return False
-        return True
 
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> JSONResponse:
@@ -203,7 +182,8 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         tenant = tenant_of(http)
         # listed by (name, version): the last one wins; a tenant sees its own adapters and the shared ones
         latest = dict(await adapters_of.visible(engine, tenant))
-        admin = is_admin(http)  # URIs only for admins, as ListAdapters: they say where tenants' weights live
+        # URIs only for admins, as ListAdapters: they say where tenants' weights live
+        admin = auth.is_admin(tenant, http.headers.items())
         data += [{**card, "id": name, "root": a.uri if admin else name, "parent": base} for name, a in latest.items()]
         return JSONResponse({"object": "list", "data": data})
 
@@ -211,8 +191,7 @@ def build_app(engine: EngineClient, config: ServerConfig, served_model_names: tu
         """Admin routes: an admin or a tenant of the tenants file (which acts on its own adapters), or
         the admin token rules of gRPC (auth.admin_disabled_reason)."""
         tenant = tenant_of(http)
-        if not (tenant.admin or tenant.from_token):
-            auth.check(http.headers.items())
+        auth.require_admin(tenant, http.headers.items())
         return tenant
 
     @app.post("/v1/load_lora_adapter")

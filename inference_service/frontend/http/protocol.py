@@ -65,7 +65,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1  # samples, 1 to --max-n: n engine requests sharing the prompt's prefill (generation.py)
+    n: int = 1  # samples, 1 to --max-n: n engine requests sharing the prompt's prefill (admission.py)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     # token id (as a string, OpenAI's shape) -> bias; the count bounded while parsing
