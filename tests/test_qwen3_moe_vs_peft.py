@@ -32,6 +32,8 @@ from inference_service.engine.core import EngineCore
 from inference_service.engine.kv_cache import kv_bytes_per_block
 from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
+from inference_service.lora.ops import build_lora_batch
+from inference_service.lora.step_buffers import ExpertStepBuffers, LoRAStepBuffers
 from inference_service.models.config import ModelConfig
 from inference_service.models.qwen3_moe import Qwen3MoeModel
 
@@ -209,6 +211,60 @@ def test_chunked_prefill_matches_peft(moe_setup, reference):
     ours = _engine(checkpoint, adapters, prompts, max_num_batched_tokens=6)
     for rid, _, _ in prompts:
         assert (ours[rid][0] - reference[rid]).abs().max().item() < TOL, rid
+
+
+def test_expert_lora_groupings_live_in_the_managers_static_buffers(moe_setup, reference, monkeypatch):
+    """Every MoE layer of every step (prefill and decode, chunked) groups its (token, expert) pairs in
+    the LoRA manager's expert buffers, written in place: one storage for all of them, allocated once,
+    and the logits still PEFT's."""
+    seen: set[tuple[int, int, int]] = set()
+    calls = []
+    group = ExpertStepBuffers.group
+
+    def recording(self, lora, token_of_pair, expert_of_pair):  # observes the real method, changes nothing
+        batch = group(self, lora, token_of_pair, expert_of_pair)
+        seen.add((batch.pages.data_ptr(), batch.runs.data_ptr(), batch.run_pages.data_ptr()))
+        calls.append(token_of_pair.shape[0])
+        return batch
+
+    monkeypatch.setattr(ExpertStepBuffers, "group", recording)
+    checkpoint, adapters, prompts = moe_setup
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=5, max_lora_rank=16,
+                                   kv_cache_bytes=4 << 20, max_num_batched_tokens=16))
+    buffers = core.lora.expert_step_buffers(16, 2)
+    assert all(layer.feed_forward.expert_lora is buffers for layer in core.runner.model.layers)
+    storage = (buffers.pair_pages.data_ptr(), buffers.runs.data_ptr(), buffers.pair_pages.data_ptr())
+    _assert_matches(greedy_logits(core, adapters, prompts, NEW_TOKENS), reference, prompts, "expert buffers")
+    assert len(calls) >= 2 * NEW_TOKENS and len(set(calls)) > 1, "steps of different sizes, each layer grouped"
+    assert seen == {storage}
+
+
+def test_expert_grouping_from_static_step_buffers_equals_the_per_step_batch():
+    """The grouping reads a step's runs whichever way the batch was built: the per-step batch
+    (`build_lora_batch`) and the static decode-step buffers (with padding rows and unused runs)
+    give every pair the same pages and rank."""
+    page_rank, zero_page, max_pages, per_expert = 4, 9, 3, 10
+    slots = [-1, 0, 0, 5, -1, 5, 2]
+    slot_pages = {0: (0, 1, 2), 5: (5,), 2: (2, 3)}
+    ranks = {0: 12, 5: 3, 2: 6}
+    per_step = build_lora_batch(slots, slot_pages, ranks, page_rank, zero_page, torch.device("cpu"))
+    static = LoRAStepBuffers(8, max_pages, page_rank, zero_page, torch.device("cpu"))
+    static.fill([(slot_pages[s], ranks[s]) if s >= 0 else ((), 0) for s in slots])
+    experts = ExpertStepBuffers(8, 2, max_pages, page_rank, zero_page, per_expert, torch.device("cpu"))
+    token_of_pair = torch.tensor([0, 3, 6, 1, 2, 5, 4, 0, 3, 6, 1, 2, 5, 4])
+    expert_of_pair = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3])
+    results = []
+    for batch, rows in ((per_step, 7), (static.batch(8), 8)):
+        pairs = experts.group(batch, token_of_pair, expert_of_pair)
+        results.append((pairs.pages.clone(), pairs.runs.clone()))
+        assert pairs.num_groups == 14 and experts.token_ranks[:rows].tolist()[:7] == [
+            ranks.get(s, 0) for s in slots]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    pages, runs = results[0]
+    expected = [[p + e * per_expert for p in (*slot_pages.get(slots[t], ()), *[zero_page] * max_pages)[:max_pages]]
+                for t, e in zip(token_of_pair.tolist(), expert_of_pair.tolist(), strict=True)]
+    assert pages.tolist() == expected
+    assert runs[:, 3].tolist() == [ranks.get(slots[t], 0) for t in token_of_pair.tolist()]
 
 
 def _serve(core: EngineCore, batch) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
