@@ -26,6 +26,7 @@ from adapter_cache.adapter_format import load_adapter_dir
 from adapter_cache.errors import AdapterError, AdapterIncompatibleError
 from harness.devices import C_KERNELS_OFF
 from harness.engine_helpers import greedy_logits, load_adapters, run_to_completion
+from harness.gguf_files import write_gguf
 from harness.models import AdapterSpec, make_adapter, write_byte_tokenizer
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
@@ -35,6 +36,7 @@ from inference_service.lora import backend as lora_backend
 from inference_service.lora.ops import build_lora_batch
 from inference_service.lora.step_buffers import ExpertStepBuffers, LoRAStepBuffers
 from inference_service.models.config import ModelConfig
+from inference_service.models.gguf import GGUFFile
 from inference_service.models.qwen3_moe import Qwen3MoeModel
 
 VOCAB = 160
@@ -265,6 +267,43 @@ def test_expert_grouping_from_static_step_buffers_equals_the_per_step_batch():
                 for t, e in zip(token_of_pair.tolist(), expert_of_pair.tolist(), strict=True)]
     assert pages.tolist() == expected
     assert runs[:, 3].tolist() == [ranks.get(slots[t], 0) for t in token_of_pair.tolist()]
+
+
+def test_gguf_file_serves_the_safetensors_logits(moe_setup, tmp_path):
+    """The checkpoint converted to a qwen3moe GGUF file as llama.cpp's converter writes it (experts
+    stacked in ffn_{gate,up,down}_exps, the router in ffn_gate_inp, QK-norms in attn_{q,k}_norm):
+    served with the same adapters, the same logits as the safetensors checkpoint."""
+    checkpoint, adapters, prompts = moe_setup
+    path = write_gguf(checkpoint, tmp_path / "moe.gguf", "F32")
+    from_file = EngineCore(EngineConfig(model=str(path), device="cpu", max_loras=5, max_lora_rank=16,
+                                        kv_cache_bytes=4 << 20, tokenizer="byte"))
+    assert isinstance(from_file.runner.model, Qwen3MoeModel)
+    ours = greedy_logits(from_file, adapters, prompts, NEW_TOKENS)
+    theirs = _engine(checkpoint, adapters, prompts)
+    for rid, _, _ in prompts:
+        assert (ours[rid][0] - theirs[rid][0]).abs().max().item() < 1e-5, rid
+        assert ours[rid][1] == theirs[rid][1], rid
+
+
+def test_gguf_quantized_experts_read_each_experts_blocks(moe_setup, tmp_path):
+    """A Q8_0 file's stacked expert tensor: each expert's weight is that expert's blocks dequantized
+    (served dense), within Q8_0's step of the checkpoint's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    checkpoint, _, _ = moe_setup
+    file = GGUFFile(write_gguf(checkpoint, tmp_path / "moe-q8.gguf", "Q8_0"))
+    weights = file.state_dict("bf16")
+    stacked = file.tensors["blk.1.ffn_up_exps.weight"]
+    assert GGMLQuantizationType(stacked.type_id) == GGMLQuantizationType.Q8_0
+    whole = dequantize(stacked.data, GGMLQuantizationType.Q8_0).reshape(EXPERTS, 48, 64)
+    original = load_file(str(checkpoint / "model.safetensors"))
+    for e in (0, 5, 7):
+        name = f"model.layers.1.mlp.experts.{e}.up_proj.weight"
+        assert name in weights and weights.quantized(name) is None
+        assert torch.equal(weights[name], torch.from_numpy(whole[e]))
+        assert (weights[name] - original[name]).abs().max() < original[name].abs().max() / 100
+    assert ModelConfig.from_hf(file.hf_config()).num_experts_per_tok == 2
 
 
 def _serve(core: EngineCore, batch) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
