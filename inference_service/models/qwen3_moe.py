@@ -72,8 +72,10 @@ class SparseMoE(nn.Module):
             act = F.silu(gate) * up
         down = self._grouped(act, self.down, counts)
         self.down_lora.apply(op, act, down, pair_lora)
-        down.mul_(weights.reshape(-1).index_select(0, order)[:, None])
-        return torch.zeros_like(x).index_add_(0, token_of_pair, down)
+        # Back to (token, k) order by a gather (a scatter-add into the tokens ran 30% of a decode step),
+        # then each token's k experts weighted and summed.
+        by_token = down.index_select(0, torch.argsort(order)).view(x.shape[0], self.top_k, -1)
+        return torch.bmm(weights.unsqueeze(1), by_token).squeeze(1)
 
     @staticmethod
     def _grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
