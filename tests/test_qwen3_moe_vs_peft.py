@@ -33,11 +33,11 @@ from inference_service.engine.core import EngineCore
 from inference_service.engine.kv_cache import kv_bytes_per_block
 from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
-from inference_service.lora.ops import build_lora_batch
+from inference_service.lora.ops import TorchLoRAOp, build_lora_batch
 from inference_service.lora.step_buffers import ExpertStepBuffers, LoRAStepBuffers
 from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
-from inference_service.models.qwen3_moe import Qwen3MoeModel
+from inference_service.models.qwen3_moe import Qwen3MoeModel, SparseMoE
 
 VOCAB = 160
 EXPERTS = 8
@@ -239,6 +239,32 @@ def test_expert_lora_groupings_live_in_the_managers_static_buffers(moe_setup, re
     _assert_matches(greedy_logits(core, adapters, prompts, NEW_TOKENS), reference, prompts, "expert buffers")
     assert len(calls) >= 2 * NEW_TOKENS and len(set(calls)) > 1, "steps of different sizes, each layer grouped"
     assert seen == {storage}
+
+
+def test_experts_run_one_matmul_each_over_their_rows(moe_setup, monkeypatch):
+    """The MoE block groups by expert: one gate/up and one down matmul per expert that some row chose,
+    over all of its rows (never one per token), and the result is the per-token sum of its experts'
+    outputs weighted by the renormalised router weights."""
+    checkpoint, _, _ = moe_setup
+    config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+    torch.manual_seed(5)
+    moe = SparseMoE(config, torch.device("cpu"), torch.float32)
+    for param in (moe.router, moe.gate_up, moe.down):
+        param.data.normal_(0.0, 0.2)
+    x = torch.randn(40, config.hidden_size)
+    rows: list[int] = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: rows.append(a.shape[0]) or mm(a, b, out=out))
+    out = moe(x, TorchLoRAOp(torch.device("cpu")), None)
+    monkeypatch.undo()
+    weights, experts = moe.route(x)
+    assert len(rows) == 2 * experts.unique().numel() and sum(rows) == 2 * x.shape[0] * config.num_experts_per_tok
+    expected = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t].tolist(), strict=True):
+            gate, up = (moe.gate_up[e] @ x[t]).chunk(2)
+            expected[t] += w * (moe.down[e] @ (torch.nn.functional.silu(gate) * up))
+    assert (out - expected).abs().max() < 1e-5
 
 
 def test_expert_grouping_from_static_step_buffers_equals_the_per_step_batch():
