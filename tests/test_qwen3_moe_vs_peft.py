@@ -27,7 +27,7 @@ from adapter_cache.errors import AdapterError, AdapterIncompatibleError
 from harness.devices import C_KERNELS_OFF
 from harness.engine_helpers import greedy_logits, load_adapters, run_to_completion
 from harness.gguf_files import write_gguf
-from harness.models import AdapterSpec, make_adapter, write_byte_tokenizer
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, write_byte_tokenizer
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.kv_cache import kv_bytes_per_block
@@ -309,6 +309,25 @@ def test_gguf_file_serves_the_safetensors_logits(moe_setup, tmp_path):
     for rid, _, _ in prompts:
         assert (ours[rid][0] - theirs[rid][0]).abs().max().item() < 1e-5, rid
         assert ours[rid][1] == theirs[rid][1], rid
+
+
+def test_dense_qwen3_gguf_serves_the_safetensors_logits(tmp_path):
+    """Dense Qwen3 as a GGUF file (QK-norms as attn_q_norm/attn_k_norm, q/k rows unpermuted as
+    llama.cpp keeps them for this architecture): the safetensors checkpoint's logits."""
+    checkpoint = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=3)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    for name in tensors:
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensors[name] = 1.0 + 0.5 * torch.randn(tensors[name].shape)
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    path = write_gguf(checkpoint, tmp_path / "qwen3.gguf", "F32")
+    prompts = [("a", list(range(5, 17)), None), ("b", [7, 3, 99, 150], None)]
+    ours = greedy_logits(EngineCore(EngineConfig(model=str(path), device="cpu", kv_cache_bytes=4 << 20,
+                                                 tokenizer="byte")), {}, prompts, 6)
+    theirs = greedy_logits(EngineCore(EngineConfig(model=str(checkpoint), device="cpu", kv_cache_bytes=4 << 20)),
+                           {}, prompts, 6)
+    for rid, _, _ in prompts:
+        assert (ours[rid][0] - theirs[rid][0]).abs().max().item() < 1e-5 and ours[rid][1] == theirs[rid][1], rid
 
 
 def test_gguf_quantized_experts_read_each_experts_blocks(moe_setup, tmp_path):
