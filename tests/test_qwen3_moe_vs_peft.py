@@ -267,6 +267,16 @@ def test_experts_run_one_matmul_each_over_their_rows(moe_setup, monkeypatch):
     assert (out - expected).abs().max() < 1e-5
 
 
+def test_decode_graphs_asked_for_run_uncaptured_and_exact(moe_setup, reference):
+    """decode_graphs on: an MoE model's steps run uncaptured (its layer reads the experts' row counts
+    on the host, which a captured step cannot), with PEFT's logits, rather than failing to capture."""
+    checkpoint, adapters, prompts = moe_setup
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=5, max_lora_rank=16,
+                                   kv_cache_bytes=4 << 20, decode_graphs="on"))
+    assert core.runner.graphs is None
+    _assert_matches(greedy_logits(core, adapters, prompts, NEW_TOKENS), reference, prompts, "decode graphs on")
+
+
 def test_expert_grouping_from_static_step_buffers_equals_the_per_step_batch():
     """The grouping reads a step's runs whichever way the batch was built: the per-step batch
     (`build_lora_batch`) and the static decode-step buffers (with padding rows and unused runs)
