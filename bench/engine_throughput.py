@@ -15,7 +15,11 @@ bfloat16 (the measured PEFT run's tokens): measured, the engine's 0.04 against P
 wrong adapters or none fall short by 1.6 or more. Otherwise no RESULT is printed and the exit
 status is 1.
 `--model` runs the same on a real model (a .gguf file or a checkpoint directory) with random adapters
-of its shapes; `--max-loras` sets the engine's slots (fewer than adapters: slots are reused).
+of its shapes; `--max-loras` sets the engine's slots (fewer than adapters: slots are reused);
+`--moe` makes the random model a Qwen3-MoE one (8 experts, top-2). On an MoE model the adapters
+target attention and every expert, and PEFT (0.21) cannot run a batch of mixed adapters on its
+wrapped expert parameters: its baseline is then per adapter, each adapter's requests one batch on a
+PeftModel of that adapter alone, the times summed (and the tokens judged the same way).
 Last line: RESULT engine_vs_peft_tokens_per_s=<ratio>.
 
 `--compare cuda-graph,triton-lora` (CUDA only) runs, instead of the PEFT comparison, our engine
@@ -61,12 +65,15 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
              num_key_value_heads=8, vocab_size=4096, max_position_embeddings=512)
 
 
+MAX_RANK = 16  # the adapters' largest rank (ranks 8 and 16): the engine's max_lora_rank
+
+
 def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str | None],
                new_tokens: int, dtype: str, device: str, max_loras: int | str = 16,
                detokenize: bool = True, **config: object) -> tuple[float, list[list[int]]]:
     """Tokens/s, and the generated tokens of each request. `detokenize`: EngineCore's (True, its
     default: what an embedder gets; False: the server's engine); `config`: more EngineConfig fields."""
-    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=max_loras, max_lora_rank=16,
+    core = EngineCore(EngineConfig(model=str(checkpoint), device=device, max_loras=max_loras, max_lora_rank=MAX_RANK,
                                    max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=256 << 20,
                                    dtype=dtype, **config), detokenize=detokenize)  # type: ignore[arg-type]
     if adapters:
@@ -88,8 +95,54 @@ def run_engine(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[i
     return sum(map(len, tokens)) / elapsed, tokens
 
 
+class PerAdapterPeft:
+    """PEFT one adapter at a time (one PeftModel each): an MoE model's baseline, as PEFT cannot batch
+    mixed adapters on wrapped expert parameters. Called like a PeftModel with `adapter_names`, each
+    adapter's rows run as their own batch; `generate` returns the summed time of those batches."""
+
+    def __init__(self, checkpoint: Path, adapters: dict[str, Path], device: str, dtype: torch.dtype) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        self.models = {name: PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), str(path)
+        ).to(device=device, dtype=dtype).eval() for name, path in adapters.items()}
+
+    def _groups(self, names: list[str]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for row, name in enumerate(names):
+            groups.setdefault(name, []).append(row)
+        return groups
+
+    def __call__(self, input_ids: torch.Tensor, adapter_names: list[str]):  # noqa: ANN204 - a model output
+        logits = None
+        for name, rows in self._groups(adapter_names).items():
+            part = self.models[name](input_ids=input_ids[rows]).logits
+            logits = part.new_empty(input_ids.shape[0], *part.shape[1:]) if logits is None else logits
+            logits[rows] = part
+        return argparse.Namespace(logits=logits)
+
+    def generate(self, inputs: torch.Tensor, names: list[str], new_tokens: int) -> tuple[float, list[list[int]]]:
+        tokens: list[list[int]] = [[] for _ in names]
+        elapsed = 0.0
+        for name, rows in self._groups(names).items():
+            batch = inputs[rows]
+            start = time.perf_counter()
+            out = self.models[name].generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
+                                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            if batch.device.type != "cpu":
+                torch.cuda.synchronize()
+            elapsed += time.perf_counter() - start
+            for row, generated in zip(rows, out[:, batch.shape[1]:].tolist(), strict=True):
+                tokens[row] = generated
+        return sum(map(len, tokens)) / elapsed, tokens
+
+
 def run_peft(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str],
              new_tokens: int, dtype: str, device: str) -> tuple[float, list[list[int]]]:
+    if is_moe(checkpoint):
+        per_adapter = PerAdapterPeft(checkpoint, adapters, device, getattr(torch, dtype))
+        return per_adapter.generate(torch.tensor(prompts, device=device), names, new_tokens)
     model = peft_reference(checkpoint, adapters).to(device=device, dtype=getattr(torch, dtype))
     inputs = torch.tensor(prompts, device=device)
     with torch.no_grad():
@@ -133,7 +186,8 @@ def shortfalls(reference, prompts: list[list[int]], names: list[str], generated:
 def compare_with_peft(checkpoint: Path, adapters: dict[str, Path], prompts: list[list[int]], names: list[str],
                       ours: list[list[int]], peft: list[list[int]], dtype: str, device: str) -> list[str]:
     """Problems found judging every request's tokens by PEFT's float32 logits (see the docstring)."""
-    reference = peft_reference(checkpoint, adapters).to(device=device)
+    reference = (PerAdapterPeft(checkpoint, adapters, device, torch.float32) if is_moe(checkpoint)
+                 else peft_reference(checkpoint, adapters).to(device=device))
     ours_short = shortfalls(reference, prompts, names, ours, device)
     if dtype == "float32":
         return [f"request {i} ({names[i]}): token {int(s.argmax())} is {s.max():.2e} below PEFT's best logit "
@@ -179,11 +233,18 @@ def run_comparisons(names_to_run: list[str], checkpoint: Path, adapters: dict[st
         print(f"RESULT {COMPARISONS[name][0]}={best[name][0] / best[name][1]:.3f}")
 
 
-def bench_checkpoint(model: str, root: Path) -> Path:
+def is_moe(checkpoint: Path) -> bool:
+    config = json.loads((checkpoint / "config.json").read_text())
+    return bool(config.get("num_experts") or config.get("num_local_experts"))
+
+
+def bench_checkpoint(model: str, root: Path, moe: bool = False) -> Path:
     """The checkpoint directory both sides load: --model's, a .gguf dequantized into one (by
-    transformers, so the engine and PEFT run the same weights), or a random one."""
+    transformers, so the engine and PEFT run the same weights), or a random one (`moe`: Qwen3-MoE)."""
     if not model:
-        return make_checkpoint(root / "model", "llama", **MODEL)
+        family, shape = ("qwen3_moe", dict(MODEL, moe_intermediate_size=MODEL["hidden_size"] // 2,
+                                           head_dim=64)) if moe else ("llama", MODEL)
+        return make_checkpoint(root / "model", family, **shape)
     path = Path(model)
     return reference_checkpoint(path, root / "model") if path.suffix == ".gguf" else path
 
@@ -200,6 +261,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N, the same for all three runs")
     parser.add_argument("--model", default="", help="a .gguf file or a Hugging Face checkpoint directory "
                         "(default: a random 4-layer hidden-512 LLaMA)")
+    parser.add_argument("--moe", action="store_true", help="without --model: a random Qwen3-MoE model")
+    parser.add_argument("--ranks", default="8,16", help="the adapters' ranks, taken in turn")
     parser.add_argument("--max-loras", type=lambda v: v if v == "auto" else int(v), default=16,
                         help="the engine's adapter pool: a count of slots, or auto (sized by memory)")
     parser.add_argument("--compare", default="", help="instead of PEFT, on CUDA: comma-separated of "
@@ -218,13 +281,18 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        checkpoint = bench_checkpoint(args.model, root)
+        checkpoint = bench_checkpoint(args.model, root, args.moe)
         # Without PEFT nothing needs the dequantized copy: the engine serves the .gguf itself (with its
         # own tokenizer, whose text the default runs read), as `loraplex-inference --model` would.
         engine_model = Path(args.model) if args.no_peft and args.model.endswith(".gguf") else checkpoint
         vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-        # ranks 8 and 16, alphas 16 and 24: scalings 1, 1.5, 2 and 3
-        specs = [AdapterSpec(f"ad{i}", 8 if i % 2 else 16, 16 if i % 4 < 2 else 24, seed=i)
+        # ranks 8 and 16 by default, alphas 16 and 24: scalings 1, 1.5, 2 and 3; on an MoE model the
+        # expert projections named as modules, which PEFT targets on every expert (target_parameters)
+        ranks = [int(r) for r in args.ranks.split(",")]
+        global MAX_RANK
+        # PEFT saves an MoE adapter's gate and up (named as modules) as one gate_up of twice the rank
+        MAX_RANK = max(ranks) * (2 if is_moe(checkpoint) else 1)
+        specs = [AdapterSpec(f"ad{i}", ranks[(i + 1) % len(ranks)], 16 if i % 4 < 2 else 24, seed=i)
                  for i in range(args.adapters)]
         adapters = {s.name: make_adapter(checkpoint, root / s.name, s) for s in specs}
         gen = torch.Generator().manual_seed(1)

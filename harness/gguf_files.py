@@ -99,7 +99,27 @@ _NAMES = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+ARCHITECTURES = {"qwen3_moe": "qwen3moe"}  # model_type → llama.cpp's name, where they differ
+UNPERMUTED = ("qwen2", "qwen3", "qwen3_moe")  # NEOX RoPE in llama.cpp: q/k rows as HF has them
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert MoE weights (`model.layers.N.mlp.experts.E.gate_proj.weight`) stacked [experts, out, in]
+    under `model.layers.N.mlp.experts.gate_proj.weight`, as llama.cpp's converter stacks them."""
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 8 and parts[3:5] == ["mlp", "experts"]:
+            stacked.setdefault(".".join(parts[:5] + parts[6:]), {})[int(parts[5])] = value
+        else:
+            out[name] = value
+    for name, experts in stacked.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 def gguf_name(hf_name: str) -> str:
@@ -108,6 +128,8 @@ def gguf_name(hf_name: str) -> str:
     if hf_name in top:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest.startswith("mlp.experts."):  # stacked (_stack_experts)
+        return f"blk.{layer}.ffn_{rest.split('.')[2].removesuffix('_proj')}_exps.weight"
     return f"blk.{layer}.{_NAMES[rest]}"
 
 
@@ -123,7 +145,7 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | N
 
     config = json.loads((checkpoint / "config.json").read_text())
     family = config["model_type"]
-    arch = arch or family
+    arch = arch or ARCHITECTURES.get(family, family)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     qt = gguf.GGMLQuantizationType[qtype]
     writer = gguf.GGUFWriter(str(out), arch)
@@ -137,7 +159,16 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | N
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    if config.get("head_dim"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_tokenizer_model(tokenizer_model)
     if tokenizer_model == "llama":
@@ -157,13 +188,18 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | N
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHATML)
-    tensors = load_file(str(checkpoint / "model.safetensors"))
+    tensors = _stack_experts(load_file(str(checkpoint / "model.safetensors")))
     for index, (name, value) in enumerate(sorted(tensors.items())):
         data = value.to(torch.float32).numpy()
-        if family != "qwen2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if family not in UNPERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _permute(data, heads if "q_proj" in name else kv_heads)
         target = gguf_name(name)
-        if data.ndim == 1 or qtype == "F32":
+        if data.ndim == 3 and qtype not in ("F32", "F16"):  # stacked experts: each expert's matrix quantized
+            if data.shape[-1] % 32:  # rows not whole blocks: kept F32, as llama.cpp's converter falls back
+                writer.add_tensor(target, data)
+            else:
+                writer.add_tensor(target, np.stack([gguf.quants.quantize(m, qt) for m in data]), raw_dtype=qt)
+        elif data.ndim == 1 or qtype == "F32":
             writer.add_tensor(target, data)
         elif qtype in K_QUANTS:
             writer.add_tensor(target, random_blocks(qtype, *data.shape, seed=seed * 1000 + index), raw_dtype=qt)

@@ -19,6 +19,10 @@ FAMILIES: dict[str, dict] = {
     ),
     "qwen2": dict(model_type="qwen2"),  # qkv bias
     "mistral": dict(model_type="mistral", sliding_window=None),
+    "qwen3": dict(model_type="qwen3", head_dim=32),  # QK-norm
+    # Qwen3-MoE: 8 experts, top-2 renormalised, QK-norm
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True, head_dim=32),
 }
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -26,14 +26,18 @@ from adapter_cache.adapter_format import load_adapter_dir
 from adapter_cache.errors import AdapterError, AdapterIncompatibleError
 from harness.devices import C_KERNELS_OFF
 from harness.engine_helpers import greedy_logits, load_adapters, run_to_completion
-from harness.models import AdapterSpec, make_adapter, write_byte_tokenizer
+from harness.gguf_files import write_gguf
+from harness.models import AdapterSpec, make_adapter, make_checkpoint, write_byte_tokenizer
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.kv_cache import kv_bytes_per_block
 from inference_service.engine.request import Request, SamplingParams
 from inference_service.lora import backend as lora_backend
+from inference_service.lora.ops import TorchLoRAOp, build_lora_batch
+from inference_service.lora.step_buffers import ExpertStepBuffers, LoRAStepBuffers
 from inference_service.models.config import ModelConfig
-from inference_service.models.qwen3_moe import Qwen3MoeModel
+from inference_service.models.gguf import GGUFFile
+from inference_service.models.qwen3_moe import Qwen3MoeModel, SparseMoE
 
 VOCAB = 160
 EXPERTS = 8
@@ -209,6 +213,152 @@ def test_chunked_prefill_matches_peft(moe_setup, reference):
     ours = _engine(checkpoint, adapters, prompts, max_num_batched_tokens=6)
     for rid, _, _ in prompts:
         assert (ours[rid][0] - reference[rid]).abs().max().item() < TOL, rid
+
+
+def test_expert_lora_groupings_live_in_the_managers_static_buffers(moe_setup, reference, monkeypatch):
+    """Every MoE layer of every step (prefill and decode, chunked) groups its (token, expert) pairs in
+    the LoRA manager's expert buffers, written in place: one storage for all of them, allocated once,
+    and the logits still PEFT's."""
+    seen: set[tuple[int, int, int]] = set()
+    calls = []
+    group = ExpertStepBuffers.group
+
+    def recording(self, lora, token_of_pair, expert_of_pair):  # observes the real method, changes nothing
+        batch = group(self, lora, token_of_pair, expert_of_pair)
+        seen.add((batch.pages.data_ptr(), batch.runs.data_ptr(), batch.run_pages.data_ptr()))
+        calls.append(token_of_pair.shape[0])
+        return batch
+
+    monkeypatch.setattr(ExpertStepBuffers, "group", recording)
+    checkpoint, adapters, prompts = moe_setup
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=5, max_lora_rank=16,
+                                   kv_cache_bytes=4 << 20, max_num_batched_tokens=16))
+    buffers = core.lora.expert_step_buffers(16, 2)
+    assert all(layer.feed_forward.expert_lora is buffers for layer in core.runner.model.layers)
+    storage = (buffers.pair_pages.data_ptr(), buffers.runs.data_ptr(), buffers.pair_pages.data_ptr())
+    _assert_matches(greedy_logits(core, adapters, prompts, NEW_TOKENS), reference, prompts, "expert buffers")
+    assert len(calls) >= 2 * NEW_TOKENS and len(set(calls)) > 1, "steps of different sizes, each layer grouped"
+    assert seen == {storage}
+
+
+def test_experts_run_one_matmul_each_over_their_rows(moe_setup, monkeypatch):
+    """The MoE block groups by expert: one gate/up and one down matmul per expert that some row chose,
+    over all of its rows (never one per token), and the result is the per-token sum of its experts'
+    outputs weighted by the renormalised router weights."""
+    checkpoint, _, _ = moe_setup
+    config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+    torch.manual_seed(5)
+    moe = SparseMoE(config, torch.device("cpu"), torch.float32)
+    for param in (moe.router, moe.gate_up, moe.down):
+        param.data.normal_(0.0, 0.2)
+    x = torch.randn(40, config.hidden_size)
+    rows: list[int] = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: rows.append(a.shape[0]) or mm(a, b, out=out))
+    out = moe(x, TorchLoRAOp(torch.device("cpu")), None)
+    monkeypatch.undo()
+    weights, experts = moe.route(x)
+    assert len(rows) == 2 * experts.unique().numel() and sum(rows) == 2 * x.shape[0] * config.num_experts_per_tok
+    expected = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t].tolist(), strict=True):
+            gate, up = (moe.gate_up[e] @ x[t]).chunk(2)
+            expected[t] += w * (moe.down[e] @ (torch.nn.functional.silu(gate) * up))
+    assert (out - expected).abs().max() < 1e-5
+
+
+def test_decode_graphs_asked_for_run_uncaptured_and_exact(moe_setup, reference):
+    """decode_graphs on: an MoE model's steps run uncaptured (its layer reads the experts' row counts
+    on the host, which a captured step cannot), with PEFT's logits, rather than failing to capture."""
+    checkpoint, adapters, prompts = moe_setup
+    core = EngineCore(EngineConfig(model=str(checkpoint), device="cpu", max_loras=5, max_lora_rank=16,
+                                   kv_cache_bytes=4 << 20, decode_graphs="on"))
+    assert core.runner.graphs is None
+    _assert_matches(greedy_logits(core, adapters, prompts, NEW_TOKENS), reference, prompts, "decode graphs on")
+
+
+def test_expert_grouping_from_static_step_buffers_equals_the_per_step_batch():
+    """The grouping reads a step's runs whichever way the batch was built: the per-step batch
+    (`build_lora_batch`) and the static decode-step buffers (with padding rows and unused runs)
+    give every pair the same pages and rank."""
+    page_rank, zero_page, max_pages, per_expert = 4, 9, 3, 10
+    slots = [-1, 0, 0, 5, -1, 5, 2]
+    slot_pages = {0: (0, 1, 2), 5: (5,), 2: (2, 3)}
+    ranks = {0: 12, 5: 3, 2: 6}
+    per_step = build_lora_batch(slots, slot_pages, ranks, page_rank, zero_page, torch.device("cpu"))
+    static = LoRAStepBuffers(8, max_pages, page_rank, zero_page, torch.device("cpu"))
+    static.fill([(slot_pages[s], ranks[s]) if s >= 0 else ((), 0) for s in slots])
+    experts = ExpertStepBuffers(8, 2, max_pages, page_rank, zero_page, per_expert, torch.device("cpu"))
+    token_of_pair = torch.tensor([0, 3, 6, 1, 2, 5, 4, 0, 3, 6, 1, 2, 5, 4])
+    expert_of_pair = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3])
+    results = []
+    for batch, rows in ((per_step, 7), (static.batch(8), 8)):
+        pairs = experts.group(batch, token_of_pair, expert_of_pair)
+        results.append((pairs.pages.clone(), pairs.runs.clone()))
+        assert pairs.num_groups == 14 and experts.token_ranks[:rows].tolist()[:7] == [
+            ranks.get(s, 0) for s in slots]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    pages, runs = results[0]
+    expected = [[p + e * per_expert for p in (*slot_pages.get(slots[t], ()), *[zero_page] * max_pages)[:max_pages]]
+                for t, e in zip(token_of_pair.tolist(), expert_of_pair.tolist(), strict=True)]
+    assert pages.tolist() == expected
+    assert runs[:, 3].tolist() == [ranks.get(slots[t], 0) for t in token_of_pair.tolist()]
+
+
+def test_gguf_file_serves_the_safetensors_logits(moe_setup, tmp_path):
+    """The checkpoint converted to a qwen3moe GGUF file as llama.cpp's converter writes it (experts
+    stacked in ffn_{gate,up,down}_exps, the router in ffn_gate_inp, QK-norms in attn_{q,k}_norm):
+    served with the same adapters, the same logits as the safetensors checkpoint."""
+    checkpoint, adapters, prompts = moe_setup
+    path = write_gguf(checkpoint, tmp_path / "moe.gguf", "F32")
+    from_file = EngineCore(EngineConfig(model=str(path), device="cpu", max_loras=5, max_lora_rank=16,
+                                        kv_cache_bytes=4 << 20, tokenizer="byte"))
+    assert isinstance(from_file.runner.model, Qwen3MoeModel)
+    ours = greedy_logits(from_file, adapters, prompts, NEW_TOKENS)
+    theirs = _engine(checkpoint, adapters, prompts)
+    for rid, _, _ in prompts:
+        assert (ours[rid][0] - theirs[rid][0]).abs().max().item() < 1e-5, rid
+        assert ours[rid][1] == theirs[rid][1], rid
+
+
+def test_dense_qwen3_gguf_serves_the_safetensors_logits(tmp_path):
+    """Dense Qwen3 as a GGUF file (QK-norms as attn_q_norm/attn_k_norm, q/k rows unpermuted as
+    llama.cpp keeps them for this architecture): the safetensors checkpoint's logits."""
+    checkpoint = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=3)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    for name in tensors:
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensors[name] = 1.0 + 0.5 * torch.randn(tensors[name].shape)
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    path = write_gguf(checkpoint, tmp_path / "qwen3.gguf", "F32")
+    prompts = [("a", list(range(5, 17)), None), ("b", [7, 3, 99, 150], None)]
+    ours = greedy_logits(EngineCore(EngineConfig(model=str(path), device="cpu", kv_cache_bytes=4 << 20,
+                                                 tokenizer="byte")), {}, prompts, 6)
+    theirs = greedy_logits(EngineCore(EngineConfig(model=str(checkpoint), device="cpu", kv_cache_bytes=4 << 20)),
+                           {}, prompts, 6)
+    for rid, _, _ in prompts:
+        assert (ours[rid][0] - theirs[rid][0]).abs().max().item() < 1e-5 and ours[rid][1] == theirs[rid][1], rid
+
+
+def test_gguf_quantized_experts_read_each_experts_blocks(moe_setup, tmp_path):
+    """A Q8_0 file's stacked expert tensor: each expert's weight is that expert's blocks dequantized
+    (served dense), within Q8_0's step of the checkpoint's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    checkpoint, _, _ = moe_setup
+    file = GGUFFile(write_gguf(checkpoint, tmp_path / "moe-q8.gguf", "Q8_0"))
+    weights = file.state_dict("bf16")
+    stacked = file.tensors["blk.1.ffn_up_exps.weight"]
+    assert GGMLQuantizationType(stacked.type_id) == GGMLQuantizationType.Q8_0
+    whole = dequantize(stacked.data, GGMLQuantizationType.Q8_0).reshape(EXPERTS, 48, 64)
+    original = load_file(str(checkpoint / "model.safetensors"))
+    for e in (0, 5, 7):
+        name = f"model.layers.1.mlp.experts.{e}.up_proj.weight"
+        assert name in weights and weights.quantized(name) is None
+        assert torch.equal(weights[name], torch.from_numpy(whole[e]))
+        assert (weights[name] - original[name]).abs().max() < original[name].abs().max() / 100
+    assert ModelConfig.from_hf(file.hf_config()).num_experts_per_tok == 2
 
 
 def _serve(core: EngineCore, batch) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -58,6 +58,7 @@ from inference_service.metrics_sink import MetricsSink, NullMetrics
 from inference_service.models.decode_step import DEFAULT_BUCKETS
 from inference_service.models.llama import LlamaModel
 from inference_service.models.loader import load_model
+from inference_service.models.qwen3_moe import Qwen3MoeModel
 from inference_service.models.registry import CausalLM
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,10 @@ def build_lora_manager(
         pool_shares=config.adapter_pool_shares,
     )
     model.attach_lora_buffers(lora.slot_buffers)
+    if isinstance(model, Qwen3MoeModel):
+        top_k = model.config.num_experts_per_tok
+        model.attach_expert_buffers(lora.expert_step_buffers(max(config.max_num_batched_tokens, config.max_num_seqs),
+                                                             top_k))
     return lora
 
 
@@ -236,6 +241,9 @@ def build_decode_graphs(config: EngineConfig, model: CausalLM, kv: KVCache, lora
         return None
     if not isinstance(model, LlamaModel):
         log.info("decode graphs: off (%s is not a LLaMA-family model)", type(model).__name__)
+        return None
+    if isinstance(model, Qwen3MoeModel):
+        log.info("decode graphs: off (an MoE layer reads its experts' row counts on the host)")
         return None
     mc = model.config
     max_context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -32,7 +32,7 @@ from inference_service.lora.overlap_loader import OverlapLoader
 from inference_service.lora.registry import AdapterRegistry, AdapterState, AdapterVersion, UnloadedWhileLoadingError
 from inference_service.lora.source import AdapterSource
 from inference_service.lora.staging_pool import StagingPool
-from inference_service.lora.step_buffers import LoRAStepBuffers, RowAdapter
+from inference_service.lora.step_buffers import ExpertStepBuffers, LoRAStepBuffers, RowAdapter
 from inference_service.metrics_sink import MetricsSink, NullMetrics
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class LoRAManager:
         self.loads_total = 0
         self.evictions = dict.fromkeys(EVICTION_CAUSES, 0)
         self._step_buffers: LoRAStepBuffers | None = None  # allocated by step_buffers()
+        self._expert_buffers: ExpertStepBuffers | None = None  # allocated by expert_step_buffers()
         pool = self._pool
         log.info("LoRA pool: %d pages of rank %d (%.1f KiB each) = %.1f MiB, %s", pool.num_pages, pool.page_rank,
                  pool.page_nbytes / 1024, pool.nbytes / 2**20,
@@ -694,6 +695,21 @@ class LoRAManager:
             self._step_buffers = buffers
             log.info("LoRA step buffers: %d rows, %.1f KiB; %s", max_rows, buffers.nbytes / 1024, self._memory())
         assert buffers.max_rows >= max_rows, f"step buffers hold {buffers.max_rows} rows, {max_rows} asked"
+        return buffers
+
+    def expert_step_buffers(self, max_tokens: int, top_k: int) -> ExpertStepBuffers:
+        """The LoRA grouping buffers of an MoE model's (token, expert) pairs (lora/step_buffers.py),
+        allocated on the first call for steps of up to `max_tokens` tokens, and the same ever after."""
+        buffers = self._expert_buffers
+        if buffers is None:
+            pool = self._pool
+            assert self.shapes.num_experts, "expert buffers for a model without experts"
+            buffers = ExpertStepBuffers(max_tokens, top_k, pool.pages_for(pool.max_rank), pool.page_rank,
+                                        pool.zero_page, pool.pages_per_expert, self.device)
+            self._expert_buffers = buffers
+            log.info("LoRA expert step buffers: %d tokens x %d experts, %.1f KiB", max_tokens, top_k,
+                     buffers.nbytes / 1024)
+        assert buffers.max_pairs >= max_tokens * top_k, f"expert buffers hold {buffers.max_pairs} pairs"
         return buffers
 
     def fill_step_buffers(self, rows: list[RowAdapter]) -> None:

@@ -10,6 +10,11 @@ per-layer buffer is paged the same way, so a page number names the same rank row
 - each module has its own B, `[pages + 1, out, page_rank]` (PEFT's layout) or rank-major
   `[pages + 1, page_rank, out]` (the CPU kernel's, which expands along output columns).
 
+An MoE model's expert groups (`experts.E.gate_proj` + `up_proj`; `experts.E.down_proj`) are views
+into one tensor per layer and group, [experts, pages + 1, ...], so one LoRA op serves every expert
+(`group_buffers[(layer, ("experts.gate_proj", "experts.up_proj"))]`, its pages numbered per
+expert: `pages_per_expert`).
+
 The last page, `zero_page`, is all zeros and never handed out: the torch op pads shorter page
 lists with it. Rank rows past an adapter's rank in its last page, and pages of modules it lacks,
 are written as zeros by every load, so nothing of a page's previous adapter leaks into the next.
@@ -53,6 +58,15 @@ def pages_for(rank: int, page_rank: int) -> int:
     return max(1, -(-rank // page_rank))
 
 
+def expert_group(group: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
+    """An MoE expert's module group (`experts.E.gate_proj`, ...): (E, the names without E); else (None, group)."""
+    parts = [module.split(".") for module in group]
+    if not all(len(p) == 3 and p[0] == "experts" and p[1].isdigit() for p in parts):
+        return None, group
+    assert len({p[1] for p in parts}) == 1, f"{group}: one expert's modules"
+    return int(parts[0][1]), tuple(f"experts.{p[2]}" for p in parts)
+
+
 def bytes_per_page(shapes: BaseModelShapes, page_rank: int, dtype: torch.dtype) -> int:
     """Device bytes of one page over every layer and module (A rows and B rows of `page_rank` ranks)."""
     per_layer = sum(in_f + out_f for in_f, out_f in shapes.features.values())
@@ -93,22 +107,31 @@ class LoRAMemoryPool:
         # Pages are only read once an adapter's load wrote them (and the zero page, zeroed here):
         # the rest stays untouched memory until used.
         for layer in range(shapes.num_layers):
+            stacked: dict[tuple[str, ...], list[torch.Tensor]] = {}  # an expert group's [E, pages + 1, ...]
             for group in shapes.module_groups():
                 in_features = shapes.features[group[0]][0]
                 outs = [shapes.features[module][1] for module in group]
                 assert all(shapes.features[m][0] == in_features for m in group), f"{group} must share an input"
-                a = hugepages.empty((total, len(group) * page_rank, in_features), dtype, device)
+                expert, alike = expert_group(group)
+                b_shapes = [(page_rank, o) if b_rank_major else (o, page_rank) for o in outs]
+                if expert is not None and alike not in stacked:
+                    stacked[alike] = self._stack(layer, alike, shapes.num_experts, total,
+                                                 [(len(group) * page_rank, in_features), *b_shapes], dtype, device)
+                a = (stacked[alike][0][expert] if expert is not None
+                     else hugepages.empty((total, len(group) * page_rank, in_features), dtype, device))
                 a[self.zero_page].zero_()
                 sliced, col = [], 0
                 for i, (module, out_features) in enumerate(zip(group, outs, strict=True)):
-                    shape = (page_rank, out_features) if b_rank_major else (out_features, page_rank)
-                    b = hugepages.empty((total, *shape), dtype, device)
+                    shape = b_shapes[i]
+                    b = (stacked[alike][1 + i][expert] if expert is not None
+                         else hugepages.empty((total, *shape), dtype, device))
                     b[self.zero_page].zero_()
                     b_view = b.transpose(1, 2) if b_rank_major else b
                     self.buffers[(layer, module)] = (a[:, i * page_rank : (i + 1) * page_rank], b_view)
                     sliced.append(SlicedB(col, col + out_features, b))
                     col += out_features
                 self.group_buffers[(layer, group)] = (a, sliced)
+        self.pages_per_expert = total  # an expert group's page p of expert e is page e * total + p
         self.nbytes = sum(a.nbytes + b.nbytes for a, b in self.buffers.values())
         self.page_nbytes = self.nbytes // total
         self.dtype = dtype
@@ -123,6 +146,24 @@ class LoRAMemoryPool:
         self._free: list[int] = list(range(num_pages))  # a heap: the lowest pages first (less memory touched)
         self._last_use: dict[str, int] = {}
         self._clock = itertools.count(1)
+
+    def _stack(self, layer: int, alike: tuple[str, ...], num_experts: int, total: int,
+               shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """One tensor [experts, pages + 1, ...] for A and for each B of an expert group (each expert's
+        buffers are views into it), registered whole in `group_buffers` under the group's names without
+        the expert (`experts.gate_proj`, ...) as [experts · (pages + 1), ...]: one LoRA op reads every
+        expert's pages, a (token, expert) pair naming expert e's page p as e · (pages + 1) + p."""
+        tensors = [hugepages.empty((num_experts, total, *shape), dtype, device) for shape in shapes]
+        flat = [t.view(num_experts * total, *t.shape[2:]) for t in tensors]
+        sliced, col = [], 0
+        for b, out_features in zip(flat[1:], self._outs(shapes[1:]), strict=True):
+            sliced.append(SlicedB(col, col + out_features, b))
+            col += out_features
+        self.group_buffers[(layer, alike)] = (flat[0], sliced)
+        return tensors
+
+    def _outs(self, b_shapes: list[tuple[int, int]]) -> list[int]:
+        return [shape[1] if self.b_rank_major else shape[0] for shape in b_shapes]
 
     # ---- capacity ----
 

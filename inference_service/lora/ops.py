@@ -58,28 +58,6 @@ class LoRABatch:
     runs: torch.Tensor | None = None
     run_pages: torch.Tensor | None = None
     max_rank: int = 0  # the largest rank among the runs (the kernel's scratch width)
-    # What the grouping was built from, so a subset of the rows can be grouped alike (`restrict`).
-    source: LoRAGroupingSource | None = None
-
-    def restrict(self, rows: list[int]) -> LoRABatch | None:
-        """The grouping of x[rows] (rows of this batch, as a new batch of len(rows) rows), or None when
-        none of them is on an adapter: what the experts of an MoE layer use for the rows routed to them."""
-        assert self.source is not None, "a LoRABatch built by build_lora_batch"
-        src = self.source
-        return build_lora_batch([src.token_slots[row] for row in rows], src.slot_pages, src.slot_ranks,
-                                src.page_rank, src.zero_page, src.device)
-
-
-@dataclass(frozen=True)
-class LoRAGroupingSource:
-    """The arguments of `build_lora_batch` that made a LoRABatch."""
-
-    token_slots: list[int]
-    slot_pages: dict[int, tuple[int, ...]]
-    slot_ranks: dict[int, int]
-    page_rank: int
-    zero_page: int
-    device: torch.device
 
 
 def build_lora_batch(
@@ -115,9 +93,8 @@ def build_lora_batch(
     max_len = max(len(rows) for rows in groups.values())
     width = max(len(slot_pages[slot]) for slot in groups)
     table = [list(slot_pages[slot]) + [zero_page] * (width - len(slot_pages[slot])) for slot in groups]
-    source = LoRAGroupingSource(token_slots, slot_pages, slot_ranks, page_rank, zero_page, device)
     common = dict(runs=run_table, run_pages=torch.tensor(page_list, dtype=torch.long).to(device, non_blocking=True),
-                  max_rank=max(run[3] for run in runs), source=source)
+                  max_rank=max(run[3] for run in runs))
 
     def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

@@ -74,3 +74,66 @@ class LoRAStepBuffers:
             max_group_len=1, num_tokens=rows, first_row=0, runs=self.runs[:rows], run_pages=self.run_pages,
             max_rank=self.max_pages * self.page_rank,
         )
+
+
+class ExpertStepBuffers:
+    """The LoRA grouping of an MoE layer's (token, expert) pairs, in static buffers the LoRA manager
+    owns: allocated once for the step's largest token count (times the experts per token) and the
+    pool's largest adapter, rewritten in place by every MoE layer from the step's `LoRABatch` and
+    the layer's routing, on the device, with no host read (so a captured step could run it too).
+
+    The pool stacks each expert group's pages ([experts · (pages + 1), ...], mem_pool.py), so one op
+    per projection serves every expert: each pair is its own row, reading its token's adapter pages
+    shifted to its expert's (the zero page shifts to the expert's zero page: base rows add zero).
+    - `token_pages` [tokens, max_pages], `token_ranks` [tokens]: each token's adapter, from the
+      batch's runs (each row compared with the runs' bounds, so no per-token host work);
+    - `pair_pages` [pairs, max_pages]: each pair's pages, and its runs [pairs, 4], one pair each
+      (row i, i + 1, its pages at i · max_pages in `pair_pages`, its rank): what the C kernel reads.
+    """
+
+    def __init__(self, max_tokens: int, top_k: int, max_pages: int, page_rank: int, zero_page: int,
+                 pages_per_expert: int, device: torch.device) -> None:
+        self.max_tokens, self.max_pairs = max_tokens, max_tokens * top_k
+        self.max_pages, self.page_rank, self.zero_page = max_pages, page_rank, zero_page
+        self.pages_per_expert = pages_per_expert
+        long = dict(dtype=torch.long, device=device)
+        self._token_index = torch.arange(max_tokens, **long)
+        self.token_pages = torch.full((max_tokens, max_pages), zero_page, **long)
+        self.token_ranks = torch.zeros(max_tokens, **long)
+        self.pair_pages = torch.full((self.max_pairs, max_pages), zero_page, **long)
+        pairs = torch.arange(self.max_pairs, **long)
+        self.runs = torch.stack([pairs, pairs + 1, pairs * max_pages, torch.zeros_like(pairs)], dim=1)
+        self._page_index = torch.arange(max_pages, **long)
+        self.nbytes = sum(t.nbytes for t in (self._token_index, self.token_pages, self.token_ranks, self.pair_pages,
+                                             self.runs, self._page_index))
+
+    def group(self, lora: LoRABatch, token_of_pair: torch.Tensor, expert_of_pair: torch.Tensor) -> LoRABatch:
+        """The LoRA batch of the pairs (token `token_of_pair[i]` on expert `expert_of_pair[i]`, in the
+        order the layer computes them), written into the buffers; views into them."""
+        tokens, pairs = lora.num_tokens, token_of_pair.shape[0]
+        assert tokens <= self.max_tokens and pairs <= self.max_pairs, (
+            f"{tokens} tokens, {pairs} pairs: expert buffers for {self.max_tokens}, {self.max_pairs}")
+        assert lora.runs is not None and lora.run_pages is not None
+        first, end, offset, rank = lora.runs.unbind(1)
+        # Each token's run + 1 (0: the base model; an unused run, first == end, holds no row), by
+        # comparing the rows with the runs' bounds: [tokens, runs] compares, where the runs are the
+        # step's sequences at most (a scatter-add on long tensors took 30% of a CPU decode step).
+        rows = self._token_index[:tokens, None]
+        inside = (rows >= first) & (rows < end)
+        run_of = (inside * torch.arange(1, lora.runs.shape[0] + 1, device=lora.runs.device)).sum(1)
+        run = (run_of - 1).clamp(min=0)
+        ranks = self.token_ranks[:tokens]
+        ranks.copy_(torch.where(run_of > 0, rank.index_select(0, run), 0))
+        pages_used = (ranks + self.page_rank - 1) // self.page_rank
+        at = (offset.index_select(0, run)[:, None] + self._page_index).clamp(max=lora.run_pages.shape[0] - 1)
+        token_pages = self.token_pages[:tokens]
+        token_pages.copy_(torch.where(self._page_index < pages_used[:, None], lora.run_pages[at], self.zero_page))
+        pair_pages = self.pair_pages[:pairs]
+        pair_pages.copy_(token_pages.index_select(0, token_of_pair) + expert_of_pair[:, None] * self.pages_per_expert)
+        runs = self.runs[:pairs]
+        runs[:, 3].copy_(ranks.index_select(0, token_of_pair))
+        return LoRABatch(
+            pages=pair_pages, gather_rows=None, dest_rows=None, src_positions=None, num_groups=pairs,
+            max_group_len=1, num_tokens=pairs, first_row=0, runs=runs, run_pages=self.pair_pages.view(-1),
+            max_rank=self.max_pages * self.page_rank,
+        )

@@ -27,9 +27,9 @@ from inference_service.models.quantized import KEPT_TYPES, QuantizedWeight, quan
 
 log = logging.getLogger(__name__)
 
-# GGUF architecture → our model_type. Mistral converts to "llama" in GGUF; qwen2 keeps HF's
-# rotate-half RoPE in llama.cpp (NEOX), so its q/k rows are not permuted.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+# GGUF architecture → our model_type. Mistral converts to "llama" in GGUF; the Qwen families keep
+# HF's rotate-half RoPE in llama.cpp (NEOX), so their q/k rows are not permuted.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 _PERMUTED_QK = {"llama"}
 
 # Tensor types dequantized here (gguf.quants), each checked against an independent reference in
@@ -55,7 +55,14 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # an MoE layer's router
 }
+# An MoE layer's experts, stacked [experts, out, in] in one tensor each (llama.cpp's `_exps`); the
+# state dict names each expert's slice as transformers' per-expert checkpoints do.
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                   "ffn_down_exps.weight": "down_proj"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -105,6 +112,15 @@ class GGUFFile:
                 f"{self.path}: GGUF metadata {self.architecture}.{key} must be a positive integer, got {value!r:.40}")
         return value
 
+    def expert_names(self, gguf_name: str) -> list[str]:
+        """The HF names of each expert's slice of a stacked expert tensor ([] for any other tensor)."""
+        match = _LAYER_NAME.fullmatch(gguf_name)
+        tensor = self.tensors[gguf_name]
+        if not match or match.group(2) not in _EXPERT_TENSORS or len(tensor.shape) != 3:
+            return []
+        layer, module = match.group(1), _EXPERT_TENSORS[match.group(2)]
+        return [f"model.layers.{layer}.mlp.experts.{e}.{module}.weight" for e in range(int(tensor.shape[2]))]
+
     def hf_config(self) -> dict[str, Any]:
         """The file's hyperparameters as a Hugging Face config.json would give them."""
         try:
@@ -125,7 +141,7 @@ class GGUFFile:
             "model_type": ARCHITECTURES[self.architecture],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": self.count("feed_forward_length"),
+            "intermediate_size": self.count("feed_forward_length", self.arch("expert_feed_forward_length")),
             "num_hidden_layers": self.count("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": self.count("attention.head_count_kv", heads),
@@ -138,6 +154,10 @@ class GGUFFile:
             "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": list(dict.fromkeys(eos)) or None,
         }
+        if self.architecture == "qwen3moe":
+            # llama.cpp's qwen3moe graph always renormalises the top-k weights (norm_topk_prob).
+            config.update(num_experts=self.count("expert_count"), num_experts_per_tok=self.count("expert_used_count"),
+                          moe_intermediate_size=self.count("expert_feed_forward_length"), norm_topk_prob=True)
         scaling = self.arch("rope.scaling.type")
         if scaling not in (None, "none"):
             if scaling != "linear":
@@ -159,15 +179,20 @@ class GGUFFile:
                     f"{self.path}: tensor {tensor.name} has GGUF type {type_name}, which is not "
                     f"supported (supported: {', '.join(SUPPORTED_TYPES)})")
 
-    def dequantize(self, name: str) -> np.ndarray:
-        """One tensor as float32, in PyTorch's (row-major, HF) shape."""
+    def dequantize(self, name: str, expert: int | None = None) -> np.ndarray:
+        """One tensor as float32, in PyTorch's (row-major, HF) shape; of a stacked expert tensor, one
+        expert's matrix (only its blocks are read)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         tensor = self.tensors[name]
-        data = dequantize(tensor.data, GGMLQuantizationType(tensor.type_id))
         # GGUF lists dimensions innermost first.
-        return data.reshape(tuple(int(d) for d in reversed(tensor.shape))).astype(np.float32, copy=False)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        blocks = tensor.data
+        if expert is not None:
+            blocks, shape = blocks[expert], shape[1:]
+        data = dequantize(blocks, GGMLQuantizationType(tensor.type_id))
+        return data.reshape(shape).astype(np.float32, copy=False)
 
     def type_name(self, name: str) -> str:
         from gguf import GGMLQuantizationType
@@ -223,9 +248,13 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
         self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         # Tensors without an HF name keep their GGUF name, so the loader's "weights this model does
         # not use" error names them.
-        self._names = {hf_tensor_name(name) or name: name for name in file.tensors}
+        self._names = {hf_tensor_name(name) or name: name for name in file.tensors if not file.expert_names(name)}
+        self._experts = {hf: (name, e) for name in file.tensors for e, hf in enumerate(file.expert_names(name))}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._experts:
+            data = self._file.dequantize(*self._experts[name])
+            return torch.from_numpy(np.array(data, copy=not data.flags.writeable or not data.flags.c_contiguous))
         data = self._file.dequantize(self._names[name])
         if self._file.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _unpermute(data, self._heads[name.split(".")[-2]])
@@ -235,6 +264,8 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
     def quantized(self, name: str) -> QuantizedWeight | None:
         """Weight `name` [out, in] as blocks, or None where it is served dense: weights dtype bf16, or
         auto and the tensor is not of a type kept as blocks, or an input size that is not whole blocks."""
+        if name in self._experts:  # the experts are served dense
+            return None
         gguf_name = self._names[name]
         tensor = self._file.tensors[gguf_name]
         if self.weights_dtype == "bf16" or len(tensor.shape) != 2 or tensor.shape[0] % 32:
@@ -252,13 +283,14 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
         return QuantizedWeight(type_name, blocks, out_features, in_features)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would dequantize the tensor
-        return name in self._names
+        return name in self._names or name in self._experts
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        yield from self._names
+        yield from self._experts
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._names) + len(self._experts)
 
 
 def find_gguf(directory: Path) -> Path | None:

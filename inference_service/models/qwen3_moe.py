@@ -4,8 +4,11 @@ The block routes each token to its top-k experts (softmax over the router's logi
 renormalised to sum to one when config.json's `norm_topk_prob`, as transformers does), then runs the
 experts grouped by expert: the (token, expert) pairs are sorted by expert and each active expert
 does one matmul over all of its rows, never a loop over tokens. No shared expert (Qwen3-MoE has
-none). LoRA on each expert's gate/up/down goes through the same paged pool and op as the dense
-projections, with the step's adapter grouping restricted to the expert's rows (`LoRABatch.restrict`).
+none). LoRA on every expert's gate/up/down is one op per projection over all the pairs: the pool
+stacks the experts' pages (lora/mem_pool.py) and the LoRA manager's `ExpertStepBuffers` give each
+pair its token's adapter pages on its expert, written in place on the device
+(lora/step_buffers.py). The per-expert row counts are read on the host once per layer (the base
+matmuls' sizes), so the layer runs uncaptured.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 
 from inference_service.kernels import fused
 from inference_service.lora.ops import LoRABatch, LoRAOp
+from inference_service.lora.step_buffers import ExpertStepBuffers
 from inference_service.models.config import ModelConfig
 from inference_service.models.layers import LoRALinear, LoRASlices, frozen_param
 from inference_service.models.llama import LlamaModel, PutWeights
@@ -28,16 +32,17 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.num_experts, self.top_k, self.norm_topk_prob = e, config.num_experts_per_tok, config.norm_topk_prob
         self.router = frozen_param(e, h, device, dtype)
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h, device=device, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(e, h, i, device=device, dtype=dtype), requires_grad=False)
-        self.gate_up_lora = [LoRASlices([(f"experts.{x}.gate_proj", 0, i), (f"experts.{x}.up_proj", i, 2 * i)])
-                             for x in range(e)]
-        self.down_lora = [LoRASlices([(f"experts.{x}.down_proj", 0, h)]) for x in range(e)]
+        # Every expert's LoRA in one stacked pool buffer per projection (lora/mem_pool.py).
+        self.gate_up_lora = LoRASlices([("experts.gate_proj", 0, i), ("experts.up_proj", i, 2 * i)])
+        self.down_lora = LoRASlices([("experts.down_proj", 0, h)])
+        self.expert_lora: ExpertStepBuffers | None = None  # the LoRA manager's, set by attach_expert_buffers
 
     def lora_slices(self) -> list[LoRASlices]:
-        return [*self.gate_up_lora, *self.down_lora]
+        return [self.gate_up_lora, self.down_lora]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, experts [T, k]) as transformers' Qwen3MoeTopKRouter."""
@@ -49,32 +54,40 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, op: LoRAOp, lora: LoRABatch | None) -> torch.Tensor:
         weights, experts = self.route(x)
-        # Group the (token, expert) pairs by expert; a stable sort keeps each expert's rows in batch order.
-        order = torch.argsort(experts.reshape(-1), stable=True)
-        rows_by_expert = (order // self.top_k).split(torch.bincount(experts.reshape(-1),
-                                                                    minlength=len(self.down_lora)).tolist())
-        pair_weights = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, rows in enumerate(rows_by_expert):
-            if not len(rows):
-                continue
-            weight = pair_weights[start : start + len(rows), None]
-            start += len(rows)
-            rows_lora = lora.restrict(rows.tolist()) if lora is not None else None
-            out.index_add_(0, rows, self._expert(expert, x.index_select(0, rows), op, rows_lora) * weight)
-        return out
-
-    def _expert(self, expert: int, x: torch.Tensor, op: LoRAOp, lora: LoRABatch | None) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up[expert])
-        self.gate_up_lora[expert].apply(op, x, gate_up, lora)
+        # The (token, expert) pairs sorted by expert (stable: each expert's rows in batch order).
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of_pair, expert_of_pair = order // self.top_k, flat.index_select(0, order)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host read of the layer
+        pair_lora = None
+        if lora is not None and self.gate_up_lora.buffers is not None:
+            assert self.expert_lora is not None, "attach_expert_buffers before serving adapters"
+            pair_lora = self.expert_lora.group(lora, token_of_pair, expert_of_pair)
+        xs = x.index_select(0, token_of_pair)
+        gate_up = self._grouped(xs, self.gate_up, counts)
+        self.gate_up_lora.apply(op, xs, gate_up, pair_lora)
         act = fused.silu_mul(gate_up)
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        down = F.linear(act, self.down[expert])
-        self.down_lora[expert].apply(op, act, down, lora)
-        return down
+        down = self._grouped(act, self.down, counts)
+        self.down_lora.apply(op, act, down, pair_lora)
+        # Back to (token, k) order by a gather (a scatter-add into the tokens ran 30% of a decode step),
+        # then each token's k experts weighted and summed.
+        by_token = down.index_select(0, torch.argsort(order)).view(x.shape[0], self.top_k, -1)
+        return torch.bmm(weights.unsqueeze(1), by_token).squeeze(1)
+
+    @staticmethod
+    def _grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x's rows (grouped by expert, `counts` each) times their expert's weight: one matmul per expert
+        that has rows, written into one output."""
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                torch.mm(x[start : start + count], weight[expert].t(), out=out[start : start + count])
+                start += count
+        return out
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
@@ -93,10 +106,15 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     def load_mlp_hf(self, put: PutWeights, prefix: str) -> None:
         moe = self.feed_forward
         put(moe.router, f"{prefix}.gate.weight")
-        for e in range(len(moe.down_lora)):
+        for e in range(moe.num_experts):
             put(moe.gate_up[e], f"{prefix}.experts.{e}.gate_proj.weight", f"{prefix}.experts.{e}.up_proj.weight")
             put(moe.down[e], f"{prefix}.experts.{e}.down_proj.weight")
 
 
 class Qwen3MoeModel(LlamaModel):
     layer_class = Qwen3MoeDecoderLayer
+
+    def attach_expert_buffers(self, buffers: ExpertStepBuffers) -> None:
+        """Point every MoE layer at the LoRA manager's expert grouping buffers."""
+        for layer in self.layers:
+            layer.feed_forward.expert_lora = buffers
