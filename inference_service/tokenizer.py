@@ -127,11 +127,21 @@ class IncrementalDetokenizer:
         nothing (skipped special tokens): a context that decodes empty is no context, the
         decoder would strip the first generated token's leading space again."""
         n = self.PROMPT_CONTEXT
-        context = list(prompt_token_ids[-n:])
-        while not self.tokenizer.decode(context, self.skip_special_tokens) and len(context) < len(prompt_token_ids) \
+        context = self._whole_characters(prompt_token_ids[-n:])
+        while not self.tokenizer.decode(context, self.skip_special_tokens) and n < len(prompt_token_ids) \
                 and n < self.MAX_PROMPT_CONTEXT:
             n *= 2
-            context = list(prompt_token_ids[-n:])
+            context = self._whole_characters(prompt_token_ids[-n:])
+        return context
+
+    def _whole_characters(self, context: Sequence[int]) -> list[int]:
+        """`context` without its tail of tokens that end in an incomplete character (a decode
+        ending in U+FFFD): the output's first bytes would complete that character in the window's
+        decode, which then no longer starts with the context's, and the output's own text (its
+        lone bytes as U+FFFD, as a decode of the output alone gives them) would be lost."""
+        context = list(context)
+        while context and self.tokenizer.decode(context, self.skip_special_tokens).endswith("\ufffd"):
+            context.pop()
         return context
 
     def update(self, token_ids: list[int], final: bool = False) -> str:

@@ -103,6 +103,26 @@ def test_any_token_sequence_streams_its_decode(metaspace, byte_level, data):
         assert "".join(stream(tok, ids)) == tok.decode(ids)
 
 
+def test_a_prompt_ending_in_half_a_character_keeps_the_output_its_own_bytes():
+    """A prompt ending in a lead byte (0xD3), then ids the byte tokenizer lacks (a larger model's
+    vocabulary: they decode to nothing); the output's continuation byte (0x8C) must not complete
+    the prompt's character: the output's text is its own decode, a lone byte as U+FFFD."""
+    tokenizer = ByteTokenizer()
+    prompt, generated = [104, 105, 0xD3, 2212, 1494], [300, 0x8C, 301, 0xC5]
+    assert "".join(stream(tokenizer, generated, prompt)) == tokenizer.decode(generated) == "\ufffd\ufffd"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_any_prompt_and_output_of_a_byte_level_tokenizer_stream_the_outputs_decode(byte_level, data):
+    """Byte-level tokenizers strip no space: whatever the prompt (half a character at its end
+    included), the stream is the decode of the output ids alone."""
+    for tok, top in ((ByteTokenizer(), 400), (byte_level, byte_level.vocab_size - 1)):  # 258-400: ids it lacks
+        prompt = data.draw(st.lists(st.integers(0, top), max_size=20))
+        ids = data.draw(st.lists(st.integers(0, top), max_size=25))
+        assert "".join(stream(tok, ids, prompt)) == tok.decode(ids)
+
+
 def test_first_generated_token_keeps_its_leading_space(metaspace):
     """The SentencePiece bug this seeding fixes: 'Hello' + '▁world' must stream ' world'."""
     prompt = metaspace.encode("The quick brown", add_special_tokens=False)

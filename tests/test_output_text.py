@@ -88,3 +88,20 @@ def test_stop_strings_still_stop_at_the_token_that_completes_them(core):
     assert "".join(o.text for o in outs) == text[: text.index(stop)]
     assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop
     assert stop in tokenizer.decode(ids) and stop not in tokenizer.decode(ids[:-1])  # its last token completed it
+
+
+def _byte_token(tokenizer, byte: int) -> int:
+    return next(i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) == bytes((byte,)))
+
+
+def test_a_prompt_ending_in_half_a_character_keeps_the_output_its_own_text(core):
+    """The prompt ends in a lead byte (0xD3), the output is continuation bytes (0x8C, forced by a
+    logit bias): the output must not complete the prompt's character; its text is its own decode."""
+    tokenizer = core.tokenizer
+    lead, continuation = _byte_token(tokenizer, 0xD3), _byte_token(tokenizer, 0x8C)
+    core.add_request(Request("half", [*tokenizer.encode("Say:"), lead], SamplingParams(
+        max_new_tokens=3, ignore_eos=True, logit_bias=((continuation, 100.0),))), None)
+    outs = run_to_completion(core, timeout=600)["half"]
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert ids == [continuation] * 3
+    assert "".join(o.text for o in outs) == tokenizer.decode(ids) == "\ufffd" * 3
