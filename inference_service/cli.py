@@ -33,6 +33,7 @@ from inference_service.frontend.tenants import read_tenants_file
 from inference_service.frontend.tool_parsers import PARSERS
 from inference_service.limits import RequestLimits
 from inference_service.models.quantized import WEIGHTS_DTYPES
+from inference_service.platform.platform import ATTENTION_BACKENDS, DECODE_STACK, KERNELS
 
 log = logging.getLogger("loraplex.cli")
 ENV_PREFIX = "LORAPLEX_"
@@ -152,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--async-scheduling", "on: each step runs on a device thread while the scheduler plans the next one "
          "(the scheduler's CPU time hides behind the accelerator's); auto: on for accelerators, off on CPU",
          default=EngineConfig.async_scheduling, choices=("auto", "on", "off"))
+    _add(g, "--kernels", "auto: the C kernels on CPU wherever they load (projections, attention, LoRA, fused ops, "
+         "the decode stack); off: every torch path (the same results); the start-up log's platform plan says "
+         "what runs", default=EngineConfig.kernels, choices=KERNELS)
+    _add(g, "--attention-backend", "auto: the C kernels on CPU, Triton on CUDA where installed, else torch's SDPA; "
+         "c | triton | torch name one (refused at start where it cannot run)",
+         default=EngineConfig.attention_backend, choices=ATTENTION_BACKENDS)
+    _add(g, "--decode-stack", "auto: steps of decodes alone run every layer in one C call where the kernels and "
+         "the model family allow (the platform plan says whether and why not); off: the layer forward",
+         default=EngineConfig.decode_stack, choices=DECODE_STACK)
+    _add(g, "--huge-pages", "on: the packed weights and the adapter pool ask for 2 MiB pages (transparent huge "
+         "pages, where the OS allows); off: ordinary pages",
+         default="on" if EngineConfig.huge_pages else "off", choices=("on", "off"))
     _add(g, "--prefix-cache", "on: full KV blocks stay cached, keyed by their tokens, the weights (an adapter's "
          "loaded version, never its name) and the operator's salt, and prompts reuse the longest cached prefix",
          default="on" if EngineConfig.prefix_cache else "off", choices=("on", "off"))
@@ -365,6 +378,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         ),
         tokenizer=args.tokenizer,
         async_scheduling=args.async_scheduling,
+        kernels=args.kernels,
+        attention_backend=args.attention_backend,
+        decode_stack=args.decode_stack,
+        huge_pages=args.huge_pages == "on",
         prefix_cache=args.prefix_cache == "on",
         fair_share=args.fair_share == "on",
         fair_share_decode_weight=args.fair_share_decode_weight,
@@ -473,6 +490,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from inference_service.engine.in_process import Engine
     from inference_service.engine.process import ProcessEngine
     from inference_service.frontend.metrics import EngineCollector, build_registry, serve_metrics
+    from inference_service.frontend.platform_info import PlatformInfoCollector
     from inference_service.frontend.residency import ResidencyCollector
 
     registry, sink = build_registry(server_cfg.adapter_metrics_top_k)
@@ -490,6 +508,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
     registry.register(EngineCollector(engine.stats, server_cfg.tenant_metrics_top_k))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
+    registry.register(PlatformInfoCollector(engine.model_info))
     registry.register(server_cfg.tenancy.collector())
     registry.register(adapters_collector)
     engine.start()

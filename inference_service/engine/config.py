@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from adapter_cache.errors import LoraplexError
 from inference_service.limits import RequestLimits
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -92,6 +89,13 @@ class EngineConfig:
     decode_graphs: str = "auto"  # auto | on | off
     # CUDA: the Triton LoRA kernels where triton is installed; False: torch's batched matmuls
     triton_kernels: bool = True
+    # What computes what, chosen by the platform plan (inference_service/platform): auto uses the C
+    # kernels on CPU where they load, off keeps every torch path
+    kernels: str = "auto"  # auto | off
+    attention_backend: str = "auto"  # auto | c | triton | torch (models/attention.py)
+    # auto: decode-only steps in one C call where the kernels and the model family allow it
+    decode_stack: str = "auto"  # auto | off
+    huge_pages: bool = True  # packed weights and the adapter pool on 2 MiB pages where the OS allows
     # Front ends: tokens per streamed message after a request's first (its end is sent at once);
     # 1 sends each token as it comes to a client that keeps up
     stream_interval: int = 1
@@ -121,37 +125,7 @@ class EngineConfig:
         return self.decode_graphs == "on"
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        dtype = auto_dtype(self.model, self.torch_device(), self.revision)
-        log.info("--dtype auto: %s on %s", str(dtype).removeprefix("torch."), self.torch_device())
-        return dtype
+        """The serving dtype, as the platform plan chooses it (inference_service/platform/dtype.py)."""
+        from inference_service.platform import Platform
 
-
-def auto_dtype(model: str, device: torch.device, revision: str | None = None) -> torch.dtype:
-    """On an accelerator the checkpoint's own `torch_dtype` (what it was trained and shipped in);
-    on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX) or where the AVX2 projection
-    kernel is preferred (AVX2 without AVX-512: bf16 weights widened as they are read, half fp32's bytes at
-    fp32's arithmetic; docs/architecture.md, "bf16 on an AVX2-only CPU"), else fp32 (torch's emulated
-    bf16 is slower than fp32 there)."""
-    if device.type != "cpu":
-        return _checkpoint_dtype(model, revision) or torch.float32
-    from inference_service.kernels import avx2_linear
-
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native or avx2_linear.preferred() else torch.float32
-
-
-def _checkpoint_dtype(model: str, revision: str | None = None) -> torch.dtype | None:
-    from inference_service.models.source import resolve_model
-
-    try:
-        source = resolve_model(model, revision)
-    except LoraplexError:
-        return None  # loading reports it
-    if source.kind != "hf" or source.path is None:
-        return None  # builtin:tiny; a GGUF file names no serving dtype (its weights are dequantized)
-    config = source.path / "config.json"
-    fields = json.loads(config.read_text())
-    name = fields.get("torch_dtype") or fields.get("dtype")  # transformers 5 writes "dtype"
-    return DTYPES.get(str(name).removeprefix("torch.")) if name else None
+        return Platform.dtype(self.torch_device(), self)[0]

@@ -44,6 +44,7 @@ from inference_service.frontend.grammar_check import COMPILE_CPU_S, COMPILE_PROC
 from inference_service.frontend.health import HealthReporter, install_test_fault, start_health_listener, watch_engine
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_name, engine_end_error
 from inference_service.frontend.namespace import public_message
+from inference_service.frontend.platform_info import platform_rows
 from inference_service.frontend.preload import PreloadEntry, Preloader
 from inference_service.frontend.tenant_adapters import TenantAdapters
 from inference_service.frontend.tenants import QuotaExceeded, Tenancy, Tenant, TenantSpec, Ticket, tenant_identity
@@ -359,6 +360,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 lora_page_rank=m.lora_page_rank,
                 kv_cache_blocks=m.kv_cache_blocks,
                 kv_block_size=m.kv_block_size,
+                platform=platform_rows(m),
             )
 
         return await self._unary("GetModelInfo", context, run, pb.GetModelInfoRequest, raw)

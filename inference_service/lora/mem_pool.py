@@ -72,6 +72,7 @@ class LoRAMemoryPool:
         num_pages: int | None = None,
         page_rank: int = DEFAULT_PAGE_RANK,
         share_bytes: Mapping[str, int] | None = None,
+        huge_pages: bool = True,
     ) -> None:
         """`num_slots`: a fixed-slot pool (the old one, and `--max-loras N`): that many pages of
         `max_rank` rows, one adapter each, whatever its rank. None: `num_pages` pages of `page_rank`
@@ -97,12 +98,12 @@ class LoRAMemoryPool:
                 in_features = shapes.features[group[0]][0]
                 outs = [shapes.features[module][1] for module in group]
                 assert all(shapes.features[m][0] == in_features for m in group), f"{group} must share an input"
-                a = hugepages.empty((total, len(group) * page_rank, in_features), dtype, device)
+                a = hugepages.empty((total, len(group) * page_rank, in_features), dtype, device, huge_pages)
                 a[self.zero_page].zero_()
                 sliced, col = [], 0
                 for i, (module, out_features) in enumerate(zip(group, outs, strict=True)):
                     shape = (page_rank, out_features) if b_rank_major else (out_features, page_rank)
-                    b = hugepages.empty((total, *shape), dtype, device)
+                    b = hugepages.empty((total, *shape), dtype, device, huge_pages)
                     b[self.zero_page].zero_()
                     b_view = b.transpose(1, 2) if b_rank_major else b
                     self.buffers[(layer, module)] = (a[:, i * page_rank : (i + 1) * page_rank], b_view)

@@ -1,4 +1,5 @@
-"""Paged attention behind one interface: `AttentionBackend`, chosen in `make_attention_backend`.
+"""Paged attention behind one interface: `AttentionBackend`, one per name in `BACKENDS`, the one the
+platform plan (inference_service/platform) names made by `make_attention_backend`.
 
 A backend writes a layer's new K/V into its cache blocks (unless the fused RoPE kernel already
 did) and attends: decode rows batched, each prefill segment on its own. The torch backend runs
@@ -9,7 +10,6 @@ then).
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Protocol
 
 import torch
@@ -19,6 +19,8 @@ from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.models.batch import AttentionBatch, PrefillSegment
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V caches [num_blocks, block_size, Hkv, D]
+# The backends by name (`--attention-backend`): the C kernels on CPU, the Triton kernel on CUDA, torch's SDPA anywhere.
+BACKENDS = ("c", "triton", "torch")
 
 
 class AttentionBackend(Protocol):
@@ -30,13 +32,14 @@ class AttentionBackend(Protocol):
         ...
 
 
-def make_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The one place a backend is chosen (builds the C kernel now where it applies, not in the
-    first request's decode step)."""
-    if cpu_kernels.available(device, dtype):
-        return CpuPagedAttention(prefill_kernel=cpu_kernels.prefill_preferred(device, dtype))
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+def make_attention_backend(name: str, prefill_kernel: bool = False) -> AttentionBackend:
+    """The backend the platform plan named (`BACKENDS`): "c" (with the C prefill kernel where
+    `prefill_kernel`), "triton" or "torch"."""
+    if name == "c":
+        return CpuPagedAttention(prefill_kernel=prefill_kernel)
+    if name == "triton":
         return TritonPagedAttention()
+    assert name == "torch", f"unknown attention backend {name!r}"
     return TorchPagedAttention()
 
 
