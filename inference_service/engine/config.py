@@ -30,7 +30,7 @@ class EngineConfig:
     # (engine.core.resolve_max_rank). The engine core replaces auto with the rank it chose.
     max_lora_rank: int | str = "auto"
     lora_memory_bytes: int | None = None
-    # Of the memory budget: None is 0.25 on CUDA, 0.5 on CPU (docs/architecture.md, "The adapter
+    # Of the memory budget: None is 0.25 on CUDA, 0.5 on CPU (docs/engine.md, "The adapter
     # pool"), less what the KV cache needs for one request of the whole context.
     lora_memory_fraction: float | None = None
     lora_page_rank: int = 8

@@ -119,7 +119,7 @@ class TorchPagedAttention:
             else:
                 out[seg.start : seg.end] = result
         # One gather for K and one for V per layer, of every segment's blocks at once: a gather per
-        # segment was 64 parallel regions a step for 8 segments of 4 layers (see docs/architecture.md).
+        # segment was 64 parallel regions a step for 8 segments of 4 layers (docs/performance.md).
         context = batch.context_blocks() if any(batch.prefills[i].num_computed for i in rest) else None
         if context is not None:
             index, offsets = context

@@ -1,7 +1,7 @@
 """The serving dtype (`--dtype auto`): on an accelerator the checkpoint's own `torch_dtype` (what it
 was trained and shipped in); on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX) or
 where the AVX2 projection kernel is preferred (AVX2 without AVX-512: bf16 weights widened as they are
-read, half fp32's bytes at fp32's arithmetic; docs/architecture.md, "bf16 on an AVX2-only CPU"), else
+read, half fp32's bytes at fp32's arithmetic; docs/performance.md, "bf16 on an AVX2-only CPU"), else
 fp32 (torch's emulated bf16 is slower than fp32 there)."""
 
 from __future__ import annotations
