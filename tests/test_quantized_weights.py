@@ -292,7 +292,7 @@ def test_a_fused_projection_of_mixed_types_is_served_dense(files):
             return quantize_blocks(self[name].numpy(), "Q4_0") if weight and "v_proj" in name else weight
 
     file = GGUFFile(files["Q8_0"])
-    model = LlamaModel(ModelConfig.from_hf(file.hf_config()), CPU, torch.float32)
+    model = LlamaModel(ModelConfig.from_hf(file.hf_config()), CPU, torch.float32, compute_for(CPU, torch.float32))
     model.load_hf_state_dict(MixedTypes(file, "auto"))
     model.pack_weights()
     for layer in model.layers:
