@@ -169,7 +169,8 @@ def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
     core, names = tiny_engine(tmp_path, "float32")
     run_mixed(core, names, [[3, 4, 5]], 2)
     assert core.runner.decode_stack is None
-    assert decode_stack_row(core) == "off (the projections are not all packed for one C kernel)"
+    assert decode_stack_row(core) in ("off (the projections are not all packed for one C kernel)",
+                                      "off (its C kernels are not all in use here)")  # (none load here)
     core.shutdown()
     monkeypatch.setattr(amx_linear, "available", lambda: False)
     core, names = tiny_engine(tmp_path / "onednn")
