@@ -22,7 +22,8 @@ from inference_service.models.attention import CpuPagedAttention, TorchPagedAtte
 from inference_service.models.fused_ops import CFusedOps, TorchFusedOps
 
 KEYS = ["device", "cpu", "cpu flags", "kernels", "dtype", "linear packing", "quantized weights", "attention decode",
-        "attention prefill", "lora op", "fused ops", "decode stack", "copy engine", "huge pages", "memory budget"]
+        "attention prefill", "lora op", "fused ops", "greedy pick", "decode stack", "copy engine", "huge pages",
+        "memory budget"]
 
 
 def test_kernels_off_selects_every_torch_path():
@@ -70,7 +71,8 @@ def test_the_server_logs_and_reports_the_plan_it_follows(inference_server_factor
     rows = {row.key: row.value for row in info.platform}
     assert [row.key for row in info.platform] == KEYS
     assert rows["kernels"] == "off (--kernels off)" and rows["attention decode"] == "torch"
-    assert rows["lora op"] == "torch" and rows["fused ops"] == "torch" and rows["huge pages"] == "off"
+    assert rows["lora op"] == "torch" and rows["fused ops"] == "torch" and rows["greedy pick"] == "torch"
+    assert rows["huge pages"] == "off"
     assert rows["decode stack"] == "off (--decode-stack off)" and rows["dtype"] == "float32 (--dtype)"
     log = server.log()
     assert "platform plan:" in log

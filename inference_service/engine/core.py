@@ -278,7 +278,8 @@ class EngineCore:
         self.plan, decode_stack = Platform.with_model(plan, model)  # once the LoRA buffers are attached
         self.plan.log()
         self.runner = ModelRunner(model, self.tokenizer, self.lora, kv,
-                                  build_decode_graphs(config, model, kv, self.lora), decode_stack)
+                                  build_decode_graphs(config, model, kv, self.lora), decode_stack,
+                                  c_argmax=self.plan.greedy_pick == "c")
         self.scheduler = Scheduler(config, kv, self.lora)
         log.info("LoRA slots in %s", self.lora.slot_dtype)
         mc = model.config

@@ -58,13 +58,15 @@ class PlannedRow:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, lora: LoRAManager, kv: KVCache,
-                 graphs: DecodeGraphs | None = None, decode_stack: DecodeStack | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, decode_stack: DecodeStack | None = None,
+                 c_argmax: bool = True) -> None:
         """The engine core builds the LoRA slots, the KV cache, the captured decode steps and the decode
         stack for the model (`engine.core.build_lora_manager`, `build_kv_cache`, `build_decode_graphs`,
         `Platform.with_model`); the runner only uses them. `decode_stack`: the fast path for steps of
-        decodes alone, asked first (it declines a step it cannot run), where the platform plan has one."""
+        decodes alone, asked first (it declines a step it cannot run), where the platform plan has one;
+        `c_argmax`: the plan's greedy pick is the C kernel (`sampling.sample`)."""
         self.model, self.tokenizer, self.lora, self.kv, self.graphs = model, tokenizer, lora, kv, graphs
-        self.decode_stack = decode_stack
+        self.decode_stack, self.c_argmax = decode_stack, c_argmax
         self.device = model.device
 
     def run(self, batch: ScheduledBatch) -> StepResults:
@@ -133,7 +135,7 @@ class ModelRunner:
             if constrained:  # structured output: after the adapted forward pass and the logits processors
                 processed = mask_logits(processed, matchers)
             params = [r.params for r in sampled]
-            tokens = sample(processed, params, [r.generator for r in sampled])
+            tokens = sample(processed, params, [r.generator for r in sampled], self.c_argmax)
             logprobs = step_logprobs(processed, params, tokens)
             if constrained:
                 accept(matchers, tokens)

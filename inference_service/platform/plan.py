@@ -36,6 +36,7 @@ class PlatformPlan:
     prefill_kernel: bool  # the C attention backend runs prefill chunks too
     lora_op: str  # lora/backend.OPS
     fused_ops: str  # "c" | "torch"
+    greedy_pick: str  # "c" (kernels/greedy.c) | "torch": a sampled row's argmax
     decode_stack: bool  # the runner's fast path (models/decode_stack.py) for decode-only steps
     decode_stack_why: str
     copy_engine: str
@@ -70,6 +71,7 @@ class PlatformPlan:
             ("attention prefill", prefill if self.attention == "c" else "torch SDPA"),
             ("lora op", self.lora_op),
             ("fused ops", self.fused_ops),
+            ("greedy pick", self.greedy_pick),
             ("decode stack", f"{'on' if self.decode_stack else 'off'} ({self.decode_stack_why})"),
             ("copy engine", self.copy_engine),
             ("huge pages", "on" if self.huge_pages else "off"),

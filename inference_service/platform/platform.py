@@ -76,6 +76,7 @@ class Platform:
         lora_op = "c" if found.lora else (
             "triton" if device.type == "cuda" and settings.triton_kernels and _triton() else "torch")
         fused_ops = "c" if found.fused else "torch"
+        greedy_pick = "c" if found.greedy else "torch"
         stack, stack_why = _decode_stack(settings, on_cpu, graphs, found, attention, fused_ops)
         overlap = settings.overlap_loads
         copy_engine = "blocking" if not overlap else ("CUDA stream" if device.type == "cuda" else "thread")
@@ -92,7 +93,8 @@ class Platform:
         return PlatformPlan(
             device=device, cpu=cpu.model, cpu_flags=tuple(f for f in FLAGS if f in cpu.flags), kernels=kernels,
             dtype=dtype, dtype_why=dtype_why, packing=packing, attention=attention, prefill_kernel=prefill_kernel,
-            lora_op=lora_op, fused_ops=fused_ops, decode_stack=stack, decode_stack_why=stack_why,
+            lora_op=lora_op, fused_ops=fused_ops, greedy_pick=greedy_pick, decode_stack=stack,
+            decode_stack_why=stack_why,
             copy_engine=copy_engine, huge_pages=huge_pages, memory_budget=budget,
         )
 

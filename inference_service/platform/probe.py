@@ -56,6 +56,7 @@ class CpuKernels:
     prefill_attention_preferred: bool
     lora: bool
     decode_stack: bool
+    greedy: bool
 
     @classmethod
     def probe(cls, dtype: torch.dtype) -> CpuKernels:
@@ -69,8 +70,9 @@ class CpuKernels:
             prefill_attention_preferred=attention_kernels.prefill_preferred(cpu, dtype),
             lora=lora_kernels.available(dtype),
             decode_stack=load_library("decode_stack") is not None,
+            greedy=load_library("greedy") is not None,
         )
 
     @classmethod
     def none(cls) -> CpuKernels:
-        return cls(False, False, False, False, False, False, False, False)
+        return cls(False, False, False, False, False, False, False, False, False)
