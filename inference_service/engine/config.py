@@ -18,7 +18,8 @@ class EngineConfig:
     model: str = "builtin:tiny"
     revision: str | None = None  # branch, tag or commit of an HF model id (default: main)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "float32"  # auto | float32 | float16 | bfloat16 (the CLI defaults to auto)
+    # auto | float32 | float16 | bfloat16 (the CLI defaults to auto; the platform plan resolves auto)
+    dtype: str = "float32"
     # auto | bf16 | q8_0 | q4_0: a GGUF file's projections kept quantized or dequantized to `dtype`
     # (models/quantized.py)
     weights_dtype: str = "auto"
@@ -123,9 +124,3 @@ class EngineConfig:
         if self.decode_graphs == "auto":
             return self.torch_device().type == "cuda"
         return self.decode_graphs == "on"
-
-    def torch_dtype(self) -> torch.dtype:
-        """The serving dtype, as the platform plan chooses it (inference_service/platform/dtype.py)."""
-        from inference_service.platform import Platform
-
-        return Platform.dtype(self.torch_device(), self)[0]

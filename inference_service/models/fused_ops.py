@@ -18,8 +18,6 @@ from inference_service.kernels import fused
 
 
 class FusedOps(Protocol):
-    name: str
-
     def add_rms_norm(
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +51,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class TorchFusedOps:
     """torch's ops, on any device."""
 
-    name = "torch"
-
     def add_rms_norm(
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +70,6 @@ class TorchFusedOps:
 
 class CFusedOps:
     """The fused C kernels on CPU; torch's op for a call whose tensors a kernel cannot take."""
-
-    name = "C (fused.c)"
 
     def add_rms_norm(
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
