@@ -19,7 +19,10 @@ import torch
 from inference_service.kernels.build import address, load_library
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 
+# The ops by name, in the order the platform plan tries them (the first that runs here); the C kernel's
+# is off with `--kernels off`, Triton's with `EngineConfig.triton_kernels=False`.
 OPS = ("c", "triton", "torch")
+C_KERNEL_OPS = frozenset({"c"})
 _APPLY = {torch.float32: "lora_apply_f32", torch.bfloat16: "lora_apply_bf16"}
 _TRANSPOSE = {torch.float32: "transpose_scale_f32", torch.bfloat16: "transpose_scale_bf16"}
 
@@ -108,6 +111,15 @@ def _function(symbol: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defi
 def triton_available() -> bool:
     """True if triton is installed (it is imported only when a CUDA op is made)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def op_runs(name: str, device: torch.device, model_dtype: torch.dtype) -> bool:
+    """Whether op `name` runs on this device for the model's dtype (the C kernel is built now where it may)."""
+    if name == "c":
+        return device.type == "cpu" and available(model_dtype)
+    if name == "triton":
+        return device.type == "cuda" and triton_available()
+    return name == "torch"
 
 
 def make_lora_op(name: str, device: torch.device, model_dtype: torch.dtype) -> LoRAOp:

@@ -10,6 +10,7 @@ then).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
@@ -19,8 +20,12 @@ from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.models.batch import AttentionBatch, PrefillSegment
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V caches [num_blocks, block_size, Hkv, D]
-# The backends by name (`--attention-backend`): the C kernels on CPU, the Triton kernel on CUDA, torch's SDPA anywhere.
+# The backends by name (`--attention-backend`), in the order auto tries them: the C kernels on CPU, the
+# Triton kernel on CUDA, torch's SDPA anywhere. Where each runs: `backend_runs`; what it needs, for the
+# message when it is named where it cannot run: `NEEDS`; the C kernels' are off with `--kernels off`.
 BACKENDS = ("c", "triton", "torch")
+NEEDS = {"c": "the C kernels on CPU (--kernels auto)", "triton": "CUDA and triton", "torch": ""}
+C_KERNEL_BACKENDS = frozenset({"c"})
 
 
 class AttentionBackend(Protocol):
@@ -30,6 +35,15 @@ class AttentionBackend(Protocol):
         """Attention output [T, Hq, D] for q [T, Hq, D] and this step's k/v [T, Hkv, D].
         `cached`: k and v are already in the cache at `batch.slot_mapping`."""
         ...
+
+
+def backend_runs(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether backend `name` runs on this device and dtype (the C kernel is built now where it may)."""
+    if name == "c":
+        return cpu_kernels.available(device, dtype)
+    if name == "triton":
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return name == "torch"
 
 
 def make_attention_backend(name: str, prefill_kernel: bool = False) -> AttentionBackend:

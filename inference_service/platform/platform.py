@@ -9,13 +9,14 @@ it runs. A path named but absent here is a start-up error, not a silent fallback
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Protocol
 
 import torch
 
 from adapter_cache.errors import FailedPreconditionError
 from inference_service.kernels import avx2_linear
+from inference_service.lora import backend as lora_ops
+from inference_service.models import attention
 from inference_service.models.decode_stack import DecodeStack
 from inference_service.models.linear import WeightPacking
 from inference_service.models.llama import LlamaModel
@@ -43,7 +44,7 @@ class PlatformSettings(Protocol):
 
 
 KERNELS = ("auto", "off")
-ATTENTION_BACKENDS = ("auto", "c", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", *attention.BACKENDS)
 DECODE_STACK = ("auto", "off")
 
 
@@ -72,12 +73,12 @@ class Platform:
             forms = (("amx",) if found.amx_linear else ()) + (("avx2",) if found.avx2_linear_preferred else ())
             forms += ("onednn",) if on_cpu else ()
             packing = WeightPacking(forms, quantized=found.quant_linear, huge_pages=huge_pages)
-        attention, prefill_kernel = _attention(settings.attention_backend, device, found)
-        lora_op = "c" if found.lora else (
-            "triton" if device.type == "cuda" and settings.triton_kernels and _triton() else "torch")
+        attention_backend, prefill_kernel = _attention(settings.attention_backend, device, dtype, kernels_on, found)
+        lora_op = next(name for name in lora_ops.OPS if (kernels_on or name not in lora_ops.C_KERNEL_OPS) and (
+            name != "triton" or settings.triton_kernels) and lora_ops.op_runs(name, device, dtype))
         fused_ops = "c" if found.fused else "torch"
         greedy_pick = "c" if found.greedy else "torch"
-        stack, stack_why = _decode_stack(settings, on_cpu, graphs, found, attention, fused_ops)
+        stack, stack_why = _decode_stack(settings, on_cpu, graphs, found, attention_backend, fused_ops)
         overlap = settings.overlap_loads
         copy_engine = "blocking" if not overlap else ("CUDA stream" if device.type == "cuda" else "thread")
         if settings.memory_budget_bytes is not None:
@@ -92,9 +93,9 @@ class Platform:
             kernels = ", ".join(name for name, loaded in vars(found).items() if loaded) or "none load here"
         return PlatformPlan(
             device=device, cpu=cpu.model, cpu_flags=tuple(f for f in FLAGS if f in cpu.flags), kernels=kernels,
-            dtype=dtype, dtype_why=dtype_why, packing=packing, attention=attention, prefill_kernel=prefill_kernel,
-            lora_op=lora_op, fused_ops=fused_ops, greedy_pick=greedy_pick, decode_stack=stack,
-            decode_stack_why=stack_why,
+            dtype=dtype, dtype_why=dtype_why, packing=packing, attention=attention_backend,
+            prefill_kernel=prefill_kernel, lora_op=lora_op, fused_ops=fused_ops, greedy_pick=greedy_pick,
+            decode_stack=stack, decode_stack_why=stack_why,
             copy_engine=copy_engine, huge_pages=huge_pages, memory_budget=budget,
         )
 
@@ -122,18 +123,18 @@ class Platform:
         return plan.with_decode_stack(True, "decode-only steps in one C call"), stack
 
 
-def _triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _attention(requested: str, device: torch.device, dtype: torch.dtype, kernels_on: bool,
+               found: CpuKernels) -> tuple[str, bool]:
+    """(backend, C prefill kernel): `--attention-backend`, auto the first of models/attention.BACKENDS
+    that runs here."""
+    def runs(name: str) -> bool:
+        return (kernels_on or name not in attention.C_KERNEL_BACKENDS) and attention.backend_runs(name, device, dtype)
 
-
-def _attention(requested: str, device: torch.device, found: CpuKernels) -> tuple[str, bool]:
-    """(backend, C prefill kernel): `--attention-backend`, auto the fastest that runs here."""
-    runs = {"c": found.attention, "triton": device.type == "cuda" and _triton(), "torch": True}
     if requested == "auto":
-        requested = next(name for name in ("c", "triton", "torch") if runs[name])
-    elif not runs[requested]:
-        where = "needs the C kernels on CPU (--kernels auto)" if requested == "c" else "needs CUDA and triton"
-        raise FailedPreconditionError(f"--attention-backend {requested} does not run on {device}: it {where}")
+        requested = next(name for name in attention.BACKENDS if runs(name))
+    elif not runs(requested):
+        raise FailedPreconditionError(f"--attention-backend {requested} does not run on {device}: it needs "
+                                      f"{attention.NEEDS[requested]}")
     return requested, requested == "c" and found.prefill_attention_preferred
 
 
