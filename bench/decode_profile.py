@@ -80,7 +80,7 @@ def profiled_steps(core: EngineCore, batch: int, names: list[str | None]) -> tup
         produced |= {out.request_id for out in core.step() if out.new_token_ids}
     for _ in range(3):
         core.step()
-    stack = core.runner.model.decode_stack()
+    stack = core.runner.decode_stack
     if stack is not None:
         stack.profile = torch.zeros(len(OPS), dtype=torch.float64)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

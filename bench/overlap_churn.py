@@ -43,10 +43,10 @@ from inference_service.engine.config import EngineConfig  # noqa: E402
 from inference_service.engine.core import EngineCore  # noqa: E402
 from inference_service.engine.request import Request, SamplingParams  # noqa: E402
 from inference_service.kernels.copy import CopyJob  # noqa: E402
-from inference_service.lora.backend import make_lora_op  # noqa: E402
 from inference_service.lora.mem_pool import LoRAMemoryPool  # noqa: E402
 from inference_service.lora.source import LocalDirectorySource  # noqa: E402
 from inference_service.models.loader import load_model  # noqa: E402
+from inference_service.platform import Platform  # noqa: E402
 
 RESIDENT, CHURN, SLOTS = 4, 8, 8
 
@@ -104,9 +104,10 @@ def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int, device: str) 
     """Slot load (staging excluded) vs one torch copy of the same bytes on the same copy engine, in GB/s:
     the engine's own parts (op, slot pool, source, copy engine) as EngineCore assembles them."""
     config = EngineConfig(model=str(checkpoint), device=device)
-    device, dtype = config.torch_device(), config.torch_dtype()
-    model, _ = load_model(config.model, device, dtype)
-    shapes, op = model.config.lora_shapes(), make_lora_op(device, dtype)
+    plan = Platform.for_device(config.torch_device(), config)
+    device, dtype = plan.device, plan.dtype
+    model, _ = load_model(config.model, device, dtype, compute=plan.model_compute())
+    shapes, op = model.config.lora_shapes(), plan.make_lora_op()
     pool = LoRAMemoryPool(2, max_rank, shapes, device, op.slot_dtype(dtype), op.b_rank_major)
     host = LocalDirectorySource(shapes, max_rank, 0).fetch(str(adapter), None, pool.host_form)  # as a load gets it
     nbytes = host.size_bytes

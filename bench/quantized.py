@@ -53,7 +53,7 @@ def main() -> None:
     engines = {weights: engine(model, args.dtype, weights) for weights in WEIGHTS}
     for weights, core in engines.items():
         saved = core.runner.model.weight_bytes_saved
-        print(f"{weights}: decode stack {'on' if core.runner.model.decode_stack() else 'off'}, "
+        print(f"{weights}: decode stack {'on' if core.runner.decode_stack else 'off'}, "
               f"weights {saved / 2**20:.1f} MiB smaller than dense", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = mixed_adapters(Path(tmp), engines["bf16"].runner.model.config, ADAPTERS)

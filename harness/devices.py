@@ -17,8 +17,10 @@ CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA device (none on this machine)"
 requires_cuda = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=requires_cuda)]
-# A run with the C kernels turned off (LORAPLEX_CPU_KERNELS=0, kernels/build.py) checks the torch paths on
-# CPU; tests of the C kernels themselves then skip, saying so.
+# A run on a host where no C kernel loads (LORAPLEX_CPU_KERNELS=0 makes kernels/build.py's loader find none)
+# checks the torch paths on CPU throughout; tests of the C kernels themselves then skip, saying so. A test
+# that wants one path selects it by argument instead: EngineConfig(kernels="off", attention_backend="torch",
+# decode_stack="off", huge_pages=False), the platform plan's switches (harness/platform.py).
 C_KERNELS_OFF = os.environ.get("LORAPLEX_CPU_KERNELS", "1").strip().lower() in {"0", "false", "no", "off"}
 # The device of inference servers started by tests: cpu unless the run asks for another (the GPU check).
 SERVER_DEVICE = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu")

@@ -113,6 +113,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         adapter_source_allow=allow,
         adapter_pool_shares={t.name: t.adapter_pool_bytes for t in tenants if t.adapter_pool_bytes is not None},
         limits=RequestLimits(**settings_for(flags, RequestLimits)),
+        huge_pages=flags.huge_pages == "on",
         prefix_cache=flags.prefix_cache == "on",
         fair_share=flags.fair_share == "on",
     )
@@ -195,6 +196,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from inference_service.engine.in_process import Engine
     from inference_service.engine.process import ProcessEngine
     from inference_service.frontend.metrics import EngineCollector, build_registry, serve_metrics
+    from inference_service.frontend.platform_info import PlatformInfoCollector
     from inference_service.frontend.residency import ResidencyCollector
 
     registry, sink = build_registry(server_cfg.adapter_metrics_top_k)
@@ -212,6 +214,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
     registry.register(EngineCollector(engine.stats, server_cfg.tenant_metrics_top_k))
     registry.register(ResidencyCollector(engine, server_cfg.adapter_metrics_top_k))
+    registry.register(PlatformInfoCollector(engine.model_info))
     registry.register(server_cfg.tenancy.collector())
     registry.register(adapters_collector)
     engine.start()

@@ -18,6 +18,7 @@ from inference_service.frontend.http.config import HttpConfig
 from inference_service.frontend.tool_parsers import PARSERS
 from inference_service.limits import RequestLimits
 from inference_service.models.quantized import WEIGHTS_DTYPES
+from inference_service.platform.platform import ATTENTION_BACKENDS, DECODE_STACK, KERNELS
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's
 
@@ -134,6 +135,22 @@ class ServeFlags:
         "on: each step runs on a device thread while the scheduler plans the next one (the scheduler's CPU time hides "
         "behind the accelerator's); auto: on for accelerators, off on CPU",
         default=EngineConfig.async_scheduling, choices=("auto", "on", "off"), into=EngineConfig)
+    kernels: str = flag(ENGINE,
+        "auto: the C kernels on CPU wherever they load (projections, attention, LoRA, fused ops, the decode stack); "
+        "off: every torch path (the same results); the start-up log's platform plan says what runs",
+        default=EngineConfig.kernels, choices=KERNELS, into=EngineConfig)
+    attention_backend: str = flag(ENGINE,
+        "auto: the C kernels on CPU, Triton on CUDA where installed, else torch's SDPA; c | triton | torch name one "
+        "(refused at start where it cannot run)",
+        default=EngineConfig.attention_backend, choices=ATTENTION_BACKENDS, into=EngineConfig)
+    decode_stack: str = flag(ENGINE,
+        "auto: steps of decodes alone run every layer in one C call where the kernels and the model family allow "
+        "(the platform plan says whether and why not); off: the layer forward",
+        default=EngineConfig.decode_stack, choices=DECODE_STACK, into=EngineConfig)
+    huge_pages: str = flag(ENGINE,
+        "on: the packed weights and the adapter pool ask for 2 MiB pages (transparent huge pages, where the OS "
+        "allows); off: ordinary pages",
+        default="on" if EngineConfig.huge_pages else "off", choices=("on", "off"))
     prefix_cache: str = flag(ENGINE,
         "on: full KV blocks stay cached, keyed by their tokens, the weights (an adapter's loaded version, never its "
         "name) and the operator's salt, and prompts reuse the longest cached prefix",

@@ -198,8 +198,12 @@ def test_dtype_auto(tmp_path, monkeypatch):
     projections, else fp32."""
     import torch
 
-    from inference_service.engine.config import auto_dtype
+    from inference_service.engine.config import EngineConfig
     from inference_service.kernels import avx2_linear
+    from inference_service.platform import Platform
+
+    def auto_dtype(model: str, device: torch.device, **settings: str) -> torch.dtype:
+        return Platform.dtype(device, EngineConfig(model=model, device=str(device), dtype="auto", **settings))[0]
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert auto_dtype(str(tmp_path), torch.device("cuda")) == torch.bfloat16
@@ -220,6 +224,9 @@ def test_dtype_auto(tmp_path, monkeypatch):
     assert auto_dtype(str(tmp_path), torch.device("cpu")) == torch.bfloat16
     monkeypatch.setattr(avx2_linear, "preferred", lambda: False)  # no compiler, kernels switched off, or AVX-512
     assert auto_dtype(str(tmp_path), torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
+    monkeypatch.setattr(avx2_linear, "preferred", lambda: True)  # --kernels off: the AVX2 kernel is not used
+    assert auto_dtype(str(tmp_path), torch.device("cpu"), kernels="off") == (
+        torch.bfloat16 if native_bf16 else torch.float32)
     assert cli.build_parser().parse_args([]).dtype == "auto"
 
 

@@ -1,6 +1,6 @@
-"""The decode stack (a LLaMA decode step in one C call, models/decode_stack.py) against the layer
-forward it replaces: the same logits bit for bit, step by step in a real engine with adapters, and
-the layer forward wherever the stack cannot run."""
+"""The decode stack (a LLaMA decode step in one C call, models/decode_stack.py, the runner's fast path)
+against the layer forward it replaces: the same logits bit for bit, step by step in a real engine with
+adapters, and the layer forward wherever the stack cannot run or the platform plan turns it off."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ import torch
 
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
+from harness.platform import plan_for
 from harness.real_model import require_real_model
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
+from inference_service.engine.model_runner import ModelRunner
 from inference_service.engine.request import Request, SamplingParams
 from inference_service.kernels import amx_linear, avx2_linear
 from inference_service.lora.ops import TorchLoRAOp
-from inference_service.models import decode_stack
-from inference_service.models.layers import GatedMLP
-from inference_service.models.llama import LlamaDecoderLayer, LlamaModel
+from inference_service.models import registry
+from inference_service.models.batch import ForwardBatch
+from inference_service.models.config import ModelConfig
 from inference_service.models.loader import BUILTIN_TINY
+from inference_service.platform import Platform
 
 # A stack is built on C-callable projections: AMX's in bf16, the AVX2 kernel's in bf16 and fp32 (none on
 # oneDNN's). Each is tested wherever its instructions exist, whether or not this CPU prefers it
@@ -53,32 +56,21 @@ def use_any_kernel(monkeypatch: pytest.MonkeyPatch) -> bool:
 
 
 class BothPaths:
-    """Wraps a model's pass through its layers (`hidden`, the LM head's input): each step runs the
-    layer forward (the stack switched off), then the stack, and records whether the stack ran and
-    whether the two LM head inputs (hence the logits) are equal bit for bit."""
+    """Wraps the runner's pass through the layers (`ModelRunner.hidden`, the LM head's input): each step
+    runs the model's layer forward, then the decode stack, and records whether the stack ran and whether
+    the two LM head inputs (hence the logits) are equal bit for bit."""
 
-    def __init__(self, model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.model, self.monkeypatch = model, monkeypatch
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
         self.stack_steps = self.layer_steps = 0
         self.mismatches: list[float] = []
-        self.hidden = model.hidden
-        model.hidden = self  # type: ignore[method-assign]
+        runner.hidden = self  # type: ignore[method-assign]
 
-    def __call__(self, batch, kv_caches) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        run = decode_stack.DecodeStack.run
-        ran: list[bool] = []
-
-        def counted(stack, *args):  # type: ignore[no-untyped-def]
-            out = run(stack, *args)
-            ran.append(out is not None)
-            return out
-
-        with self.monkeypatch.context() as patch:
-            patch.setattr(decode_stack.DecodeStack, "run", lambda *args: None)
-            reference = self.hidden(batch, kv_caches)
-            patch.setattr(decode_stack.DecodeStack, "run", counted)
-            hidden = self.hidden(batch, kv_caches)  # rewrites the step's K/V with the same values
-        if not any(ran):
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        kv_caches, stack = self.runner.kv.layers, self.runner.decode_stack
+        reference = self.runner.model.hidden(batch, kv_caches)
+        hidden = stack.hidden(batch, kv_caches) if stack is not None else None  # the step's K/V rewritten alike
+        if hidden is None:
             self.layer_steps += 1
             return reference
         self.stack_steps += 1
@@ -94,11 +86,11 @@ def run_mixed(core: EngineCore, names: list[str | None], prompts: list[list[int]
     run_to_completion(core)
 
 
-def tiny_engine(tmp_path: Path, dtype: str = "bfloat16") -> tuple[EngineCore, list[str | None]]:
+def tiny_engine(tmp_path: Path, dtype: str = "bfloat16", **settings: str) -> tuple[EngineCore, list[str | None]]:
     adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4),
                 "b": write_tiny_adapter(tmp_path / "b", seed=2, rank=8)}
     core = EngineCore(EngineConfig(model=BUILTIN_TINY, device="cpu", dtype=dtype, max_num_seqs=8, max_loras=2,
-                                   max_lora_rank=8))
+                                   max_lora_rank=8, **settings))
     load_adapters(core, adapters, preload=True)
     return core, [None, *adapters]
 
@@ -109,7 +101,7 @@ def test_stack_logits_equal_the_layer_forward_with_adapters(monkeypatch, tmp_pat
     and 8 in one batch, prompts of different lengths: every decode step's logits bit for bit."""
     use_kernel(monkeypatch, kernel)
     core, names = tiny_engine(tmp_path, dtype)
-    both = BothPaths(core.runner.model, monkeypatch)
+    both = BothPaths(core.runner)
     run_mixed(core, names, [list(range(3, 3 + 5 * i + 1)) for i in range(6)], 24)
     core.shutdown()
     assert both.stack_steps >= 20 and both.layer_steps >= 1  # decodes in C, the prefill in Python
@@ -138,7 +130,7 @@ def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path,
                                    max_lora_rank=8, kv_cache_bytes=4 << 20))
     assert core.runner.model.layers[0].qkv.bias is not None
     load_adapters(core, {"r8": adapter}, preload=True)
-    both = BothPaths(core.runner.model, monkeypatch)
+    both = BothPaths(core.runner)
     run_mixed(core, [None, "r8"], [[5, 9, 14], [3, 4, 5, 6, 7, 8], [20, 21]], 10)
     run_mixed(core, [None], [[5, 9, 14], [30, 31]], 6)  # base-model steps alone
     core.shutdown()
@@ -159,55 +151,63 @@ def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp
     adapters = {f"r{rank}": write_peft_adapter(tmp_path / f"r{rank}", config, rank=rank, alpha=16.0, seed=rank,
                                                scale=0.05) for rank in (16, 8)}
     load_adapters(core, adapters, preload=True)
-    both = BothPaths(core.runner.model, monkeypatch)
+    both = BothPaths(core.runner)
     run_mixed(core, [None, *adapters], [list(range(100, 100 + 7 * i + 3)) for i in range(6)], 12)
     run_mixed(core, [None], [list(range(200, 200 + 9 * i + 5)) for i in range(4)], 6)  # base model alone
     core.shutdown()
     assert both.stack_steps >= 15 and both.mismatches == []
 
 
+def decode_stack_row(core: EngineCore) -> str:
+    return dict(core.model_info.platform)["decode stack"]
+
+
 def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
-    """Projections on oneDNN (AMX and AVX2 forced off, fp32 and bf16), the switch, and a family that
-    overrides a step of LLaMA's layer: each keeps the layer forward."""
+    """Projections on oneDNN (AMX and AVX2 forced off, fp32 and bf16) and `--decode-stack off` keep the
+    layer forward, and the platform plan says why."""
     monkeypatch.setattr(avx2_linear, "available", lambda: False)  # an AVX-512 CPU without AMX
     core, names = tiny_engine(tmp_path, "float32")
     run_mixed(core, names, [[3, 4, 5]], 2)
-    assert core.runner.model.decode_stack() is None
+    assert core.runner.decode_stack is None
+    assert decode_stack_row(core) in ("off (the projections are not all packed for one C kernel)",
+                                      "off (its C kernels are not all in use here)")  # (none load here)
     core.shutdown()
     monkeypatch.setattr(amx_linear, "available", lambda: False)
     core, names = tiny_engine(tmp_path / "onednn")
-    assert core.runner.model.decode_stack() is None
+    assert core.runner.decode_stack is None
     core.shutdown()
     monkeypatch.undo()
     if not use_any_kernel(monkeypatch):
         return  # the cases below need a stack that would otherwise be built
-    monkeypatch.setenv("LORAPLEX_DECODE_STACK", "0")
-    core, names = tiny_engine(tmp_path / "off")
-    assert core.runner.model.decode_stack() is None
+    core, names = tiny_engine(tmp_path / "on")
+    assert core.runner.decode_stack is not None and decode_stack_row(core).startswith("on (")
     core.shutdown()
-    monkeypatch.delenv("LORAPLEX_DECODE_STACK")
-
-    class NormedQK(LlamaDecoderLayer):
-        def normalize_qk(self, qkv: torch.Tensor) -> None:
-            pass
-
-    core, names = tiny_engine(tmp_path / "family")
-    model = core.runner.model
-    assert model.decode_stack() is not None
-    model.layers[1].__class__ = NormedQK
-    model._decode_stack = False  # as a model of that family starts
-    assert model.decode_stack() is None
-    model.layers[1].__class__ = LlamaDecoderLayer
-
-    class OtherMLP(GatedMLP):  # a family with its own MLP (another activation, say)
-        pass
-
-    model._decode_stack = False
-    assert model.decode_stack() is not None
-    model.layers[0].feed_forward.__class__ = OtherMLP
-    model._decode_stack = False
-    assert model.decode_stack() is None
+    core, names = tiny_engine(tmp_path / "off", decode_stack="off")
+    assert core.runner.decode_stack is None and decode_stack_row(core) == "off (--decode-stack off)"
     core.shutdown()
+    core, names = tiny_engine(tmp_path / "kernels-off", kernels="off")
+    assert core.runner.decode_stack is None and decode_stack_row(core) == "off (--kernels off)"
+    core.shutdown()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_a_family_the_stack_does_not_run_is_declared_off_with_its_reason(monkeypatch, model_type):
+    """The registry, not the model, says which families' layers the C stack runs: Qwen3's QK-norm (and
+    Qwen3-MoE's sparse block) keep the layer forward, and the plan says why."""
+    if not use_any_kernel(monkeypatch):
+        pytest.skip("no AMX, and no AVX2 and FMA, on this CPU: no kernel a stack can call")
+    plan = plan_for("cpu", torch.bfloat16)
+    assert plan.decode_stack  # what a LLaMA would get here
+    fields = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=2,
+                  num_experts_per_tok=1, moe_intermediate_size=32)
+    config = ModelConfig.from_hf({"model_type": model_type, **fields})
+    model = registry.family(model_type).model_class(config, torch.device("cpu"), torch.bfloat16,
+                                                    plan.model_compute())
+    final, stack = Platform.with_model(plan, model)
+    assert stack is None and not final.decode_stack
+    assert final.decode_stack_why == registry.family(model_type).no_decode_stack
+    assert "QK-norm" in dict(final.rows())["decode stack"]
 
 
 def test_stack_leaves_adapter_steps_to_a_lora_op_it_cannot_call(monkeypatch, tmp_path):
@@ -218,7 +218,7 @@ def test_stack_leaves_adapter_steps_to_a_lora_op_it_cannot_call(monkeypatch, tmp
     core, names = tiny_engine(tmp_path)
     model = core.runner.model
     model.lora_op = TorchLoRAOp(model.device)  # pages stay the model's dtype: the torch op reads them
-    both = BothPaths(model, monkeypatch)
+    both = BothPaths(core.runner)
     run_mixed(core, [None], [[3, 4, 5, 6]] * 2, 6)
     base_steps = both.stack_steps
     run_mixed(core, names[1:], [[3, 4, 5, 6]] * 2, 6)

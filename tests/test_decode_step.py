@@ -18,12 +18,12 @@ import torch
 from harness.adapters import write_tiny_adapter
 from harness.devices import DEVICES, requires_cuda
 from harness.engine_helpers import generate, load_adapters
+from harness.platform import plan_for
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore, build_kv_cache, build_lora_manager, default_source
 from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.kv_cache import KVCache
 from inference_service.engine.request import SamplingParams
-from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch
 from inference_service.metrics_sink import NullMetrics
@@ -43,12 +43,14 @@ class Setup:
     def __init__(self, device: str, tmp: Path) -> None:
         config = EngineConfig(device=device, max_loras="auto", lora_page_rank=4, max_lora_rank=8,
                               memory_budget_bytes=8 << 20, kv_cache_bytes=2 << 20, block_size=4)
-        model, _ = load_model("builtin:tiny", torch.device(device), torch.float32, pack_weights=False)
+        plan = plan_for(device, torch.float32)
+        model, _ = load_model("builtin:tiny", torch.device(device), torch.float32, pack_weights=False,
+                              compute=plan.model_compute())
         assert isinstance(model, LlamaModel)
-        model.lora_op = make_lora_op(model.device, model.dtype)
+        model.lora_op = plan.make_lora_op()
         self.model = model
         self.lora: LoRAManager = build_lora_manager(config, model, default_source(config, model.config.lora_shapes()),
-                                                    NullMetrics(), 8 << 20)
+                                                    NullMetrics(), 8 << 20, plan)
         futures = [self.lora.load_adapter(name, str(write_tiny_adapter(tmp / name, seed=i, rank=rank)), preload=True)
                    for i, (name, rank) in enumerate(RANKS.items())]
         deadline = time.monotonic() + 60

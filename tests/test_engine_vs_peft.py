@@ -17,6 +17,7 @@ import torch
 from harness.devices import C_KERNELS_OFF, requires_cuda
 from harness.engine_helpers import greedy_logits, load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_greedy_logits, peft_reference
+from harness.platform import compute_for
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
@@ -140,7 +141,8 @@ def test_paged_pool_matches_peft(family_setup, reference, op_path, pool):
     page_rank, pages = pool
     config: dict = {"max_loras": "auto", "lora_page_rank": page_rank}
     if pages is not None:
-        model, _ = load_model(str(checkpoint), torch.device("cpu"), torch.float32)
+        model, _ = load_model(str(checkpoint), torch.device("cpu"), torch.float32,
+                              compute=compute_for(torch.device("cpu"), torch.float32))
         config["lora_memory_bytes"] = (pages + 1) * bytes_per_page(model.config.lora_shapes(), page_rank,
                                                                     torch.float32)
     prompts = _prompts(160)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.platform import compute_for
 from inference_service.kernels import amx_linear, hugepages
 from inference_service.models.loader import BUILTIN_TINY, load_model
 
@@ -39,11 +40,10 @@ def test_large_tensors_sit_on_2mib_pages():
     assert hugepages.empty((4, 1 << 20), torch.float32).abs().sum() == 0  # a fresh mapping is zeroed
 
 
-def test_small_tensors_and_the_switch_leave_ordinary_memory(monkeypatch):
+def test_small_tensors_and_the_switch_leave_ordinary_memory():
     small = hugepages.empty((1000,), torch.float32)
     assert small.shape == (1000,) and small.untyped_storage().nbytes() == 4000  # no slack
-    monkeypatch.setenv("LORAPLEX_HUGE_PAGES", "0")
-    plain = hugepages.empty((4, 1 << 20), torch.float32)
+    plain = hugepages.empty((4, 1 << 20), torch.float32, huge=False)  # --huge-pages off
     assert plain.untyped_storage().nbytes() == plain.numel() * 4
 
 
@@ -57,7 +57,8 @@ def test_an_arena_hands_out_consecutive_parts_and_refuses_overflow():
 
 @pytest.mark.skipif(not amx_linear.available(), reason="needs a CPU with AMX (and a compiler)")
 def test_the_packed_weights_share_one_arena():
-    model, _ = load_model(BUILTIN_TINY, torch.device("cpu"), torch.bfloat16)
+    model, _ = load_model(BUILTIN_TINY, torch.device("cpu"), torch.bfloat16,
+                          compute=compute_for(torch.device("cpu"), torch.bfloat16))
     packed = [p.packed for layer in model.layers for p in layer.projections()]  # (its LM head: vocab 258)
     assert all(isinstance(w, amx_linear.AMXWeight) for w in packed)
     assert len({w.blocks.untyped_storage().data_ptr() for w in packed}) == 1  # type: ignore[union-attr]

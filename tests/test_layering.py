@@ -136,3 +136,87 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
         "adapter_cache/c.py imports inference_service",
         "adapter_cache/c.py imports inference_service.x",
     ]
+
+
+@pytest.mark.parametrize(
+    ("directory", "forbidden"),
+    [
+        ("inference_service/platform", "inference_service.engine"),
+        ("inference_service/platform", "inference_service.frontend"),
+        ("inference_service/models", "inference_service.platform"),
+        ("inference_service/lora", "inference_service.platform"),
+        ("inference_service/kernels", "inference_service.platform"),
+    ],
+    ids=["platform-below-engine", "platform-knows-no-front-end", "models-below-platform", "lora-below-platform",
+         "kernels-below-platform"],
+)
+def test_the_platform_sits_between_the_models_and_the_engine(directory, forbidden):
+    """The platform plan chooses for the models and the LoRA op (it imports them) and the engine follows
+    it: nothing below decides, nothing above is reached."""
+    assert _violations(directory, forbidden) == []
+
+
+def import_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports (a `from pkg import name` counts as pkg.name where
+    that is a module, else as pkg)."""
+    paths = {_module_name(p): p for package in packages for p in sorted((ROOT / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        found = set()
+        for name in imports_of(path):
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+        graph[module] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, ()):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle between modules, function-level and TYPE_CHECKING imports included (a circle
+    that an import inside a function breaks at run time is still two modules that need each other).
+    A package's __init__ re-exporting its own modules is not a circle of its own."""
+    graph = import_graph(("adapter_cache", "inference_service", "harness", "bench"))
+    for module, imported in graph.items():  # a package importing its own submodules, or they it
+        graph[module] = {m for m in imported if not (m.startswith(module + ".") or module.startswith(m + "."))}
+    assert circles(graph) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]

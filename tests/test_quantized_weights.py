@@ -22,11 +22,11 @@ from gguf.quants import dequantize, quantize
 from adapter_cache.errors import FailedPreconditionError
 from harness.engine_helpers import greedy_logits
 from harness.gguf_files import make_base_checkpoint, write_gguf
+from harness.platform import compute_for
 from inference_service.demo_adapters import write_peft_adapter
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.kernels import bindings, build, quant_linear, variants
-from inference_service.models import decode_stack
 from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
 from inference_service.models.loader import load_model
@@ -195,8 +195,8 @@ def test_engine_on_blocks_equals_the_dequantized_engine(files, adapters, qtype, 
     quantized = _core(files[qtype], "auto")
     assert _projection_kernels(quantized) == {"QuantWeight"}
     assert quantized.runner.model.weight_bytes_saved > 0
-    if decode_stack.enabled():  # decode steps run in C on the same kernel (and the C LoRA op)
-        assert quantized.runner.model.decode_stack() is not None
+    # decode steps run in C on the same kernel (and the C LoRA op)
+    assert quantized.runner.decode_stack is not None
     ours = greedy_logits(quantized, used, prompts, NEW_TOKENS)
     dequantized = _core(files[qtype], "bf16")
     assert "QuantWeight" not in _projection_kernels(dequantized)
@@ -216,14 +216,16 @@ def test_requantizing_another_type_gives_llama_cpps_blocks(files, qtype):
     projection's packed copy and the LM head's, byte for byte. (The embedding stays the file's own.)"""
 
     def packed(path: Path, weights_dtype: str) -> list[torch.Tensor]:
-        model, _ = load_model(str(path), CPU, torch.float32, weights_dtype=weights_dtype)
+        model, _ = load_model(str(path), CPU, torch.float32, weights_dtype=weights_dtype,
+                              compute=compute_for(CPU, torch.float32))
         weights = [p.packed for layer in model.layers for p in layer.projections()] + [model.packed_lm_head]
         assert all(isinstance(w, quant_linear.QuantWeight) and w.type_name == qtype for w in weights)
         return [w.storage for w in weights]
 
     for requantized, from_file in zip(packed(files["F32"], qtype.lower()), packed(files[qtype], "auto"), strict=True):
         assert torch.equal(requantized, from_file)
-    model, _ = load_model(str(files["F32"]), CPU, torch.float32)  # auto keeps an F32 file dense
+    model, _ = load_model(str(files["F32"]), CPU, torch.float32,
+                          compute=compute_for(CPU, torch.float32))  # auto keeps an F32 file dense
     assert model.weight_bytes_saved == 0
 
 
@@ -273,7 +275,8 @@ def test_q8_0_is_refused_where_it_cannot_be_served(files):
     with pytest.raises(FailedPreconditionError, match="weights dtype must be one of"):
         load_model(str(files["Q8_0"]), CPU, torch.float32, weights_dtype="q4_k")
     # auto with dense weights (a captured decode step) dequantizes, as before
-    model, _ = load_model(str(files["Q8_0"]), CPU, torch.float32, pack_weights=False)
+    model, _ = load_model(str(files["Q8_0"]), CPU, torch.float32, pack_weights=False,
+                          compute=compute_for(CPU, torch.float32))
     assert model.weight_bytes_saved == 0 and model.layers[0].qkv.weight.numel() > 0
 
 
@@ -290,7 +293,7 @@ def test_a_fused_projection_of_mixed_types_is_served_dense(files):
             return quantize_blocks(self[name].numpy(), "Q4_0") if weight and "v_proj" in name else weight
 
     file = GGUFFile(files["Q8_0"])
-    model = LlamaModel(ModelConfig.from_hf(file.hf_config()), CPU, torch.float32)
+    model = LlamaModel(ModelConfig.from_hf(file.hf_config()), CPU, torch.float32, compute_for(CPU, torch.float32))
     model.load_hf_state_dict(MixedTypes(file, "auto"))
     model.pack_weights()
     for layer in model.layers:

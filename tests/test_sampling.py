@@ -319,7 +319,7 @@ def test_multibyte_utf8_is_streamed_whole(core, monkeypatch):
     target = "héllo €😀!".encode()
     forced = iter(target)
 
-    def forced_sample(logits, params, generators):
+    def forced_sample(logits, params, generators, c_argmax=True):
         return [next(forced) for _ in params]
 
     monkeypatch.setattr("inference_service.engine.model_runner.sample", forced_sample)
@@ -334,7 +334,7 @@ def test_multibyte_utf8_is_streamed_whole(core, monkeypatch):
 def test_stop_string_with_multibyte_characters(core, monkeypatch):
     target = "naïve café—done".encode()
     forced = iter(target)
-    monkeypatch.setattr("inference_service.engine.model_runner.sample", lambda logits, params, gens: [next(forced)])
+    monkeypatch.setattr("inference_service.engine.model_runner.sample", lambda *args: [next(forced)])
     result = run_one(core, PROMPTS["short"], replace(GREEDY, max_new_tokens=len(target), stop=("é—",)))
     assert result.finish_reason is FinishReason.STOP
     assert result.text == "naïve caf"
@@ -344,7 +344,7 @@ def test_stop_string_with_multibyte_characters(core, monkeypatch):
 def test_long_stop_string_starting_early_is_never_streamed(core, monkeypatch):
     target = b"abcdefghijklmnop"
     forced = iter(target)
-    monkeypatch.setattr("inference_service.engine.model_runner.sample", lambda logits, params, gens: [next(forced)])
+    monkeypatch.setattr("inference_service.engine.model_runner.sample", lambda *args: [next(forced)])
     result = run_one(core, PROMPTS["short"], replace(GREEDY, max_new_tokens=len(target), stop=("cdefghij",)))
     assert result.finish_reason is FinishReason.STOP and result.text == "ab"
     assert result.tokens == list(b"abcdefghij")

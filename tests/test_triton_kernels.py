@@ -145,14 +145,17 @@ def test_triton_paged_decode_matches_torch(block_size, num_heads, num_kv_heads, 
 
 @in_process
 def test_selectors_pick_the_triton_kernels_on_cuda_only():
-    """The op and backend selectors: Triton on CUDA (the torch op when asked), never on CPU. Making
+    """The platform plan's op and backend: Triton on CUDA (the torch op when asked), never on CPU. Making
     them touches no device, so this holds without a GPU."""
-    from inference_service.lora.backend import make_lora_op
-    from inference_service.models.attention import TritonPagedAttention, make_attention_backend
+    from harness.platform import plan_for
+    from inference_service.models.attention import TritonPagedAttention
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert isinstance(make_lora_op(cuda, torch.bfloat16), TritonLoRAOp)
-    assert isinstance(make_lora_op(cuda, torch.bfloat16, triton_kernels=False), TorchLoRAOp)
-    assert isinstance(make_attention_backend(cuda, torch.bfloat16), TritonPagedAttention)
-    assert not isinstance(make_lora_op(cpu, torch.float32), TritonLoRAOp)
-    assert not isinstance(make_attention_backend(cpu, torch.float32), TritonPagedAttention)
+    cuda = plan_for("cuda", torch.bfloat16)
+    assert isinstance(cuda.make_lora_op(), TritonLoRAOp)
+    assert isinstance(plan_for("cuda", torch.bfloat16, triton_kernels=False).make_lora_op(), TorchLoRAOp)
+    assert isinstance(cuda.model_compute().attention, TritonPagedAttention)
+    assert isinstance(plan_for("cuda", torch.bfloat16, attention_backend="torch").model_compute().attention,
+                      TorchPagedAttention)
+    cpu = plan_for("cpu", torch.float32)
+    assert not isinstance(cpu.make_lora_op(), TritonLoRAOp)
+    assert not isinstance(cpu.model_compute().attention, TritonPagedAttention)

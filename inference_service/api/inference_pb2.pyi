@@ -291,7 +291,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_context", "vocab_size", "max_loras", "max_lora_rank", "max_new_tokens_limit", "max_stop_strings", "max_stop_string_length", "max_stop_token_ids", "max_prompt_chars", "max_request_id_length", "adapter_name_pattern", "max_registered_adapters", "max_n", "lora_pool_bytes", "lora_page_rank", "kv_cache_blocks", "kv_block_size")
+    __slots__ = ("model_name", "max_context", "vocab_size", "max_loras", "max_lora_rank", "max_new_tokens_limit", "max_stop_strings", "max_stop_string_length", "max_stop_token_ids", "max_prompt_chars", "max_request_id_length", "adapter_name_pattern", "max_registered_adapters", "max_n", "lora_pool_bytes", "lora_page_rank", "kv_cache_blocks", "kv_block_size", "platform")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class GetModelInfoResponse(_message.Message):
     LORA_PAGE_RANK_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context: int
     vocab_size: int
@@ -328,7 +329,16 @@ class GetModelInfoResponse(_message.Message):
     lora_page_rank: int
     kv_cache_blocks: int
     kv_block_size: int
-    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., adapter_name_pattern: _Optional[str] = ..., max_registered_adapters: _Optional[int] = ..., max_n: _Optional[int] = ..., lora_pool_bytes: _Optional[int] = ..., lora_page_rank: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    platform: _containers.RepeatedCompositeFieldContainer[PlatformRow]
+    def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., adapter_name_pattern: _Optional[str] = ..., max_registered_adapters: _Optional[int] = ..., max_n: _Optional[int] = ..., lora_pool_bytes: _Optional[int] = ..., lora_page_rank: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., platform: _Optional[_Iterable[_Union[PlatformRow, _Mapping]]] = ...) -> None: ...
+
+class PlatformRow(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

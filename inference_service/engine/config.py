@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from adapter_cache.errors import LoraplexError
 from inference_service.limits import RequestLimits
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -21,7 +18,8 @@ class EngineConfig:
     model: str = "builtin:tiny"
     revision: str | None = None  # branch, tag or commit of an HF model id (default: main)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "float32"  # auto | float32 | float16 | bfloat16 (the CLI defaults to auto)
+    # auto | float32 | float16 | bfloat16 (the CLI defaults to auto; the platform plan resolves auto)
+    dtype: str = "float32"
     # auto | bf16 | q8_0 | q4_0: a GGUF file's projections kept quantized or dequantized to `dtype`
     # (models/quantized.py)
     weights_dtype: str = "auto"
@@ -33,7 +31,7 @@ class EngineConfig:
     # (engine.core.resolve_max_rank). The engine core replaces auto with the rank it chose.
     max_lora_rank: int | str = "auto"
     lora_memory_bytes: int | None = None
-    # Of the memory budget: None is 0.25 on CUDA, 0.5 on CPU (docs/architecture.md, "The adapter
+    # Of the memory budget: None is 0.25 on CUDA, 0.5 on CPU (docs/engine.md, "The adapter
     # pool"), less what the KV cache needs for one request of the whole context.
     lora_memory_fraction: float | None = None
     lora_page_rank: int = 8
@@ -92,6 +90,13 @@ class EngineConfig:
     decode_graphs: str = "auto"  # auto | on | off
     # CUDA: the Triton LoRA kernels where triton is installed; False: torch's batched matmuls
     triton_kernels: bool = True
+    # What computes what, chosen by the platform plan (inference_service/platform): auto uses the C
+    # kernels on CPU where they load, off keeps every torch path
+    kernels: str = "auto"  # auto | off
+    attention_backend: str = "auto"  # auto | c | triton | torch (models/attention.py)
+    # auto: decode-only steps in one C call where the kernels and the model family allow it
+    decode_stack: str = "auto"  # auto | off
+    huge_pages: bool = True  # packed weights and the adapter pool on 2 MiB pages where the OS allows
     # Front ends: tokens per streamed message after a request's first (its end is sent at once);
     # 1 sends each token as it comes to a client that keeps up
     stream_interval: int = 1
@@ -119,39 +124,3 @@ class EngineConfig:
         if self.decode_graphs == "auto":
             return self.torch_device().type == "cuda"
         return self.decode_graphs == "on"
-
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        dtype = auto_dtype(self.model, self.torch_device(), self.revision)
-        log.info("--dtype auto: %s on %s", str(dtype).removeprefix("torch."), self.torch_device())
-        return dtype
-
-
-def auto_dtype(model: str, device: torch.device, revision: str | None = None) -> torch.dtype:
-    """On an accelerator the checkpoint's own `torch_dtype` (what it was trained and shipped in);
-    on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX) or where the AVX2 projection
-    kernel is preferred (AVX2 without AVX-512: bf16 weights widened as they are read, half fp32's bytes at
-    fp32's arithmetic; docs/architecture.md, "bf16 on an AVX2-only CPU"), else fp32 (torch's emulated
-    bf16 is slower than fp32 there)."""
-    if device.type != "cpu":
-        return _checkpoint_dtype(model, revision) or torch.float32
-    from inference_service.kernels import avx2_linear
-
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native or avx2_linear.preferred() else torch.float32
-
-
-def _checkpoint_dtype(model: str, revision: str | None = None) -> torch.dtype | None:
-    from inference_service.models.source import resolve_model
-
-    try:
-        source = resolve_model(model, revision)
-    except LoraplexError:
-        return None  # loading reports it
-    if source.kind != "hf" or source.path is None:
-        return None  # builtin:tiny; a GGUF file names no serving dtype (its weights are dequantized)
-    config = source.path / "config.json"
-    fields = json.loads(config.read_text())
-    name = fields.get("torch_dtype") or fields.get("dtype")  # transformers 5 writes "dtype"
-    return DTYPES.get(str(name).removeprefix("torch.")) if name else None

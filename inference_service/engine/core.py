@@ -46,9 +46,7 @@ from inference_service.engine.types import (
     test_faults_enabled,
     validate_request,
 )
-from inference_service.kernels import fused
 from inference_service.limits import shown
-from inference_service.lora.backend import make_lora_op
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.mem_pool import bytes_per_page, pages_for
 from inference_service.lora.registry import AdapterVersion, adapter_name
@@ -60,6 +58,7 @@ from inference_service.models.llama import LlamaModel
 from inference_service.models.loader import load_model
 from inference_service.models.qwen3_moe import Qwen3MoeModel
 from inference_service.models.registry import CausalLM
+from inference_service.platform import Platform, PlatformPlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,11 +156,12 @@ def resolve_max_rank(config: EngineConfig, pool_pages: int | None) -> int:
 
 
 def build_lora_manager(
-    config: EngineConfig, model: CausalLM, source: AdapterSource | None, metrics: MetricsSink, budget: int
+    config: EngineConfig, model: CausalLM, source: AdapterSource | None, metrics: MetricsSink, budget: int,
+    plan: PlatformPlan,
 ) -> LoRAManager:
     """The model's adapter pool (allocated now, before the KV cache, from `budget` with
-    `--max-loras auto`) and the manager that fills it. `config.max_lora_rank` is resolved (not auto);
-    `source` None: the default one for that rank."""
+    `--max-loras auto`) and the manager that fills it, with the plan's copy engine and pages.
+    `config.max_lora_rank` is resolved (not auto); `source` None: the default one for that rank."""
     shapes, dtype = model.config.lora_shapes(), model.lora_op.slot_dtype(model.dtype)
     fixed = config.fixed_loras()
     rank = int(config.max_lora_rank)
@@ -174,7 +174,7 @@ def build_lora_manager(
         device=model.device,
         dtype=dtype,
         source=source or default_source(config, shapes),
-        copy_engine=make_copy_engine(model.device, config.overlap_loads),
+        copy_engine=make_copy_engine(model.device, plan.copy_engine != "blocking"),
         host_workers=config.host_load_workers,
         metrics=metrics,
         # Blocking mode (benchmark baseline): preparation and copy both stall the scheduler.
@@ -183,6 +183,7 @@ def build_lora_manager(
         max_registered=config.max_registered_adapters,
         load_timeout_s=config.adapter_load_timeout_s,
         pool_shares=config.adapter_pool_shares,
+        huge_pages=plan.huge_pages,
     )
     model.attach_lora_buffers(lora.slot_buffers)
     if isinstance(model, Qwen3MoeModel):
@@ -268,26 +269,27 @@ class EngineCore:
         by the front end's stream off this thread (what the serving bridges ask for)."""
         self.config = config
         self.metrics = metrics or NullMetrics()
+        # Everything the model and the runner compute with, chosen once (inference_service/platform).
+        plan = Platform.for_device(config.torch_device(), config)
         # A captured decode step reads dense weights: no packing for the CPU GEMM then.
-        model, self.tokenizer = load_model(config.model, config.torch_device(), config.torch_dtype(),
-                                           config.tokenizer, config.revision,
+        model, self.tokenizer = load_model(config.model, plan.device, plan.dtype, config.tokenizer, config.revision,
                                            pack_weights=not config.decode_graphs_on(),
-                                           weights_dtype=config.weights_dtype)
-        model.lora_op = make_lora_op(model.device, model.dtype, config.triton_kernels)
+                                           weights_dtype=config.weights_dtype, compute=plan.model_compute())
+        model.lora_op = plan.make_lora_op()
         # LoRA slots first, then the KV cache from what is left: adapters never starve for memory.
         budget = memory_budget(config, model.device, model.weight_bytes_saved)  # before the slots take theirs
         if config.max_lora_rank == "auto":
             pages = None if config.fixed_loras() is not None else pool_pages_for(config, model, budget)
             config = self.config = dataclasses.replace(config, max_lora_rank=resolve_max_rank(config, pages))
-        self.lora = build_lora_manager(config, model, source, self.metrics, budget)
+        self.lora = build_lora_manager(config, model, source, self.metrics, budget, plan)
         kv = build_kv_cache(config, model, budget, self.lora)
-        self.runner = ModelRunner(model, self.tokenizer, self.lora, kv, build_decode_graphs(config, model, kv,
-                                                                                             self.lora))
+        self.plan, decode_stack = Platform.with_model(plan, model)  # once the LoRA buffers are attached
+        self.plan.log()
+        self.runner = ModelRunner(model, self.tokenizer, self.lora, kv,
+                                  build_decode_graphs(config, model, kv, self.lora), decode_stack,
+                                  c_argmax=self.plan.greedy_pick == "c")
         self.scheduler = Scheduler(config, kv, self.lora)
-        log.info("LoRA op: %s, slots in %s; attention: %s", type(model.lora_op).__name__, self.lora.slot_dtype,
-                 type(model.attention).__name__)
-        if fused.available(model.device, model.dtype):  # built now, not in the first request's step
-            log.info("norms, RoPE with the KV write, SiLU-and-multiply: fused C kernels")
+        log.info("LoRA slots in %s", self.lora.slot_dtype)
         mc = model.config
         # What the server advertises always fits one request: the context, within the KV cache.
         max_context = min(model_len(config, model), kv.num_blocks * kv.block_size)
@@ -304,6 +306,7 @@ class EngineCore:
             kv_block_size=self.runner.kv.block_size,
             lora_pool_bytes=self.lora.pages_nbytes,
             lora_page_rank=self.lora.page_rank,
+            platform=tuple(self.plan.rows()),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.metrics, detokenize)
         # Structured output, compiled off the step

@@ -21,6 +21,7 @@ from inference_service.engine.sampling import NON_FINITE, process_logits, sample
 from inference_service.lora.manager import LoRAManager
 from inference_service.lora.ops import build_lora_batch
 from inference_service.models.batch import AttentionBatch, ForwardBatch, PrefillSegment
+from inference_service.models.decode_stack import DecodeStack
 from inference_service.models.registry import CausalLM
 from inference_service.tokenizer import Tokenizer
 
@@ -57,11 +58,15 @@ class PlannedRow:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, lora: LoRAManager, kv: KVCache,
-                 graphs: DecodeGraphs | None = None) -> None:
-        """The engine core builds the LoRA slots, the KV cache and the captured decode steps for the
-        model (`engine.core.build_lora_manager`, `build_kv_cache`, `build_decode_graphs`); the runner
-        only uses them."""
+                 graphs: DecodeGraphs | None = None, decode_stack: DecodeStack | None = None,
+                 c_argmax: bool = True) -> None:
+        """The engine core builds the LoRA slots, the KV cache, the captured decode steps and the decode
+        stack for the model (`engine.core.build_lora_manager`, `build_kv_cache`, `build_decode_graphs`,
+        `Platform.with_model`); the runner only uses them. `decode_stack`: the fast path for steps of
+        decodes alone, asked first (it declines a step it cannot run), where the platform plan has one;
+        `c_argmax`: the plan's greedy pick is the C kernel (`sampling.sample`)."""
         self.model, self.tokenizer, self.lora, self.kv, self.graphs = model, tokenizer, lora, kv, graphs
+        self.decode_stack, self.c_argmax = decode_stack, c_argmax
         self.device = model.device
 
     def run(self, batch: ScheduledBatch) -> StepResults:
@@ -114,7 +119,7 @@ class ModelRunner:
         forward, sampled = self._tensors(rows)
         # Sampling too: its reductions run on the model's threads as well (see ThreadCopyEngine).
         with self.lora.computing():
-            hidden = self.model.hidden(forward, self.kv.layers)
+            hidden = self.hidden(forward)
             if not sampled:
                 return {}
             # Rows that want only the top token (plain greedy: no logits processing, logprobs,
@@ -130,7 +135,7 @@ class ModelRunner:
             if constrained:  # structured output: after the adapted forward pass and the logits processors
                 processed = mask_logits(processed, matchers)
             params = [r.params for r in sampled]
-            tokens = sample(processed, params, [r.generator for r in sampled])
+            tokens = sample(processed, params, [r.generator for r in sampled], self.c_argmax)
             logprobs = step_logprobs(processed, params, tokens)
             if constrained:
                 accept(matchers, tokens)
@@ -204,6 +209,11 @@ class ModelRunner:
             logits_rows=self._tensor(logits_rows),
         )
         return forward, sampled
+
+    def hidden(self, forward: ForwardBatch) -> torch.Tensor:
+        """The LM head's input for the step: the decode stack's where it takes the step, else the model's."""
+        hidden = self.decode_stack.hidden(forward, self.kv.layers) if self.decode_stack is not None else None
+        return hidden if hidden is not None else self.model.hidden(forward, self.kv.layers)
 
     def _slot(self, request: Request) -> int:
         if request.adapter_uid is None:

@@ -24,13 +24,15 @@ FORWARD_FAILED = -3  # set by the engine: the row's forward pass failed alone
 LOGPROB_FLOOR = -9999.0  # the logprob shown for a token that could not be sampled
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           c_argmax: bool = True) -> list[int]:
     """One token per row of logits [S, V] (or a negative code, above). Each seeded row draws from
-    its own generator, so a request's tokens do not depend on what else is in the batch."""
+    its own generator, so a request's tokens do not depend on what else is in the batch.
+    `c_argmax`: the C greedy pick where it runs (the platform plan's "greedy pick"), else torch's."""
     # max(dim).indices is argmax (the first maximum too), and about 2x faster on CPU here. The max
     # is NaN or +inf exactly when the row cannot be sampled (max propagates NaN; -inf entries are
     # harmless while the max is finite): one transfer from the device for the tokens and that mark.
-    picked = greedy.argmax_rows(logits)  # the same, in one vectorised pass, on CPU
+    picked = greedy.argmax_rows(logits) if c_argmax else None  # the same, in one vectorised pass, on CPU
     if picked is None:
         best = logits.max(dim=-1)
         picked = best.indices, torch.isfinite(best.values)

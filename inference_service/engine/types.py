@@ -65,6 +65,8 @@ class ModelInfo:
     kv_block_size: int = 16
     lora_pool_bytes: int = 0  # the adapter pool's pages' device bytes (taken before the KV cache was sized)
     lora_page_rank: int = 0  # rank rows per page (an adapter takes ceil(rank / this) pages)
+    # The platform plan as (what, chosen) rows (inference_service/platform/plan.py)
+    platform: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

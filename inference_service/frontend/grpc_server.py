@@ -41,6 +41,7 @@ from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.frontend.config import ServerConfig
 from inference_service.frontend.intake import ENGINE_ENDED, Intake, adapter_name, engine_end_error
 from inference_service.frontend.namespace import public_message
+from inference_service.frontend.platform_info import platform_rows
 from inference_service.frontend.preload import Preloader
 from inference_service.frontend.tenants import QuotaExceeded, Tenant
 from inference_service.limits import ADAPTER_NAME_PATTERN, shown
@@ -217,6 +218,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 lora_page_rank=m.lora_page_rank,
                 kv_cache_blocks=m.kv_cache_blocks,
                 kv_block_size=m.kv_block_size,
+                platform=platform_rows(m),
             )
 
         return await self._unary("GetModelInfo", context, run, pb.GetModelInfoRequest, raw)

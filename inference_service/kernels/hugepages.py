@@ -30,14 +30,12 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 
 
-def enabled() -> bool:
-    return os.environ.get("LORAPLEX_HUGE_PAGES", "1").strip().lower() not in {"0", "false", "no", "off"}
-
-
-def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device | str = "cpu",
+          huge: bool = True) -> torch.Tensor:
     """`torch.empty(shape)`, on 2 MiB pages where it is a CPU tensor of at least one such page (its
-    memory then comes zeroed, and is faulted in as it is first written)."""
-    tensor = _mapped(shape, dtype, torch.device(device))
+    memory then comes zeroed, and is faulted in as it is first written); `huge` False (`--huge-pages
+    off`): always `torch.empty`."""
+    tensor = _mapped(shape, dtype, torch.device(device)) if huge else None
     return tensor if tensor is not None else torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -45,7 +43,7 @@ def _mapped(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torc
     """A tensor on its own (zeroed) mapping, advised onto 2 MiB pages; None where that does not apply."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not enabled() or not _supported():
+    if device.type != "cpu" or nbytes < HUGE_PAGE or not _supported():
         return None
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # (shared memory has its own THP rule)
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))

@@ -1,6 +1,6 @@
-"""The LoRA op implementations and the selector (`make_lora_op`): the batched op on CPU in C
-(`kernels/lora.c`), the Triton kernels on CUDA where triton is installed (`triton_op.TritonLoRAOp`),
-torch's batched matmuls (`ops.TorchLoRAOp`) everywhere else.
+"""The LoRA op implementations by name (`OPS`, made by `make_lora_op` for the one the platform plan
+names): the batched op on CPU in C (`kernels/lora.c`), the Triton kernels on CUDA where triton is
+installed (`triton_op.TritonLoRAOp`), torch's batched matmuls (`ops.TorchLoRAOp`) anywhere.
 
 The C kernel keeps B rank-major in the pages (Bt [R, out]), so the pool is created with
 `b_rank_major=True` when this op is used. Adapters are brought into that form once, when staged
@@ -19,6 +19,10 @@ import torch
 from inference_service.kernels.bindings import CFunction, address, function
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB, TorchLoRAOp
 
+# The ops by name, in the order the platform plan tries them (the first that runs here); the C kernel's
+# is off with `--kernels off`, Triton's with `EngineConfig.triton_kernels=False`.
+OPS = ("c", "triton", "torch")
+C_KERNEL_OPS = frozenset({"c"})
 _APPLY = {torch.float32: "lora_apply_f32", torch.bfloat16: "lora_apply_bf16"}
 _TRANSPOSE = {torch.float32: "transpose_scale_f32", torch.bfloat16: "transpose_scale_bf16"}
 
@@ -97,14 +101,22 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def make_lora_op(device: torch.device, model_dtype: torch.dtype, triton_kernels: bool = True) -> LoRAOp:
-    """The C kernel on CPU where it builds and supports the dtype; the Triton kernels on CUDA where
-    triton is installed (unless `triton_kernels` is False: the torch op, a benchmark's baseline);
-    torch's batched matmuls elsewhere."""
-    if device.type == "cpu" and available(model_dtype):
+def op_runs(name: str, device: torch.device, model_dtype: torch.dtype) -> bool:
+    """Whether op `name` runs on this device for the model's dtype (the C kernel is built now where it may)."""
+    if name == "c":
+        return device.type == "cpu" and available(model_dtype)
+    if name == "triton":
+        return device.type == "cuda" and triton_available()
+    return name == "torch"
+
+
+def make_lora_op(name: str, device: torch.device, model_dtype: torch.dtype) -> LoRAOp:
+    """The op the platform plan named (`OPS`): "c" (the C kernel, CPU), "triton" (CUDA) or "torch"."""
+    if name == "c":
         return CpuLoRAOp(model_dtype)
-    if device.type == "cuda" and triton_kernels and triton_available():
+    if name == "triton":
         from inference_service.lora.triton_op import TritonLoRAOp
 
         return TritonLoRAOp(device)
+    assert name == "torch", f"unknown LoRA op {name!r}"
     return TorchLoRAOp(device)

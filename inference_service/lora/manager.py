@@ -115,19 +115,21 @@ class LoRAManager:
         num_pages: int | None = None,
         page_rank: int = DEFAULT_PAGE_RANK,
         pool_shares: Mapping[str, int] | None = None,
+        huge_pages: bool = True,
     ) -> None:
         """`num_slots`: a fixed-slot pool of that many max-rank slots; None: a paged pool of
         `num_pages` pages of `page_rank` rank rows (sized by memory, `pool_pages`). `pool_shares`:
         bytes of the pool per tenant (lora/pool_shares.py: whose adapters a load may evict).
         `host_executor` replaces the host-preparation pool (tests use it to order stagings);
         `b_rank_major`: the pages' B layout, as the model's LoRA op reads it; `max_registered`: adapter
-        names held at most; `load_timeout_s`: a host preparation's deadline (see StagingPool)."""
+        names held at most; `load_timeout_s`: a host preparation's deadline (see StagingPool);
+        `huge_pages`: the pool's pages on 2 MiB pages where the OS allows (kernels/hugepages.py)."""
         if num_slots is not None and num_slots < 1:
             raise ValueError("max_loras must be at least 1")
         self.shapes, self.max_rank, self.device = shapes, max_rank, device
         self._registry = AdapterRegistry()
         self._pool = LoRAMemoryPool(num_slots, max_rank, shapes, device, dtype, b_rank_major, num_pages=num_pages,
-                                    page_rank=page_rank, share_bytes=pool_shares)
+                                    page_rank=page_rank, share_bytes=pool_shares, huge_pages=huge_pages)
         self._loader = OverlapLoader(copy_engine)
         self._source = source
         self.metrics = metrics or NullMetrics()

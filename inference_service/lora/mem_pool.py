@@ -86,6 +86,7 @@ class LoRAMemoryPool:
         num_pages: int | None = None,
         page_rank: int = DEFAULT_PAGE_RANK,
         share_bytes: Mapping[str, int] | None = None,
+        huge_pages: bool = True,
     ) -> None:
         """`num_slots`: a fixed-slot pool (the old one, and `--max-loras N`): that many pages of
         `max_rank` rows, one adapter each, whatever its rank. None: `num_pages` pages of `page_rank`
@@ -116,15 +117,16 @@ class LoRAMemoryPool:
                 b_shapes = [(page_rank, o) if b_rank_major else (o, page_rank) for o in outs]
                 if expert is not None and alike not in stacked:
                     stacked[alike] = self._stack(layer, alike, shapes.num_experts, total,
-                                                 [(len(group) * page_rank, in_features), *b_shapes], dtype, device)
+                                                 [(len(group) * page_rank, in_features), *b_shapes], dtype, device,
+                                                 huge_pages)
                 a = (stacked[alike][0][expert] if expert is not None
-                     else hugepages.empty((total, len(group) * page_rank, in_features), dtype, device))
+                     else hugepages.empty((total, len(group) * page_rank, in_features), dtype, device, huge_pages))
                 a[self.zero_page].zero_()
                 sliced, col = [], 0
                 for i, (module, out_features) in enumerate(zip(group, outs, strict=True)):
                     shape = b_shapes[i]
                     b = (stacked[alike][1 + i][expert] if expert is not None
-                         else hugepages.empty((total, *shape), dtype, device))
+                         else hugepages.empty((total, *shape), dtype, device, huge_pages))
                     b[self.zero_page].zero_()
                     b_view = b.transpose(1, 2) if b_rank_major else b
                     self.buffers[(layer, module)] = (a[:, i * page_rank : (i + 1) * page_rank], b_view)
@@ -148,12 +150,13 @@ class LoRAMemoryPool:
         self._clock = itertools.count(1)
 
     def _stack(self, layer: int, alike: tuple[str, ...], num_experts: int, total: int,
-               shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+               shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+               huge_pages: bool) -> list[torch.Tensor]:
         """One tensor [experts, pages + 1, ...] for A and for each B of an expert group (each expert's
         buffers are views into it), registered whole in `group_buffers` under the group's names without
         the expert (`experts.gate_proj`, ...) as [experts · (pages + 1), ...]: one LoRA op reads every
         expert's pages, a (token, expert) pair naming expert e's page p as e · (pages + 1) + p."""
-        tensors = [hugepages.empty((num_experts, total, *shape), dtype, device) for shape in shapes]
+        tensors = [hugepages.empty((num_experts, total, *shape), dtype, device, huge_pages) for shape in shapes]
         flat = [t.view(num_experts * total, *t.shape[2:]) for t in tensors]
         sliced, col = [], 0
         for b, out_features in zip(flat[1:], self._outs(shapes[1:]), strict=True):

@@ -1,4 +1,5 @@
-"""Paged attention behind one interface: `AttentionBackend`, chosen in `make_attention_backend`.
+"""Paged attention behind one interface: `AttentionBackend`, one per name in `BACKENDS`, the one the
+platform plan (inference_service/platform) names made by `make_attention_backend`.
 
 A backend writes a layer's new K/V into its cache blocks (unless the fused RoPE kernel already
 did) and attends: decode rows batched, each prefill segment on its own. The torch backend runs
@@ -19,6 +20,12 @@ from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.models.batch import AttentionBatch, PrefillSegment
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V caches [num_blocks, block_size, Hkv, D]
+# The backends by name (`--attention-backend`), in the order auto tries them: the C kernels on CPU, the
+# Triton kernel on CUDA, torch's SDPA anywhere. Where each runs: `backend_runs`; what it needs, for the
+# message when it is named where it cannot run: `NEEDS`; the C kernels' are off with `--kernels off`.
+BACKENDS = ("c", "triton", "torch")
+NEEDS = {"c": "the C kernels on CPU (--kernels auto)", "triton": "CUDA and triton", "torch": ""}
+C_KERNEL_BACKENDS = frozenset({"c"})
 
 
 class AttentionBackend(Protocol):
@@ -30,13 +37,23 @@ class AttentionBackend(Protocol):
         ...
 
 
-def make_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The one place a backend is chosen (builds the C kernel now where it applies, not in the
-    first request's decode step)."""
-    if cpu_kernels.available(device, dtype):
-        return CpuPagedAttention(prefill_kernel=cpu_kernels.prefill_preferred(device, dtype))
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+def backend_runs(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether backend `name` runs on this device and dtype (the C kernel is built now where it may)."""
+    if name == "c":
+        return cpu_kernels.available(device, dtype)
+    if name == "triton":
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return name == "torch"
+
+
+def make_attention_backend(name: str, prefill_kernel: bool = False) -> AttentionBackend:
+    """The backend the platform plan named (`BACKENDS`): "c" (with the C prefill kernel where
+    `prefill_kernel`), "triton" or "torch"."""
+    if name == "c":
+        return CpuPagedAttention(prefill_kernel=prefill_kernel)
+    if name == "triton":
         return TritonPagedAttention()
+    assert name == "torch", f"unknown attention backend {name!r}"
     return TorchPagedAttention()
 
 
@@ -116,7 +133,7 @@ class TorchPagedAttention:
             else:
                 out[seg.start : seg.end] = result
         # One gather for K and one for V per layer, of every segment's blocks at once: a gather per
-        # segment was 64 parallel regions a step for 8 segments of 4 layers (see docs/architecture.md).
+        # segment was 64 parallel regions a step for 8 segments of 4 layers (docs/performance.md).
         context = batch.context_blocks() if any(batch.prefills[i].num_computed for i in rest) else None
         if context is not None:
             index, offsets = context

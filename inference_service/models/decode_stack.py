@@ -5,22 +5,21 @@ decode step on SmolLM2 the Python between them held the main thread for ~5 of ~2
 core waited. `DecodeStack.run` hands the whole step to C, which calls the very kernels the layer
 forward calls, in the same order, so the result is bit-identical (tests/test_decode_stack.py).
 
-Where it applies (`build` checks once, `run` per step; otherwise the layer forward runs):
+It is the engine's fast path, not the model's: the platform plan turns it on (`--decode-stack`, and
+only for a family whose layers are LLaMA's, as models/registry.py declares), the model runner builds
+it and asks it first each step, and the model knows nothing of it. Where it applies (`build` checks
+once, `hidden` per step; otherwise the runner takes the model's layer forward):
 - on CPU, every projection on one packed kernel that C can call (AMX's, in bf16; AVX2's or Q8_0/Q4_0's, in bf16 or
-  fp32), the fused per-token ops and the C decode attention built for the model's dtype, and the C
+  fp32), the C fused per-token ops and the C decode attention built for the model's dtype, and the C
   LoRA op (or no adapters in the step);
-- layers that are plain LLaMA's: a family that overrides a step (Qwen3's q/k norms) keeps Python;
-- batches of decodes alone (a prefill's attention is torch's SDPA);
-- not switched off by `LORAPLEX_DECODE_STACK=0`.
+- batches of decodes alone (a prefill's attention is torch's SDPA).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,10 +29,9 @@ from inference_service.kernels.bindings import CFunction, function
 from inference_service.lora.backend import CpuLoRAOp
 from inference_service.models.attention import CpuPagedAttention, KVLayer
 from inference_service.models.batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from inference_service.models.layers import LoRALinear
-    from inference_service.models.llama import LlamaModel
+from inference_service.models.fused_ops import CFusedOps
+from inference_service.models.layers import LoRALinear
+from inference_service.models.llama import LlamaModel
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -76,10 +74,6 @@ OPS = ("input add + RMS norm", "qkv", "qkv LoRA", "RoPE + KV write", "attention"
 _ACTIVATIONS = ("normed", "qkv", "q", "attn", "delta", "gate_up", "act")
 
 
-def enabled() -> bool:
-    return os.environ.get("LORAPLEX_DECODE_STACK", "1").strip().lower() not in {"0", "false", "no", "off"}
-
-
 @dataclass
 class _Layers:
     """The layer table for one set of KV caches and LoRA buffers, and what its pointers point into."""
@@ -109,7 +103,7 @@ class DecodeStack:
     @classmethod
     def build(cls, model: LlamaModel) -> DecodeStack | None:
         run_fn = _run_function()
-        if not enabled() or run_fn is None or model.device.type != "cpu":
+        if run_fn is None or model.device.type != "cpu":
             return None
         projections = [p for layer in model.layers for p in layer.projections()]
         if all(isinstance(p.packed, amx_linear.AMXWeight) for p in projections):
@@ -121,20 +115,28 @@ class DecodeStack:
             linear = quant_linear.kernel_address(str(types.pop()), model.dtype)  # one kernel for every layer
         else:
             return None
-        if not fused.available(model.device, model.dtype) or not isinstance(model.attention, CpuPagedAttention):
+        if not isinstance(model.compute.fused, CFusedOps) or not isinstance(model.attention, CpuPagedAttention):
             return None
         norm, rope, silu = (fused.kernel_address(name, model.dtype) for name in ("add_rms_norm", "rope_and_cache",
                                                                                  "silu_mul"))
         if linear is None or norm is None or rope is None or silu is None:
             return None
-        lora = model.lora_op.kernel_address if isinstance(model.lora_op, CpuLoRAOp) else None
         kernels = _Kernels(linear=linear, add_rms_norm=norm, rope_and_cache=rope, silu_mul=silu, attention=None,
-                           lora=lora)
+                           lora=_lora_kernel(model.lora_op))
         return cls(model, kernels, run_fn)
 
-    def current(self) -> bool:
-        """False once the model's LoRA op was replaced (the stack is then rebuilt)."""
-        return self.model.lora_op is self.lora_op
+    def hidden(self, batch: ForwardBatch, kv_caches: Sequence[KVLayer]) -> torch.Tensor | None:
+        """What `model.hidden` gives (the final norm's output at `batch.logits_rows`) for a batch of
+        decodes the stack can run, or None: the caller runs the layer forward."""
+        if self.model.lora_op is not self.lora_op:  # replaced (a benchmark's baseline): its kernel, its layouts
+            self.lora_op, self.kernels.lora, self._layers = self.model.lora_op, _lora_kernel(self.model.lora_op), None
+        att = batch.attention
+        if att.prefills or att.decode_rows is None or att.decode_rows.shape[0] != batch.input_ids.shape[0]:
+            return None
+        x = self.model.embed_tokens(batch.input_ids)
+        rope = self.model.rotary(batch.positions, x.dtype)
+        normed = self.run(x, rope, batch, kv_caches)
+        return None if normed is None else normed.index_select(0, batch.logits_rows)  # the norm is per row
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
             kv_caches: Sequence[KVLayer]) -> torch.Tensor | None:
@@ -245,3 +247,8 @@ class DecodeStack:
 
 def _run_function() -> CFunction | None:
     return function("decode_stack", "decode_stack")
+
+
+def _lora_kernel(op: object) -> int | None:
+    """The C LoRA op's kernel, which C can call; None for another op (the stack then takes base-model steps)."""
+    return op.kernel_address if isinstance(op, CpuLoRAOp) else None

@@ -9,15 +9,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from adapter_cache.errors import FailedPreconditionError
-from inference_service.kernels import fused
 from inference_service.kernels.hugepages import Arena
 from inference_service.lora.ops import LoRABatch, LoRAOp, SlicedB
 from inference_service.models import linear as dense
 from inference_service.models.config import ModelConfig
+from inference_service.models.fused_ops import FusedOps
 from inference_service.models.quantized import QuantizedWeight
 
 
@@ -65,26 +64,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype, ops: FusedOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused_out = fused.add_rms_norm_(x, None, self.weight, self.eps)
-        if fused_out is not None:
-            return fused_out
-        # HF's order: normalise in fp32, cast back, then scale. One fused op for the first part.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.ops.add_rms_norm(x, None, self.weight, self.eps)[1]
 
     def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + delta, its norm); on CPU one kernel pass, which adds into `residual` in place."""
-        normed = fused.add_rms_norm_(residual, delta, self.weight, self.eps)
-        if normed is not None:
-            return residual, normed
-        residual = residual + delta
-        return residual, self(residual)
+        """(residual + delta, its norm); with the C ops one kernel pass, which adds into `residual` in place."""
+        return self.ops.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 class LoRASlices:
@@ -138,23 +128,23 @@ class LoRALinear(nn.Module):
         self.quantized = weight
         self.weight.data = self.weight.data.new_empty(0)
 
-    def pack_quantized(self) -> int:
+    def pack_quantized(self, packing: dense.WeightPacking) -> int:
         """A kept quantized weight into its kernel's layout, or dequantized into the dense weight where
         no kernel takes it here (then `pack` packs it). Returns the bytes saved against the dense weight."""
         quantized, self.quantized = self.quantized, None
         if quantized is None:
             return 0
         dtype = self.weight.dtype
-        self.packed = dense.pack_quantized(quantized, dtype)
+        self.packed = packing.pack_quantized(quantized, dtype)
         if self.packed is None:
             self.weight.data = quantized.dequantize().to(dtype)
             return 0
         return quantized.out_features * quantized.in_features * dtype.itemsize - self.packed.nbytes
 
-    def pack(self, arena: Arena | None = None) -> None:
+    def pack(self, packing: dense.WeightPacking, arena: Arena | None = None) -> None:
         if self.packed is not None:  # a quantized weight's kernel copy
             return
-        self.packed = dense.pack(self.weight.data, arena)
+        self.packed = packing.pack(self.weight.data, arena)
         if self.packed is not None:
             self.weight.data = self.weight.data.new_empty(0)
 
@@ -167,16 +157,12 @@ class LoRALinear(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, ops: FusedOps) -> None:
         super().__init__()
+        self.ops = ops
         h, i = config.hidden_size, config.intermediate_size
         self.gate_up = LoRALinear(h, [("gate_proj", i), ("up_proj", i)], config.mlp_bias, device, dtype)
         self.down = LoRALinear(i, [("down_proj", h)], config.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor, op: LoRAOp, lora: LoRABatch | None) -> torch.Tensor:
-        gate_up = self.gate_up(x, op, lora)
-        act = fused.silu_mul(gate_up)
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return self.down(act, op, lora)
+        return self.down(self.ops.silu_mul(self.gate_up(x, op, lora)), op, lora)

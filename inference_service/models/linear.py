@@ -1,8 +1,8 @@
 """Dense projections, with weights prepacked once for the CPU GEMM.
 
-Three packed forms, chosen per weight when the model is loaded (`pack`):
+Packed forms, tried per weight in the order the platform plan gives (`WeightPacking`):
 - AMX (`kernels/amx_linear`): bf16 on CPUs with AMX. A decode step's projections only stream their
-  weights, and this kernel reads them at ~1.5x oneDNN's rate there (docs/architecture.md, "Decode
+  weights, and this kernel reads them at ~1.5x oneDNN's rate there (docs/performance.md, "Decode
   against the machine's roofline"); from 64 rows up to the 512 of a default prefill chunk it is
   level with oneDNN, and ~0.85 of its rate at 2048 rows in one step.
 - AVX2 (`kernels/avx2_linear`): fp32 on CPUs with AVX2 but no AVX-512 (AMD Zen 1-3), where
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -85,30 +86,68 @@ def greedy_pick(x: torch.Tensor, bias: torch.Tensor | None,
     return packed.argmax(x, bias) if isinstance(packed, amx_linear.AMXWeight) else None
 
 
+# The packed forms, in the order a weight tries them (the platform plan keeps those this host has).
+PACKED_FORMS = ("amx", "avx2", "onednn")
+
+
+@dataclass(frozen=True)
+class WeightPacking:
+    """How the model's weights are packed, chosen once by the platform plan (inference_service/platform):
+    the dense forms a weight tries in order (each still declines a weight it cannot take: AMX wants bf16
+    and multiples of 32, the AVX2 kernel multiples of 16), whether quantized weights keep their kernel
+    copy, and whether the packed copies sit on 2 MiB pages. No form: `F.linear` on the dense weight."""
+
+    forms: tuple[str, ...] = ()
+    quantized: bool = False
+    huge_pages: bool = False
+
+    def pack(self, weight: torch.Tensor, arena: Arena | None = None) -> PackedWeight | None:
+        """The packed copy of weight [out, in], or None where the plain path should be used. An AMX copy
+        is cut from `arena` (`arena_for` the model's weights) when given."""
+        if weight.device.type != "cpu":
+            return None
+        for form in self.forms:
+            packed: PackedWeight | None
+            if form == "amx":
+                packed = amx_linear.pack(weight, arena)
+            elif form == "avx2":
+                packed = avx2_linear.pack(weight)
+            else:
+                packed = OneDNNWeight(weight) if _packing_works(weight.dtype) else None
+            if packed is not None:
+                return packed
+        return None
+
+    def pack_quantized(self, weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedPackedWeight | None:
+        """A kernel's copy of a quantized weight for activations of `dtype`, or None where no kernel takes
+        it here (the caller then serves it dequantized)."""
+        if not self.quantized:
+            return None
+        return quant_linear.pack(weight.type_name, weight.blocks, weight.out_features, weight.in_features, dtype)
+
+    def arena_for(self, weights: list[torch.Tensor]) -> Arena | None:
+        """One huge-page arena for the packed copies of those `weights` the AMX kernel takes (None if none)."""
+        if "amx" not in self.forms:
+            return None
+        numel = sum(w.numel() for w in weights if amx_linear.packable(w))
+        return Arena(numel, torch.bfloat16) if numel and self.huge_pages else None
+
+
+# Every form, tried in order: what a test or bench that packs one weight by hand asks for.
+EVERY_FORM = WeightPacking(PACKED_FORMS, quantized=True, huge_pages=True)
+
+
 def arena_for(weights: list[torch.Tensor]) -> Arena | None:
-    """One huge-page arena for the packed copies of those `weights` the AMX kernel takes (None if none)."""
-    numel = sum(w.numel() for w in weights if amx_linear.packable(w))
-    return Arena(numel, torch.bfloat16) if numel else None
+    return EVERY_FORM.arena_for(weights)
 
 
 def pack(weight: torch.Tensor, arena: Arena | None = None) -> PackedWeight | None:
-    """The packed copy of weight [out, in], or None where the plain path should be used. An AMX copy
-    is cut from `arena` (`arena_for` the model's weights) when given."""
-    if weight.device.type != "cpu":
-        return None
-    amx = amx_linear.pack(weight, arena)
-    if amx is not None:
-        return amx
-    avx2 = avx2_linear.pack(weight)
-    if avx2 is not None:
-        return avx2
-    return OneDNNWeight(weight) if _packing_works(weight.dtype) else None
+    """`EVERY_FORM.pack`: the first packed form this host has that takes the weight."""
+    return EVERY_FORM.pack(weight, arena)
 
 
 def pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedPackedWeight | None:
-    """A kernel's copy of a quantized weight for activations of `dtype`, or None where no kernel takes
-    it here (the caller then serves it dequantized)."""
-    return quant_linear.pack(weight.type_name, weight.blocks, weight.out_features, weight.in_features, dtype)
+    return EVERY_FORM.pack_quantized(weight, dtype)
 
 
 @functools.cache

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from adapter_cache.errors import FailedPreconditionError
-from inference_service.kernels import fused
 from inference_service.kernels.hugepages import Arena
 from inference_service.lora.ops import LoRAOp, SlicedB, TorchLoRAOp
 from inference_service.models import linear as dense
-from inference_service.models.attention import AttentionBackend, KVLayer, make_attention_backend
+from inference_service.models.attention import AttentionBackend, KVLayer
 from inference_service.models.batch import ForwardBatch
+from inference_service.models.compute import ModelCompute, portable
 from inference_service.models.config import ModelConfig
-from inference_service.models.decode_stack import DecodeStack
+from inference_service.models.fused_ops import FusedOps
 from inference_service.models.layers import (
     GatedMLP,
     LoRALinear,
@@ -41,22 +41,24 @@ class PutWeights(Protocol):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype,
+                 ops: FusedOps) -> None:
         super().__init__()
         c = config
-        self.config, self.index = c, index
+        self.config, self.index, self.ops = c, index, ops
         h, q, kv = c.hidden_size, c.q_size, c.kv_size
-        self.input_layernorm = RMSNorm(h, c.rms_norm_eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, device, dtype)
+        self.input_layernorm = RMSNorm(h, c.rms_norm_eps, device, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, device, dtype, ops)
         self.qkv = LoRALinear(h, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], c.qkv_bias, device, dtype)
         self.o = LoRALinear(q, [("o_proj", h)], c.o_bias, device, dtype)
         # "feed_forward" (Meta's own name) sorts where the flat gate_up/down weights did before it
         # existed, so builtin:tiny's seeded weights, drawn in name order, are unchanged.
-        self.feed_forward = self.make_feed_forward(c, device, dtype)
+        self.feed_forward = self.make_feed_forward(c, device, dtype, ops)
 
-    def make_feed_forward(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    def make_feed_forward(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                          ops: FusedOps) -> nn.Module:
         """The MLP after attention: forward(x, op, lora) -> [T, hidden]. LLaMA's is gated and dense."""
-        return GatedMLP(config, device, dtype)
+        return GatedMLP(config, device, dtype, ops)
 
     def projections(self) -> list[LoRALinear]:
         return [self.qkv, self.o, self.feed_forward.gate_up, self.feed_forward.down]
@@ -64,9 +66,9 @@ class LlamaDecoderLayer(nn.Module):
     def lora_slices(self) -> list[LoRASlices]:
         return [p.lora for p in self.projections()]
 
-    def pack_weights(self, arena: Arena | None = None) -> None:
+    def pack_weights(self, packing: dense.WeightPacking, arena: Arena | None = None) -> None:
         for projection in self.projections():
-            projection.pack(arena)
+            projection.pack(packing, arena)
 
     def forward(
         self,
@@ -98,8 +100,8 @@ class LlamaDecoderLayer(nn.Module):
         qkv = self.qkv(x, op, batch.lora)
         self.normalize_qk(qkv)
         k_cache, v_cache = kv
-        # On CPU one kernel rotates q and k in place and writes k and v to the cache.
-        cached = fused.rope_and_cache(qkv, c.num_heads, c.num_kv_heads, c.head_dim, *rope,
+        # With the C ops one kernel rotates q and k in place and writes k and v to the cache.
+        cached = self.ops.rope_and_cache(qkv, c.num_heads, c.num_kv_heads, c.head_dim, *rope,
                                       batch.attention.slot_mapping, k_cache, v_cache)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q, k, v = (t.reshape(-1, heads, c.head_dim) for t, heads in ((q, c.num_heads), (k, c.num_kv_heads),
@@ -136,53 +138,37 @@ def put_projection(put: PutWeights, projection: LoRALinear, modules: list[str]) 
 class LlamaModel(nn.Module):
     layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 compute: ModelCompute | None = None) -> None:
+        """`compute`: the attention backend, fused ops and weight packing the platform plan chose
+        (inference_service/platform); without one, torch's everywhere."""
         super().__init__()
         self.config, self.device, self.dtype = config, device, dtype
+        self.compute = compute = compute or portable()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(self.layer_class(config, i, device, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.layers = nn.ModuleList(self.layer_class(config, i, device, dtype, compute.fused)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype, compute.fused)
         self.lm_head = frozen_param(config.vocab_size, config.hidden_size, device, dtype)
         self.rotary = RotaryEmbedding(config, device)
         self.lora_op: LoRAOp = TorchLoRAOp(device)  # the engine picks the op for its device
-        self.attention: AttentionBackend = make_attention_backend(device, dtype)
+        self.attention: AttentionBackend = compute.attention
         self.packed_lm_head: dense.PackedWeight | None = None
         self.quantized_lm_head: QuantizedWeight | None = None  # kept quantized by the loader until packed
         # Bytes the quantized weights' kernel copies save against dense ones (models/quantized.py).
         self.weight_bytes_saved = 0
-        # Decode steps in one C call where the kernels allow (decode_stack.py); built on first use,
-        # once the engine has set the LoRA op. False: not built yet.
-        self._decode_stack: DecodeStack | None | bool = False
-
-    def plain_llama_layers(self) -> bool:
-        """True if no layer overrides a step of LLaMA's forward or swaps one of its parts (the decode
-        stack runs LLaMA's)."""
-        base = LlamaDecoderLayer
-        steps = ("forward", "self_attention", "normalize_qk")
-        return type(self.norm) is RMSNorm and all(
-            all(getattr(type(layer), step) is getattr(base, step) for step in steps)
-            and type(layer.feed_forward) is GatedMLP
-            and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is RMSNorm
-            for layer in self.layers
-        )
-
-    def decode_stack(self) -> DecodeStack | None:
-        stack = self._decode_stack
-        if stack is False or (isinstance(stack, DecodeStack) and not stack.current()):
-            stack = self._decode_stack = DecodeStack.build(self) if self.plain_llama_layers() else None
-        assert stack is None or isinstance(stack, DecodeStack)
-        return stack
 
     def pack_weights(self) -> None:
         """Once the weights are in: quantized weights into their kernels' layout, then the dense
         projections prepacked for the CPU GEMM (no-op elsewhere), the AMX copies into one arena on
         2 MiB pages."""
         projections = [p for layer in self.layers for p in layer.projections()]
-        saved = sum(p.pack_quantized() for p in projections)
+        packing = self.compute.packing
+        saved = sum(p.pack_quantized(packing) for p in projections)
         if self.quantized_lm_head is not None:
             quantized, self.quantized_lm_head = self.quantized_lm_head, None
-            packed = dense.pack_quantized(quantized, self.dtype)
+            packed = packing.pack_quantized(quantized, self.dtype)
             if packed is None:
                 self.lm_head.data = quantized.dequantize().to(self.dtype)
             else:
@@ -190,13 +176,13 @@ class LlamaModel(nn.Module):
                 saved += quantized.out_features * quantized.in_features * self.dtype.itemsize - packed.nbytes
         self.weight_bytes_saved = saved
         lm_head = [self.lm_head.data] if self.packed_lm_head is None else []
-        arena = dense.arena_for([*lm_head, *(p.weight.data for p in projections if p.packed is None)])
+        arena = packing.arena_for([*lm_head, *(p.weight.data for p in projections if p.packed is None)])
         if self.packed_lm_head is None:
-            self.packed_lm_head = dense.pack(self.lm_head.data, arena)
+            self.packed_lm_head = packing.pack(self.lm_head.data, arena)
             if self.packed_lm_head is not None:
                 self.lm_head.data = self.lm_head.data.new_empty(0)
         for layer in self.layers:
-            layer.pack_weights(arena)
+            layer.pack_weights(packing, arena)
 
     def attach_lora_buffers(
         self, buffers: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[SlicedB]]]
@@ -205,7 +191,6 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             for slices in layer.lora_slices():
                 slices.buffers = buffers[(layer.index, slices.modules)]
-        self._decode_stack = False
 
     def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
         return self.logits(self.hidden(batch, kv_caches))
@@ -215,10 +200,6 @@ class LlamaModel(nn.Module):
         """The final norm's output [S, hidden] at `batch.logits_rows` (what the LM head reads)."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions, x.dtype)
-        stack = self.decode_stack()
-        normed = stack.run(x, rope, batch, kv_caches) if stack is not None else None
-        if normed is not None:
-            return normed.index_select(0, batch.logits_rows)  # the norm is per row: select after it
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, batch, kv, self.lora_op, self.attention)
         return self.norm(x.index_select(0, batch.logits_rows))

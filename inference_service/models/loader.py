@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from adapter_cache.errors import FailedPreconditionError
+from inference_service.models.compute import ModelCompute, portable
 from inference_service.models.config import ModelConfig
 from inference_service.models.gguf import GGUFFile
 from inference_service.models.llama import LlamaModel
@@ -43,7 +44,8 @@ TINY_SEED = 1234
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype,
                tokenizer_mode: str = "auto", revision: str | None = None,
-               pack_weights: bool = True, weights_dtype: str = "auto") -> tuple[CausalLM, Tokenizer]:
+               pack_weights: bool = True, weights_dtype: str = "auto",
+               compute: ModelCompute | None = None) -> tuple[CausalLM, Tokenizer]:
     """`spec`: builtin:tiny, a checkpoint directory, a .gguf file (or a directory holding one), or a
     Hugging Face id (`revision` pins it) found in the Hugging Face cache (models/source.py).
     `tokenizer_mode` auto: the checkpoint's tokenizer (tokenizer.json, or the GGUF file's own),
@@ -52,7 +54,9 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
     keeps the dense weights (what a captured decode step reads) instead of the CPU GEMM's packing.
     `weights_dtype` (models/quantized.py): auto keeps a GGUF file's Q8_0/Q4_0 projections quantized where
     they can be served so (on CPU, packed), q8_0 or q4_0 asks for that type (quantizing others), bf16
-    dequantizes."""
+    dequantizes. `compute`: the attention backend, fused ops and weight packing the platform plan chose
+    (inference_service/platform); without one torch's ops, nothing packed."""
+    compute = compute or portable()
     if tokenizer_mode not in ("auto", "byte"):
         raise FailedPreconditionError(f"tokenizer must be auto or byte, got {tokenizer_mode!r}")
     if weights_dtype not in WEIGHTS_DTYPES:
@@ -72,16 +76,16 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
     if source.kind == "builtin":
         if spec != BUILTIN_TINY:
             raise FailedPreconditionError(f"unknown builtin model {spec!r} (there is {BUILTIN_TINY})")
-        model = _builtin_tiny(device, dtype)
+        model = _builtin_tiny(device, dtype, compute)
         if pack_weights:
             model.pack_weights()
         return model, ByteTokenizer()
     assert source.path is not None  # set for every kind but builtin
     start = time.perf_counter()
     if source.kind == "gguf":
-        model, tokenizer = _load_gguf(source, device, dtype, tokenizer_mode, weights_dtype)
+        model, tokenizer = _load_gguf(source, device, dtype, tokenizer_mode, weights_dtype, compute)
     else:
-        model, tokenizer = _load_hf_dir(source, device, dtype, tokenizer_mode)
+        model, tokenizer = _load_hf_dir(source, device, dtype, tokenizer_mode, compute)
     if pack_weights:
         model.pack_weights()
     if model.weight_bytes_saved:
@@ -94,7 +98,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype,
 
 
 def _load_hf_dir(source: ModelSource, device: torch.device, dtype: torch.dtype,
-                 tokenizer_mode: str) -> tuple[CausalLM, Tokenizer]:
+                 tokenizer_mode: str, compute: ModelCompute) -> tuple[CausalLM, Tokenizer]:
     root = source.path
     assert root is not None
     hf_config = json.loads((root / "config.json").read_text())
@@ -110,13 +114,13 @@ def _load_hf_dir(source: ModelSource, device: torch.device, dtype: torch.dtype,
         raise FailedPreconditionError(
             f"{root}: no tokenizer.json; add the model's tokenizer, or pass --tokenizer byte to serve with "
             "the byte-level tokenizer (text is UTF-8 bytes as token ids 0-255)")
-    model = model_cls(config, device, dtype)
+    model = model_cls(config, device, dtype, compute)
     model.load_hf_state_dict(_read_safetensors(root))
     return model, tokenizer
 
 
 def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               tokenizer_mode: str, weights_dtype: str) -> tuple[CausalLM, Tokenizer]:
+               tokenizer_mode: str, weights_dtype: str, compute: ModelCompute) -> tuple[CausalLM, Tokenizer]:
     assert source.path is not None
     gguf = GGUFFile(source.path)
     hf_config = gguf.hf_config()
@@ -124,7 +128,7 @@ def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype,
     config = ModelConfig.from_hf(hf_config, name=source.name)
     tokenizer: Tokenizer = ByteTokenizer() if tokenizer_mode == "byte" else FileTokenizer(
         gguf.tokenizer(), config.eos_token_ids)
-    model = model_cls(config, device, dtype)
+    model = model_cls(config, device, dtype, compute)
     # Dequantized one tensor at a time as the model takes it, cast to `dtype` on copy; projections
     # kept quantized (weights_dtype) are taken as blocks.
     model.load_hf_state_dict(gguf.state_dict(weights_dtype))
@@ -155,10 +159,10 @@ def builtin_tiny_config() -> ModelConfig:
     return ModelConfig.from_hf(TINY_CONFIG, name=BUILTIN_TINY)
 
 
-def _builtin_tiny(device: torch.device, dtype: torch.dtype) -> LlamaModel:
+def _builtin_tiny(device: torch.device, dtype: torch.dtype, compute: ModelCompute) -> LlamaModel:
     """Deterministic random weights: the same seed gives the same model everywhere."""
     config = builtin_tiny_config()
-    model = LlamaModel(config, device, dtype)
+    model = LlamaModel(config, device, dtype, compute)
     gen = torch.Generator().manual_seed(TINY_SEED)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):

@@ -10,16 +10,18 @@ from __future__ import annotations
 import torch
 
 from inference_service.models.config import ModelConfig
+from inference_service.models.fused_ops import FusedOps
 from inference_service.models.layers import RMSNorm
 from inference_service.models.llama import LlamaDecoderLayer, LlamaModel, PutWeights
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(config, index, device, dtype)
+    def __init__(self, config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype,
+                 ops: FusedOps) -> None:
+        super().__init__(config, index, device, dtype, ops)
         # One weight of head_dim each, shared by every head (as transformers' Qwen3RMSNorm).
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype, ops)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype, ops)
 
     def normalize_qk(self, qkv: torch.Tensor) -> None:
         """Per head, after the projection and its LoRA delta (PEFT adapts q_proj/k_proj, and the

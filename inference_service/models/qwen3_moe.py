@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_service.kernels import fused
 from inference_service.lora.ops import LoRABatch, LoRAOp
 from inference_service.lora.step_buffers import ExpertStepBuffers
 from inference_service.models.config import ModelConfig
+from inference_service.models.fused_ops import FusedOps
 from inference_service.models.layers import LoRALinear, LoRASlices, frozen_param
 from inference_service.models.llama import LlamaModel, PutWeights
 from inference_service.models.qwen3 import Qwen3DecoderLayer
@@ -29,8 +29,9 @@ from inference_service.models.qwen3 import Qwen3DecoderLayer
 class SparseMoE(nn.Module):
     """Top-k routed experts, each a gated MLP; base weights stacked [experts, out, in]."""
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, ops: FusedOps) -> None:
         super().__init__()
+        self.ops = ops
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.top_k, self.norm_topk_prob = e, config.num_experts_per_tok, config.norm_topk_prob
         self.router = frozen_param(e, h, device, dtype)
@@ -66,10 +67,7 @@ class SparseMoE(nn.Module):
         xs = x.index_select(0, token_of_pair)
         gate_up = self._grouped(xs, self.gate_up, counts)
         self.gate_up_lora.apply(op, xs, gate_up, pair_lora)
-        act = fused.silu_mul(gate_up)
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+        act = self.ops.silu_mul(gate_up)
         down = self._grouped(act, self.down, counts)
         self.down_lora.apply(op, act, down, pair_lora)
         # Back to (token, k) order by a gather (a scatter-add into the tokens ran 30% of a decode step),
@@ -93,8 +91,9 @@ class SparseMoE(nn.Module):
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     feed_forward: SparseMoE
 
-    def make_feed_forward(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return SparseMoE(config, device, dtype)
+    def make_feed_forward(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                          ops: FusedOps) -> nn.Module:
+        return SparseMoE(config, device, dtype, ops)
 
     def projections(self) -> list[LoRALinear]:
         """The dense projections (packed for the CPU GEMM); the experts' are the MoE block's."""

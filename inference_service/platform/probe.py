@@ -1,0 +1,78 @@
+"""What this host offers, read once: the CPU's model and the instruction-set flags the kernels care
+about, and which C kernels load here (through each kernel module's own `available`/`preferred`)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference_service.kernels import amx_linear, avx2_linear, fused, quant_linear
+from inference_service.kernels import paged_attention as attention_kernels
+from inference_service.kernels.build import load_library
+from inference_service.lora import backend as lora_kernels
+
+# The flags a choice here depends on (/proc/cpuinfo's names).
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    flags: frozenset[str]
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 arithmetic in hardware (AVX512-BF16 or AMX): bf16 is then no slower than fp32."""
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    model, flags = "unknown", frozenset[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = frozenset(value.split()) & frozenset(FLAGS)
+    except OSError:
+        pass  # not Linux: no flags read, so no choice that needs one
+    return CpuInfo(model, flags)
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """Which C kernels load here for a model dtype (each built now where it is not yet)."""
+
+    amx_linear: bool
+    avx2_linear_preferred: bool
+    quant_linear: bool
+    fused: bool
+    attention: bool
+    prefill_attention_preferred: bool
+    lora: bool
+    decode_stack: bool
+    greedy: bool
+
+    @classmethod
+    def probe(cls, dtype: torch.dtype) -> CpuKernels:
+        cpu = torch.device("cpu")
+        return cls(
+            amx_linear=amx_linear.available(),
+            avx2_linear_preferred=avx2_linear.preferred(),
+            quant_linear=quant_linear.available(),
+            fused=fused.available(cpu, dtype),
+            attention=attention_kernels.available(cpu, dtype),
+            prefill_attention_preferred=attention_kernels.prefill_preferred(cpu, dtype),
+            lora=lora_kernels.available(dtype),
+            decode_stack=load_library("decode_stack") is not None,
+            greedy=load_library("greedy") is not None,
+        )
+
+    @classmethod
+    def none(cls) -> CpuKernels:
+        return cls(False, False, False, False, False, False, False, False, False)
