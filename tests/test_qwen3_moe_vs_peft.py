@@ -36,6 +36,7 @@ from inference_service.lora import backend as lora_backend
 from inference_service.lora.ops import TorchLoRAOp, build_lora_batch
 from inference_service.lora.step_buffers import ExpertStepBuffers, LoRAStepBuffers
 from inference_service.models.config import ModelConfig
+from inference_service.models.fused_ops import TorchFusedOps
 from inference_service.models.gguf import GGUFFile
 from inference_service.models.qwen3_moe import Qwen3MoeModel, SparseMoE
 
@@ -248,7 +249,7 @@ def test_experts_run_one_matmul_each_over_their_rows(moe_setup, monkeypatch):
     checkpoint, _, _ = moe_setup
     config = ModelConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
     torch.manual_seed(5)
-    moe = SparseMoE(config, torch.device("cpu"), torch.float32)
+    moe = SparseMoE(config, torch.device("cpu"), torch.float32, TorchFusedOps())
     for param in (moe.router, moe.gate_up, moe.down):
         param.data.normal_(0.0, 0.2)
     x = torch.randn(40, config.hidden_size)
