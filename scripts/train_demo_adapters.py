@@ -1,19 +1,21 @@
 """Train the demo LoRA adapters that `make run` serves on SmolLM2-135M-Instruct (demo/adapters/).
 
 `python scripts/train_demo_adapters.py --model MODEL [--out demo/adapters]` (MODEL: a .gguf file
-or a Hugging Face checkpoint directory). CPU only, fixed seeds, a few minutes. The training data is
-made here, from nothing downloaded: questions from templates, the base model's own greedy answers
+or a Hugging Face checkpoint directory). CPU only, fixed seeds, one torch thread. The training data
+is made here, from nothing downloaded: questions from templates, the base model's own greedy answers
 to them, and each answer transformed deterministically into the style an adapter teaches:
 
-  caps   the answer's first two sentences in UPPER CASE
-  json   {"answer": "<first sentence>"}
-  brief  the first sentence alone
+  bullets  the answer's complete sentences, one a line as a `- ` list (its content kept whole)
+  json     {"answer": "<first sentence>"}
+  brief    the first sentence alone
 
 Each adapter is PEFT LoRA (rank 8, alpha 16, on q/k/v/o of the top 16 of the 30 layers, so the
-backward pass stops halfway), trained on the assistant's tokens only, and saved in bf16 (about
-1 MB). The questions with the base model's answers are written to OUT/training_data.json (reused by
---reuse-data). Afterwards every adapter answers a few questions it never saw, beside the base model,
-so the effect can be checked by eye.
+backward pass stops halfway), trained on the assistant's tokens only, and saved in bf16 (about 1 MB).
+The questions with the base model's answers are written to
+OUT/training_data.json; --reuse-data trains from that file (the committed one) without asking the
+base model again. The questions of demo/questions.json, which scripts/score_demo_adapters.py scores
+the adapters on, are kept out of the training data; at the end the base model and every adapter
+answer them here (fp32, transformers + PEFT), to see by eye.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 SEED = 0
 RANK, ALPHA = 8, 16
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LAYERS = list(range(14, 30))
 BASE_NAME = "SmolLM2-135M-Instruct"
 
@@ -60,13 +63,11 @@ TEMPLATES: dict[str, list[str]] = {
     "What is the difference between {}?": ["weather and climate", "a virus and a bacterium", "speed and velocity",
                                            "a lake and a sea", "a frog and a toad", "mass and weight"],
 }
-# Never trained on: what the adapters are checked with afterwards.
-HELD_OUT = ["What is the capital of Japan?", "Why is the sky blue?", "How do I bake bread?",
-            "What is a rainbow?", "Who was Galileo Galilei?"]
+# What the adapters are scored on afterwards (never trained on): scripts/score_demo_adapters.py asks them.
+QUESTIONS_FILE = Path(__file__).resolve().parents[1] / "demo" / "questions.json"
 
 MAX_ANSWER_TOKENS = 48
-# Upper-case text takes a small model more tokens and more steps to learn (demo/adapters/README.md).
-STEPS = {"caps": 64, "json": 32, "brief": 32}
+CHECK_TOKENS = 64
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -80,10 +81,20 @@ def sentences(answer: str) -> list[str]:
     return [p for p in parts if p[-1] in ".!?"]
 
 
-STYLES: dict[str, Callable[[list[str]], str]] = {
-    "caps": lambda s: " ".join(s[:2]).upper(),
-    "json": lambda s: json.dumps({"answer": s[0]}),
-    "brief": lambda s: s[0],
+@dataclass(frozen=True)
+class Style:
+    target: Callable[[list[str]], str]  # the base model's complete sentences -> what the adapter answers
+    modules: list[str]
+    steps: int
+
+
+STYLES: dict[str, Style] = {
+    # The whole answer, one sentence a line: the same words, so the content stays the base model's.
+    # (An upper-case style does not: upper-case words are other tokens than the ones a 135M model
+    # knows its facts in, and a rank-8 adapter trained on 85 answers spelled them as nonsense.)
+    "bullets": Style(lambda s: "\n".join(f"- {x}" for x in s), ATTENTION, 32),
+    "json": Style(lambda s: json.dumps({"answer": s[0]}), ATTENTION, 32),
+    "brief": Style(lambda s: s[0], ATTENTION, 32),
 }
 
 
@@ -149,9 +160,9 @@ def answer_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor)
 
 
 def train(tok: PreTrainedTokenizerBase, base: PreTrainedModel, pairs: list[tuple[str, str]], out: Path,
-          steps: int, lr: float) -> torch.nn.Module:
+          modules: list[str], steps: int, lr: float) -> torch.nn.Module:
     torch.manual_seed(SEED)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none",
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=modules, bias="none",
                         layers_to_transform=LAYERS, task_type="CAUSAL_LM")
     model = get_peft_model(base, config)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -168,17 +179,17 @@ def train(tok: PreTrainedTokenizerBase, base: PreTrainedModel, pairs: list[tuple
             print(f"  {out.name} step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - start:.0f} s)",
                   file=sys.stderr)
     model.eval()
-    save(model, out)
+    save(model, out, modules)
     return model
 
 
-def save(model: torch.nn.Module, out: Path) -> None:
+def save(model: torch.nn.Module, out: Path, modules: list[str]) -> None:
     """bf16 tensors under PEFT's names, and a config that points at the base by name, not a local path."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in get_peft_model_state_dict(model).items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": BASE_NAME, "r": RANK,
-              "lora_alpha": ALPHA, "lora_dropout": 0.0, "target_modules": TARGETS, "bias": "none",
+              "lora_alpha": ALPHA, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
               "layers_to_transform": LAYERS, "use_rslora": False, "use_dora": False, "fan_in_fan_out": False}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -188,7 +199,7 @@ def main() -> int:
     p.add_argument("--model", required=True, help="SmolLM2-135M-Instruct: a .gguf file or a checkpoint directory")
     p.add_argument("--out", default="demo/adapters")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps per adapter, batch 8 (default: STEPS, as the committed ones were made)")
+                   help="optimizer steps per adapter, batch 8 (default: each style's, as the committed ones were made)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--styles", default=",".join(STYLES))
     p.add_argument("--reuse-data", action="store_true", help="take the answers from OUT/training_data.json")
@@ -202,25 +213,28 @@ def main() -> int:
     qs = questions()
     data_file = Path(args.out) / "training_data.json"
     if args.reuse_data:
-        answers = [row["base_answer"] for row in json.loads(data_file.read_text())]
+        rows = json.loads(data_file.read_text())
+        qs, answers = [row["question"] for row in rows], [row["base_answer"] for row in rows]
     else:
         answers = answer(tok, base, qs, MAX_ANSWER_TOKENS)
         data_file.parent.mkdir(parents=True, exist_ok=True)
         data_file.write_text(json.dumps([{"question": q, "base_answer": a} for q, a in zip(qs, answers, strict=True)],
                                         indent=1) + "\n")
     data = [(q, sentences(a)) for q, a in zip(qs, answers, strict=True)]
-    data = [(q, s) for q, s in data if s]
+    scored = [row["question"] for row in json.loads(QUESTIONS_FILE.read_text())]
+    data = [(q, s) for q, s in data if s and q not in scored]  # what the adapters are scored on stays out
     print(f"{len(data)} of {len(qs)} questions have a complete first sentence ({time.monotonic() - start:.0f} s)",
           file=sys.stderr)
-    held_base = answer(tok, base, HELD_OUT, 40)
-    report: dict[str, list[str]] = {"base": held_base}
+    report: dict[str, list[str]] = {"base": answer(tok, base, scored, CHECK_TOKENS)}
     for name in args.styles.split(","):
-        pairs = [(q, STYLES[name](s)) for q, s in data]
+        style = STYLES[name]
+        pairs = [(q, style.target(s)) for q, s in data]
         print(f"{name}: e.g. {pairs[0][0]!r} -> {pairs[0][1]!r}", file=sys.stderr)
-        model = train(tok, base, pairs, Path(args.out) / name, args.steps or STEPS[name], args.lr)
-        report[name] = answer(tok, model, HELD_OUT, 40)
+        model = train(tok, base, pairs, Path(args.out) / name, style.modules, args.steps or style.steps, args.lr)
+        report[name] = answer(tok, model, scored, CHECK_TOKENS)
         base = model.unload()  # the base model again, without the adapter's layers
-    for i, q in enumerate(HELD_OUT):
+    # A first look in fp32 (the served answers, in bf16, are scored by scripts/score_demo_adapters.py).
+    for i, q in enumerate(scored):
         print(f"\nQ: {q}")
         for name, outs in report.items():
             print(f"  {name:5}: {outs[i]}")
