@@ -37,7 +37,7 @@ alternating between the servers (on-off, then off-on, ...), after a warm-up roun
 figure is the median of the rounds' on/off tokens/s ratios (a burst of another job then moves one
 round, not the figure).
 
-    .venv/bin/python bench/prefix_cache.py [--real | --fixture] [--conversations 8] [--turns 6]
+    .venv/bin/python -m bench.prefix_cache [--real | --fixture] [--conversations 8] [--turns 6]
         [--rounds 16] [--round-requests 8]
 
 Last lines:
@@ -91,15 +91,18 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness.bench import (
+    PREFIX_CACHE_MODEL,
+    ROOT,
+    bench_command,
+    make_small_model_and_adapters,
+    percentile,
+    print_result,
+)
+from harness.ports import free_port, wait_http_healthy
+from harness.real_model import FETCH_HINT, real_model_path
 
-from bench.http_overhead import make_small_model  # noqa: E402
-from harness.ports import free_port, wait_http_healthy  # noqa: E402
-from harness.real_model import FETCH_HINT, real_model_path  # noqa: E402
-
-SMALL_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=384, max_position_embeddings=4096)
+SMALL_MODEL = PREFIX_CACHE_MODEL
 ADMIN_TOKEN = "bench-admin"
 ADAPTERS = ("ad0", "ad1", "ad2")
 SERVED_NAME = "base"  # --served-model-name of both servers: the base model's id in requests
@@ -313,12 +316,12 @@ def run_bench(args, tmp: Path) -> dict:
             for name in ADAPTERS:
                 _load_adapter(url, name, tmp / name)
         out = subprocess.run(
-            [sys.executable, __file__, "--client", servers["on"][1], "--client-off", servers["off"][1],
+            bench_command("prefix_cache", "--client", servers["on"][1], "--client-off", servers["off"][1],
              "--conversations", str(args.conversations), "--turns", str(args.turns), "--system", str(args.system),
              "--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.rounds),
              "--round-requests", str(args.round_requests), "--no-reuse-prompt", str(args.no_reuse_prompt),
-             "--ascii-vocab", str(0 if args.real else SMALL_MODEL["vocab_size"]), "--vocab", str(args.vocab)],
-            check=True, capture_output=True, text=True, timeout=3600)
+             "--ascii-vocab", str(0 if args.real else SMALL_MODEL["vocab_size"]), "--vocab", str(args.vocab)),
+            check=True, capture_output=True, text=True, timeout=3600, cwd=ROOT)
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         for server, _ in servers.values():
@@ -328,15 +331,8 @@ def run_bench(args, tmp: Path) -> dict:
 
 
 def make_model_and_adapters(tmp: Path) -> Path:
-    """The fixture model and its adapters under `tmp` (bench/prefix_cache_step.py uses it too)."""
-    from inference_service.demo_adapters import write_peft_adapter
-    from inference_service.models.config import ModelConfig
-
-    out = make_small_model(tmp / "small", SMALL_MODEL)
-    model_config = ModelConfig.from_hf(json.loads((out / "config.json").read_text()))
-    for i, name in enumerate(ADAPTERS):
-        write_peft_adapter(tmp / name, model_config, rank=8 * (1 + i % 2), alpha=16.0, seed=i)
-    return out
+    """The fixture model and its adapters under `tmp`."""
+    return make_small_model_and_adapters(tmp, ADAPTERS, PREFIX_CACHE_MODEL)
 
 
 def make_real_adapters(model: str, tmp: Path) -> int:
@@ -357,11 +353,6 @@ def make_real_adapters(model: str, tmp: Path) -> int:
 
 
 # ---- the report ----
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
 
 def answer_hits(turns: list[list[dict]], block: int = 16) -> list[int]:
     """Per turn: conversations whose cached tokens reach the full blocks of the previous prompt and
@@ -385,8 +376,9 @@ def report(on: dict, off: dict, turns: int) -> float:
         ton, toff = [x["ttft"] for x in on["turns"][t]], [x["ttft"] for x in off["turns"][t]]
         prompt = statistics.mean(x["prompt"] for x in on["turns"][t])
         cached = statistics.mean(x["cached"] for x in on["turns"][t])
-        print(f"{t + 1:4}  {1000 * statistics.median(ton):8.1f} {1000 * _pct(ton, 0.99):8.1f}    "
-              f"{1000 * statistics.median(toff):8.1f} {1000 * _pct(toff, 0.99):8.1f}   {prompt:6.1f}  {cached:9.1f}"
+        on_p50, on_p99 = 1000 * statistics.median(ton), 1000 * percentile(ton, 0.99)
+        off_p50, off_p99 = 1000 * statistics.median(toff), 1000 * percentile(toff, 0.99)
+        print(f"{t + 1:4}  {on_p50:8.1f} {on_p99:8.1f}    {off_p50:8.1f} {off_p99:8.1f}   {prompt:6.1f}  {cached:9.1f}"
               f"  {cached / prompt:8.2f}  {hits[t]}/{len(on['turns'][t])}" + ("" if t else " (first turn)"))
     same = sum(a["text"] == b["text"] for t in range(turns) for a, b in zip(on["turns"][t], off["turns"][t],
                                                                             strict=True))
@@ -459,8 +451,8 @@ def main() -> int:
     print("1-minute load average at the start of each phase: "
           + ", ".join(f"{phase} {value:.2f}" for phase, value in result["loads"].items()))
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"RESULT prefix_cache_ttft_speedup={speedup:.2f}")
-    print(f"RESULT prefix_cache_no_reuse_tps_ratio={statistics.median(ratios):.3f}")
+    print_result("prefix_cache_ttft_speedup", speedup, ".2f")
+    print_result("prefix_cache_no_reuse_tps_ratio", statistics.median(ratios))
     return 0
 
 
