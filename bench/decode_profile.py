@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, by op (issue 36, deliverable 2's profile), on the real model.
+"""Where a decode step's time goes, by op, on the real model.
 
 Runs batch-B decode steps of the base model (and of 8 resident adapters with `--adapters`) in-process
 under torch.profiler and prints, per op, its self CPU time per step and its share of the step's wall

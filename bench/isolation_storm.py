@@ -1,4 +1,4 @@
-"""A cancel/deadline storm with hostile inputs mixed in (issue 13): does anything leak or break?
+"""A cancel/deadline storm with hostile inputs mixed in: does anything leak or break?
 
 TOTAL Generate calls, CONCURRENCY at a time, against a real `loraplex-inference` subprocess
 (builtin:tiny, two adapters): a quarter run to completion, a quarter are cancelled after their

@@ -1,6 +1,6 @@
 """Many adapters in one batch (S-LoRA's figure): throughput vs distinct adapters, in-process.
 
-Workload (issue 39): a 4-layer hidden-256 LLaMA; 64 requests submitted at once, 32-token prompts,
+Workload: a 4-layer hidden-256 LLaMA; 64 requests submitted at once, 32-token prompts,
 64 new tokens each, greedy, EOS ignored. Adapters of ranks 8 and 16 (alternating) on all 7
 modules. With A distinct adapters, request i uses adapter i mod A (`uniform`), or one drawn from a
 Zipf distribution with s=1 over the A adapters (`zipf`: a few hot adapters, a long tail).

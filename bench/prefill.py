@@ -1,5 +1,5 @@
 """Prefill against the machine's limit, and what a long prompt does to the streams decoding beside it
-(issue 36, deliverable 3), on the real model, in-process.
+on the real model, in-process.
 
 1. TTFT of one 512- and one 2048-token prompt (random tokens, greedy, the whole prompt in one step:
    `--max-num-batched-tokens` 4096), the median of REPEATS, against the prefill's roofline: its

@@ -1,4 +1,4 @@
-"""Decode against the machine's limit, on the real model (issue 36, deliverable 1).
+"""Decode against the machine's limit, on the real model.
 
 In one run: measures the machine (a sequential read of as many bytes as the model's weights, with the
 engine's threads, on small and on 2 MiB pages, the faster counting; a large bf16 and fp32 GEMM's

@@ -473,7 +473,7 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
 
 def run_stalled_reader(args: argparse.Namespace, tmp: Path) -> None:
     """64 streams at a 10 ms step, alone and beside a client that stops reading: the others'
-    inter-token p99 must stay within 1.2x (issue 16)."""
+    inter-token p99 must stay within 1.2x."""
     streams, step_ms, prompts = 64, 10.0, SIM_PROMPTS
     server = start_sim_server(args.engine_core[-1], step_ms, streams + 1, 1000, tmp)  # + the stalled stream
     stalled = None

@@ -1,5 +1,5 @@
 """Structured output's cost: tokens/s through the real server with half the streams constrained by a
-JSON schema, against all streams free, in the same run (issue 34).
+JSON schema, against all streams free, in the same run.
 
 Workload: the serving benchmark's small model (bench/http_overhead.py: LLaMA, hidden 256, 4 layers,
 vocab 32000, fp32, random weights, byte tokenizer), CONCURRENCY streams through the server
