@@ -11,7 +11,7 @@ Each run starts a fresh engine, so every churn adapter's first load reads and ch
 and later ones come from the source's host cache (`--host-cache-bytes 0`: every load reads).
 The p99 ratios are taken within each round and the median over rounds is reported (the pooled
 ratios are printed too). Why these sizes, this cadence and per-round ratios:
-docs/architecture.md, "The overlap_churn benchmark's workload".
+docs/performance.md, "The adapter pool with many adapters".
 A churn turn skipped (the previous load still running when the next is due) is a load that
 did not happen, which would flatter the ratio: then no RESULT is printed and the exit status is 1
 (raise `--churn-every`, or find out why loads fall behind).

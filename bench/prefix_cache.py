@@ -72,7 +72,7 @@ bf16 here; three runs, 1-minute load at start -> end):
   cached context runs other GEMM shapes than a whole-prompt prefill, and greedy flips at near-ties
   in bf16. In-process (EngineCore, one request at a time, these prompts, 32 tokens): fp32, 2
   conversations x 3 turns, all equal with the cache on and off; bf16, 4 x 3, 6 of 12 differed.
-The fixture model's figures in docs/architecture.md ("Prefix cache") came from the older
+The fixture model's figures in docs/performance.md ("The prefix cache") came from the older
 one-server-at-a-time version of this bench.
 """
 

@@ -33,7 +33,7 @@ class EngineConfig:
     # (engine.core.resolve_max_rank). The engine core replaces auto with the rank it chose.
     max_lora_rank: int | str = "auto"
     lora_memory_bytes: int | None = None
-    # Of the memory budget: None is 0.25 on CUDA, 0.5 on CPU (docs/architecture.md, "The adapter
+    # Of the memory budget: None is 0.25 on CUDA, 0.5 on CPU (docs/engine.md, "The adapter
     # pool"), less what the KV cache needs for one request of the whole context.
     lora_memory_fraction: float | None = None
     lora_page_rank: int = 8
@@ -132,7 +132,7 @@ def auto_dtype(model: str, device: torch.device, revision: str | None = None) ->
     """On an accelerator the checkpoint's own `torch_dtype` (what it was trained and shipped in);
     on CPUs bf16 where the CPU computes it natively (AVX512-BF16 / AMX) or where the AVX2 projection
     kernel is preferred (AVX2 without AVX-512: bf16 weights widened as they are read, half fp32's bytes at
-    fp32's arithmetic; docs/architecture.md, "bf16 on an AVX2-only CPU"), else fp32 (torch's emulated
+    fp32's arithmetic; docs/performance.md, "bf16 on an AVX2-only CPU"), else fp32 (torch's emulated
     bf16 is slower than fp32 there)."""
     if device.type != "cpu":
         return _checkpoint_dtype(model, revision) or torch.float32

@@ -2,7 +2,7 @@
 
 Three packed forms, chosen per weight when the model is loaded (`pack`):
 - AMX (`kernels/amx_linear`): bf16 on CPUs with AMX. A decode step's projections only stream their
-  weights, and this kernel reads them at ~1.5x oneDNN's rate there (docs/architecture.md, "Decode
+  weights, and this kernel reads them at ~1.5x oneDNN's rate there (docs/performance.md, "Decode
   against the machine's roofline"); from 64 rows up to the 512 of a default prefill chunk it is
   level with oneDNN, and ~0.85 of its rate at 2048 rows in one step.
 - AVX2 (`kernels/avx2_linear`): fp32 on CPUs with AVX2 but no AVX-512 (AMD Zen 1-3), where
