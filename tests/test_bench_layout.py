@@ -52,3 +52,19 @@ def test_the_walks_see_what_they_look_for(tmp_path):
     script.write_text("import sys\nsys.path.insert(0, '.')\nfrom bench.roofline import engine\nfrom . import prefill\n")
     assert _uses_sys_path(script)
     assert {"bench.roofline", "bench"} <= _imports(script)
+
+
+def test_the_one_percentile_interpolates_between_nearest_ranks():
+    import math
+    import random
+    import statistics
+
+    from harness.bench import percentile
+
+    rng = random.Random(7)
+    values = [rng.uniform(0, 10) for _ in range(37)]
+    for k in (1, 50, 90, 99):
+        assert math.isclose(percentile(values, k / 100),
+                            statistics.quantiles(values, n=100, method="inclusive")[k - 1])
+    assert percentile([3.0, 1.0, 2.0], 0.0) == 1.0 and percentile([3.0, 1.0, 2.0], 1.0) == 3.0
+    assert percentile([5.0], 0.99) == 5.0 and math.isnan(percentile([], 0.5))
