@@ -49,8 +49,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.bench import ROOT, make_small_model, percentile, print_result
-from harness.ports import free_port, wait_http_healthy
+from harness.bench import make_small_model, percentile, print_result, start_http_server
+from harness.ports import free_port
 
 MAX_NUM_SEQS = 8
 LIGHT = ("light0", "light1", "light2")
@@ -77,18 +77,14 @@ class Server:
 
 
 def start_server(args, tmp: Path, fair: str, tenants_file: Path) -> Server:
-    port, metrics_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp / f"server-{fair}.log", "wb")  # noqa: SIM115 - open for the server's lifetime
-    process = subprocess.Popen(
-        [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
-         "--tokenizer", args.tokenizer, "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(port),
+    metrics_port = free_port()
+    server = start_http_server(
+        ["--model", args.model, "--device", args.device, "--tokenizer", args.tokenizer,
          "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1",
          "--log-level", "WARNING", "--max-num-seqs", str(MAX_NUM_SEQS), "--stream-interval", "8",
          "--fair-share", fair, "--tenants-file", str(tenants_file)],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    wait_http_healthy(url, process)
-    return Server(f"fair share {fair}", url, f"http://127.0.0.1:{metrics_port}/metrics", process)
+        tmp / f"server-{fair}.log")
+    return Server(f"fair share {fair}", server.url, f"http://127.0.0.1:{metrics_port}/metrics", server.process)
 
 
 def served_model(url: str, token: str) -> str:

@@ -98,8 +98,9 @@ from harness.bench import (
     make_small_model_and_adapters,
     percentile,
     print_result,
+    start_http_server,
 )
-from harness.ports import free_port, wait_http_healthy
+from harness.ports import wait_http_healthy
 from harness.real_model import FETCH_HINT, real_model_path
 
 SMALL_MODEL = PREFIX_CACHE_MODEL
@@ -296,16 +297,12 @@ def _load_adapter(url: str, name: str, path: Path) -> None:
 
 
 def start_server(args, tmp: Path, prefix_cache: str) -> tuple[subprocess.Popen, str]:
-    http_port = free_port()
-    with open(tmp / f"server-{prefix_cache}.log", "wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
-             "--tokenizer", "auto" if args.real else "byte", "--served-model-name", SERVED_NAME,
-             "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port),
-             "--log-level", "WARNING", "--prefix-cache", prefix_cache, "--max-lora-rank", "16",
-             "--adapter-source-allow", tmp.as_uri()],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN})
-    return server, f"http://127.0.0.1:{http_port}"
+    server = start_http_server(
+        ["--model", args.model, "--device", args.device, "--tokenizer", "auto" if args.real else "byte",
+         "--served-model-name", SERVED_NAME, "--log-level", "WARNING", "--prefix-cache", prefix_cache,
+         "--max-lora-rank", "16", "--adapter-source-allow", tmp.as_uri()],
+        tmp / f"server-{prefix_cache}.log", env={"LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN}, healthy_timeout=None)
+    return server.process, server.url
 
 
 def run_bench(args, tmp: Path) -> dict:
