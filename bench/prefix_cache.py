@@ -44,7 +44,7 @@ Last lines:
     RESULT prefix_cache_ttft_speedup=<TTFT p50 off / on over turns 3+>   (target >= 3)
     RESULT prefix_cache_no_reuse_tps_ratio=<median over rounds of tokens/s on / off, no reuse>  (target >= 0.97)
 
-Measured (`--real`, the defaults; 2-core dev box shared with another engineer's jobs; dtype auto =
+Measured (`--real`, the defaults; 2-core dev box shared with other jobs; dtype auto =
 bf16 here; three runs, 1-minute load at start -> end):
     run 1 (3.23 -> 3.39; 8 no-reuse rounds of 16):  speedup 6.09, no reuse 0.973 (rounds 0.70-1.01)
     run 2 (2.77 -> 1.80; 16 rounds of 8):           speedup 5.16, no reuse 0.976 (quartiles 0.94-1.00)

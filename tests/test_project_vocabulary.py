@@ -1,6 +1,6 @@
 """Docs, comments, docstrings and test names speak of the project, not of how its work was planned:
-no tracker numbers ("issue 36", "#41"), no "stop 46" or "deliverable 2". Such words mean nothing to
-a reader of the code. Every text file under the project's own directories is scanned."""
+no tracker numbers ("issue 36", "#41"), no "stop 46", "deliverable 2" or "another engineer's jobs".
+Such words mean nothing to a reader of the code. Every text file under the project's own directories is scanned."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ ORGANISATIONAL = re.compile(
     r"|\bstops? \d+"  # stop 46, stops 45-46
     r"|\bsessions? \d+"
     r"|\bdeliverables?\b"
+    r"|\bengineers?(?:'s)?\b"  # who did the work ("another engineer's jobs")
     r"|(?:^|[\s(\[,])#\d{1,4}\b(?![0-9a-fA-F])",  # #41 (a tracker reference; not a colour such as #1f77b4)
     re.IGNORECASE,
 )
@@ -47,7 +48,8 @@ def test_no_tracker_numbers_or_planning_words_in_the_project():
 
 
 @pytest.mark.parametrize("text", ["see issue 36", "Issues 13-16", "since stop 46", "stops 45-46",
-                                  "issue #41", "(#41)", "fixed in #7", "deliverable 2", "session 3"])
+                                  "issue #41", "(#41)", "fixed in #7", "deliverable 2", "session 3",
+                                  "another engineer's jobs"])
 def test_the_scan_finds_planning_words(text):
     assert organisational_words(text)
 
