@@ -29,6 +29,11 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q -p no:cacheprovider  # ends with the slowest files and their budgets (tests/budget.toml)
 
+# One benchmark, as `python -m bench.NAME` (README lists them): make bench NAME=roofline ARGS='--dtype float32'.
+bench: $(STAMP)
+	@test -n '$(NAME)' || { echo 'make bench NAME=<a module of bench/, e.g. roofline> [ARGS=...]'; exit 2; }
+	$(VPY) -m bench.$(NAME) $(ARGS)
+
 # The CPU image from the Dockerfile, with podman, from Debian's packages and PyPI alone (prints its size).
 image: $(STAMP)
 	bash scripts/build_image.sh

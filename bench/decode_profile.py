@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, by op (issue 36, deliverable 2's profile), on the real model.
+"""Where a decode step's time goes, by op, on the real model.
 
 Runs batch-B decode steps of the base model (and of 8 resident adapters with `--adapters`) in-process
 under torch.profiler and prints, per op, its self CPU time per step and its share of the step's wall
@@ -9,7 +9,7 @@ the decode stack runs (all layers in one C call, models/decode_stack.py), it is 
 own clock splits it by op (`stack:` rows, summed over the layers; the final norm is in the first).
 Same engine set-up as bench/roofline.py (SmolLM2-135M-Instruct, bf16 by default).
 
-    .venv/bin/python bench/decode_profile.py [--batch 32] [--adapters] [--dtype bfloat16] [--top 18]
+    .venv/bin/python -m bench.decode_profile [--batch 32] [--adapters] [--dtype bfloat16] [--top 18]
 
 Last line: RESULT decode_profile_ops_share=<ops' self time / step wall time> (no target: a profile).
 """
@@ -17,7 +17,6 @@ Last line: RESULT decode_profile_ops_share=<ops' self time / step wall time> (no
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,12 +27,11 @@ import torch
 # isort: on
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.roofline import engine, mixed_adapters, real_model_parser, real_model_start, submit  # noqa: E402
-from harness.engine_helpers import load_adapters  # noqa: E402
-from inference_service.engine.core import EngineCore  # noqa: E402
-from inference_service.models.decode_stack import OPS, DecodeStack  # noqa: E402
+from harness.bench import print_result
+from harness.engine_helpers import load_adapters
+from harness.roofline import engine, mixed_adapters, real_model_parser, real_model_start, submit
+from inference_service.engine.core import EngineCore
+from inference_service.models.decode_stack import OPS, DecodeStack
 
 STEPS = 16
 
@@ -129,7 +127,7 @@ def main() -> None:
     print(f"{'(other ops)':<44} {rest * 1e3:>8.3f} {rest / wall:>6.1%}")
     print(f"{'(no op: Python, waits)':<44} {(wall - accounted) * 1e3:>8.3f} {(wall - accounted) / wall:>6.1%}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    print(f"RESULT decode_profile_ops_share={accounted / wall:.3f}")
+    print_result("decode_profile_ops_share", accounted / wall)
 
 
 if __name__ == "__main__":

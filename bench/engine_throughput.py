@@ -52,8 +52,8 @@ import inference_service  # noqa: F401 - first: the server's OpenMP settings, be
 import torch
 # isort: on
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 
+from harness.bench import ENGINE_MODEL, print_result
 from harness.engine_helpers import load_adapters, run_to_completion
 from harness.models import AdapterSpec, make_adapter, make_checkpoint, peft_reference
 from harness.real_model import reference_checkpoint
@@ -61,8 +61,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
 
-MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=8, vocab_size=4096, max_position_embeddings=512)
+MODEL = ENGINE_MODEL
 
 
 MAX_RANK = 16  # the adapters' largest rank (ranks 8 and 16): the engine's max_lora_rank
@@ -230,7 +229,7 @@ def run_comparisons(names_to_run: list[str], checkpoint: Path, adapters: dict[st
     if problems:
         sys.exit("no RESULT: the runs' outputs are wrong:\n" + "\n".join(problems))
     for name in names_to_run:
-        print(f"RESULT {COMPARISONS[name][0]}={best[name][0] / best[name][1]:.3f}")
+        print_result(COMPARISONS[name][0], best[name][0] / best[name][1])
 
 
 def is_moe(checkpoint: Path) -> bool:
@@ -339,12 +338,12 @@ def main() -> None:
     print(f"mixed-adapter / base-model throughput: {ours / base:.3f} (target >= 0.8)")
     if problems:
         sys.exit("no RESULT: the runs' outputs are wrong:\n" + "\n".join(problems))
-    print(f"RESULT inprocess_default_vs_server_engine={base / server:.3f}")
+    print_result("inprocess_default_vs_server_engine", base / server)
     if args.no_peft:
         return
     print(f"outputs checked: {args.requests} x {args.new_tokens} tokens in each run; every request's tokens "
           f"judged by PEFT's logits given the same context ({args.dtype})")
-    print(f"RESULT engine_vs_peft_tokens_per_s={ours / peft:.3f}")
+    print_result("engine_vs_peft_tokens_per_s", ours / peft)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Two servers run side by side on the same model (`--fair-share on` and `off`), ea
 Tokens are counted by the client from the streamed logprobs (one entry per token), at the time their
 chunk arrives; TTFT is from sending to the first chunk with a token.
 
-    .venv/bin/python bench/fairness.py [--model DIR] [--seconds 15] [--rounds 6] [--share-seconds 30]
+    .venv/bin/python -m bench.fairness [--model DIR] [--seconds 15] [--rounds 6] [--share-seconds 30]
 
 Last lines:
     RESULT fairness_light_ttft_p99_ratio=<light p99 beside the heavy tenant / light p99 alone, fair share>
@@ -49,11 +49,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.http_overhead import make_small_model  # noqa: E402
-from harness.ports import free_port, wait_http_healthy  # noqa: E402
+from harness.bench import make_small_model, percentile, print_result, start_http_server
+from harness.ports import free_port
 
 MAX_NUM_SEQS = 8
 LIGHT = ("light0", "light1", "light2")
@@ -80,18 +77,14 @@ class Server:
 
 
 def start_server(args, tmp: Path, fair: str, tenants_file: Path) -> Server:
-    port, metrics_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp / f"server-{fair}.log", "wb")  # noqa: SIM115 - open for the server's lifetime
-    process = subprocess.Popen(
-        [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
-         "--tokenizer", args.tokenizer, "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(port),
+    metrics_port = free_port()
+    server = start_http_server(
+        ["--model", args.model, "--device", args.device, "--tokenizer", args.tokenizer,
          "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1",
          "--log-level", "WARNING", "--max-num-seqs", str(MAX_NUM_SEQS), "--stream-interval", "8",
          "--fair-share", fair, "--tenants-file", str(tenants_file)],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    wait_http_healthy(url, process)
-    return Server(f"fair share {fair}", url, f"http://127.0.0.1:{metrics_port}/metrics", process)
+        tmp / f"server-{fair}.log")
+    return Server(f"fair share {fair}", server.url, f"http://127.0.0.1:{metrics_port}/metrics", server.process)
 
 
 def served_model(url: str, token: str) -> str:
@@ -202,11 +195,6 @@ async def phase(httpx, server: Server, tokens: dict[str, str], args, heavy: tupl
     return tally, start, end
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
 async def run(args, servers: dict[str, Server], tokens: dict[str, str]) -> dict:
     import httpx2 as httpx  # the HTTP client the openai SDK is built on
 
@@ -225,7 +213,7 @@ async def run(args, servers: dict[str, Server], tokens: dict[str, str]) -> dict:
             results[name]["tps"].append(total / (end - start))
             results[name]["heavy_tps"].append(tally.in_window(HEAVY[0], start, end) / (end - start))
             results[name]["errors"] += tally.errors
-            print(f"  round {rnd} {server.name}: light p99 {_pct(results[name]['beside'], 0.99) * 1e3:.0f} ms, "
+            print(f"  round {rnd} {server.name}: light p99 {percentile(results[name]['beside'], 0.99) * 1e3:.0f} ms, "
                   f"{results[name]['tps'][-1]:.0f} tok/s", flush=True)
     for name, server in servers.items():
         tally, start, end = await phase(httpx, server, tokens, args, HEAVY, False, args.share_seconds)
@@ -238,11 +226,11 @@ def report(results: dict) -> tuple[float, float, float]:
     ratios = {}
     for name, r in results.items():
         solo, beside = r["solo"], r["beside"]
-        ratios[name] = _pct(beside, 0.99) / _pct(solo, 0.99)
+        ratios[name] = percentile(beside, 0.99) / percentile(solo, 0.99)
         shares = r["shares"]
         print(f"--- fair share {name}: light TTFT solo p50/p99 {statistics.median(solo) * 1e3:.1f}/"
-              f"{_pct(solo, 0.99) * 1e3:.1f} ms ({len(solo)} requests); beside the heavy tenant p50/p99 "
-              f"{statistics.median(beside) * 1e3:.1f}/{_pct(beside, 0.99) * 1e3:.1f} ms ({len(beside)}); "
+              f"{percentile(solo, 0.99) * 1e3:.1f} ms ({len(solo)} requests); beside the heavy tenant p50/p99 "
+              f"{statistics.median(beside) * 1e3:.1f}/{percentile(beside, 0.99) * 1e3:.1f} ms ({len(beside)}); "
               f"p99 ratio {ratios[name]:.2f}")
         print(f"    total {statistics.mean(r['tps']):.0f} tok/s beside (heavy {statistics.mean(r['heavy_tps']):.0f}); "
               f"shares of two backlogged tenants {shares} -> {min(shares.values()) / max(shares.values()):.3f}; "
@@ -286,9 +274,9 @@ def main() -> int:
                 server.process.terminate()
                 server.process.wait(30)
     light_ratio, share, tps = report(results)
-    print(f"RESULT fairness_light_ttft_p99_ratio={light_ratio:.3f}")
-    print(f"RESULT fairness_share_ratio={share:.3f}")
-    print(f"RESULT fairness_tps_vs_fcfs={tps:.3f}")
+    print_result("fairness_light_ttft_p99_ratio", light_ratio)
+    print_result("fairness_share_ratio", share)
+    print_result("fairness_tps_vs_fcfs", tps)
     return 0
 
 

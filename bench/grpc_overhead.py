@@ -6,7 +6,7 @@ LLaMA by default (`--model builtin:tiny` measures the toy model, where Python pe
 rather than model compute dominates). The in-process side
 runs first and is shut down before the server starts, so the two never share the CPUs.
 
-    .venv/bin/python bench/grpc_overhead.py [--total 96] [--concurrency 16] [--max-new-tokens 64]
+    .venv/bin/python -m bench.grpc_overhead [--total 96] [--concurrency 16] [--max-new-tokens 64]
 
 Last line: RESULT grpc_vs_inprocess_tokens_per_s=<ratio>   (target >= 0.9)
 """
@@ -22,16 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpc
 
-import grpc  # noqa: E402
-
-from harness.inference_server import start_inference_server  # noqa: E402
-from inference_service.api import inference_pb2 as pb  # noqa: E402
-from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
-from inference_service.client import InferenceClient  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
-from inference_service.models.config import ModelConfig  # noqa: E402
+from harness.bench import print_result
+from harness.inference_server import start_inference_server
+from inference_service.api import inference_pb2 as pb
+from inference_service.api import inference_pb2_grpc as pb_grpc
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
+from inference_service.models.config import ModelConfig
 
 
 def workload(total: int, n_adapters: int) -> list[tuple[str | None, str]]:
@@ -114,7 +113,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model:
-            from bench.engine_throughput import MODEL
+            from harness.bench import ENGINE_MODEL as MODEL
             from harness.models import make_checkpoint
 
             args.model = str(make_checkpoint(Path(tmp) / "model", "llama", **MODEL))
@@ -129,7 +128,7 @@ def main() -> int:
     assert inproc[0] == remote[0] == args.total * args.max_new_tokens, (inproc, remote)
     print(f"in-process: {inproc[0]} tokens in {inproc[1]:.2f}s = {in_tps:.0f} tokens/s")
     print(f"gRPC:       {remote[0]} tokens in {remote[1]:.2f}s = {grpc_tps:.0f} tokens/s")
-    print(f"RESULT grpc_vs_inprocess_tokens_per_s={grpc_tps / in_tps:.3f}")
+    print_result("grpc_vs_inprocess_tokens_per_s", grpc_tps / in_tps)
     return 0
 
 

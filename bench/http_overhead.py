@@ -8,7 +8,7 @@ ignored, CONCURRENCY streams at a time, TOTAL requests in all. The HTTP side str
 in-process side runs first and is shut down before the server starts, so the two never share
 the CPUs. Small model on purpose: per-token front-end cost shows rather than hides behind compute.
 
-    .venv/bin/python bench/http_overhead.py [--total 96] [--concurrency 32] [--max-new-tokens 64]
+    .venv/bin/python -m bench.http_overhead [--total 96] [--concurrency 32] [--max-new-tokens 64]
 
 Last line: RESULT http_vs_inprocess_small_model=<ratio>   (target >= 0.8)
 """
@@ -26,13 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness.bench import ROOT, SMALL_MODEL, bench_command, make_small_model, print_result, start_http_server
 
-from harness.ports import free_port, wait_http_healthy  # noqa: E402
-
-SMALL_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=32000, max_position_embeddings=512)
 PROMPT_TOKENS = 32
 
 
@@ -100,41 +95,21 @@ def client_main(url: str, model: str, total: int, concurrency: int, max_new_toke
 
 
 def run_http(args, log_dir: str) -> tuple[int, float]:
-    http_port = free_port()
-    url = f"http://127.0.0.1:{http_port}"
-    with open(Path(log_dir) / f"server-{http_port}.log", "wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
-             "--tokenizer", "byte",
-             "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port), "--log-level", "WARNING",
-             "--max-num-seqs", str(max(64, args.concurrency))],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = start_http_server(
+        ["--model", args.model, "--device", args.device, "--tokenizer", "byte", "--log-level", "WARNING",
+         "--max-num-seqs", str(max(64, args.concurrency))],
+        Path(log_dir) / "server.log", env={"OMP_NUM_THREADS": "1"})
     try:
-        wait_http_healthy(url, server)
         out = subprocess.run(
-            [sys.executable, __file__, "--client", url, "--served-model", Path(args.model).name,
-             "--total", str(args.total), "--concurrency", str(args.concurrency),
-             "--max-new-tokens", str(args.max_new_tokens)],
-            check=True, capture_output=True, text=True, timeout=1800)
+            bench_command("http_overhead", "--client", server.url, "--served-model", Path(args.model).name,
+                          "--total", str(args.total), "--concurrency", str(args.concurrency),
+                          "--max-new-tokens", str(args.max_new_tokens)),
+            check=True, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         # The client shares the machine with the server, so its own cost is included in the figure.
         return result["tokens"], result["seconds"]
     finally:
-        server.terminate()
-        server.wait(30)
-
-
-
-
-def make_small_model(out: Path, shape: dict[str, int] = SMALL_MODEL) -> Path:
-    """Random weights in a Hugging Face checkpoint (save_pretrained), tokenizer-less: prompts are ids."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("llama", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **shape)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return out
+        server.stop()
 
 
 def main() -> int:
@@ -162,7 +137,7 @@ def main() -> int:
     assert inproc[0] == remote[0] == args.total * args.max_new_tokens, (inproc, remote)
     print(f"in-process:    {inproc[0]} tokens in {inproc[1]:.2f}s = {in_tps:.0f} tokens/s")
     print(f"HTTP (stream): {remote[0]} tokens in {remote[1]:.2f}s = {http_tps:.0f} tokens/s")
-    print(f"RESULT http_vs_inprocess_small_model={http_tps / in_tps:.3f}")
+    print_result("http_vs_inprocess_small_model", http_tps / in_tps)
     return 0
 
 

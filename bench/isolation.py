@@ -9,7 +9,7 @@ the attack repeated for WINDOW seconds; its slowdown is the mean time of its run
 over the median of its runs alone just before. The attacks' order alternates between rounds, so a
 drift in the host's speed does not fall on one attack.
 
-    .venv/bin/python bench/isolation.py [--rounds 5] [--window 3]
+    .venv/bin/python -m bench.isolation [--rounds 5] [--window 3]
 
 Prints each attack's slowdown per round and its median; last lines:
 RESULT isolation_victim_slowdown_p50=<median over attacks of each one's median>
@@ -20,23 +20,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from harness.bad_adapters import truncate_weights, write_adapter  # noqa: E402
-from harness.inference_server import InferenceServer, start_inference_server  # noqa: E402
-from harness.isolation import VictimResult, resident_adapter, solo_run, status_of, victim_beside  # noqa: E402
-from inference_service.api import inference_pb2 as pb  # noqa: E402
-from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from harness.bad_adapters import truncate_weights, write_adapter
+from harness.bench import print_result
+from harness.inference_server import InferenceServer, start_inference_server
+from harness.isolation import VictimResult, resident_adapter, solo_run, status_of, victim_beside
+from inference_service.api import inference_pb2 as pb
+from inference_service.api import inference_pb2_grpc as pb_grpc
+from inference_service.demo_adapters import write_peft_adapter
 
 VICTIM_TOKENS = 384
 Attack = Callable[[], None]
@@ -139,8 +136,8 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in slowdowns.items()}
     for name, values in slowdowns.items():
         print(f"{name:32s} median {medians[name]:.2f}x  rounds " + " ".join(f"{v:.2f}" for v in values))
-    print(f"RESULT isolation_victim_slowdown_p50={statistics.median(medians.values()):.3f}")
-    print(f"RESULT isolation_victim_slowdown_max={max(medians.values()):.3f}")
+    print_result("isolation_victim_slowdown_p50", statistics.median(medians.values()))
+    print_result("isolation_victim_slowdown_max", max(medians.values()))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A cancel/deadline storm with hostile inputs mixed in (issue 13): does anything leak or break?
+"""A cancel/deadline storm with hostile inputs mixed in: does anything leak or break?
 
 TOTAL Generate calls, CONCURRENCY at a time, against a real `loraplex-inference` subprocess
 (builtin:tiny, two adapters): a quarter run to completion, a quarter are cancelled after their
@@ -7,7 +7,7 @@ temperature or top_p, 150k stop strings, 900k stop ids, out-of-vocabulary ids, a
 grammar, a megabyte or CR/LF request id, invalid UTF-8, an oversized prompt). Afterwards the leak
 gauges must all read 0, health SERVING, and the server log hold no traceback.
 
-    .venv/bin/python bench/isolation_storm.py [--total 10000] [--concurrency 64]
+    .venv/bin/python -m bench.isolation_storm [--total 10000] [--concurrency 64]
 
 Prints the status codes seen per kind, requests/s, and the gauges; last line:
 RESULT leaks=<sum of the leak gauges> tracebacks=<n> unexpected=<calls with a code not allowed for their kind>
@@ -30,15 +30,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from harness.ports import free_port  # noqa: E402
-from inference_service.api import inference_pb2 as pb  # noqa: E402
-from inference_service.api import inference_pb2_grpc as pb_grpc  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from harness.bench import ROOT
+from harness.ports import free_port
+from inference_service.api import inference_pb2 as pb
+from inference_service.api import inference_pb2_grpc as pb_grpc
+from inference_service.demo_adapters import write_peft_adapter
 
 LEAK_GAUGES = ("loraplex_lora_slots_referenced", "loraplex_lora_adapter_references",
                "loraplex_lora_pending_load_events", "loraplex_requests_running", "loraplex_requests_waiting",

@@ -1,6 +1,6 @@
 """Many adapters in one batch (S-LoRA's figure): throughput vs distinct adapters, in-process.
 
-Workload (issue 39): a 4-layer hidden-256 LLaMA; 64 requests submitted at once, 32-token prompts,
+Workload: a 4-layer hidden-256 LLaMA; 64 requests submitted at once, 32-token prompts,
 64 new tokens each, greedy, EOS ignored. Adapters of ranks 8 and 16 (alternating) on all 7
 modules. With A distinct adapters, request i uses adapter i mod A (`uniform`), or one drawn from a
 Zipf distribution with s=1 over the A adapters (`zipf`: a few hot adapters, a long tail).
@@ -39,15 +39,15 @@ import inference_service  # first: the server's OpenMP settings, before torch lo
 import torch
 # isort: on
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 
-from harness.engine_helpers import load_adapters, run_to_completion  # noqa: E402
-from harness.models import make_checkpoint  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
-from inference_service.engine.config import EngineConfig  # noqa: E402
-from inference_service.engine.core import EngineCore  # noqa: E402
-from inference_service.engine.request import Request, SamplingParams  # noqa: E402
-from inference_service.models.config import ModelConfig  # noqa: E402
+from harness.bench import print_result
+from harness.engine_helpers import load_adapters, run_to_completion
+from harness.models import make_checkpoint
+from inference_service.demo_adapters import write_peft_adapter
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
+from inference_service.models.config import ModelConfig
 
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)
@@ -202,9 +202,9 @@ def main() -> None:
     if problems:
         sys.exit("no RESULT:\n" + "\n".join(problems))
     if ("uniform", 64) in results:
-        print(f"RESULT many_adapters_64_vs_base={results[('uniform', 64)]:.3f}")
+        print_result("many_adapters_64_vs_base", results[('uniform', 64)])
     if ("zipf", 256) in results:
-        print(f"RESULT many_adapters_256_zipf_vs_base={results[('zipf', 256)]:.3f}")
+        print_result("many_adapters_256_zipf_vs_base", results[('zipf', 256)])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Each run starts a fresh engine, so every churn adapter's first load reads and ch
 and later ones come from the source's host cache (`--host-cache-bytes 0`: every load reads).
 The p99 ratios are taken within each round and the median over rounds is reported (the pooled
 ratios are printed too). Why these sizes, this cadence and per-round ratios:
-docs/architecture.md, "The overlap_churn benchmark's workload".
+docs/performance.md, "The adapter pool with many adapters".
 A churn turn skipped (the previous load still running when the next is due) is a load that
 did not happen, which would flatter the ratio: then no RESULT is printed and the exit status is 1
 (raise `--churn-every`, or find out why loads fall behind).
@@ -33,20 +33,20 @@ import inference_service  # noqa: F401 - first: the server's OpenMP settings, be
 import torch
 # isort: on
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: checkpoint and adapter makers
 
-from bench.engine_throughput import MODEL  # noqa: E402
-from harness.engine_helpers import load_adapters  # noqa: E402
-from harness.models import AdapterSpec, make_adapter, make_checkpoint  # noqa: E402
-from inference_service.device import make_copy_engine  # noqa: E402
-from inference_service.engine.config import EngineConfig  # noqa: E402
-from inference_service.engine.core import EngineCore  # noqa: E402
-from inference_service.engine.request import Request, SamplingParams  # noqa: E402
-from inference_service.kernels.copy import CopyJob  # noqa: E402
-from inference_service.lora.mem_pool import LoRAMemoryPool  # noqa: E402
-from inference_service.lora.source import LocalDirectorySource  # noqa: E402
-from inference_service.models.loader import load_model  # noqa: E402
-from inference_service.platform import Platform  # noqa: E402
+from harness.bench import ENGINE_MODEL as MODEL
+from harness.bench import percentile, print_result
+from harness.engine_helpers import load_adapters
+from harness.models import AdapterSpec, make_adapter, make_checkpoint
+from inference_service.device import make_copy_engine
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
+from inference_service.kernels.copy import CopyJob
+from inference_service.lora.mem_pool import LoRAMemoryPool
+from inference_service.lora.source import LocalDirectorySource
+from inference_service.models.loader import load_model
+from inference_service.platform import Platform
 
 RESIDENT, CHURN, SLOTS = 4, 8, 8
 
@@ -93,11 +93,6 @@ def measure(checkpoint: Path, resident: dict[str, Path], churn: dict[str, Path],
     loads = core.lora.loads_total - loads_before
     core.shutdown()
     return itl, loads, skipped
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def copy_bandwidth(checkpoint: Path, adapter: Path, max_rank: int, device: str) -> tuple[float, float]:
@@ -186,7 +181,7 @@ def main() -> None:
     short = {label: loads[label] for label in round_ratios if loads[label] < expected}
     if missed or short:
         sys.exit(f"no RESULT: churn turns skipped {missed}, or fewer loads than the {expected} turns {short}")
-    print(f"RESULT overlap_p99_itl_ratio={statistics.median(round_ratios['churn, overlapped']):.3f}")
+    print_result("overlap_p99_itl_ratio", statistics.median(round_ratios['churn, overlapped']))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Prefill against the machine's limit, and what a long prompt does to the streams decoding beside it
-(issue 36, deliverable 3), on the real model, in-process.
+on the real model, in-process.
 
 1. TTFT of one 512- and one 2048-token prompt (random tokens, greedy, the whole prompt in one step:
    `--max-num-batched-tokens` 4096), the median of REPEATS, against the prefill's roofline: its
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 # isort: off
 import inference_service  # noqa: F401 - first: the server's OpenMP settings, before torch loads libgomp
 import torch
 # isort: on
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package
 
-from bench.roofline import (  # noqa: E402
+from harness.bench import percentile, print_result
+from harness.roofline import (
     Machine,
     compute_flops,
     matrix_parameters,
@@ -42,10 +40,10 @@ from bench.roofline import (  # noqa: E402
     real_model_parser,
     real_model_start,
 )
-from inference_service.engine.config import EngineConfig  # noqa: E402
-from inference_service.engine.core import EngineCore  # noqa: E402
-from inference_service.engine.request import Request, SamplingParams  # noqa: E402
-from inference_service.models.config import ModelConfig  # noqa: E402
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.request import Request, SamplingParams
+from inference_service.models.config import ModelConfig
 
 PROMPTS = (512, 2048)
 REPEATS = 3
@@ -123,10 +121,6 @@ def decode_gaps(core: EngineCore, long_prompt: int | None, tag: str) -> list[flo
     return gaps
 
 
-def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
-
-
 def main() -> None:
     parser = real_model_parser(__doc__)
     parser.add_argument("--budgets", default="128,256", type=lambda v: [int(b) for b in v.split(",")],
@@ -148,20 +142,20 @@ def main() -> None:
               f"({2 * matrix_parameters(config) * length / ttft / 1e9:.0f} GFLOP/s of matrix work)", flush=True)
     quiet = decode_gaps(whole, None, "quiet")
     print(f"{STREAMS} streams decoding, no prompt: median gap {statistics.median(quiet) * 1e3:.1f} ms, "
-          f"p99 {p99(quiet) * 1e3:.1f} ms", flush=True)
+          f"p99 {percentile(quiet, 0.99) * 1e3:.1f} ms", flush=True)
     gaps: dict[int, list[float]] = {}
     for budget in sorted({*args.budgets, CHUNK, WHOLE}):
         core = whole if budget == WHOLE else engine(model, args.dtype, budget)
         gaps[budget] = values = decode_gaps(core, max(PROMPTS), f"budget{budget}")
         print(f"beside a {max(PROMPTS)}-token prompt, {budget:>4}-token steps: {len(values):>3} steps, p99 gap "
-              f"{p99(values) * 1e3:6.1f} ms, worst {max(values) * 1e3:6.1f} ms, prompt prefilled in "
+              f"{percentile(values, 0.99) * 1e3:6.1f} ms, worst {max(values) * 1e3:6.1f} ms, prompt prefilled in "
               f"{sum(values) * 1e3:5.0f} ms", flush=True)
         core.shutdown()
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     for name, value in results.items():
-        print(f"RESULT {name}={value:.3f}")
-    print(f"RESULT chunked_prefill_itl_p99_ms={p99(gaps[CHUNK]) * 1e3:.1f}")
-    print(f"RESULT chunked_prefill_itl_p99_vs_whole={p99(gaps[CHUNK]) / p99(gaps[WHOLE]):.3f}")
+        print_result(name, value)
+    print_result("chunked_prefill_itl_p99_ms", percentile(gaps[CHUNK], 0.99) * 1e3, ".1f")
+    print_result("chunked_prefill_itl_p99_vs_whole", percentile(gaps[CHUNK], 0.99) / percentile(gaps[WHOLE], 0.99))
 
 
 if __name__ == "__main__":

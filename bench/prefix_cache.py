@@ -37,14 +37,14 @@ alternating between the servers (on-off, then off-on, ...), after a warm-up roun
 figure is the median of the rounds' on/off tokens/s ratios (a burst of another job then moves one
 round, not the figure).
 
-    .venv/bin/python bench/prefix_cache.py [--real | --fixture] [--conversations 8] [--turns 6]
+    .venv/bin/python -m bench.prefix_cache [--real | --fixture] [--conversations 8] [--turns 6]
         [--rounds 16] [--round-requests 8]
 
 Last lines:
     RESULT prefix_cache_ttft_speedup=<TTFT p50 off / on over turns 3+>   (target >= 3)
     RESULT prefix_cache_no_reuse_tps_ratio=<median over rounds of tokens/s on / off, no reuse>  (target >= 0.97)
 
-Measured (`--real`, the defaults; 2-core dev box shared with another engineer's jobs; dtype auto =
+Measured (`--real`, the defaults; 2-core dev box shared with other jobs; dtype auto =
 bf16 here; three runs, 1-minute load at start -> end):
     run 1 (3.23 -> 3.39; 8 no-reuse rounds of 16):  speedup 6.09, no reuse 0.973 (rounds 0.70-1.01)
     run 2 (2.77 -> 1.80; 16 rounds of 8):           speedup 5.16, no reuse 0.976 (quartiles 0.94-1.00)
@@ -72,7 +72,7 @@ bf16 here; three runs, 1-minute load at start -> end):
   cached context runs other GEMM shapes than a whole-prompt prefill, and greedy flips at near-ties
   in bf16. In-process (EngineCore, one request at a time, these prompts, 32 tokens): fp32, 2
   conversations x 3 turns, all equal with the cache on and off; bf16, 4 x 3, 6 of 12 differed.
-The fixture model's figures in docs/architecture.md ("Prefix cache") came from the older
+The fixture model's figures in docs/performance.md ("The prefix cache") came from the older
 one-server-at-a-time version of this bench.
 """
 
@@ -91,15 +91,19 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness.bench import (
+    PREFIX_CACHE_MODEL,
+    ROOT,
+    bench_command,
+    make_small_model_and_adapters,
+    percentile,
+    print_result,
+    start_http_server,
+)
+from harness.ports import wait_http_healthy
+from harness.real_model import FETCH_HINT, real_model_path
 
-from bench.http_overhead import make_small_model  # noqa: E402
-from harness.ports import free_port, wait_http_healthy  # noqa: E402
-from harness.real_model import FETCH_HINT, real_model_path  # noqa: E402
-
-SMALL_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=384, max_position_embeddings=4096)
+SMALL_MODEL = PREFIX_CACHE_MODEL
 ADMIN_TOKEN = "bench-admin"
 ADAPTERS = ("ad0", "ad1", "ad2")
 SERVED_NAME = "base"  # --served-model-name of both servers: the base model's id in requests
@@ -293,16 +297,12 @@ def _load_adapter(url: str, name: str, path: Path) -> None:
 
 
 def start_server(args, tmp: Path, prefix_cache: str) -> tuple[subprocess.Popen, str]:
-    http_port = free_port()
-    with open(tmp / f"server-{prefix_cache}.log", "wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
-             "--tokenizer", "auto" if args.real else "byte", "--served-model-name", SERVED_NAME,
-             "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port),
-             "--log-level", "WARNING", "--prefix-cache", prefix_cache, "--max-lora-rank", "16",
-             "--adapter-source-allow", tmp.as_uri()],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN})
-    return server, f"http://127.0.0.1:{http_port}"
+    server = start_http_server(
+        ["--model", args.model, "--device", args.device, "--tokenizer", "auto" if args.real else "byte",
+         "--served-model-name", SERVED_NAME, "--log-level", "WARNING", "--prefix-cache", prefix_cache,
+         "--max-lora-rank", "16", "--adapter-source-allow", tmp.as_uri()],
+        tmp / f"server-{prefix_cache}.log", env={"LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN}, healthy_timeout=None)
+    return server.process, server.url
 
 
 def run_bench(args, tmp: Path) -> dict:
@@ -313,12 +313,12 @@ def run_bench(args, tmp: Path) -> dict:
             for name in ADAPTERS:
                 _load_adapter(url, name, tmp / name)
         out = subprocess.run(
-            [sys.executable, __file__, "--client", servers["on"][1], "--client-off", servers["off"][1],
+            bench_command("prefix_cache", "--client", servers["on"][1], "--client-off", servers["off"][1],
              "--conversations", str(args.conversations), "--turns", str(args.turns), "--system", str(args.system),
              "--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.rounds),
              "--round-requests", str(args.round_requests), "--no-reuse-prompt", str(args.no_reuse_prompt),
-             "--ascii-vocab", str(0 if args.real else SMALL_MODEL["vocab_size"]), "--vocab", str(args.vocab)],
-            check=True, capture_output=True, text=True, timeout=3600)
+             "--ascii-vocab", str(0 if args.real else SMALL_MODEL["vocab_size"]), "--vocab", str(args.vocab)),
+            check=True, capture_output=True, text=True, timeout=3600, cwd=ROOT)
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         for server, _ in servers.values():
@@ -328,15 +328,8 @@ def run_bench(args, tmp: Path) -> dict:
 
 
 def make_model_and_adapters(tmp: Path) -> Path:
-    """The fixture model and its adapters under `tmp` (bench/prefix_cache_step.py uses it too)."""
-    from inference_service.demo_adapters import write_peft_adapter
-    from inference_service.models.config import ModelConfig
-
-    out = make_small_model(tmp / "small", SMALL_MODEL)
-    model_config = ModelConfig.from_hf(json.loads((out / "config.json").read_text()))
-    for i, name in enumerate(ADAPTERS):
-        write_peft_adapter(tmp / name, model_config, rank=8 * (1 + i % 2), alpha=16.0, seed=i)
-    return out
+    """The fixture model and its adapters under `tmp`."""
+    return make_small_model_and_adapters(tmp, ADAPTERS, PREFIX_CACHE_MODEL)
 
 
 def make_real_adapters(model: str, tmp: Path) -> int:
@@ -357,11 +350,6 @@ def make_real_adapters(model: str, tmp: Path) -> int:
 
 
 # ---- the report ----
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
 
 def answer_hits(turns: list[list[dict]], block: int = 16) -> list[int]:
     """Per turn: conversations whose cached tokens reach the full blocks of the previous prompt and
@@ -385,8 +373,9 @@ def report(on: dict, off: dict, turns: int) -> float:
         ton, toff = [x["ttft"] for x in on["turns"][t]], [x["ttft"] for x in off["turns"][t]]
         prompt = statistics.mean(x["prompt"] for x in on["turns"][t])
         cached = statistics.mean(x["cached"] for x in on["turns"][t])
-        print(f"{t + 1:4}  {1000 * statistics.median(ton):8.1f} {1000 * _pct(ton, 0.99):8.1f}    "
-              f"{1000 * statistics.median(toff):8.1f} {1000 * _pct(toff, 0.99):8.1f}   {prompt:6.1f}  {cached:9.1f}"
+        on_p50, on_p99 = 1000 * statistics.median(ton), 1000 * percentile(ton, 0.99)
+        off_p50, off_p99 = 1000 * statistics.median(toff), 1000 * percentile(toff, 0.99)
+        print(f"{t + 1:4}  {on_p50:8.1f} {on_p99:8.1f}    {off_p50:8.1f} {off_p99:8.1f}   {prompt:6.1f}  {cached:9.1f}"
               f"  {cached / prompt:8.2f}  {hits[t]}/{len(on['turns'][t])}" + ("" if t else " (first turn)"))
     same = sum(a["text"] == b["text"] for t in range(turns) for a, b in zip(on["turns"][t], off["turns"][t],
                                                                             strict=True))
@@ -459,8 +448,8 @@ def main() -> int:
     print("1-minute load average at the start of each phase: "
           + ", ".join(f"{phase} {value:.2f}" for phase, value in result["loads"].items()))
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"RESULT prefix_cache_ttft_speedup={speedup:.2f}")
-    print(f"RESULT prefix_cache_no_reuse_tps_ratio={statistics.median(ratios):.3f}")
+    print_result("prefix_cache_ttft_speedup", speedup, ".2f")
+    print_result("prefix_cache_no_reuse_tps_ratio", statistics.median(ratios))
     return 0
 
 

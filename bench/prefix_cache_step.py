@@ -5,7 +5,7 @@ that each find SYSTEM + HISTORY tokens cached and prefill NEW more, all in one s
 of the bench do). Prints the step's wall time (median of --reps) and torch.profiler's top ops of
 one step.
 
-    .venv/bin/python bench/prefix_cache_step.py [--conversations 8] [--history 200] [--new 40]
+    .venv/bin/python -m bench.prefix_cache_step [--conversations 8] [--history 200] [--new 40]
 
 Last line: RESULT prefix_cache_hit_step_ms=<median wall time of the step>
 """
@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.bench import print_result
+
 ROOT = Path(os.environ.get("LORAPLEX_ROOT", Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
@@ -36,12 +37,11 @@ def main() -> int:
 
     import torch
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from prefix_cache import make_model_and_adapters
+    from harness.bench import PREFIX_CACHE_MODEL, make_small_model_and_adapters
 
     print(f"root {ROOT}; torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory(prefix="pc-step-") as tmp:
-        return _run(args, make_model_and_adapters(Path(tmp)))
+        return _run(args, make_small_model_and_adapters(Path(tmp), (), PREFIX_CACHE_MODEL))
 
 
 def _run(args: argparse.Namespace, model: Path) -> int:
@@ -84,7 +84,7 @@ def _run(args: argparse.Namespace, model: Path) -> int:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     print(f"step ms: median {1000 * statistics.median(times):.1f} min {1000 * min(times):.1f} "
           f"max {1000 * max(times):.1f} over {len(times)}")
-    print(f"RESULT prefix_cache_hit_step_ms={1000 * statistics.median(times):.1f}")
+    print_result("prefix_cache_hit_step_ms", 1000 * statistics.median(times), ".1f")
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -26,12 +25,12 @@ import inference_service  # noqa: F401 - first: the server's OpenMP settings, be
 import torch
 # isort: on
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.roofline import decode_step_s, mixed_adapters, real_model_parser, real_model_start  # noqa: E402
-from harness.engine_helpers import load_adapters  # noqa: E402
-from inference_service.engine.config import EngineConfig  # noqa: E402
-from inference_service.engine.core import EngineCore  # noqa: E402
+from harness.bench import print_result
+from harness.engine_helpers import load_adapters
+from harness.roofline import decode_step_s, mixed_adapters, real_model_parser, real_model_start
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
 
 ROUNDS = 3
 WEIGHTS = ("bf16", "q8_0", "q4_0")
@@ -75,7 +74,7 @@ def main() -> None:
     for weights in WEIGHTS[1:]:
         for name, _, _ in WORKLOADS:
             ratio = statistics.median(steps[("bf16", name)]) / statistics.median(steps[(weights, name)])
-            print(f"RESULT {weights[:2]}_vs_bf16_{name}={ratio:.2f}")
+            print_result(f"{weights[:2]}_vs_bf16_{name}", ratio, ".2f")
 
 
 if __name__ == "__main__":

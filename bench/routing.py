@@ -50,7 +50,7 @@ Prints per router and round: adapter loads into slots (from loraplex_lora_loads_
 requests per replica; then the same over all rounds and each router's loads and TTFT p99 relative to
 round-robin. Measured figures: docs/metrics.md.
 
-    .venv/bin/python bench/routing.py [--replicas 5] [--slots 4] [--adapters 32] [--requests 400] \
+    .venv/bin/python -m bench.routing [--replicas 5] [--slots 4] [--adapters 32] [--requests 400] \
         [--rate 5] [--max-tokens 32] [--repeats 2] [--routers round-robin,gie,affinity]
 
 Last line: RESULT affinity_loads_vs_roundrobin=<ratio>   (target <= 0.5 with TTFT p99 no worse).
@@ -73,7 +73,6 @@ import json
 import math
 import operator
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -83,14 +82,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from harness.inference_server import InferenceServer, start_inference_server  # noqa: E402
-from inference_service.client import InferenceClient  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from harness.bench import percentile, print_result
+from harness.inference_server import InferenceServer, start_inference_server
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
 
 # The affinity router's load bound: factor 1.25 (as Vimeo ran bounded-load hashing in HAProxy, and
 # brpc's c_murmurhash_bl default) and a floor of two in flight: at this load the mean is under one,
@@ -287,8 +284,8 @@ class Result:
                       self.loads + other.loads, per_replica)
 
     def line(self, name: str) -> str:
-        return (f"{name:15s} adapter loads {self.loads:5.0f}   TTFT p50 {pct(self.ttft, 50) * 1e3:7.1f} ms  "
-                f"p99 {pct(self.ttft, 99) * 1e3:7.1f} ms   {self.tokens / self.seconds:7.1f} tokens/s   "
+        return (f"{name:15s} adapter loads {self.loads:5.0f}   TTFT p50 {percentile(self.ttft, 0.5) * 1e3:7.1f} ms  "
+                f"p99 {percentile(self.ttft, 0.99) * 1e3:7.1f} ms   {self.tokens / self.seconds:7.1f} tokens/s   "
                 f"requests per replica {self.per_replica}")
 
 
@@ -379,23 +376,19 @@ def report(total: dict[str, Result], routers: list[str]) -> int:
     """Every router against round-robin, then affinity's two halves; the RESULT only if both held."""
     rr = total["round-robin"]
     for name in (n for n in routers if n != "round-robin"):
-        ratio = pct(total[name].ttft, 99) / pct(rr.ttft, 99)
+        ratio = percentile(total[name].ttft, 0.99) / percentile(rr.ttft, 0.99)
         print(f"{name:15s} vs round-robin: adapter loads {total[name].loads / max(rr.loads, 1.0):.3f}, "
               f"TTFT p99 {ratio:.3f} ({'no worse' if ratio <= 1.0 else 'WORSE'})")
     loads = total["affinity"].loads / max(rr.loads, 1.0)
-    checks = halves(loads, pct(total["affinity"].ttft, 99) / pct(rr.ttft, 99))
+    checks = halves(loads, percentile(total["affinity"].ttft, 0.99) / percentile(rr.ttft, 0.99))
     for line, held in checks:
         print(f"affinity: {line}: {'held' if held else 'FAILED'}")
     failed = [line for line, held in checks if not held]
     if failed:
         print("no RESULT: affinity failed " + "; ".join(failed))
         return 1
-    print(f"RESULT affinity_loads_vs_roundrobin={loads:.3f}")
+    print_result("affinity_loads_vs_roundrobin", loads)
     return 0
-
-
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def main() -> int:

@@ -33,10 +33,10 @@ Two regimes and a stalled-reader check, each with the load generator in processe
 `--engine-core thread,process` runs each server both ways (before/after the core got its own process);
 `--async-scheduling off,on` and `--stream-interval 1,8` compare the simulated servers' settings.
 
-    .venv/bin/python bench/serving_overhead.py                     # everything
-    .venv/bin/python bench/serving_overhead.py sim --streams 64,256,1024 --sim-step-ms 5,10
-    .venv/bin/python bench/serving_overhead.py sim --async-scheduling off,on --stream-interval 1 --load burst
-    .venv/bin/python bench/serving_overhead.py real --engine-core thread,process --model-threads 0
+    .venv/bin/python -m bench.serving_overhead                     # everything
+    .venv/bin/python -m bench.serving_overhead sim --streams 64,256,1024 --sim-step-ms 5,10
+    .venv/bin/python -m bench.serving_overhead sim --async-scheduling off,on --stream-interval 1 --load burst
+    .venv/bin/python -m bench.serving_overhead real --engine-core thread,process --model-threads 0
 
 Every load line gives the CPU seconds of the server (its engine core process apart), of the load
 generator, and the host's steal time meanwhile: these are virtual machines, and a run where the host took
@@ -68,8 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness.bench import ROOT, bench_command, percentile, print_result
 
 PR_SET_TIMERSLACK = 29  # prctl(2)
 SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -354,16 +353,13 @@ class LoadResult:
         return self.server_cpu_s - self.core_cpu_s
 
     def line(self) -> str:
-        def pct(xs: list[float], q: float) -> float:
-            return statistics.quantiles(xs, n=100)[q - 1] * 1000 if len(xs) > 1 else float("nan")
-
         busy = (self.server_cpu_s + self.client_cpu_s) / self.wall_s  # of os.cpu_count() cores
         return (f"{self.tokens / self.wall_s:8.0f} tok/s {self.messages / self.wall_s:8.0f} msg/s  "
                 f"cpu server {self.server_cpu_s:5.2f}s (core {self.core_cpu_s:5.2f}s) "
                 f"client {self.client_cpu_s:5.2f}s ({busy:4.2f} of {os.cpu_count()} cores busy, "
                 f"steal {self.steal:4.0%})  "
-                f"ttft p50/p99 {pct(self.ttft, 50):6.1f}/{pct(self.ttft, 99):6.1f} ms  "
-                f"itl p50/p99 {pct(self.itl, 50):6.1f}/{pct(self.itl, 99):6.1f} ms")
+                f"ttft p50/p99 {percentile(self.ttft, 0.5) * 1000:6.1f}/{percentile(self.ttft, 0.99) * 1000:6.1f} ms  "
+                f"itl p50/p99 {percentile(self.itl, 0.5) * 1000:6.1f}/{percentile(self.itl, 0.99) * 1000:6.1f} ms")
 
 
 def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[list[int]],
@@ -388,7 +384,7 @@ def generate_load(server: Server, streams: int, new_tokens: int, prompts: list[l
                 "prompts": prompts, "adapters": adapters, "channels": max(1, n // 64), "start_at": start_at,
                 "until": window[1] if window else None, "window": window}
         first += n
-        procs.append(subprocess.Popen([sys.executable, __file__, "_client", json.dumps(spec)], cwd=ROOT,
+        procs.append(subprocess.Popen(bench_command("serving_overhead", "_client", json.dumps(spec)), cwd=ROOT,
                                       env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE))
     server_cpu, ticks = [], []
     for moment in window or (start_at,):
@@ -442,7 +438,7 @@ def start_sim_server(engine_core: str, step_ms: float, streams: int, new_tokens_
             "--max-num-batched-tokens", str(streams * SIM_PROMPT_TOKENS),
             "--kv-cache-bytes", str(64 << 20), "--max-new-tokens-limit", str(new_tokens_limit)]
     trace = tmp / f"steps-{time.monotonic_ns()}.txt"
-    server = start_server([sys.executable, __file__, "_serve_sim", str(step_ms), str(trace), "--"], args, tmp)
+    server = start_server(bench_command("serving_overhead", "_serve_sim", str(step_ms), str(trace), "--"), args, tmp)
     server.trace = trace
     return server
 
@@ -477,14 +473,14 @@ def run_sim(args: argparse.Namespace, tmp: Path) -> float | None:
 
 def run_stalled_reader(args: argparse.Namespace, tmp: Path) -> None:
     """64 streams at a 10 ms step, alone and beside a client that stops reading: the others'
-    inter-token p99 must stay within 1.2x (issue 16)."""
+    inter-token p99 must stay within 1.2x."""
     streams, step_ms, prompts = 64, 10.0, SIM_PROMPTS
     server = start_sim_server(args.engine_core[-1], step_ms, streams + 1, 1000, tmp)  # + the stalled stream
     stalled = None
     try:
         generate_load(server, 16, 8, prompts, [], 1)  # warm-up
         alone = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
-        stalled = subprocess.Popen([sys.executable, __file__, "_stalled", server.address, "1000"], cwd=ROOT,
+        stalled = subprocess.Popen(bench_command("serving_overhead", "_stalled", server.address, "1000"), cwd=ROOT,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)
         assert stalled.stdout is not None and stalled.stdout.readline().strip() == b"STALLED"
         beside = generate_load(server, streams, args.sim_new_tokens, prompts, [], args.clients)
@@ -576,7 +572,7 @@ def inprocess_beside_bare(inproc: InProcess, new_tokens: int, prompts: list[list
     from harness.ports import free_port
 
     signal_port = free_port()
-    bare = start_server([sys.executable, __file__, "_serve_bare", str(signal_port), "--"], [], tmp)
+    bare = start_server(bench_command("serving_overhead", "_serve_bare", str(signal_port), "--"), [], tmp)
     signal = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         loads: list[LoadResult] = []
@@ -737,9 +733,9 @@ def main() -> int:
             run_stalled_reader(args, Path(tmp))
         ratio = run_real(args, Path(tmp)) if args.regime in ("real", "both") else None
     if eff is not None:
-        print(f"RESULT serving_efficiency_256={eff:.3f}")
+        print_result("serving_efficiency_256", eff)
     if ratio is not None:
-        print(f"RESULT grpc_vs_inprocess_small_model={ratio:.3f}")
+        print_result("grpc_vs_inprocess_small_model", ratio)
     return 0
 
 

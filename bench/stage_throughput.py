@@ -8,8 +8,8 @@ arrive). Then a cold Generate's time to first token, broken down
 (fetch+stage in the sidecar, slot load, prefill), through a real inference server on
 builtin:tiny with `--cache-address` pointing at the same sidecar.
 
-    .venv/bin/python bench/stage_throughput.py                     # starts Ceph via harness/ceph.py
-    .venv/bin/python bench/stage_throughput.py --endpoint http://127.0.0.1:7480 --access-key K --secret-key S
+    .venv/bin/python -m bench.stage_throughput                     # starts Ceph via harness/ceph.py
+    .venv/bin/python -m bench.stage_throughput --endpoint http://127.0.0.1:7480 --access-key K --secret-key S
 
 Last line: `RESULT stage_vs_boto3_parallel_bytes_per_s=<ratio>` (target >= 1.0: staging, with its
 checks, at least as fast as boto3's plain parallel download).
@@ -36,16 +36,14 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from safetensors.torch import save
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from adapter_cache.cli import parse_bytes  # noqa: E402
-from adapter_cache.client import AdapterCacheClient  # noqa: E402
-from harness.ceph import start_ceph  # noqa: E402
-from harness.inference_server import start_inference_server  # noqa: E402
-from harness.ports import free_port  # noqa: E402
-from inference_service.client import InferenceClient  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
+from adapter_cache.cli import parse_bytes
+from adapter_cache.client import AdapterCacheClient
+from harness.bench import ROOT, print_result
+from harness.ceph import start_ceph
+from harness.inference_server import start_inference_server
+from harness.ports import free_port
+from inference_service.client import InferenceClient
+from inference_service.demo_adapters import write_peft_adapter
 
 
 def metric_sum(url: str, name: str) -> float:
@@ -232,7 +230,7 @@ def main() -> None:
               f"boto3_single_stream_bytes_per_s={boto_best:.0f} boto3_file_download_bytes_per_s={file_best:.0f}")
         print(f"stage vs boto3 single-stream (for reference): get_object().read() {stage_best / boto_best:.3f}, "
               f"download to a tmpfs file {stage_best / file_best:.3f}")
-        print(f"RESULT stage_vs_boto3_parallel_bytes_per_s={stage_best / parallel_best:.3f}")
+        print_result("stage_vs_boto3_parallel_bytes_per_s", stage_best / parallel_best)
     finally:
         if sidecar is not None:
             sidecar.terminate()

@@ -1,5 +1,5 @@
 """Structured output's cost: tokens/s through the real server with half the streams constrained by a
-JSON schema, against all streams free, in the same run (issue 34).
+JSON schema, against all streams free, in the same run.
 
 Workload: the serving benchmark's small model (bench/http_overhead.py: LLaMA, hidden 256, 4 layers,
 vocab 32000, fp32, random weights, byte tokenizer), CONCURRENCY streams through the server
@@ -11,7 +11,7 @@ ending where the schema's JSON ends. Phases alternate free / mixed (half constra
 Every constrained answer that ends is parsed and validated against SCHEMA (jsonschema); one that
 fails, or is cut by max_tokens, is reported.
 
-    .venv/bin/python bench/structured_output.py [--concurrency 32] [--window 10] [--rounds 3]
+    .venv/bin/python -m bench.structured_output [--concurrency 32] [--window 10] [--rounds 3]
 
 Last line: RESULT structured_vs_free=<ratio>   (target >= 0.85)
 """
@@ -29,11 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.http_overhead import SMALL_MODEL, make_small_model  # noqa: E402
-from harness.ports import free_port, wait_http_healthy  # noqa: E402
+from harness.bench import ROOT, SMALL_MODEL, bench_command, make_small_model, print_result, start_http_server
 
 ADAPTERS = 3
 PROMPT_TOKENS = 32
@@ -108,9 +104,9 @@ def client_main(address: str, concurrency: int, window: float, constrained: int,
 
 
 def phase(address: str, args, constrained: int, seed: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--client", address, "--concurrency", str(args.concurrency),
-                          "--window", str(args.window), "--constrained", str(constrained), "--seed", str(seed)],
-                         check=True, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(bench_command("structured_output", "--client", address, "--concurrency", str(args.concurrency),
+                          "--window", str(args.window), "--constrained", str(constrained), "--seed", str(seed)),
+                         check=True, capture_output=True, text=True, timeout=600, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -140,27 +136,21 @@ def main() -> int:
         preload.write_text(json.dumps([{"name": f"a{i}", "uri": write_peft_adapter(Path(tmp) / f"a{i}", config,
                                                                                    rank=8, seed=i).as_uri()}
                                        for i in range(ADAPTERS)]))
-        http_port, grpc_port = free_port(), free_port()
-        url = f"http://127.0.0.1:{http_port}"
-        with open(Path(tmp) / "server.log", "wb") as log:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "inference_service.cli", "--model", args.model, "--device", args.device,
-                 "--tokenizer", "byte", "--listen", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port),
-                 "--log-level", "WARNING", "--max-num-seqs", str(max(64, args.concurrency)),
-                 "--max-loras", str(ADAPTERS), "--max-lora-rank", "8", "--adapter-source-allow", Path(tmp).as_uri(),
-                 "--preload-file", str(preload), "--served-model-name", "base"],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        server = start_http_server(
+            ["--model", args.model, "--device", args.device, "--tokenizer", "byte", "--log-level", "WARNING",
+             "--max-num-seqs", str(max(64, args.concurrency)), "--max-loras", str(ADAPTERS), "--max-lora-rank", "8",
+             "--adapter-source-allow", Path(tmp).as_uri(), "--preload-file", str(preload),
+             "--served-model-name", "base"],
+            Path(tmp) / "server.log", env={"OMP_NUM_THREADS": "1"})
         try:
-            wait_http_healthy(url, server)
-            address = f"127.0.0.1:{grpc_port}"
+            address = server.grpc_address
             phase(address, argparse.Namespace(concurrency=args.concurrency, window=2.0), args.concurrency // 2, 99)
             free, mixed = [], []
             for r in range(args.rounds):
                 free.append(phase(address, args, 0, 2 * r))
                 mixed.append(phase(address, args, args.concurrency // 2, 2 * r + 1))
         finally:
-            server.terminate()
-            server.wait(30)
+            server.stop()
     tps = lambda runs: sum(x["tokens"] for x in runs) / sum(x["seconds"] for x in runs)  # noqa: E731
     valid, invalid, cut = (sum(x[k] for x in mixed) for k in ("valid", "invalid", "cut"))
     print(f"model: {SMALL_MODEL if args.model.endswith('small') else args.model}")
@@ -171,7 +161,7 @@ def main() -> int:
     print(f"constrained streams: {ctok} tokens in {creq} requests ({ctok / max(1, creq):.0f} per request)")
     print(f"constrained answers: {valid} valid, {invalid} invalid, {cut} cut by max_tokens "
           f"({100 * valid / max(1, valid + invalid + cut):.1f}% parse and validate)")
-    print(f"RESULT structured_vs_free={tps(mixed) / tps(free):.3f}")
+    print_result("structured_vs_free", tps(mixed) / tps(free))
     return 0 if invalid == 0 else 1
 
 

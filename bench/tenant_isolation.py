@@ -43,16 +43,16 @@ import inference_service  # noqa: F401 - first: the server's OpenMP settings, be
 import torch
 # isort: on
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness package: adapter makers
 
-from harness.engine_helpers import load_adapters  # noqa: E402
-from inference_service.demo_adapters import write_peft_adapter  # noqa: E402
-from inference_service.engine.config import EngineConfig  # noqa: E402
-from inference_service.engine.core import EngineCore  # noqa: E402
-from inference_service.engine.heap import freeze_startup_objects  # noqa: E402
-from inference_service.engine.request import Request, SamplingParams  # noqa: E402
-from inference_service.lora.mem_pool import bytes_per_page  # noqa: E402
-from inference_service.models.loader import builtin_tiny_config  # noqa: E402
+from harness.bench import print_result
+from harness.engine_helpers import load_adapters
+from inference_service.demo_adapters import write_peft_adapter
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.core import EngineCore
+from inference_service.engine.heap import freeze_startup_objects
+from inference_service.engine.request import Request, SamplingParams
+from inference_service.lora.mem_pool import bytes_per_page
+from inference_service.models.loader import builtin_tiny_config
 
 QUIET_TENANTS, QUIET_ADAPTERS = ("quiet-a", "quiet-b"), 4  # adapters per quiet tenant
 SHARE_PAGES, COMMON_PAGES = 4, 4
@@ -202,9 +202,9 @@ def main() -> None:
         problems.append(f"quiet tokens differ from their alone runs: {workload.mismatches[:5]}")
     if problems:
         sys.exit("no RESULT:\n" + "\n".join(problems))
-    print(f"RESULT quiet_tenant_adapter_reloads={reloads}")
-    print(f"RESULT quiet_tenant_tps_ratio={statistics.median(ratios):.3f}")
-    print(f"RESULT quiet_tenant_churn_tps_ratio={statistics.median(churn_ratios):.3f}")
+    print_result("quiet_tenant_adapter_reloads", reloads, "d")
+    print_result("quiet_tenant_tps_ratio", statistics.median(ratios))
+    print_result("quiet_tenant_churn_tps_ratio", statistics.median(churn_ratios))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import sys
 #   SmolLM2 batch-32 step took 52 ms instead of 19 on an idle 2-core VM;
 # - spinning long (libgomp's default, or ACTIVE) burns whole time slices when a neighbour holds a
 #   core: 61 ms beside one busy process, 105-139 ms beside two (PASSIVE 39 and 87-97);
-# - 1000 spins: 21 ms idle, 47 beside one, 49-51 beside two (docs/architecture.md, "OpenMP threads
+# - 1000 spins: 21 ms idle, 47 beside one, 49-51 beside two (docs/engine.md, "OpenMP threads
 #   spin briefly at barriers").
 SPIN_COUNT = "1000"
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:

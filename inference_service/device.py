@@ -76,12 +76,12 @@ class ThreadCopyEngine:
 
     The copy shares the cores with the forward pass, so it runs mostly between passes (the pass
     gate), in bounded pieces, and during a pass only one piece every PASS_PIECE_INTERVAL_S; with the
-    C kernels a whole load is one GIL-free call. Why each of these: docs/architecture.md, "CPU copy
+    C kernels a whole load is one GIL-free call. Why each of these: docs/engine.md, "CPU copy
     overlap".
     """
 
     def __init__(self) -> None:
-        # Full priority: at a lower one loads fell behind (docs/architecture.md).
+        # Full priority: at a lower one loads fell behind (docs/engine.md).
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="lora-copy", initializer=background_worker_thread, initargs=(0,)
         )
@@ -182,7 +182,7 @@ def shorten_gil_switch_interval() -> None:
 def background_worker_thread(niceness: int = BACKGROUND_NICENESS) -> None:
     """Set-up of loader threads (host preparation, CPU slot copies), which run beside the model:
     one torch thread each, a lower CPU priority, a shorter GIL switch interval for the process
-    (why: docs/architecture.md, "CPU copy overlap")."""
+    (why: docs/engine.md, "CPU copy overlap")."""
     torch.set_num_threads(1)
     shorten_gil_switch_interval()
     try:

@@ -83,12 +83,12 @@ PEFT's logits" "${PYTEST[@]}" tests/test_engine_vs_peft.py -k cuda
 no_skips peft-on-cuda
 step gpu-comparisons 120 "its RESULT lines (cuda_graph_vs_eager, triton_lora_vs_torch_op); a 'no RESULT' line \
 says which outputs were wrong (captured and eager decode must generate the same tokens)" \
-  "$PY" bench/engine_throughput.py --device cuda --requests 32 --adapters 8 --new-tokens 64 --rounds 2 \
+  "$PY" -m bench.engine_throughput --device cuda --requests 32 --adapters 8 --new-tokens 64 --rounds 2 \
   --compare cuda-graph,triton-lora
 step engine-throughput 90 "engine vs PEFT tokens/s and PEFT's judgement of the engine's tokens" \
-  "$PY" bench/engine_throughput.py --device cuda --rounds 1
+  "$PY" -m bench.engine_throughput --device cuda --rounds 1
 step overlap-churn 60 "adapter loads overlapping decode on a side stream" \
-  "$PY" bench/overlap_churn.py --device cuda --rounds 2
+  "$PY" -m bench.overlap_churn --device cuda --rounds 2
 # The whole suite, device-generic tests on CUDA (their "cuda" parameters, and servers via
 # LORAPLEX_TEST_DEVICE); modules needing what the image lacks are left out (see the top).
 step suite 240 "the first failures of the suite on CUDA (device-generic tests and servers on the GPU)" \

@@ -1,4 +1,4 @@
-"""Acceptance: the inference server staging adapters through the adapter-cache sidecar.
+"""The inference server staging adapters through the adapter-cache sidecar.
 
 Real Ceph radosgw (harness/ceph.py), a real `loraplex-cache` subprocess on a unix socket, a
 real `loraplex-inference` subprocess with `--cache-address` and `--max-loras 2` (three adapters,

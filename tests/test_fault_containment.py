@@ -1,5 +1,5 @@
-"""Per-request fault containment in the engine (issue 13, item 1) and the staging pool's deadline
-and per-source share (item 5), in process.
+"""Per-request fault containment in the engine and the staging pool's deadline and
+per-source share, in process.
 
 The faults injected here are bugs (a forward pass or a detokenizer that raises) and a source that
 never returns: none can be caused for real through the API, so each is a patch, said where it is

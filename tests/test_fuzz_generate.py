@@ -1,4 +1,4 @@
-"""Fuzzing GenerateRequest (issue 13): hypothesis-built requests, and raw bytes, against the real
+"""Fuzzing GenerateRequest: hypothesis-built requests, and raw bytes, against the real
 servicer and engine (builtin:tiny) over real gRPC, in process.
 
 Every outcome is OK or one of the codes a bad request may get (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,

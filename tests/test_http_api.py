@@ -213,7 +213,7 @@ def test_usage_reports_prefix_cache_hits(env):
     assert _http_value(server, "loraplex_prefix_cache_queries_total") >= _http_value(
         server, "loraplex_prefix_cache_hits_total")
     assert not _wait_leak_free(server, 10), "cached blocks count as held"
-    # The block counts where operators look (issue 33): at rest none held, this test's blocks
+    # The block counts where operators look: at rest none held, this test's blocks
     # cached, and the three states add up to the pool.
     text = httpx.get(server.http_url + "/metrics", timeout=10).text
     blocks = {s.labels["state"]: s.value for f in text_string_to_metric_families(text) for s in f.samples

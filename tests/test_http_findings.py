@@ -1,4 +1,4 @@
-"""Issue 38's HTTP findings, against real server subprocesses with real clients (the `openai` SDK,
+"""The HTTP API's contract at its edges, against real server subprocesses with real clients (the `openai` SDK,
 httpx, http.client in hostile processes of their own):
 
 - every field of the SDK's request params is implemented or refused by name (no silent drop);
@@ -65,7 +65,7 @@ def _openai_error(r: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
-# ---- item 4: no request field is silently dropped ---------------------------------------------
+# ---- no request field is silently dropped ---------------------------------------------
 
 def _sdk_fields(params) -> set[str]:
     """Every key of the SDK's request TypedDicts (streaming and not)."""
@@ -153,7 +153,7 @@ def test_text_response_format_is_the_default_and_accepted(server):
     assert _openai_error(r, 400)["param"] == "return_token_strs"
 
 
-# ---- item 8: OpenAI's error body for every error, exact statuses --------------------------------
+# ---- OpenAI's error body for every error, exact statuses --------------------------------
 
 def test_malformed_bodies_routes_and_methods_get_openai_error_bodies(server):
     url = server.http_url
@@ -214,7 +214,7 @@ def test_a_client_that_leaves_mid_body_is_logged_as_such_not_as_a_failure(server
     assert ok.usage.completion_tokens >= 1
 
 
-# ---- item 6: logprobs of tokens that are parts of characters -----------------------------------
+# ---- logprobs of tokens that are parts of characters -----------------------------------
 
 def _grpc_logprobs(server: InferenceServer, prompt: str | list[int], k: int, n: int) -> list:
     req = InferenceClient.request(prompt, max_new_tokens=n, ignore_eos=True)
@@ -291,7 +291,7 @@ def test_logprobs_of_partial_characters_with_a_byte_level_bpe_checkpoint(tmp_pat
         s.stop()
 
 
-# ---- item 5: request-sized work stays off the loop that gRPC shares ----------------------------
+# ---- request-sized work stays off the loop that gRPC shares ----------------------------
 
 HOSTILE = r'''
 import http.client, json, sys, threading

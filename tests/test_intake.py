@@ -1,4 +1,4 @@
-"""One intake (issue 32 item 3): inference_service/frontend/intake.py checks what either API asks of the engine,
+"""One intake: inference_service/frontend/intake.py checks what either API asks of the engine,
 and its errors mean the same on both front ends (a gRPC status by name, an HTTP status from the one
 table in http/errors.py)."""
 

@@ -1,4 +1,4 @@
-"""Tenant isolation of the serving path (issue 13, items 1, 2, 5, 6), on real server subprocesses.
+"""Tenant isolation of the serving path, on real server subprocesses.
 
 Each case runs one hostile call beside a victim stream (harness/isolation.py, on a resident
 adapter): the victim streams across the whole call, every run with its exact tokens and never stalled
@@ -93,7 +93,7 @@ def _assert_log_bounded(server: InferenceServer, marker: str | None = None) -> N
         assert not any(line.startswith(marker) for line in lines), "a forged log line"
 
 
-# ---- item 1: per-request fault containment ------------------------------------------------------
+# ---- per-request fault containment ------------------------------------------------------
 
 def test_tiny_temperature_samples_greedily_beside_victim(server, base, stub):
     with victim_beside(server, base):
@@ -115,7 +115,7 @@ def test_non_finite_logits_end_only_that_request(server, base, stub, adapters):
     stub.UnloadAdapter(pb.UnloadAdapterRequest(name="overflow"), metadata=ADMIN, timeout=60)
 
 
-# ---- item 2: bounded inputs ---------------------------------------------------------------------
+# ---- bounded inputs ---------------------------------------------------------------------
 
 def test_150k_stop_strings_refused(server, base, refused):
     request = _request(stop=[f"s{i}" for i in range(150_000)])
@@ -229,7 +229,7 @@ def test_model_info_reports_the_adapter_pool_and_kv_cache(server, stub):
     assert info.kv_cache_blocks == server.value("loraplex_kv_cache_blocks")  # held + cached + free
 
 
-# ---- item 6: information exposure ---------------------------------------------------------------
+# ---- information exposure ---------------------------------------------------------------
 
 def test_list_adapters_shows_uris_to_admins_only(server, base, stub, adapters):
     stub.LoadAdapter(pb.LoadAdapterRequest(name="listed", uri=(adapters / "good").as_uri()), metadata=ADMIN,
@@ -246,7 +246,7 @@ def test_list_adapters_shows_uris_to_admins_only(server, base, stub, adapters):
         grpc.StatusCode.INVALID_ARGUMENT
 
 
-# ---- item 5: bounded registry, O(active) steps (last: it fills the registry) ---------------------
+# ---- bounded registry, O(active) steps (last: it fills the registry) ---------------------
 
 def _names_registered(stub) -> list[str]:
     names, token = [], ""
@@ -287,7 +287,7 @@ def test_1500_idle_adapters_do_not_stall_decoding_and_the_cap_holds(server, base
                      metadata=ADMIN, timeout=60)
 
 
-# ---- item 5: a hung staging does not block other loads ------------------------------------------
+# ---- a hung staging does not block other loads ------------------------------------------
 
 class _HungOrigin:
     """An HTTP origin that accepts connections and never answers (a stuck object store)."""

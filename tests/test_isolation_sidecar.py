@@ -1,4 +1,4 @@
-"""Tenant isolation at the adapter-cache sidecar (issue 13, item 7), end to end.
+"""Tenant isolation at the adapter-cache sidecar, end to end.
 
 A real `loraplex-cache` subprocess (token-authenticated, 1 MiB adapter cap, 4 s fetch deadline,
 4 leases per caller) and a real `loraplex-inference` subprocess staging through it with

@@ -1,4 +1,4 @@
-"""Acceptance (issue 6): a real Prometheus scraping a running inference service and its sidecar.
+"""A real Prometheus scraping a running inference service and its sidecar.
 
 A real `loraplex-cache` sidecar (unix socket, /metrics, file:// allow-prefix over a temp dir of
 adapters) and a real `loraplex-inference` server with `--cache-address` to it and `--max-loras 2`;

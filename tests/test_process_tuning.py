@@ -1,4 +1,4 @@
-"""What a serving process sets up for steady steps (docs/architecture.md, "Pauses the serving adds").
+"""What a serving process sets up for steady steps (docs/engine.md, "Pauses the serving adds").
 
 - The engine core process freezes its start-up objects (torch, the model) out of the garbage
   collector's reach, and so does the server's main process once the engine and front ends are built:

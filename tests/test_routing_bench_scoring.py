@@ -4,21 +4,13 @@ exposition."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 from prometheus_client import generate_latest
 
+from bench import routing
 from inference_service.engine.in_process import EngineStats
 from inference_service.frontend.metrics import EngineCollector, build_registry
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "routing.py"
-spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
-routing = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = routing  # dataclasses look their module up there
-spec.loader.exec_module(routing)
 
 
 def pod(running=(), waiting=(), max_lora=2, queue=0, kv=0.0, resident=(), name="pod") -> object:

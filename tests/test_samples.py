@@ -1,4 +1,4 @@
-"""A request's n samples in the engine (issue 34, item 4): the scheduler's group hold, the seeds.
+"""A request's n samples in the engine: the scheduler's group hold, the seeds.
 
 The samples are n engine requests of one group (`Request.group`). With the prefix cache on, the
 first one added leads: the others wait (WaitReason.SAMPLES) until its prompt blocks are cached, then

@@ -1,4 +1,4 @@
-"""`n` > 1 through the real server (issue 34, item 4), with the official `openai` SDK and gRPC.
+"""`n` > 1 through the real server, with the official `openai` SDK and gRPC.
 
 A request's n samples share the prompt's prefill (the samples after the first hit its cached
 blocks: gRPC's per-sample usage.cached_tokens shows it), each has its own seed stream (the same

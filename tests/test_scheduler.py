@@ -162,7 +162,7 @@ def test_without_aging_the_same_traffic_starves_it(tiny_adapters):
 
 
 def test_a_step_fills_with_resident_adapters_while_others_wait(tiny_adapters):
-    """Adapters outnumber the pool (issue 39, admission): waiting requests are taken by residency,
+    """Adapters outnumber the pool: waiting requests are taken by residency,
     not in arrival order, so a step is never small for want of slots while resident work waits.
     Both slots are held by running a0/a1 requests; of the queue a2, a0, a3, a1, ... every a0/a1
     request joins the next step and only a2/a3 wait."""

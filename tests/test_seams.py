@@ -1,4 +1,4 @@
-"""The engine's seam (issue 32): front ends reach an engine only through engine.client.EngineClient.
+"""The engine's seam: front ends reach an engine only through engine.client.EngineClient.
 
 Walks every module with ast: outside the engine's own modules nothing reads or replaces an engine's
 or a core's private attribute (`engine._thread`, `core._in_flight`) or patches a core's method

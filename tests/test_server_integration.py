@@ -1,4 +1,4 @@
-"""Acceptance: the real server in a subprocess, real gRPC clients, compared with the in-process Engine."""
+"""The real server in a subprocess, real gRPC clients, compared with the in-process Engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Server lifecycle on the real `loraplex-inference` subprocess (issue 38's items 1, 7, 9, 10, 11).
+"""Server lifecycle on the real `loraplex-inference` subprocess: a dead core, the drain,
+slow and idle clients, a port in use.
 
 - An engine core process killed with SIGKILL turns gRPC readiness and liveness NOT_SERVING, with
   the stall watchdog off (--watchdog-stall-s 0) as with it on, is reaped (never left a zombie), and
@@ -61,7 +62,7 @@ def _victim(server: InferenceServer) -> None:
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
 
 
-# ---- items 1 and 10: a dead core ------------------------------------------------------------
+# ---- a dead core ------------------------------------------------------------
 
 @pytest.mark.parametrize("stall_s", ["0", "2"])
 def test_a_killed_core_turns_health_not_serving_is_reaped_and_logged(stall_s: str, tmp_path: Path) -> None:
@@ -81,7 +82,7 @@ def test_a_killed_core_turns_health_not_serving_is_reaped_and_logged(stall_s: st
         server.stop(timeout=10)
 
 
-# ---- item 7: the HTTP port through the drain delay -------------------------------------------
+# ---- the HTTP port through the drain delay -------------------------------------------
 
 # The last round of new connections starts this long before the drain delay ends, so that it is
 # over before the port closes: a round (a connection, GET /health, POST) took up to 0.25 s with
@@ -137,7 +138,7 @@ def test_the_http_port_serves_new_connections_through_the_drain_delay(tmp_path: 
         server.stop(timeout=10)
 
 
-# ---- item 9: slow and idle clients -------------------------------------------------------------
+# ---- slow and idle clients -------------------------------------------------------------
 
 class _SlowClients:
     """Raw sockets that never finish a request: `idle` send nothing, `dribbling` send a request's
@@ -241,7 +242,7 @@ def test_connections_past_the_cap_are_closed_as_they_are_accepted(tmp_path: Path
         server.stop(timeout=10)
 
 
-# ---- item 11: a port in use ------------------------------------------------------------------
+# ---- a port in use ------------------------------------------------------------------
 
 @pytest.mark.parametrize("port_kind", ["http", "grpc"])
 def test_a_port_in_use_is_one_error_line_and_exit_code_1(port_kind: str) -> None:

@@ -1,6 +1,6 @@
 """The servicer's own contract, over real gRPC against a scripted engine: streaming, the abort in
 `finally` on cancel/deadline, status mapping, admin auth, metrics codes, health and reflection.
-(The real-engine acceptance tests are in test_server_integration.py.)"""
+(The real-engine tests are in test_server_integration.py.)"""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 N_ADAPTERS = 9
 N_STREAMS = 220
 N_KILLED = 16  # streams of the client process that gets SIGKILLed
-# Tenants (issue 35) mixed in: three with tokens (and room to ask for priorities below 0), plus the
+# Tenants mixed in: three with tokens (and room to ask for priorities below 0), plus the
 # anonymous tenant; each request has a priority of its own. Quotas are generous: none refuses here.
 STORM_TENANTS = {"t0": "storm-token-0", "t1": "storm-token-1", "t2": "storm-token-2"}
 # Its streams use fewer adapters than there are slots (4), so all of them stream at once: over more,

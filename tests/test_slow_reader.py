@@ -1,4 +1,4 @@
-"""A client that stops reading a stream must not stall the engine or anyone else (issue 16).
+"""A client that stops reading a stream must not stall the engine or anyone else.
 
 Through the real server (engine core in its own process): one client opens a long stream with
 logprobs (messages big enough to fill the HTTP/2 flow-control window) and stops reading after

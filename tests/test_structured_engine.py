@@ -1,4 +1,4 @@
-"""Structured output in the engine core (issue 34): a token mask per constrained row, after the adapted
+"""Structured output in the engine core: a token mask per constrained row, after the adapted
 forward pass, in mixed batches. The model is builtin:tiny with random weights, so its logits are
 noise: every constrained output that ends is valid only because of the mask (the strongest check).
 

@@ -1,4 +1,4 @@
-"""Structured output through the real server (issue 34) with real clients: the official `openai` SDK
+"""Structured output through the real server with real clients: the official `openai` SDK
 (`chat.completions.parse` with a pydantic model, `response_format`, vLLM's `structured_outputs` as
 extra body), outputs validated with `jsonschema`; a fuzz test of random schemas; refusals with their
 exact status on both APIs; a hostile schema beside a victim stream (harness/isolation.py).

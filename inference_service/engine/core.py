@@ -117,7 +117,7 @@ def model_len(config: EngineConfig, model: CausalLM) -> int:
 def lora_pool_pages(config: EngineConfig, budget: int, shapes: BaseModelShapes, dtype: torch.dtype,
                     device: torch.device, kv_reserve: int = 0) -> int:
     """Pages of the pool sized by memory (`--max-loras auto`): --lora-memory-bytes, else a fraction
-    of the memory budget (docs/architecture.md, "The adapter pool") that leaves `kv_reserve` bytes
+    of the memory budget (docs/engine.md, "The adapter pool") that leaves `kv_reserve` bytes
     (one request of the whole context) to the KV cache, and holds one adapter of the largest rank at
     least; less the zero page."""
     per_page = bytes_per_page(shapes, config.lora_page_rank, dtype)
@@ -316,7 +316,7 @@ class EngineCore:
         # same arrivals samples the same tokens; a request's own seed always wins.
         self._seeds = random.Random(config.seed)
         # Async scheduling: steps run on this one thread, in launch order, while the scheduler
-        # thread plans the next (docs/architecture.md, "Async scheduling").
+        # thread plans the next (docs/engine.md, "Async scheduling").
         self._device_worker = None
         if config.async_scheduling_on():
             self._device_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="device")

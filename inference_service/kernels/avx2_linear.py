@@ -2,7 +2,7 @@
 
 On such CPUs (AMD Zen 1-3, older Intel) oneDNN's packed fp32 GEMM reads a decode step's weights at a
 third of a plain read's rate; this kernel reads them at 1.2-2.8x its rate at 1-8 rows and matches or
-beats it up to a 256-row prefill chunk (docs/architecture.md, "Decode on an AVX2-only CPU"). Such
+beats it up to a 256-row prefill chunk (docs/performance.md, "Decode on an AVX2-only CPU"). Such
 CPUs have no bf16 arithmetic (torch's bf16 GEMM runs at 1-7 GFLOP/s there, and oneDNN will not pack
 bf16): bf16 weights keep the same panels in bf16, widened to fp32 as the kernel reads them.
 The kernel runs on every CPU with AVX2 and FMA (`available`), and is the preferred projection only

@@ -3,7 +3,7 @@
 Why: a decode step streams every weight once; on 4 KiB pages each 4 KiB costs a TLB walk. On this
 project's CI-class host (THP in `madvise` mode, so nothing gets huge pages unasked) a plain sequential
 read went from 22 to 31 GB/s on 2 MiB pages and the AMX projections from ~20 to ~22 GB/s
-(docs/architecture.md, "Decode against the machine's roofline"). Used for the packed weights (one
+(docs/performance.md, "Decode against the machine's roofline"). Used for the packed weights (one
 arena) and the adapter pool; the KV cache stays on small pages (engine/kv_cache.py says why). Advice
 only: where the kernel declines (THP off, not Linux) the memory is ordinary.
 

@@ -1,7 +1,7 @@
 """Chat tool calls: what a request's `tools` and `tool_choice` ask of its answer, and that answer in
 OpenAI's shape, whole or streamed as `tool_calls` deltas.
 
-Three modes (docs/http.md, "Tool calls"):
+Three modes (docs/http.md, "Tools"):
 - a named function (`tool_choice: {"type": "function", ...}`): the answer is that function's arguments,
   generated under their JSON schema (the structured-output grammar), so it is always a valid call;
 - `required`: a JSON list of `{name, parameters}` over the tools, under a grammar too;
