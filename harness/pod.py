@@ -56,8 +56,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from harness.tools import in_ci
 
 REPO = Path(__file__).resolve().parents[1]
 HELM = REPO / ".tools" / "bin" / "helm"
@@ -101,6 +104,21 @@ def build_image(timeout: float = 1800) -> tuple[str, str]:
                        env={**os.environ, "LORAPLEX_IMAGE": tag})
     assert r.returncode == 0, f"scripts/build_image.sh failed:\n{r.stderr[-6000:]}"
     return tag, r.stdout.strip().splitlines()[-1]
+
+
+def image_under_test(what: str) -> str:
+    """The image the tests run: built by scripts/build_image.sh, or LORAPLEX_TEST_IMAGE=TAG (already built).
+    Skips where image mode cannot run here; under CI that is a failure (`what` names the tests)."""
+    why = image_supported()
+    if why:
+        if in_ci():
+            raise RuntimeError(f"{what} cannot run under CI: {why}")
+        pytest.skip(why)
+    if os.environ.get("LORAPLEX_TEST_IMAGE"):
+        return os.environ["LORAPLEX_TEST_IMAGE"]
+    tag, summary = build_image()
+    print(summary)
+    return tag
 
 
 def _helm_template(chart: Path, value_files: Sequence[Path], sets: Sequence[str], namespace: str,

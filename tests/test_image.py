@@ -14,14 +14,12 @@ The pods that run the image under the chart are tests/test_kubelet_pod.py's `[im
 from __future__ import annotations
 
 import json
-import os
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from harness.pod import build_image, image_supported, podman
-from harness.tools import in_ci
+from harness.pod import image_under_test, podman
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first build of a session takes minutes
@@ -37,16 +35,7 @@ CONTENTS = ("import importlib.metadata as md, json, shutil;"
 def image() -> str:
     """Built by scripts/build_image.sh (cached layers: seconds when nothing changed); LORAPLEX_TEST_IMAGE=TAG:
     that image, already built, instead."""
-    why = image_supported()
-    if why:
-        if in_ci():
-            raise RuntimeError(f"the image tests cannot run under CI: {why}")
-        pytest.skip(why)
-    if os.environ.get("LORAPLEX_TEST_IMAGE"):
-        return os.environ["LORAPLEX_TEST_IMAGE"]
-    tag, summary = build_image()
-    print(summary)
-    return tag
+    return image_under_test("the image tests")
 
 
 def test_runtime_stage_has_no_compiler_pip_or_left_out_packages(image: str) -> None:

@@ -35,7 +35,6 @@ root, in tests/test_server_drain.py.
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import subprocess
 import tempfile
@@ -54,8 +53,7 @@ from harness.pod import (
     HELM,
     NO_PROXY_GRPC,
     Pod,
-    build_image,
-    image_supported,
+    image_under_test,
     netns_supported,
     render_chart,
     render_notes,
@@ -103,16 +101,7 @@ CHAT_SETS = ["inference.extraArgs[0]=--chat-template=/etc/loraplex-chat/template
 def image() -> str:
     """The image the chart runs, built from the Dockerfile by scripts/build_image.sh (once a session;
     LORAPLEX_TEST_IMAGE=TAG: that image, already built, instead)."""
-    why = image_supported()
-    if why:
-        if in_ci():
-            raise RuntimeError(f"the image-mode kubelet tests cannot run under CI: {why}")
-        pytest.skip(why)
-    if os.environ.get("LORAPLEX_TEST_IMAGE"):
-        return os.environ["LORAPLEX_TEST_IMAGE"]
-    tag, summary = build_image()
-    print(summary)
-    return tag
+    return image_under_test("the image-mode kubelet tests")
 
 
 def _pod_kw(mode: str, request: pytest.FixtureRequest) -> dict:
