@@ -297,7 +297,8 @@ ADAPTERS = ["req", "a1", "a2", "a3", "late"]
 
 
 def _overlay(root: Path, adapters: Path, adapter_bytes: int) -> Path:
-    """What cannot exist here, replaced: a builtin model (the PVC still mounts), local adapters on a
+    """What cannot exist here, replaced: a builtin model (the PVC still mounts; so weights served as the
+    model's own dtype, a quantized weights dtype needing a GGUF file), local adapters on a
     hostPath volume mounted at the same path in both containers (so URIs need no remapping), and two
     slots (so the dashboards see slot evictions)."""
     base = yaml.safe_load(ALL_VALUES.read_text())
@@ -305,7 +306,7 @@ def _overlay(root: Path, adapters: Path, adapter_bytes: int) -> Path:
     mounts = [*base["inference"]["extraVolumeMounts"], {"name": "adapters", "mountPath": str(adapters),
                                                         "readOnly": True}]
     overlay = {
-        "model": {"path": "builtin:tiny"},
+        "model": {"path": "builtin:tiny", "weightsDtype": "auto"},
         "inference": {"maxLoras": 2, "loraMemoryBytes": None, "maxLoraRank": 16, "kvCacheBytes": 64 << 20,
                       "adapterSourceAllow": [*base["inference"]["adapterSourceAllow"], allow],
                       "extraVolumeMounts": mounts},
