@@ -119,6 +119,9 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
     )
 
 
+UNIX_PATH_MAX = 107  # sun_path's 108 bytes, its closing NUL included
+
+
 def listen_securely(stager: Stager, listen: str, auth: CacheAuth,
                     group: int | None) -> tuple[grpc.Server, health.HealthServicer]:
     """Bind `listen`; a unix socket is created 0600 (0660 for `group`), never wider even for an
@@ -157,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.listen.startswith("unix://") and not auth.tokens_required:
         parser.error(f"--listen {args.listen} is not a unix socket, whose file mode limits who connects: "
                      "give --token-file so callers must authenticate")
+    if args.listen.startswith("unix://") and len(os.fsencode(args.listen[len("unix://"):])) > UNIX_PATH_MAX:
+        parser.error(f"--listen {args.listen}: a unix socket's path holds at most {UNIX_PATH_MAX} bytes "
+                     "(Linux's sun_path); choose a shorter path")
     metrics = CacheMetrics()
     if args.metrics_port:  # first: a port in use is one line, with nothing created yet (the socket)
         try:

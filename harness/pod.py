@@ -40,6 +40,7 @@ Still not emulated: resource limits, image pulls.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import re
@@ -97,8 +98,10 @@ def image_supported() -> str | None:
     return f"{', '.join(missing)} not installed (scripts/install_test_tools.sh)" if missing else None
 
 
+@functools.cache
 def build_image(timeout: float = 1800) -> tuple[str, str]:
-    """scripts/build_image.sh (cached layers: seconds when nothing changed); (image tag, its summary line)."""
+    """scripts/build_image.sh (cached layers: seconds when nothing changed); (image tag, its summary line).
+    Once a test process: the image files share it (even a build with every layer cached takes half a minute)."""
     tag = os.environ.get("LORAPLEX_IMAGE", "localhost/loraplex:cpu")
     r = subprocess.run(["bash", str(BUILD_IMAGE)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
                        env={**os.environ, "LORAPLEX_IMAGE": tag})

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -67,7 +69,10 @@ class Sidecar:
         self.tmp = tmp
         self.admin_token = secrets.token_hex(16)
         admin_file = write_token(tmp / f"admin-token-{time.monotonic_ns()}", self.admin_token)
-        self.socket = socket or tmp / f"cache-{os.getpid()}-{time.monotonic_ns()}.sock"
+        # A socket of its own in a short directory: a unix socket's path holds at most 107 bytes, and
+        # pytest's temporary paths (a worker's directory, a long test name) can be longer than that.
+        self._socket_dir = None if socket else Path(tempfile.mkdtemp(prefix="lpx-sidecar-"))
+        self.socket = socket or self._socket_dir / "cache.sock"
         self.target = f"unix://{self.socket}"
         self.shm_dir = shm_dir or tmp / "shm"
         self.metrics_port = free_port()
@@ -129,6 +134,8 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 class RangeIgnoringOrigin:

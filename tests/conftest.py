@@ -5,4 +5,7 @@ from harness.inference_server import inference_server_factory  # noqa: F401  (re
 from harness.prometheus import prometheus_factory  # noqa: F401  (real Prometheus server)
 from harness.tools import pytest_runtest_setup  # noqa: F401  (needs_tool: fail under CI, skip locally)
 
-pytest_plugins = ["harness.file_durations"]  # each file's seconds at the end; budgets in tests/budget.toml
+pytest_plugins = [
+    "harness.file_durations",  # each file's seconds at the end; budgets in tests/budget.toml
+    "harness.xdist_groups",  # under `-n`: a file (the image's files together) per worker, longest first
+]

@@ -353,6 +353,16 @@ def test_tcp_listen_needs_a_token_file(capsys):
     assert build_parser().parse_args([]).max_lease_seconds == 900
 
 
+def test_a_socket_path_longer_than_sun_path_is_a_usage_error(capsys, tmp_path):
+    """One line naming the limit (exit 2), not gRPC's bind traceback after the stager started."""
+    long = tmp_path / ("d" * 120) / "cache.sock"
+    with pytest.raises(SystemExit) as exited:
+        main(["--listen", f"unix://{long}", "--shm-dir", str(tmp_path / "shm")])
+    assert exited.value.code == 2
+    assert "holds at most 107 bytes" in capsys.readouterr().err
+    assert not (tmp_path / "shm").exists()
+
+
 @pytest.mark.parametrize("group", [None, os.getgid()])
 def test_socket_mode_and_directory(tmp_path, group):
     stager = Stager(CacheConfig(shm_dir=str(tmp_path / "shm"), capacity_bytes=1 << 20, allow_prefixes=[],
