@@ -74,32 +74,6 @@ static inline float bias_at(const void *bias, int64_t col, int out_kind) {
     return out_kind == OUT_F32 ? ((const float *)bias)[col] : load_bf16((const uint16_t *)bias, col);
 }
 
-// One block of a row (fp32 or bf16 x): scale, int8 values, their sum. Scalar, in the same operations
-// every build runs (max is exact in any order; x * (1 / d) rounded to nearest even by lrintf).
-static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
-    float amax = 0.0f;
-    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-    int32_t s = 0;
-    for (int i = 0; i < QK; i++) {
-        const int32_t v = (int32_t)lrintf(x[i] * inverse);
-        q[i] = (int8_t)v;
-        s += v;
-    }
-    *d = scale;
-    *sum = s;
-}
-
-static void quantize_row(const void *x, int wide, int64_t row, int64_t k, const Activations *a) {
-    float block[QK];
-    for (int64_t b = 0; b < k / QK; b++) {
-        const int64_t at = row * k + b * QK;
-        if (wide) for (int i = 0; i < QK; i++) block[i] = load_bf16((const uint16_t *)x, at + i);
-        else memcpy(block, (const float *)x + at, sizeof block);
-        quantize_block(block, a->q + at, a->d + row * (k / QK) + b, a->sum + row * (k / QK) + b);
-    }
-}
-
 static inline int32_t group_of(const int8_t *q) {  // 4 consecutive int8 as one 32-bit lane
     int32_t v;
     memcpy(&v, q, sizeof v);
@@ -110,6 +84,20 @@ static inline int32_t group_of(const int8_t *q) {  // 4 consecutive int8 as one 
 #include <immintrin.h>
 #define VECTORISED 2
 #define MAX_ROWS 8
+
+// One block of a row: scale (max |x| / 127), int8 values (x * (1 / scale), nearest even), their sum.
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m512 iv = _mm512_set1_ps(inverse);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+    *d = scale;
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
 
 static inline __attribute__((always_inline)) void store16(__m512 v, void *out, int64_t at, const int out_kind) {
     if (out_kind == OUT_F32) {
@@ -166,6 +154,35 @@ static inline __attribute__((always_inline)) void tile(const Activations *a, con
 #include <immintrin.h>
 #define VECTORISED 1
 #define MAX_ROWS 4
+
+// One block of a row: scale (max |x| / 127), int8 values (x * (1 / scale), nearest even), their sum.
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
+    __m256 v[4];
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[i], magnitude));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 iv = _mm256_set1_ps(inverse);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    // packs work within 128-bit lanes: 0-3 8-11 16-19 24-27 | 4-7 12-15 20-23 28-31, then put in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *d = scale;
+    *sum = _mm_cvtsi128_si32(t);
+}
+
 
 static inline __attribute__((always_inline)) void store8(__m256 v, void *out, int64_t at, const int out_kind) {
     if (out_kind == OUT_F32) {
@@ -243,6 +260,22 @@ static inline __attribute__((always_inline)) void tile(const Activations *a, con
 #define VECTORISED 0
 #define MAX_ROWS 1
 
+// One block of a row: scale, int8 values, their sum, in the operations every build runs (max is exact in
+// any order; x * (1 / d) rounded to nearest even, as lrintf and the vector conversions round).
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int32_t s = 0;
+    for (int i = 0; i < QK; i++) {
+        const int32_t v = (int32_t)lrintf(x[i] * inverse);
+        q[i] = (int8_t)v;
+        s += v;
+    }
+    *d = scale;
+    *sum = s;
+}
+
 static inline int weight_at(const uint8_t *w, int kk, int c, int qt) {  // w: a block's weight bytes
     const int g = kk / 4, lane = c * 4 + kk % 4;
     if (qt == Q8_0) return w[64 * g + lane];
@@ -272,6 +305,17 @@ static inline void tile(const Activations *a, const uint8_t *panel, const void *
 #endif
 
 int quant_linear_vectorised(void) { return VECTORISED; }
+
+static void quantize_row(const void *x, int wide, int64_t row, int64_t k, const Activations *a) {
+    float block[QK];
+    for (int64_t b = 0; b < k / QK; b++) {
+        const int64_t at = row * k + b * QK;
+        if (wide) for (int i = 0; i < QK; i++) block[i] = load_bf16((const uint16_t *)x, at + i);
+        else memcpy(block, (const float *)x + at, sizeof block);
+        quantize_block(block, a->q + at, a->d + row * (k / QK) + b, a->sum + row * (k / QK) + b);
+    }
+}
+
 
 #define TILE(MR) tile(a, panel, bias, out, m0, col, n, k, MR, qt, out_kind)
 
