@@ -338,7 +338,10 @@ static inline __attribute__((always_inline)) void panel_rows(const Activations *
 }
 
 // x's rows quantized (buffer 0 of the calling thread, shared by the team), then each thread takes its
-// panels and runs every row against each.
+// panels and runs every row against each. Up to SERIAL_ROWS rows (a decode step) the calling thread
+// quantizes alone (a few microseconds): a parallel region's barrier costs more, and far more on a
+// busy host where a team thread waits for its core.
+#define SERIAL_ROWS 64
 #define DEFINE_LINEAR(NAME, QT, OUT_KIND, WIDE)                                                            \
     static int NAME(const void *x, const uint8_t *packed, const void *bias, void *out, int64_t m, int64_t n,  \
                     int64_t k) {                                                                           \
@@ -349,14 +352,11 @@ static inline __attribute__((always_inline)) void panel_rows(const Activations *
         const Activations a = {(int8_t *)buffer, (float *)(buffer + q_bytes),                              \
                                (int32_t *)(buffer + q_bytes + scale_bytes)};                               \
         const size_t panel_bytes = (size_t)kb * BLOCK_BYTES(QT);                                           \
-        _Pragma("omp parallel")                                                                            \
-        {                                                                                                  \
-            _Pragma("omp for schedule(static)")                                                            \
-            for (int64_t row = 0; row < m; row++) quantize_row(x, WIDE, row, k, &a);                       \
-            _Pragma("omp for schedule(static)")                                                            \
-            for (int64_t p = 0; p < n / PANEL; p++)                                                        \
-                panel_rows(&a, packed + p * panel_bytes, bias, out, p * PANEL, m, n, k, QT, OUT_KIND);     \
-        }                                                                                                  \
+        _Pragma("omp parallel for schedule(static) if (m > SERIAL_ROWS)")                                  \
+        for (int64_t row = 0; row < m; row++) quantize_row(x, WIDE, row, k, &a);                           \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int64_t p = 0; p < n / PANEL; p++)                                                            \
+            panel_rows(&a, packed + p * panel_bytes, bias, out, p * PANEL, m, n, k, QT, OUT_KIND);         \
         return 0;                                                                                          \
     }
 
