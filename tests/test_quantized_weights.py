@@ -176,6 +176,14 @@ def test_every_build_gives_the_loaded_builds_bits(tmp_path, variant, path, qtype
             expected = F.linear(x, reference_w, bias)
             bound = quant_linear.activation_error_bound(x, reference_w) + KERNEL_TOL * _bound(x, reference_w, bias)
             assert ((out - expected).abs() <= bound).all()
+    # a NaN or an infinity in a row: every output of that row non-finite (NaN), the other rows untouched
+    x = torch.randn(4, k).to(dtype)
+    x[1, 40], x[2, 100] = float("nan"), float("inf")
+    out = torch.empty(4, n, dtype=dtype)
+    assert fn(x.data_ptr(), weight.storage.data_ptr(), None, out.data_ptr(), 4, n, k, 0) == 0
+    assert out[1:3].isnan().all()
+    finite = x[[0, 3]]
+    assert torch.equal(out[[0, 3]], weight(finite, None))
 
 
 def test_q8_0_panels_hold_each_columns_scale_and_weights():

@@ -74,6 +74,15 @@ static inline float bias_at(const void *bias, int64_t col, int out_kind) {
     return out_kind == OUT_F32 ? ((const float *)bias)[col] : load_bf16((const uint16_t *)bias, col);
 }
 
+// A block's scale (max |x| / 127) and whether its values can be rounded by it. A NaN makes the scale
+// NaN and an infinity infinite; the block's q and sum are then 0, so every output of the row is NaN
+// (0 x a non-finite scale), as x times the weight would be non-finite, in every build alike.
+static inline float block_scale(float amax, int has_nan, float *inverse) {
+    const float scale = has_nan ? NAN : amax / 127.0f;
+    *inverse = isfinite(scale) && scale != 0.0f ? 1.0f / scale : 0.0f;
+    return scale;
+}
+
 static inline int32_t group_of(const int8_t *q) {  // 4 consecutive int8 as one 32-bit lane
     int32_t v;
     memcpy(&v, q, sizeof v);
@@ -89,12 +98,19 @@ static inline int32_t group_of(const int8_t *q) {  // 4 consecutive int8 as one 
 static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
     const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const int has_nan = (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) != 0;
+    float inverse;
+    const float scale = block_scale(amax, has_nan, &inverse);
+    *d = scale;
+    if (!isfinite(scale)) {
+        memset(q, 0, QK);
+        *sum = 0;
+        return;
+    }
     const __m512 iv = _mm512_set1_ps(inverse);
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
-    *d = scale;
     *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
@@ -168,7 +184,16 @@ static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h);
-    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int has_nan = 0;
+    for (int j = 0; j < 4; j++) has_nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+    float inverse;
+    const float scale = block_scale(amax, has_nan != 0, &inverse);
+    *d = scale;
+    if (!isfinite(scale)) {
+        memset(q, 0, QK);
+        *sum = 0;
+        return;
+    }
     const __m256 iv = _mm256_set1_ps(inverse);
     __m256i i[4];
     for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));
@@ -179,7 +204,6 @@ static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *
     // packs work within 128-bit lanes: 0-3 8-11 16-19 24-27 | 4-7 12-15 20-23 28-31, then put in order
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    *d = scale;
     *sum = _mm_cvtsi128_si32(t);
 }
 
@@ -263,12 +287,17 @@ static inline __attribute__((always_inline)) void tile(const Activations *a, con
 // One block of a row: scale, int8 values, their sum, in the operations every build runs (max is exact in
 // any order; x * (1 / d) rounded to nearest even, as lrintf and the vector conversions round).
 static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
-    float amax = 0.0f;
-    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    float amax = 0.0f, inverse;
+    int has_nan = 0;
+    for (int i = 0; i < QK; i++) {
+        amax = fmaxf(amax, fabsf(x[i]));
+        has_nan |= isnan(x[i]);
+    }
+    const float scale = block_scale(amax, has_nan, &inverse);
+    const int finite = isfinite(scale);
     int32_t s = 0;
     for (int i = 0; i < QK; i++) {
-        const int32_t v = (int32_t)lrintf(x[i] * inverse);
+        const int32_t v = finite ? (int32_t)lrintf(x[i] * inverse) : 0;
         q[i] = (int8_t)v;
         s += v;
     }
