@@ -236,9 +236,13 @@ static inline __attribute__((always_inline)) void tile(const Activations *a, con
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *block = panel + b * BLOCK_BYTES(qt);
-        __m256i sum[8][2];
-        for (int r = 0; r < mr; r++)
+        // Q8_0 widens each group's int16 pairs to int32 at once; Q4_0's pairs (|q x| <= 2 x 15 x 127) add up
+        // over the block's 8 groups within int16 (30480), widened once a block.
+        __m256i sum[8][2], pairs16[8][2];
+        for (int r = 0; r < mr; r++) {
             sum[r][0] = sum[r][1] = _mm256_set1_epi32(qt == Q8_0 ? 0 : OFFSET(qt) * a->sum[(m0 + r) * kb + b]);
+            pairs16[r][0] = pairs16[r][1] = _mm256_setzero_si256();
+        }
         for (int g = 0; g < GROUPS; g++) {
             __m256i w[2], magnitude[2];
             for (int h = 0; h < 2; h++) {
@@ -255,12 +259,18 @@ static inline __attribute__((always_inline)) void tile(const Activations *a, con
             for (int r = 0; r < mr; r++) {
                 const __m256i xv = _mm256_set1_epi32(group_of(a->q + (m0 + r) * k + b * QK + 4 * g));
                 for (int h = 0; h < 2; h++) {
-                    const __m256i pairs = qt == Q8_0 ? _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(xv, w[h]))
-                                                     : _mm256_maddubs_epi16(w[h], xv);
-                    sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs, ones));
+                    if (qt == Q8_0) {
+                        const __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(xv, w[h]));
+                        sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs, ones));
+                    } else {
+                        pairs16[r][h] = _mm256_add_epi16(pairs16[r][h], _mm256_maddubs_epi16(w[h], xv));
+                    }
                 }
             }
         }
+        if (qt == Q4_0)
+            for (int r = 0; r < mr; r++)
+                for (int h = 0; h < 2; h++) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs16[r][h], ones));
         const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block)),
                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block + 1))};
         for (int r = 0; r < mr; r++) {
