@@ -17,6 +17,7 @@ the other way; the sequences part there).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -146,19 +147,31 @@ def _variant(name: str) -> variants.Variant:
 BUILDS = [("x86-64", 0), ("x86-64-v3", 1), ("x86-64-v4", 1), ("avx512-bf16", 2)]
 
 
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> Callable[[str], ctypes.CDLL]:
+    """The kernel compiled with a variant's flags, once per variant for the module."""
+    root, built = tmp_path_factory.mktemp("quant-builds"), {}
+
+    def of(variant: str) -> ctypes.CDLL:
+        if variant not in built:
+            compiler = build.find_compiler()
+            assert compiler is not None
+            build.compile_library(compiler, "quant_linear", _variant(variant).flags, root / f"{variant}.so")
+            built[variant] = ctypes.CDLL(str(root / f"{variant}.so"))
+        return built[variant]
+
+    return of
+
+
 @pytest.mark.parametrize("variant,path", BUILDS)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_build_gives_the_loaded_builds_bits(tmp_path, variant, path, qtype, dtype):
+def test_every_build_gives_the_loaded_builds_bits(builds, variant, path, qtype, dtype):
     """The kernel built for each instruction set this CPU runs (the AVX2 path forced on an AVX-512 CPU
     too) on the same panels: the same integer sums and fp32 operations, so the same bits."""
     if not _variant(variant).requires <= variants.cpu_flags():
         pytest.skip(f"this CPU cannot run the {variant} build")
-    library = tmp_path / f"quant_{variant}.so"
-    compiler = build.find_compiler()
-    assert compiler is not None
-    build.compile_library(compiler, "quant_linear", _variant(variant).flags, library)
-    other = ctypes.CDLL(str(library))
+    other = builds(variant)
     assert other.quant_linear_vectorised() == path
     n, k = 272, 160
     blocks, reference_w = _weight(qtype, n, k, seed=7)
