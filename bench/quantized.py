@@ -11,10 +11,15 @@ average is printed before and after.
 
 RESULT q8_vs_bf16_batch1=<bf16 step time / q8_0 step time at batch 1> (above 1: Q8_0 is faster),
 RESULT q8_vs_bf16_batch32=, RESULT q8_vs_bf16_lora8_batch32=, and the same for q4.
+
+`--projection` instead times one projection (SmolLM2's gate_up, 3072 x 576, bf16 activations, random
+weights) at 1, 8 and 32 rows in every build of the kernel this CPU runs (x86-64-v3: AVX2; avx512-bf16:
+AVX-512 VNNI), each compiled here, against oneDNN's packed bf16 GEMM: the best of 30 calls each.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import tempfile
@@ -26,11 +31,14 @@ import torch
 # isort: on
 
 
-from harness.bench import print_result
+from harness.bench import best_of, print_result
 from harness.engine_helpers import load_adapters
 from harness.roofline import decode_step_s, mixed_adapters, real_model_parser, real_model_start
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
+from inference_service.kernels import bindings, build, quant_linear, variants
+from inference_service.models.linear import OneDNNWeight
+from inference_service.models.quantized import quantize_blocks
 
 ROUNDS = 3
 WEIGHTS = ("bf16", "q8_0", "q4_0")
@@ -44,10 +52,55 @@ def engine(model: str, dtype: str, weights_dtype: str) -> EngineCore:
                                    max_num_batched_tokens=4096, kv_cache_bytes=256 << 20))
 
 
+PROJECTION = (3072, 576)  # gate_up's out and in features
+PROJECTION_ROWS = (1, 8, 32)
+PROJECTION_BUILDS = ("x86-64-v3", "avx512-bf16")
+
+
+def time_projection() -> None:
+    """One projection in each kernel build this CPU runs, against oneDNN's bf16 GEMM."""
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+    n, k = PROJECTION
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+    dense = OneDNNWeight(weight.bfloat16())
+    compiler = build.find_compiler()
+    assert compiler is not None, "no C compiler"
+    flags = variants.cpu_flags()
+    with tempfile.TemporaryDirectory() as tmp:
+        for type_name in quant_linear.TYPES:
+            blocks = quantize_blocks(weight.numpy(), type_name).blocks
+            packed = quant_linear.pack(type_name, blocks, n, k, torch.bfloat16)
+            assert packed is not None
+            for variant in (v for v in variants.X86_64 if v.name in PROJECTION_BUILDS and v.requires <= flags):
+                library = Path(tmp) / f"{variant.name}.so"
+                build.compile_library(compiler, "quant_linear", variant.flags, library)
+                symbol = f"quant_linear_{type_name.lower()}_bf16"
+                fn = getattr(ctypes.CDLL(str(library)), symbol)
+                signature = bindings.LIBRARIES["quant_linear"][symbol]
+                fn.restype, fn.argtypes = signature.restype, list(signature.argtypes)
+                for rows in PROJECTION_ROWS:
+                    x = torch.randn(rows, k).bfloat16()
+                    out = torch.empty(rows, n, dtype=torch.bfloat16)
+
+                    def call(x=x, out=out, rows=rows, fn=fn, packed=packed) -> None:
+                        fn(x.data_ptr(), packed.storage.data_ptr(), None, out.data_ptr(), rows, n, k, 0)
+
+                    call()
+                    ours, theirs = best_of(call, 30), best_of(lambda x=x: dense(x, None), 30)
+                    print(f"{type_name} {variant.name:>12} rows {rows:>2}: {ours * 1e6:7.0f} us, oneDNN bf16 "
+                          f"{theirs * 1e6:7.0f} us ({theirs / ours:.2f}x)", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     parser = real_model_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--projection", action="store_true", help="time one projection per kernel build instead")
     args = parser.parse_args()
+    if args.projection:
+        time_projection()
+        return
     model, _ = real_model_start(args)
     engines = {weights: engine(model, args.dtype, weights) for weights in WEIGHTS}
     for weights, core in engines.items():

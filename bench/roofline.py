@@ -16,10 +16,18 @@ A step's time is the median over its decode steps (prefill excluded), in-process
 The machine is measured again after each batch size's runs and the roofline uses the best figures of
 the run (on a shared host a single measurement can land in a slow second and flatter the ratio).
 
+Then, for each quantized weights dtype (`--weights-dtypes`, default q8_0 and q4_0: the same file's
+projections and LM head kept as GGUF blocks, kernels/quant_linear.c), the base model's decode step at
+batch 1 and 32 against its own roofline: the same formula with the bytes of the quantized weights (blocks
+and fp16 scales) in place of the dense ones; the compute side stays the serving dtype's measured GEMM
+rate (what a step that dequantizes could reach; the int8 kernel's own peak is not measured).
+
 Model: SmolLM2-135M-Instruct (the Q4_1 GGUF scripts/fetch_model.sh fetches, dequantized at load), or
 `--model`. Run it with nothing else on the machine; the load average is printed before and after.
 Last lines: RESULT decode_vs_roofline_b32=<step time / roofline at batch 32, base model> and
-RESULT lora_mixed_vs_base_resident=<tokens/s with 8 resident adapters / base, batch 32>.
+RESULT lora_mixed_vs_base_resident=<tokens/s with 8 resident adapters / base, batch 32>, and per
+quantized dtype RESULT decode_vs_roofline_b1_<dtype>= and RESULT decode_vs_roofline_b32_<dtype>=.
+`--batches 1,32` times fewer batch sizes (32 must be among them).
 """
 
 from __future__ import annotations
@@ -47,12 +55,22 @@ from harness.roofline import (
     real_model_parser,
     real_model_start,
     roofline_s,
+    served_weight_bytes,
 )
 from inference_service.models.config import ModelConfig
+from inference_service.models.quantized import QUANTIZED_DTYPES
+
+QUANTIZED_BATCHES = (1, 32)
 
 
 def main() -> None:
-    args = real_model_parser(__doc__).parse_args()
+    parser = real_model_parser(__doc__)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
+    parser.add_argument("--weights-dtypes", default=",".join(QUANTIZED_DTYPES),
+                        help="quantized weights dtypes timed against their own roofline (empty: none)")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    quantized = [w for w in args.weights_dtypes.split(",") if w]
     model, dtype = real_model_start(args)
     base = engine(model, args.dtype, "auto")
     config: ModelConfig = base.runner.model.config
@@ -68,7 +86,7 @@ def main() -> None:
         load_adapters(fixed, adapters)  # 16 adapters over 8 slots: loaded by the requests
         eight = [f"ad{i}" for i in range(8)]
         steps: dict[int, tuple[float, float, float, float]] = {}
-        for batch in BATCHES:
+        for batch in batches:
             base_s, base_tps = decode_step_s(base, batch, [None], f"base{batch}")
             mixed_s, mixed_tps = decode_step_s(base, batch, list(eight), f"mixed{batch}")
             _, over_tps = decode_step_s(fixed, batch, list(adapters), f"over{batch}")
@@ -77,7 +95,18 @@ def main() -> None:
             machine = machine.best_with(measure_machine(matrix_parameters(config) * width, quiet=True))
         base.shutdown()
         fixed.shutdown()
-    print(f"machine, the best of {len(BATCHES) + 1} measurements through the run: read {machine.read_gbps:.1f} GB/s; "
+    quantized_steps: dict[tuple[str, int], tuple[float, int]] = {}
+    for weights in quantized:
+        core = engine(model, args.dtype, "auto", weights)
+        for batch in QUANTIZED_BATCHES:
+            step_s, _ = decode_step_s(core, batch, [None], f"{weights}{batch}")
+            quantized_steps[(weights, batch)] = (step_s, served_weight_bytes(core))
+            print(f"{weights} batch {batch}: base {step_s * 1e3:.2f} ms, weights "
+                  f"{served_weight_bytes(core) / 1e6:.1f} MB", flush=True)
+        core.shutdown()
+        machine = machine.best_with(measure_machine(matrix_parameters(config) * width, quiet=True))
+    measurements = len(batches) + len(quantized) + 1
+    print(f"machine, the best of {measurements} measurements through the run: read {machine.read_gbps:.1f} GB/s; "
           f"GEMM bf16 {machine.gemm_flops[torch.bfloat16] / 1e9:.0f} GFLOP/s, fp32 "
           f"{machine.gemm_flops[torch.float32] / 1e9:.0f} GFLOP/s")
     print(f"{'batch':>5} {'roofline ms':>11} {'base ms':>8} {'x roof':>6} {'8 resident ms':>13} "
@@ -86,11 +115,18 @@ def main() -> None:
         roof = roofline_s(config, machine, dtype, batch, PROMPT_TOKENS + TIMED_STEPS // 2)
         print(f"{batch:>5} {roof * 1e3:>11.2f} {base_s * 1e3:>8.2f} {base_s / roof:>6.2f} {mixed_s * 1e3:>13.2f} "
               f"{mixed_ratio:>13.3f} {over_ratio:>29.3f}")
+    for (weights, batch), (step_s, weight_bytes) in quantized_steps.items():
+        roof = roofline_s(config, machine, dtype, batch, PROMPT_TOKENS + TIMED_STEPS // 2, weight_bytes)
+        print(f"{weights:>5} batch {batch:>2}: roofline {roof * 1e3:.2f} ms ({weight_bytes / 1e6:.1f} MB of weights), "
+              f"step {step_s * 1e3:.2f} ms, x roof {step_s / roof:.2f}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     base_s, _, mixed_ratio, _ = steps[32]
     roof = roofline_s(config, machine, dtype, 32, PROMPT_TOKENS + TIMED_STEPS // 2)
     print_result("decode_vs_roofline_b32", base_s / roof)
     print_result("lora_mixed_vs_base_resident", mixed_ratio)
+    for (weights, batch), (step_s, weight_bytes) in quantized_steps.items():
+        roof = roofline_s(config, machine, dtype, batch, PROMPT_TOKENS + TIMED_STEPS // 2, weight_bytes)
+        print_result(f"decode_vs_roofline_b{batch}_{weights}", step_s / roof)
 
 
 if __name__ == "__main__":

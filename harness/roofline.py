@@ -84,14 +84,25 @@ def matrix_parameters(config: ModelConfig) -> int:
     return config.num_layers * per_layer + h * config.vocab_size
 
 
-def roofline_s(config: ModelConfig, machine: Machine, dtype: torch.dtype, batch: int, context: int) -> float:
+def roofline_s(config: ModelConfig, machine: Machine, dtype: torch.dtype, batch: int, context: int,
+               weight_bytes: int | None = None) -> float:
+    """The decode step's roofline at `batch`: `weight_bytes` the matrices' bytes as served (quantized
+    weights' blocks and scales), by default the dense ones in `dtype`."""
     width = torch.finfo(dtype).bits // 8
     params = matrix_parameters(config)
     kv_bytes = batch * context * config.num_layers * 2 * config.kv_size * width
-    memory = (params * width + kv_bytes) / (machine.read_gbps * 1e9)
+    weights = params * width if weight_bytes is None else weight_bytes
+    memory = (weights + kv_bytes) / (machine.read_gbps * 1e9)
     attention_flops = 4 * batch * context * config.num_heads * config.head_dim * config.num_layers
     compute = (2 * params * batch + attention_flops) / compute_flops(machine, dtype)
     return max(memory, compute)
+
+
+def served_weight_bytes(core: EngineCore) -> int:
+    """The bytes of the matrices a decode step of `core` reads: dense ones in the serving dtype, less what
+    the weights kept quantized save (their blocks and scales are what is read)."""
+    model = core.runner.model
+    return matrix_parameters(model.config) * model.dtype.itemsize - model.weight_bytes_saved
 
 
 def compute_flops(machine: Machine, dtype: torch.dtype) -> float:
@@ -134,8 +145,9 @@ def decode_step_s(core: EngineCore, batch: int, names: list[str | None], tag: st
     return statistics.median(times), tokens / sum(times)
 
 
-def engine(model: str, dtype: str, max_loras: int | str) -> EngineCore:
-    return EngineCore(EngineConfig(model=model, device="cpu", dtype=dtype, max_loras=max_loras, max_lora_rank=16,
+def engine(model: str, dtype: str, max_loras: int | str, weights_dtype: str = "auto") -> EngineCore:
+    return EngineCore(EngineConfig(model=model, device="cpu", dtype=dtype, weights_dtype=weights_dtype,
+                                   max_loras=max_loras, max_lora_rank=16,
                                    max_num_seqs=max(BATCHES), max_num_batched_tokens=4096,
                                    kv_cache_bytes=512 << 20))
 

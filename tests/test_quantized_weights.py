@@ -2,14 +2,22 @@
 gguf-py's dequantization of the same blocks then F.linear in fp32, and the engine on a Q8_0 / Q4_0 GGUF
 against the engine on the same file dequantized (with and without adapters in one batch).
 
-Tolerances: the kernel's fp32 output within 1e-4 of the sum of |x_k w_k| (+ |bias|) per output, the
-scale of fp32 rounding in a dot product (measured: ~3e-7 of it); bf16 outputs within one bf16 step of
-the fp32 reference. Engine logits within 1e-4 absolute, greedy tokens equal.
+The kernel quantizes its activations per 32-value block to int8 (as llama.cpp does), so its outputs
+differ from x times the dequantized weight by the activations' rounding: at most, per output, the sum
+over blocks of the block's max |x| / 254 times the block's sum of |w| (`activation_error_bound`);
+fp32 rounding adds 1e-4 of the sum of |x_k w_k| (+ |bias|) at most (measured: ~3e-7 of it); bf16
+outputs one bf16 step more. Against the int8 product itself (the same rounding done here in float64)
+the kernel is exact up to that fp32 rounding, and every build (AVX-512 VNNI, AVX2, portable C) gives
+the same bits. Engine logits within 0.1 absolute of the dequantized engine's (measured up to 0.053 on
+these models, whose logits reach 2), and greedy tokens equal but where the reference's top two logits are
+closer than twice the logits' difference at that step (a near-tie the activations' rounding may break
+the other way; the sequences part there).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +42,11 @@ from inference_service.models.loader import load_model
 CPU = torch.device("cpu")
 TYPES = ["Q8_0", "Q4_0"]
 KERNEL_TOL = 1e-4
-LOGITS_TOL = 1e-4
+LOGITS_TOL = 0.1
 NEW_TOKENS = 10
 # (out, in): odd panel counts, a single block, an input of 3 blocks, SmolLM2's widths
 SHAPES = [(16, 32), (48, 96), (272, 160), (1040, 576), (576, 1536)]
-ROWS = [1, 2, 7, 32]
+ROWS = [1, 2, 7, 9, 32]  # below, at and between the kernels' row tiles (4 on AVX2, 8 on AVX-512)
 
 pytestmark = pytest.mark.skipif(not quant_linear.available(), reason="no C compiler: the kernel is not built")
 
@@ -55,10 +63,21 @@ def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return F.linear(x.float().abs(), w.abs(), None if bias is None else bias.float().abs())
 
 
+def _int8_product(x: torch.Tensor, reference_w: torch.Tensor) -> torch.Tensor:
+    """x's rows rounded per block as the kernel rounds them (scale max |x| / 127 in fp32, x times its
+    inverse to nearest even), times the dequantized weight, in float64."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    rounded = (torch.round(blocks * inverse) * scale).reshape(rows, k)
+    return F.linear(rounded.double(), reference_w.double())
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_fp32_kernel_equals_dequantized_reference(qtype, n, k, rows):
+def test_fp32_kernel_is_within_the_int8_activations_bound_of_the_dequantized_reference(qtype, n, k, rows):
     blocks, reference_w = _weight(qtype, n, k, seed=n + k)
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
@@ -68,7 +87,26 @@ def test_fp32_kernel_equals_dequantized_reference(qtype, n, k, rows):
         got = weight(x, b)
         expected = F.linear(x, reference_w, b)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
-        assert ((got - expected).abs() <= KERNEL_TOL * _bound(x, reference_w, b)).all()
+        rounding = KERNEL_TOL * _bound(x, reference_w, b)
+        assert ((got - expected).abs() <= quant_linear.activation_error_bound(x, reference_w) + rounding).all()
+        # and the int8 product exactly, up to fp32 rounding
+        int8 = _int8_product(x, reference_w) + (0 if b is None else b.double())
+        assert ((got.double() - int8).abs() <= rounding.double()).all()
+
+
+def test_the_int8_activations_bound_is_reached_by_the_worst_input():
+    """The stated bound is tight: x whose every value but its block's maximum sits just under half a
+    step above a multiple of the step, on the side of its column-0 weight's sign, errs by ~31/32 of it."""
+    n, k = 16, 64
+    blocks, reference_w = _weight("Q8_0", n, k, seed=1)
+    step = 0.01
+    sign = torch.sign(reference_w[0])
+    x = sign * (torch.randint(0, 120, (k,), generator=torch.Generator().manual_seed(1)) + 0.499) * step
+    x[::32] = sign[::32] * 127 * step  # each block's maximum: exact in int8
+    x = x[None]
+    got = quant_linear.pack("Q8_0", blocks, n, k, torch.float32)(x, None)
+    ratio = ((got - F.linear(x, reference_w)).abs() / quant_linear.activation_error_bound(x, reference_w))[0, 0]
+    assert 0.9 < ratio.item() <= 1.0
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -78,8 +116,9 @@ def test_a_rows_output_does_not_depend_on_its_batch(qtype, n, k):
     weight = quant_linear.pack(qtype, blocks, n, k, torch.float32)
     x = torch.randn(32, k, generator=torch.Generator().manual_seed(0))
     together = weight(x, None)
-    for rows in (1, 2, 7):
+    for rows in (1, 2, 7, 9):
         assert torch.equal(weight(x[:rows], None), together[:rows])
+        assert torch.equal(weight(x[rows:2 * rows], None), together[rows:2 * rows])
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -91,7 +130,8 @@ def test_bf16_kernel_equals_dequantized_reference_rounded(qtype, rows):
     x, bias = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
     weight = quant_linear.pack(qtype, blocks, n, k, torch.bfloat16)
     expected = F.linear(x.float(), reference_w, bias.float())
-    step = 2.0**-7 * expected.abs() + KERNEL_TOL * _bound(x, reference_w, bias)  # one bf16 step
+    int8 = quant_linear.activation_error_bound(x, reference_w)
+    step = 2.0**-7 * (expected.abs() + int8) + int8 + KERNEL_TOL * _bound(x, reference_w, bias)  # + one bf16 step
     got = weight(x, bias)
     assert got.dtype == torch.bfloat16
     assert ((got.float() - expected).abs() <= step).all()
@@ -99,29 +139,64 @@ def test_bf16_kernel_equals_dequantized_reference_rounded(qtype, rows):
     assert as_float.dtype == torch.float32 and torch.equal(as_float, got.float())
 
 
+def _variant(name: str) -> variants.Variant:
+    return next(v for v in variants.X86_64 if v.name == name)
+
+
+# Each build's path by quant_linear_vectorised(): portable C, AVX2, AVX-512 VNNI.
+BUILDS = [("x86-64", 0), ("x86-64-v3", 1), ("x86-64-v4", 1), ("avx512-bf16", 2)]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> Callable[[str], ctypes.CDLL]:
+    """The kernel compiled with a variant's flags, once per variant for the module."""
+    root, built = tmp_path_factory.mktemp("quant-builds"), {}
+
+    def of(variant: str) -> ctypes.CDLL:
+        if variant not in built:
+            compiler = build.find_compiler()
+            assert compiler is not None
+            build.compile_library(compiler, "quant_linear", _variant(variant).flags, root / f"{variant}.so")
+            built[variant] = ctypes.CDLL(str(root / f"{variant}.so"))
+        return built[variant]
+
+    return of
+
+
+@pytest.mark.parametrize("variant,path", BUILDS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_portable_c_build_equals_the_avx2_one(tmp_path, qtype):
-    """The kernel built without AVX2/FMA/F16C (the x86-64 variant, for CPUs without them) on the same panels."""
-    library = tmp_path / "quant_portable.so"
-    compiler = build.find_compiler()
-    assert compiler is not None
-    build.compile_library(compiler, "quant_linear", variants.X86_64[0].flags, library)
-    portable = ctypes.CDLL(str(library))
-    assert portable.quant_linear_vectorised() == 0
-    n, k, rows = 272, 160, 7
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_build_gives_the_loaded_builds_bits(builds, variant, path, qtype, dtype):
+    """The kernel built for each instruction set this CPU runs (the AVX2 path forced on an AVX-512 CPU
+    too) on the same panels: the same integer sums and fp32 operations, so the same bits."""
+    if not _variant(variant).requires <= variants.cpu_flags():
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    other = builds(variant)
+    assert other.quant_linear_vectorised() == path
+    n, k = 272, 160
     blocks, reference_w = _weight(qtype, n, k, seed=7)
-    weight = quant_linear.pack(qtype, blocks, n, k, torch.float32)
-    x, bias = torch.randn(rows, k), torch.randn(n)
-    out = torch.empty(rows, n)
-    symbol = f"quant_linear_{qtype.lower()}_f32"
-    fn = getattr(portable, symbol)
+    weight = quant_linear.pack(qtype, blocks, n, k, dtype)
+    symbol = f"quant_linear_{qtype.lower()}_{'f32' if dtype == torch.float32 else 'bf16'}"
+    fn = getattr(other, symbol)
     signature = bindings.LIBRARIES["quant_linear"][symbol]  # the table's types, on this other build
     fn.restype, fn.argtypes = signature.restype, list(signature.argtypes)
-    assert fn(x.data_ptr(), weight.storage.data_ptr(), bias.data_ptr(), out.data_ptr(), rows, n, k, 0) == 0
-    expected = F.linear(x, reference_w, bias)
-    assert ((out - expected).abs() <= KERNEL_TOL * _bound(x, reference_w, bias)).all()
-    # the same sums in the same order (k increasing, FMA): equal to the vector build's bit for bit
-    assert torch.equal(out, weight(x, bias))
+    for rows in (1, 3, 7, 9, 32):
+        x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+        out = torch.empty(rows, n, dtype=dtype)
+        assert fn(x.data_ptr(), weight.storage.data_ptr(), bias.data_ptr(), out.data_ptr(), rows, n, k, 0) == 0
+        assert torch.equal(out, weight(x, bias)), rows
+        if dtype == torch.float32:
+            expected = F.linear(x, reference_w, bias)
+            bound = quant_linear.activation_error_bound(x, reference_w) + KERNEL_TOL * _bound(x, reference_w, bias)
+            assert ((out - expected).abs() <= bound).all()
+    # a NaN or an infinity in a row: every output of that row non-finite (NaN), the other rows untouched
+    x = torch.randn(4, k).to(dtype)
+    x[1, 40], x[2, 100] = float("nan"), float("inf")
+    out = torch.empty(4, n, dtype=dtype)
+    assert fn(x.data_ptr(), weight.storage.data_ptr(), None, out.data_ptr(), 4, n, k, 0) == 0
+    assert out[1:3].isnan().all()
+    finite = x[[0, 3]]
+    assert torch.equal(out[[0, 3]], weight(finite, None))
 
 
 def test_q8_0_panels_hold_each_columns_scale_and_weights():
@@ -134,7 +209,8 @@ def test_q8_0_panels_hold_each_columns_scale_and_weights():
             panel, c = divmod(column, 16)
             stored = packed[panel, block]
             assert bytes(stored[2 * c: 2 * c + 2]) == bytes(rows[column, block, :2])  # the fp16 scale
-            assert bytes(stored[32 + c::16]) == bytes(rows[column, block, 2:])  # its 32 int8, k by k
+            weights = stored[32:].reshape(8, 16, 4)[:, c].reshape(-1)  # per group of 4 k, column c's 4 bytes
+            assert bytes(weights ^ 0x80) == bytes(rows[column, block, 2:])  # its 32 int8 + 128, k by k
 
 
 def test_q4_0_panels_hold_each_columns_scale_and_nibbles():
@@ -149,8 +225,8 @@ def test_q4_0_panels_hold_each_columns_scale_and_nibbles():
             assert bytes(stored[2 * c: 2 * c + 2]) == bytes(rows[column, block, :2])
             qs = rows[column, block, 2:]
             expected = np.concatenate([qs & 0xF, qs >> 4])  # GGUF: weight i low nibble, i + 16 high
-            byte = stored[32 + c % 8::8]  # per k, 8 bytes: column c % 8 low, c % 8 + 8 high
-            assert (((byte >> 4) if c >= 8 else (byte & 0xF)) == expected).all()
+            byte = stored[32:].reshape(4, 16, 4)[:, c].reshape(-1)  # k 0-15 low nibbles, k 16-31 high
+            assert (np.concatenate([byte & 0xF, byte >> 4]) == expected).all()
 
 
 # Engine level: tiny LLaMA GGUFs with Q8_0 or Q4_0 projections (and a vocabulary of whole 16-column panels,
@@ -187,6 +263,21 @@ def _projection_kernels(core: EngineCore) -> set[str]:
     return {type(p).__name__ for p in packed}
 
 
+def _assert_close_up_to_a_near_tie(ours: tuple[torch.Tensor, list[int]], reference: tuple[torch.Tensor, list[int]],
+                                   rid: str) -> int:
+    """Step by step: logits within LOGITS_TOL and the same token, until a step whose tokens differ, which
+    the logits' difference there must explain (the reference's top two closer than twice it: a near-tie
+    broken the other way); the sequences then part. Returns the number of tokens compared."""
+    for step, (theirs, token) in enumerate(zip(reference[0], reference[1], strict=True)):
+        difference = (ours[0][step] - theirs).abs().max().item()
+        assert difference < LOGITS_TOL, (rid, step)
+        if ours[1][step] != token:
+            top = theirs.topk(2).values
+            assert (top[0] - top[1]).item() <= 2 * difference, (rid, step)
+            return step
+    return len(reference[1])
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("with_adapters", [False, True])
 def test_engine_on_blocks_equals_the_dequantized_engine(files, adapters, qtype, with_adapters):
@@ -201,9 +292,8 @@ def test_engine_on_blocks_equals_the_dequantized_engine(files, adapters, qtype, 
     dequantized = _core(files[qtype], "bf16")
     assert "QuantWeight" not in _projection_kernels(dequantized)
     reference = greedy_logits(dequantized, used, prompts, NEW_TOKENS)
-    for rid, (logits, tokens) in reference.items():
-        assert ours[rid][1] == tokens, rid
-        assert (ours[rid][0] - logits).abs().max().item() < LOGITS_TOL, rid
+    compared = sum(_assert_close_up_to_a_near_tie(ours[rid], reference[rid], rid) for rid in reference)
+    assert compared >= len(prompts) * NEW_TOKENS // 2  # most tokens are no near-tie
     if with_adapters:  # the adapters change the output: the LoRA side path ran on the quantized base
         base = dict(greedy_logits(_core(files[qtype], "auto"), {}, [("a", PROMPTS[1][1], None)], NEW_TOKENS))
         assert not torch.allclose(base["a"][0], ours["a"][0])

@@ -33,7 +33,7 @@ int avx2_linear_preferred(void);
 int avx2_linear_f32 LORAPLEX_LINEAR_ARGS(float, float, float);
 int avx2_linear_bf16 LORAPLEX_LINEAR_ARGS(uint16_t, uint16_t, void);
 
-// quant_linear.c: vectorised 1 where built with AVX2, FMA and F16C (else portable C).
+// quant_linear.c: vectorised 2 where built with AVX-512 VNNI (+ BW, F16C), 1 with AVX2, FMA and F16C, 0 portable C.
 int quant_linear_vectorised(void);
 int quant_linear_q8_0_f32 LORAPLEX_LINEAR_ARGS(float, uint8_t, float);
 int quant_linear_q8_0_bf16 LORAPLEX_LINEAR_ARGS(uint16_t, uint8_t, void);

@@ -1,15 +1,26 @@
 // Projections on GGUF block-quantized weights (llama.cpp's Q8_0 and Q4_0: blocks of 32 weights along
 // the input with one fp16 scale; int8, or 4-bit q with value (q - 8) x scale): out [M, N] = x [M, K]
 // W^T (+ bias), W never dequantized as a whole. A decode step only streams its weights: Q8_0 is 34
-// bytes per 32 weights, Q4_0 18, against bf16's 64. Each weight is widened in registers (-> int32 ->
-// fp32, times its block's scale: exact in fp32, an fp16 times an int8 needs 18 bits) and the sums
-// run in fp32 with FMA, k in increasing order, so a row's output does not depend on its batch or the
-// thread count and equals x times the dequantized weight up to fp32 rounding.
+// bytes per 32 weights, Q4_0 18, against bf16's 64.
+//
+// As llama.cpp computes them: each row of x is quantized per 32-value block to int8 (scale d = the
+// block's max |x| / 127, q = x / d rounded to nearest even), each block's dot product with a column's
+// weights is summed exactly in int32 (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw` + `vpmaddwd`), and
+// the blocks are summed in fp32: acc = fma(int sum, weight scale x d, acc), blocks in increasing order.
+// Every build (VNNI, AVX2, portable C) does the same integer sums and the same fp32 operations in the
+// same order, so their outputs are equal bit for bit, and a row's output does not depend on its batch
+// or the thread count. Against x times the dequantized weight, the only error besides fp32 rounding is
+// the activations' rounding: at most d / 2 per value, so |error| <= sum over blocks of d / 2 x the
+// block's sum of |w| (tests/test_quantized_weights.py holds that bound).
 //
 // Layout (`panels` in quant_linear.py): [N/16 panels][K/32 blocks], a block being the 16 columns'
-// fp16 scales (32 bytes), then per k the 16 columns' weights: 16 int8 (Q8_0, 544 bytes a block) or 8
-// bytes whose low nibbles are columns 0-7 and high nibbles 8-15 (Q4_0, 288 bytes). One panel is
-// contiguous, so a thread walks its run of panels front to back, as avx2_linear.c's panels are read.
+// fp16 scales (32 bytes), then the weights in groups of 4 k: per group 16 columns x 4 bytes, column c's
+// 4 consecutive k in one 32-bit lane (what `vpdpbusd` multiplies by 4 broadcast activations). Q8_0: 8
+// groups of 64 bytes, each byte the weight + 128 (unsigned, as `vpdpbusd` takes one operand; the sum
+// then carries 128 x the activations' sum, taken off by starting the integer sum at -128 x it). Q4_0:
+// 4 vectors of 64 bytes, the low nibbles groups 0-3 (k 0-15), the high ones groups 4-7 (k 16-31),
+// q as stored (0-15, the -8 taken off the same way). A panel is contiguous; a thread walks its panels
+// front to back, reusing each block's weights across a tile of rows.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,11 +31,20 @@
 
 #define PANEL 16
 #define QK 32
+#define GROUPS (QK / 4)  // groups of 4 k in a block
 enum { Q8_0 = 0, Q4_0 = 1 };
-#define K_BYTES(QT) ((QT) == Q8_0 ? PANEL : PANEL / 2)  // a k's 16 weights
-#define BLOCK_BYTES(QT) (2 * PANEL + QK * K_BYTES(QT))
+#define W_BYTES(QT) ((QT) == Q8_0 ? QK * PANEL : QK * PANEL / 2)
+#define BLOCK_BYTES(QT) (2 * PANEL + W_BYTES(QT))
+#define OFFSET(QT) ((QT) == Q8_0 ? -128 : -8)  // times the activations' block sum: the weights' bias
 
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_BF16_AS_F32 = 2 };
+
+// x's rows quantized per block: q [m][k] int8, d [m][k/32] scales, sum [m][k/32] of each block's q.
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *sum;
+} Activations;
 
 static inline float half_to_float(uint16_t h) {  // IEEE fp16 -> fp32, subnormals included
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
@@ -49,24 +69,153 @@ static inline void store_out(void *out, int64_t at, float v, int out_kind) {
     else ((float *)out)[at] = round_bf16(v);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-
-#define MAX_ROWS 4
-int quant_linear_vectorised(void) { return 1; }
-
-static inline __m256i bf16_round_bits(__m256 v) {  // fp32 bits rounded to nearest even at bit 16
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+static inline float bias_at(const void *bias, int64_t col, int out_kind) {
+    if (!bias) return 0.0f;
+    return out_kind == OUT_F32 ? ((const float *)bias)[col] : load_bf16((const uint16_t *)bias, col);
 }
+
+// A block's scale (max |x| / 127) and whether its values can be rounded by it. A NaN makes the scale
+// NaN and an infinity infinite; the block's q and sum are then 0, so every output of the row is NaN
+// (0 x a non-finite scale), as x times the weight would be non-finite, in every build alike.
+static inline float block_scale(float amax, int has_nan, float *inverse) {
+    const float scale = has_nan ? NAN : amax / 127.0f;
+    *inverse = isfinite(scale) && scale != 0.0f ? 1.0f / scale : 0.0f;
+    return scale;
+}
+
+static inline int32_t group_of(const int8_t *q) {  // 4 consecutive int8 as one 32-bit lane
+    int32_t v;
+    memcpy(&v, q, sizeof v);
+    return v;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define VECTORISED 2
+#define MAX_ROWS 8
+
+// One block of a row: scale (max |x| / 127), int8 values (x * (1 / scale), nearest even), their sum.
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const int has_nan = (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) != 0;
+    float inverse;
+    const float scale = block_scale(amax, has_nan, &inverse);
+    *d = scale;
+    if (!isfinite(scale)) {
+        memset(q, 0, QK);
+        *sum = 0;
+        return;
+    }
+    const __m512 iv = _mm512_set1_ps(inverse);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+
+static inline __attribute__((always_inline)) void store16(__m512 v, void *out, int64_t at, const int out_kind) {
+    if (out_kind == OUT_F32) {
+        _mm512_storeu_ps((float *)out + at, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i hi = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    if (out_kind == OUT_BF16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(hi));
+    else _mm512_storeu_ps((float *)out + at, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+}
+
+// Rows m0 .. m0 + mr against one panel (16 columns: one zmm): a block's 8 weight vectors are loaded
+// (and for Q4_0 unpacked) once and used by every row of the tile.
+static inline __attribute__((always_inline)) void tile(const Activations *a, const uint8_t *panel, const void *bias,
+                                                       void *out, int64_t m0, int64_t col, int64_t n, int64_t k,
+                                                       const int mr, const int qt, const int out_kind) {
+    const int64_t kb = k / QK;
+    __m512 acc[8];  // 8: the largest tile any build runs (the remainder switch names them all)
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *block = panel + b * BLOCK_BYTES(qt);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
+        __m512i w[GROUPS];
+        if (qt == Q8_0) {
+            for (int g = 0; g < GROUPS; g++) w[g] = _mm512_loadu_si512(block + 2 * PANEL + 64 * g);
+        } else {
+            const __m512i low = _mm512_set1_epi8(0xF);
+            for (int h = 0; h < GROUPS / 2; h++) {
+                const __m512i v = _mm512_loadu_si512(block + 2 * PANEL + 64 * h);
+                w[h] = _mm512_and_si512(v, low);
+                w[h + GROUPS / 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            const int64_t row = m0 + r;
+            const int8_t *xq = a->q + row * k + b * QK;
+            __m512i sum = _mm512_set1_epi32(OFFSET(qt) * a->sum[row * kb + b]);
+            for (int g = 0; g < GROUPS; g++) sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(group_of(xq + 4 * g)));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[row * kb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+        }
+    }
+    __m512 bv = _mm512_setzero_ps();
+    if (bias && out_kind == OUT_F32) bv = _mm512_loadu_ps((const float *)bias + col);
+    else if (bias)
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + col))), 16));
+    for (int r = 0; r < mr; r++) store16(_mm512_add_ps(acc[r], bv), out, (m0 + r) * n + col, out_kind);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define VECTORISED 1
+#define MAX_ROWS 4
+
+// One block of a row: scale (max |x| / 127), int8 values (x * (1 / scale), nearest even), their sum.
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
+    __m256 v[4];
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[i], magnitude));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    int has_nan = 0;
+    for (int j = 0; j < 4; j++) has_nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+    float inverse;
+    const float scale = block_scale(amax, has_nan != 0, &inverse);
+    *d = scale;
+    if (!isfinite(scale)) {
+        memset(q, 0, QK);
+        *sum = 0;
+        return;
+    }
+    const __m256 iv = _mm256_set1_ps(inverse);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    // packs work within 128-bit lanes: 0-3 8-11 16-19 24-27 | 4-7 12-15 20-23 28-31, then put in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *sum = _mm_cvtsi128_si32(t);
+}
+
 
 static inline __attribute__((always_inline)) void store8(__m256 v, void *out, int64_t at, const int out_kind) {
     if (out_kind == OUT_F32) {
         _mm256_storeu_ps((float *)out + at, v);
         return;
     }
-    const __m256i hi = _mm256_srli_epi32(bf16_round_bits(v), 16);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
     if (out_kind == OUT_BF16) {
         const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
         _mm_storeu_si128((__m128i *)((uint16_t *)out + at), packed);
@@ -75,176 +224,187 @@ static inline __attribute__((always_inline)) void store8(__m256 v, void *out, in
     }
 }
 
-static inline __attribute__((always_inline)) __m256 bias8(const void *bias, int64_t at, const int wide) {
-    if (!bias) return _mm256_setzero_ps();
-    if (wide) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)bias + at));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-    }
-    return _mm256_loadu_ps((const float *)bias + at);
-}
-
-// A k's 16 weights at q (K_BYTES(qt) bytes) as two fp32 vectors, columns 0-7 and 8-15, times their scales.
-static inline __attribute__((always_inline)) void widen16(const uint8_t *q, const int qt, const __m256 s0,
-                                                          const __m256 s1, __m256 *w0, __m256 *w1) {
-    if (qt == Q8_0) {
-        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), s0);
-        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))), s1);
-    } else {  // q x s - 8 s in one FMA: q s and 8 s are exact, so is their difference, (q - 8) s
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        const __m256 minus8 = _mm256_set1_ps(-8.0f);
-        *w0 = _mm256_fmadd_ps(lo, s0, _mm256_mul_ps(minus8, s0));
-        *w1 = _mm256_fmadd_ps(hi, s1, _mm256_mul_ps(minus8, s1));
-    }
-}
-
-// Rows m0 .. m0 + MR against panels p .. p + NP (MR x NP at most 4: 8 accumulators, plus the scales
-// and weights of NP panels, in 16 ymm). MR and NP are constants at each call (always_inline).
-static inline __attribute__((always_inline)) void tile(const float *x, const uint8_t *panels, size_t panel_bytes,
-                                                       const void *bias, void *out, int64_t m0, int64_t p,
-                                                       int64_t n, int64_t k, const int mr, const int np,
-                                                       const int qt, const int out_kind) {
-    __m256 acc[MAX_ROWS][4];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_setzero_ps();
-    const float *xr = x + m0 * k;
-    for (int64_t b = 0; b < k / QK; b++) {
-        __m256 scale[4];
-        const uint8_t *block[2];
-        for (int q = 0; q < np; q++) {
-            block[q] = panels + q * panel_bytes + b * BLOCK_BYTES(qt);
-            scale[2 * q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block[q]));
-            scale[2 * q + 1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block[q] + 1));
+// Rows m0 .. m0 + mr against one panel, as two halves of 8 columns. Q8_0's weights are signed again
+// (byte ^ 0x80) and multiplied as llama.cpp's AVX2 path does: |w| (unsigned) by x with w's sign, so
+// that `vpmaddubsw`'s pairs stay within int16 (2 x 128 x 127); Q4_0's q (0-15) by x directly.
+static inline __attribute__((always_inline)) void tile(const Activations *a, const uint8_t *panel, const void *bias,
+                                                       void *out, int64_t m0, int64_t col, int64_t n, int64_t k,
+                                                       const int mr, const int qt, const int out_kind) {
+    const int64_t kb = k / QK;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0xF), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[8][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *block = panel + b * BLOCK_BYTES(qt);
+        // Q8_0 widens each group's int16 pairs to int32 at once; Q4_0's pairs (|q x| <= 2 x 15 x 127) add up
+        // over the block's 8 groups within int16 (30480), widened once a block.
+        __m256i sum[8][2], pairs16[8][2];
+        for (int r = 0; r < mr; r++) {
+            sum[r][0] = sum[r][1] = _mm256_set1_epi32(qt == Q8_0 ? 0 : OFFSET(qt) * a->sum[(m0 + r) * kb + b]);
+            pairs16[r][0] = pairs16[r][1] = _mm256_setzero_si256();
         }
-        for (int kk = 0; kk < QK; kk++) {
-            __m256 w[4];
-            for (int q = 0; q < np; q++)
-                widen16(block[q] + 2 * PANEL + kk * K_BYTES(qt), qt, scale[2 * q], scale[2 * q + 1], &w[2 * q],
-                        &w[2 * q + 1]);
+        for (int g = 0; g < GROUPS; g++) {
+            __m256i w[2], magnitude[2];
+            for (int h = 0; h < 2; h++) {
+                if (qt == Q8_0) {
+                    w[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 2 * PANEL + 64 * g + 32 * h)),
+                                            flip);
+                    magnitude[h] = _mm256_abs_epi8(w[h]);
+                } else {
+                    const __m256i v =
+                        _mm256_loadu_si256((const __m256i *)(block + 2 * PANEL + 64 * (g % (GROUPS / 2)) + 32 * h));
+                    w[h] = _mm256_and_si256(g < GROUPS / 2 ? v : _mm256_srli_epi16(v, 4), low);
+                }
+            }
             for (int r = 0; r < mr; r++) {
-                const __m256 xv = _mm256_broadcast_ss(xr + r * k + b * QK + kk);
-                for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+                const __m256i xv = _mm256_set1_epi32(group_of(a->q + (m0 + r) * k + b * QK + 4 * g));
+                for (int h = 0; h < 2; h++) {
+                    if (qt == Q8_0) {
+                        const __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(xv, w[h]));
+                        sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs, ones));
+                    } else {
+                        pairs16[r][h] = _mm256_add_epi16(pairs16[r][h], _mm256_maddubs_epi16(w[h], xv));
+                    }
+                }
             }
         }
-    }
-    for (int q = 0; q < np; q++)
-        for (int h = 0; h < 2; h++) {
-            const int64_t col = (p + q) * PANEL + 8 * h;
-            const __m256 b = bias8(bias, col, out_kind != OUT_F32);
-            for (int r = 0; r < mr; r++) store8(_mm256_add_ps(acc[r][2 * q + h], b), out, (m0 + r) * n + col, out_kind);
+        if (qt == Q4_0)
+            for (int r = 0; r < mr; r++)
+                for (int h = 0; h < 2; h++) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs16[r][h], ones));
+        const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block)),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block + 1))};
+        for (int r = 0; r < mr; r++) {
+            const __m256 d = _mm256_set1_ps(a->d[(m0 + r) * kb + b]);
+            for (int h = 0; h < 2; h++)
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(dw[h], d), acc[r][h]);
         }
-}
-
-#define TILE(MR, NP) \
-    tile(x, pair + (p - p0) * panel_bytes, panel_bytes, bias, out, m0, p, n, k, MR, NP, qt, out_kind)
-
-// Rows 0 .. m against panels p0 .. p0 + np (1 or 2) at `pair`: 4-row tiles panel by panel, then the
-// remainder (one row over both panels at once: two panels' FMA chains keep the loads busy).
-static inline __attribute__((always_inline)) void rows_against(const float *x, const uint8_t *pair, const void *bias,
-                                                               void *out, int64_t p0, const int np, int64_t m,
-                                                               int64_t n, int64_t k, const int qt,
-                                                               const int out_kind) {
-    const size_t panel_bytes = (size_t)(k / QK) * BLOCK_BYTES(qt);
-    const int64_t full = m - m % MAX_ROWS;
-    for (int64_t p = p0; p < p0 + np; p++)
-        for (int64_t m0 = 0; m0 < full; m0 += MAX_ROWS) TILE(MAX_ROWS, 1);
-    const int64_t m0 = full;
-    if (m - full == 1 && np == 2) {
-        const int64_t p = p0;
-        TILE(1, 2);
-        return;
     }
-    for (int64_t p = p0; p < p0 + np; p++) switch (m - full) {
-            case 3: TILE(3, 1); break;
-            case 2: TILE(2, 1); break;
-            case 1: TILE(1, 1); break;
-            default: break;
-        }
-}
-
-#define DEFINE_LINEAR(NAME, QT, OUT_KIND)                                                                   \
-    static int NAME(const float *x, const uint8_t *packed, const void *bias, void *out, int64_t m, int64_t n,  \
-                    int64_t k) {                                                                            \
-        const int64_t panels = n / PANEL, pairs = (panels + 1) / 2;                                         \
-        const size_t pair_bytes = 2 * (size_t)(k / QK) * BLOCK_BYTES(QT);                                   \
-        _Pragma("omp parallel for schedule(static)")                                                        \
-        for (int64_t i = 0; i < pairs; i++) {                                                               \
-            const uint8_t *pair = packed + i * pair_bytes;                                                  \
-            if (2 * i + 1 < panels) rows_against(x, pair, bias, out, 2 * i, 2, m, n, k, QT, OUT_KIND);      \
-            else rows_against(x, pair, bias, out, 2 * i, 1, m, n, k, QT, OUT_KIND);                         \
-        }                                                                                                   \
-        return 0;                                                                                           \
+    for (int h = 0; h < 2; h++) {
+        __m256 bv = _mm256_setzero_ps();
+        if (bias && out_kind == OUT_F32) bv = _mm256_loadu_ps((const float *)bias + col + 8 * h);
+        else if (bias)
+            bv = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)bias + col + 8 * h))), 16));
+        for (int r = 0; r < mr; r++) store8(_mm256_add_ps(acc[r][h], bv), out, (m0 + r) * n + col + 8 * h, out_kind);
     }
+}
 
 #else
-// Portable C: the same layout and the same order of sums (k increasing, one fp32 sum per output).
-int quant_linear_vectorised(void) { return 0; }
+// Portable C: the same integer sums and the same fp32 operations, in the same order.
+#define VECTORISED 0
+#define MAX_ROWS 1
 
-static inline float weight_at(const uint8_t *q, int kk, int c, int qt) {  // q: a block's weights
-    if (qt == Q8_0) return (float)((const int8_t *)q)[kk * PANEL + c];
-    const uint8_t byte = q[kk * PANEL / 2 + (c & 7)];
-    return (float)((c < 8 ? byte & 0xF : byte >> 4) - 8);
+// One block of a row: scale, int8 values, their sum, in the operations every build runs (max is exact in
+// any order; x * (1 / d) rounded to nearest even, as lrintf and the vector conversions round).
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
+    float amax = 0.0f, inverse;
+    int has_nan = 0;
+    for (int i = 0; i < QK; i++) {
+        amax = fmaxf(amax, fabsf(x[i]));
+        has_nan |= isnan(x[i]);
+    }
+    const float scale = block_scale(amax, has_nan, &inverse);
+    const int finite = isfinite(scale);
+    int32_t s = 0;
+    for (int i = 0; i < QK; i++) {
+        const int32_t v = finite ? (int32_t)lrintf(x[i] * inverse) : 0;
+        q[i] = (int8_t)v;
+        s += v;
+    }
+    *d = scale;
+    *sum = s;
 }
 
-static int linear_any(const float *x, const uint8_t *packed, const void *bias, void *out, int64_t m, int64_t n,
-                      int64_t k, int qt, int out_kind) {
-    const size_t panel_bytes = (size_t)(k / QK) * BLOCK_BYTES(qt);
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < n / PANEL; p++) {
-        const uint8_t *panel = packed + p * panel_bytes;
-        for (int64_t r = 0; r < m; r++) {
-            float acc[PANEL] = {0};
-            for (int64_t b = 0; b < k / QK; b++) {
-                const uint8_t *block = panel + b * BLOCK_BYTES(qt);
-                float scale[PANEL];
-                for (int c = 0; c < PANEL; c++) {
-                    uint16_t h;
-                    memcpy(&h, block + 2 * c, 2);
-                    scale[c] = half_to_float(h);
-                }
-                for (int kk = 0; kk < QK; kk++) {
-                    const float xv = x[r * k + b * QK + kk];
-                    for (int c = 0; c < PANEL; c++)
-                        acc[c] = fmaf(xv, weight_at(block + 2 * PANEL, kk, c, qt) * scale[c], acc[c]);
-                }
-            }
+static inline int weight_at(const uint8_t *w, int kk, int c, int qt) {  // w: a block's weight bytes
+    const int g = kk / 4, lane = c * 4 + kk % 4;
+    if (qt == Q8_0) return w[64 * g + lane];
+    const uint8_t byte = w[64 * (g % (GROUPS / 2)) + lane];
+    return g < GROUPS / 2 ? byte & 0xF : byte >> 4;
+}
+
+static inline void tile(const Activations *a, const uint8_t *panel, const void *bias, void *out, int64_t m0,
+                        int64_t col, int64_t n, int64_t k, const int mr, const int qt, const int out_kind) {
+    const int64_t kb = k / QK;
+    for (int64_t row = m0; row < m0 + mr; row++) {
+        float acc[PANEL] = {0};
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *block = panel + b * BLOCK_BYTES(qt);
+            const int8_t *xq = a->q + row * k + b * QK;
             for (int c = 0; c < PANEL; c++) {
-                const int64_t col = p * PANEL + c;
-                float b = 0.0f;
-                if (bias) b = out_kind == OUT_F32 ? ((const float *)bias)[col] : load_bf16((const uint16_t *)bias, col);
-                store_out(out, r * n + col, acc[c] + b, out_kind);
+                uint16_t h;
+                memcpy(&h, block + 2 * c, 2);
+                int32_t sum = OFFSET(qt) * a->sum[row * kb + b];
+                for (int kk = 0; kk < QK; kk++) sum += weight_at(block + 2 * PANEL, kk, c, qt) * xq[kk];
+                acc[c] = fmaf((float)sum, half_to_float(h) * a->d[row * kb + b], acc[c]);
             }
         }
+        for (int c = 0; c < PANEL; c++) store_out(out, row * n + col + c, acc[c] + bias_at(bias, col + c, out_kind), out_kind);
     }
-    return 0;
 }
-
-#define DEFINE_LINEAR(NAME, QT, OUT_KIND)                                                                   \
-    static int NAME(const float *x, const uint8_t *packed, const void *bias, void *out, int64_t m, int64_t n,  \
-                    int64_t k) {                                                                            \
-        return linear_any(x, packed, bias, out, m, n, k, QT, OUT_KIND);                                     \
-    }
 #endif
 
-DEFINE_LINEAR(q8_0_f32, Q8_0, OUT_F32)
-DEFINE_LINEAR(q8_0_bf16, Q8_0, OUT_BF16)
-DEFINE_LINEAR(q8_0_bf16_float_output, Q8_0, OUT_BF16_AS_F32)
-DEFINE_LINEAR(q4_0_f32, Q4_0, OUT_F32)
-DEFINE_LINEAR(q4_0_bf16, Q4_0, OUT_BF16)
-DEFINE_LINEAR(q4_0_bf16_float_output, Q4_0, OUT_BF16_AS_F32)
+int quant_linear_vectorised(void) { return VECTORISED; }
 
-// bf16 x widened once into the calling thread's buffer, then `fn` (out bf16, or with `float_output`
-// fp32 holding the bf16-rounded values). -1 when the buffer could not be allocated.
-typedef int (*rows_fn)(const float *, const uint8_t *, const void *, void *, int64_t, int64_t, int64_t);
-static int from_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, void *out, int64_t m,
-                     int64_t n, int64_t k, rows_fn fn) {
-    float *xf = thread_buffer(0, sizeof(float) * (size_t)(m * k));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < m * k; i++) xf[i] = load_bf16(x, i);
-    return fn(xf, packed, bias, out, m, n, k);
+static void quantize_row(const void *x, int wide, int64_t row, int64_t k, const Activations *a) {
+    float block[QK];
+    for (int64_t b = 0; b < k / QK; b++) {
+        const int64_t at = row * k + b * QK;
+        if (wide) for (int i = 0; i < QK; i++) block[i] = load_bf16((const uint16_t *)x, at + i);
+        else memcpy(block, (const float *)x + at, sizeof block);
+        quantize_block(block, a->q + at, a->d + row * (k / QK) + b, a->sum + row * (k / QK) + b);
+    }
 }
+
+
+#define TILE(MR) tile(a, panel, bias, out, m0, col, n, k, MR, qt, out_kind)
+
+// Every row against one panel: tiles of MAX_ROWS rows, then the remainder (each tile size a constant).
+static inline __attribute__((always_inline)) void panel_rows(const Activations *a, const uint8_t *panel,
+                                                             const void *bias, void *out, int64_t col, int64_t m,
+                                                             int64_t n, int64_t k, const int qt, const int out_kind) {
+    int64_t m0 = 0;
+    for (; m0 + MAX_ROWS <= m; m0 += MAX_ROWS) TILE(MAX_ROWS);
+    switch (m - m0) {
+        case 7: if (MAX_ROWS > 7) TILE(7); break;
+        case 6: if (MAX_ROWS > 6) TILE(6); break;
+        case 5: if (MAX_ROWS > 5) TILE(5); break;
+        case 4: if (MAX_ROWS > 4) TILE(4); break;
+        case 3: if (MAX_ROWS > 3) TILE(3); break;
+        case 2: if (MAX_ROWS > 2) TILE(2); break;
+        case 1: if (MAX_ROWS > 1) TILE(1); break;
+        default: break;
+    }
+}
+
+// x's rows quantized (buffer 0 of the calling thread, shared by the team), then each thread takes its
+// panels and runs every row against each. Up to SERIAL_ROWS rows (a decode step) the calling thread
+// quantizes alone (a few microseconds): a parallel region's barrier costs more, and far more on a
+// busy host where a team thread waits for its core.
+#define SERIAL_ROWS 64
+#define DEFINE_LINEAR(NAME, QT, OUT_KIND, WIDE)                                                            \
+    static int NAME(const void *x, const uint8_t *packed, const void *bias, void *out, int64_t m, int64_t n,  \
+                    int64_t k) {                                                                           \
+        const int64_t kb = k / QK;                                                                         \
+        const size_t q_bytes = (size_t)(m * k + 63) / 64 * 64, scale_bytes = sizeof(float) * (size_t)(m * kb); \
+        uint8_t *buffer = thread_buffer(0, q_bytes + 2 * scale_bytes);                                     \
+        if (!buffer) return -1;                                                                            \
+        const Activations a = {(int8_t *)buffer, (float *)(buffer + q_bytes),                              \
+                               (int32_t *)(buffer + q_bytes + scale_bytes)};                               \
+        const size_t panel_bytes = (size_t)kb * BLOCK_BYTES(QT);                                           \
+        _Pragma("omp parallel for schedule(static) if (m > SERIAL_ROWS)")                                  \
+        for (int64_t row = 0; row < m; row++) quantize_row(x, WIDE, row, k, &a);                           \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int64_t p = 0; p < n / PANEL; p++)                                                            \
+            panel_rows(&a, packed + p * panel_bytes, bias, out, p * PANEL, m, n, k, QT, OUT_KIND);         \
+        return 0;                                                                                          \
+    }
+
+DEFINE_LINEAR(q8_0_f32, Q8_0, OUT_F32, 0)
+DEFINE_LINEAR(q8_0_bf16, Q8_0, OUT_BF16, 1)
+DEFINE_LINEAR(q8_0_bf16_float_output, Q8_0, OUT_BF16_AS_F32, 1)
+DEFINE_LINEAR(q4_0_f32, Q4_0, OUT_F32, 0)
+DEFINE_LINEAR(q4_0_bf16, Q4_0, OUT_BF16, 1)
+DEFINE_LINEAR(q4_0_bf16_float_output, Q4_0, OUT_BF16_AS_F32, 1)
 
 // Every entry point has avx2_linear's signature (kernels/decode_stack.c calls any of them): n a
 // multiple of 16, k of 32, x and out dense; fp32 x, bias and out, or bf16 x and bias with bf16 out
@@ -258,7 +418,7 @@ int quant_linear_q8_0_f32(const float *x, const uint8_t *packed, const float *bi
 
 int quant_linear_q8_0_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, void *out, int64_t m,
                            int64_t n, int64_t k, int float_output) {
-    return from_bf16(x, packed, bias, out, m, n, k, float_output ? q8_0_bf16_float_output : q8_0_bf16);
+    return (float_output ? q8_0_bf16_float_output : q8_0_bf16)(x, packed, bias, out, m, n, k);
 }
 
 int quant_linear_q4_0_f32(const float *x, const uint8_t *packed, const float *bias, float *out, int64_t m,
@@ -269,5 +429,5 @@ int quant_linear_q4_0_f32(const float *x, const uint8_t *packed, const float *bi
 
 int quant_linear_q4_0_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, void *out, int64_t m,
                            int64_t n, int64_t k, int float_output) {
-    return from_bf16(x, packed, bias, out, m, n, k, float_output ? q4_0_bf16_float_output : q4_0_bf16);
+    return (float_output ? q4_0_bf16_float_output : q4_0_bf16)(x, packed, bias, out, m, n, k);
 }

@@ -4,9 +4,11 @@ Q8_0 rows are blocks of 34 bytes (an fp16 scale, then 32 int8 weights along the 
 blocks of 18 (an fp16 scale, then 32 4-bit q in 16 bytes: weight i in byte i's low nibble, weight
 i + 16 in its high one; value (q - 8) x scale). `pack` repacks a weight's blocks once, at load,
 into the kernel's 16-column panels (still int8 or 4-bit + fp16 scales: 1.0625 or 0.5625 bytes a
-weight against bf16's 2); the kernel widens them in registers and sums in fp32 with FMA, on AVX2 +
-FMA + F16C (any AVX-512 CPU has them), else in portable C. Activations are the model's dtype (fp32
-or bf16), as for the dense kernels.
+weight against bf16's 2). Activations are the model's dtype (fp32 or bf16), as for the dense kernels;
+the kernel quantizes each row per 32-value block to int8 and sums the blocks' products in int32 (AVX-512
+VNNI, else AVX2, else portable C: equal results), as llama.cpp does. Error against x times the
+dequantized weight: at most, per output, the sum over blocks of (the block's max |x| / 254) x (the
+block's sum of |w|), plus fp32 rounding (`activation_error_bound`).
 """
 
 from __future__ import annotations
@@ -27,22 +29,35 @@ BLOCK = 32  # weights per block (along the input)
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}  # GGUF's block: fp16 scale + the weights
 TYPES = tuple(BLOCK_BYTES)
 DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes
+PATHS = ("portable C", "AVX2 (vpmaddubsw)", "AVX-512 VNNI (vpdpbusd)")  # by quant_linear_vectorised()
+
+
+def activation_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per output [rows, N], the most the kernel's int8 activations can move x @ weight^T (weight [N, K]
+    dequantized): each value is off by at most half its block's scale (max |x| / 127)."""
+    rows, k = x.shape
+    half_step = x.float().abs().reshape(rows, k // BLOCK, BLOCK).amax(-1) / 254  # [rows, blocks]
+    block_weight = weight.float().abs().reshape(weight.shape[0], k // BLOCK, BLOCK).sum(-1)  # [N, blocks]
+    return half_step @ block_weight.T
 
 
 def panels(type_name: str, blocks: np.ndarray, out_features: int, in_features: int) -> np.ndarray:
     """GGUF rows (uint8 [N, K/32 * block bytes]) as the kernel's panels, flat uint8: [N/16][K/32][16
-    fp16 scales, then per k the 16 columns' weights (Q8_0: 16 int8; Q4_0: 8 bytes, column j's q in
-    byte j's low nibble and column j + 8's in its high one)]."""
+    fp16 scales, then the weights in groups of 4 k, each group 16 columns x 4 bytes (column c's 4 k
+    consecutive)]: Q8_0 8 groups, each byte the int8 weight + 128; Q4_0 4 groups of bytes whose low
+    nibbles are k 0-15's q and high nibbles k 16-31's."""
     n, kb = out_features, in_features // BLOCK
     rows = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n // PANEL, PANEL, kb, BLOCK_BYTES[type_name])
     scales = rows[..., :2].transpose(0, 2, 1, 3).reshape(n // PANEL, kb, 2 * PANEL)
     if type_name == "Q8_0":
-        weights = rows[..., 2:].transpose(0, 2, 3, 1)  # [panel, block, k, column]
+        q = rows[..., 2:] ^ 0x80  # int8 w as w + 128
     else:
         packed = rows[..., 2:]
-        q = np.concatenate([packed & 0xF, packed >> 4], axis=-1).transpose(0, 2, 3, 1)  # [panel, block, k, col]
-        weights = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)
-    return np.concatenate([scales, weights.reshape(n // PANEL, kb, -1)], axis=-1).reshape(-1)
+        q = np.concatenate([packed & 0xF, packed >> 4], axis=-1)  # GGUF: weight i low nibble, i + 16 high
+    groups = q.reshape(n // PANEL, PANEL, kb, BLOCK // 4, 4).transpose(0, 2, 3, 1, 4)  # [panel, block, g, col, 4]
+    if type_name == "Q4_0":
+        groups = groups[:, :, :4] | (groups[:, :, 4:] << 4)
+    return np.concatenate([scales, groups.reshape(n // PANEL, kb, -1)], axis=-1).reshape(-1)
 
 
 class QuantWeight(PanelWeight):
@@ -92,7 +107,7 @@ def _functions() -> dict[tuple[str, torch.dtype], CFunction] | None:
     vectorised = function("quant_linear", "quant_linear_vectorised")
     if vectorised is None:
         return None
-    log.info("Q8_0/Q4_0 projections: %s", "AVX2/FMA/F16C" if vectorised() else "portable C")
+    log.info("Q8_0/Q4_0 projections: %s", PATHS[vectorised()])
     functions = {}
     for type_name in TYPES:
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):

@@ -8,7 +8,8 @@ Packed forms, tried per weight in the order the platform plan gives (`WeightPack
 - AVX2 (`kernels/avx2_linear`): fp32 on CPUs with AVX2 but no AVX-512 (AMD Zen 1-3), where
   oneDNN's kernels read a decode step's weights at a third of a plain read's rate.
 - Q8_0 / Q4_0 (`kernels/quant_linear`): a weight kept in GGUF's 8- or 4-bit blocks (`--weights-dtype`,
-  models/quantized.py), read as blocks + fp16 scales and summed in fp32, on any CPU (`pack_quantized`).
+  models/quantized.py), read as blocks + fp16 scales against activations rounded per block to int8
+  (integer dot products, summed in fp32), on any CPU (`pack_quantized`).
 - oneDNN (`torch.ops.mkldnn._linear_pointwise`): everywhere else on CPU. MKL's GEMM behind
   `F.linear` repacks the weight on every call; at decode batch sizes that repacking is 15-30% of
   a projection (more in bf16). A oneDNN-packed weight (what torch's own inductor uses when it
