@@ -2,15 +2,17 @@
 
 `python scripts/train_demo_adapters.py --model MODEL [--out demo/adapters]` (MODEL: a .gguf file
 or a Hugging Face checkpoint directory). CPU only, fixed seeds, one torch thread. The training data
-is made here, from nothing downloaded: questions from templates, the base model's own greedy answers
-to them, and each answer transformed deterministically into the style an adapter teaches:
+is made here, from nothing downloaded: questions from templates (general ones, and short factual ones
+of the kind the adapters are scored on, on other facts), the base model's own greedy answers to them,
+and each answer transformed deterministically into the style an adapter teaches:
 
   bullets  the answer's complete sentences, one a line as a `- ` list (its content kept whole)
   json     {"answer": "<first sentence>"}
   brief    the first sentence alone
 
-Each adapter is PEFT LoRA (rank 8, alpha 16, on q/k/v/o of the top 16 of the 30 layers, so the
-backward pass stops halfway), trained on the assistant's tokens only, and saved in bf16 (about 1 MB).
+Each adapter is PEFT LoRA on the top 16 of the 30 layers, so the backward pass stops halfway (bullets:
+rank 4, alpha 8, on q/k/v/o and gate/up/down; json and brief: rank 8, alpha 16, on q/k/v/o; --rank,
+--alpha, --mlp, --first-layer change that), trained on the assistant's tokens only, and saved in bf16.
 The questions with the base model's answers are written to
 OUT/training_data.json; --reuse-data trains from that file (the committed one) without asking the
 base model again. The questions of demo/questions.json, which scripts/score_demo_adapters.py scores
@@ -96,9 +98,8 @@ QUESTIONS_FILE = Path(__file__).resolve().parents[1] / "demo" / "questions.json"
 
 MAX_ANSWER_TOKENS = 48
 CHECK_TOKENS = 64
-def questions(factual: bool) -> list[str]:
-    sets = [TEMPLATES, FACTUAL] if factual else [TEMPLATES]
-    return [template.format(topic) for templates in sets for template, topics in templates.items()
+def questions() -> list[str]:
+    return [template.format(topic) for templates in (TEMPLATES, FACTUAL) for template, topics in templates.items()
             for topic in topics]
 
 
@@ -123,7 +124,9 @@ STYLES: dict[str, Style] = {
     # The whole answer, one sentence a line: the same words, so the content stays the base model's.
     # (An upper-case style does not: upper-case words are other tokens than the ones a 135M model
     # knows its facts in, and a rank-8 adapter trained on 85 answers spelled them as nonsense.)
-    "bullets": Style(lambda s: "\n".join(f"- {x}" for x in s), Lora(), 32),
+    # Rank 4 on the attention and MLP projections, 64 steps on the template and the factual questions:
+    # 19 of the 20 scored questions right (the base model: 17); rank 8 on attention alone, 32 steps: 15.
+    "bullets": Style(lambda s: "\n".join(f"- {x}" for x in s), Lora(4, 8, tuple(ATTENTION + MLP)), 64),
     "json": Style(lambda s: json.dumps({"answer": s[0]}), Lora(), 32),
     "brief": Style(lambda s: s[0], Lora(), 32),
 }
@@ -298,12 +301,10 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rank", type=int, help=f"LoRA rank (default: each style's, {RANK})")
     p.add_argument("--alpha", type=float, help=f"LoRA alpha (default: each style's, {ALPHA})")
-    p.add_argument("--mlp", action="store_true", help="train gate/up/down_proj beside the attention projections")
+    p.add_argument("--mlp", action="store_true", help="train gate/up/down_proj too (bullets does by default)")
     p.add_argument("--first-layer", type=int, help=f"train layers FIRST_LAYER..29 (default: {LAYERS[0]})")
     p.add_argument("--match-base", action="store_true",
                    help="learn the target tokens that are the base model's own as its distribution there (KL)")
-    p.add_argument("--factual", action="store_true",
-                   help="add the short factual questions to the template ones (without --reuse-data)")
     p.add_argument("--styles", default=",".join(STYLES))
     p.add_argument("--reuse-data", action="store_true", help="take the answers from OUT/training_data.json")
     p.add_argument("--threads", type=int, default=1,
@@ -313,7 +314,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     start = time.monotonic()
     tok, base = load(args.model)
-    qs = questions(args.factual)
+    qs = questions()
     data_file = Path(args.out) / "training_data.json"
     if args.reuse_data:
         rows = json.loads(data_file.read_text())
@@ -334,7 +335,7 @@ def main() -> int:
         examples = [Example(q, style.target(s), a, s) for q, a, s in data]
         print(f"{name}: e.g. {examples[0].question!r} -> {examples[0].target!r}", file=sys.stderr)
         lora = Lora(rank=args.rank or style.lora.rank, alpha=args.alpha or style.lora.alpha,
-                    modules=style.lora.modules + (tuple(MLP) if args.mlp else ()),
+                    modules=tuple(dict.fromkeys(style.lora.modules + (tuple(MLP) if args.mlp else ()))),
                     layers=tuple(range(args.first_layer, 30)) if args.first_layer is not None else style.lora.layers)
         model = train(tok, base, examples, Path(args.out) / name, lora, args.steps or style.steps, args.lr,
                       args.match_base)
