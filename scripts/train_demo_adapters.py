@@ -10,9 +10,9 @@ and each answer transformed deterministically into the style an adapter teaches:
   json     {"answer": "<first sentence>"}
   brief    the first sentence alone
 
-Each adapter is PEFT LoRA on the top 16 of the 30 layers, so the backward pass stops halfway (bullets:
-rank 4, alpha 8, on q/k/v/o and gate/up/down; json and brief: rank 8, alpha 16, on q/k/v/o; --rank,
---alpha, --mlp, --first-layer change that), trained on the assistant's tokens only, and saved in bf16.
+Each adapter is PEFT LoRA, rank 4, alpha 8, on q/k/v/o and gate/up/down of the top 16 of the 30
+layers, so the backward pass stops halfway (--rank, --alpha, --first-layer change that), trained on
+the assistant's tokens only, 64 steps, and saved in bf16 (about 1.3 MB).
 The questions with the base model's answers are written to
 OUT/training_data.json; --reuse-data trains from that file (the committed one) without asking the
 base model again. The questions of demo/questions.json, which scripts/score_demo_adapters.py scores
@@ -120,15 +120,18 @@ class Style:
     steps: int
 
 
+# Rank 4, alpha 8 on the attention and MLP projections, 64 steps on the template and the factual
+# questions: served, bullets is right on 19 of the 20 scored questions, json on 17, brief on 18 (the
+# base model: 17), all in their form; rank 8, alpha 16 on attention alone, 32 steps: 14-15 each.
+GENTLE = Lora(rank=4, alpha=8, modules=tuple(ATTENTION + MLP))
+
 STYLES: dict[str, Style] = {
     # The whole answer, one sentence a line: the same words, so the content stays the base model's.
     # (An upper-case style does not: upper-case words are other tokens than the ones a 135M model
     # knows its facts in, and a rank-8 adapter trained on 85 answers spelled them as nonsense.)
-    # Rank 4 on the attention and MLP projections, 64 steps on the template and the factual questions:
-    # 19 of the 20 scored questions right (the base model: 17); rank 8 on attention alone, 32 steps: 15.
-    "bullets": Style(lambda s: "\n".join(f"- {x}" for x in s), Lora(4, 8, tuple(ATTENTION + MLP)), 64),
-    "json": Style(lambda s: json.dumps({"answer": s[0]}), Lora(), 32),
-    "brief": Style(lambda s: s[0], Lora(), 32),
+    "bullets": Style(lambda s: "\n".join(f"- {x}" for x in s), GENTLE, 64),
+    "json": Style(lambda s: json.dumps({"answer": s[0]}), GENTLE, 64),
+    "brief": Style(lambda s: s[0], GENTLE, 64),
 }
 
 
@@ -299,9 +302,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps per adapter, batch 8 (default: each style's, as the committed ones were made)")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--rank", type=int, help=f"LoRA rank (default: each style's, {RANK})")
-    p.add_argument("--alpha", type=float, help=f"LoRA alpha (default: each style's, {ALPHA})")
-    p.add_argument("--mlp", action="store_true", help="train gate/up/down_proj too (bullets does by default)")
+    p.add_argument("--rank", type=int, help="LoRA rank (default: each style's)")
+    p.add_argument("--alpha", type=float, help="LoRA alpha (default: each style's)")
+    p.add_argument("--mlp", action="store_true", help="train gate/up/down_proj too (the default styles do)")
     p.add_argument("--first-layer", type=int, help=f"train layers FIRST_LAYER..29 (default: {LAYERS[0]})")
     p.add_argument("--match-base", action="store_true",
                    help="learn the target tokens that are the base model's own as its distribution there (KL)")
