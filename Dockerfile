@@ -62,23 +62,30 @@ RUN if [ "${CPU_KERNELS}" = "1" ]; then \
       apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
       && apt-get clean && rm -rf /var/lib/apt/lists/*; \
     fi
+# The CPU kernels, every named ISA variant, built from their sources alone into /prebuilt: a layer that
+# only a change to inference_service/kernels/ invalidates (a change elsewhere reuses it). On x86-64 the
+# build fails if none came out (other architectures have no prebuilt variants: their kernels compile at
+# run time where a compiler is).
+COPY inference_service/__init__.py ./inference_service/__init__.py
+COPY inference_service/kernels ./inference_service/kernels
+RUN mkdir -p /prebuilt \
+ && if [ "${CPU_KERNELS}" = "1" ]; then \
+      LORAPLEX_KERNEL_PREBUILT=/prebuilt python -m inference_service.kernels.build --all \
+      && if [ "$(uname -m)" = x86_64 ] && ! find /prebuilt -name '*.so' | grep -q .; then \
+           echo "no prebuilt CPU kernels came out (CPU_KERNELS=0 builds without)" >&2; exit 1; \
+         fi; \
+    fi
 COPY inference_service ./inference_service
 COPY adapter_cache ./adapter_cache
 # Checked from / with -P so that the installed package is what is imported (not /src's copy).
 RUN pip install --no-deps . \
  && python image_requirements.py check /tmp/pins.txt \
  && cd / && python -P /src/image_smoke_check.py
-# The CPU kernels, prebuilt into the installed package (kernels/prebuilt/<variant>/) for every named ISA
-# variant, so that the runtime stage needs no compiler; on x86-64 the build fails if none came out (other
-# architectures have no prebuilt variants: their kernels compile at run time where a compiler is). Built
-# by root, loaded by uid 10001: made world-readable (in this layer, so nothing else is copied up).
-RUN if [ "${CPU_KERNELS}" = "1" ]; then \
-      cd / && python -m inference_service.kernels.build --all \
-      && if [ "$(uname -m)" = x86_64 ] && ! find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels \
-              -name '*.so' | grep -q .; then \
-           echo "no prebuilt CPU kernels in the installed package (CPU_KERNELS=0 builds without)" >&2; exit 1; \
-         fi \
-      && find /opt/loraplex/lib/python3*/site-packages/inference_service/kernels -name '*.so' -exec chmod a+rX {} +; \
+# The prebuilt kernels into the installed package (kernels/prebuilt/<variant>/, keyed by the sources'
+# contents, which the package holds unchanged); built by root, loaded by uid 10001: made world-readable.
+RUN kernels="$(echo /opt/loraplex/lib/python3*/site-packages/inference_service/kernels)" \
+ && if [ "${CPU_KERNELS}" = "1" ]; then \
+      cp -r /prebuilt "$kernels/prebuilt" && chmod -R a+rX "$kernels/prebuilt"; \
     fi \
  && python -m pip uninstall -q -y pip
 

@@ -4,6 +4,9 @@ VENV     := .venv
 VPY      := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
 TORCH    := torch==2.13.0
+# pytest-xdist workers for `make test`: most test files wait on the servers they start, so two share a
+# 2-core machine well (harness/xdist_groups.py: a file per worker, the longest first). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install run test lint proto bench clean image
 
@@ -27,7 +30,7 @@ run: install
 test: install
 	bash scripts/install_test_tools.sh
 	$(VENV)/bin/ruff check .
-	$(VPY) -m pytest -q -p no:cacheprovider  # ends with the slowest files and their budgets (tests/budget.toml)
+	$(VPY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder  # ends with the slowest files and their budgets (tests/budget.toml)
 
 # One benchmark, as `python -m bench.NAME` (README lists them): make bench NAME=roofline ARGS='--dtype float32'.
 bench: $(STAMP)
