@@ -154,9 +154,13 @@ while :; do
     kill "$server" 2>/dev/null || true
     sidecar_died
   fi
-  if [ -z "$ready" ] && curl -sf -o /dev/null --max-time 2 "$http/health"; then
+  # curl and sleep are waited for with `wait`, not run in the foreground: a trapped signal interrupts
+  # `wait` and its trap runs at once, while a foreground child that exits normally just as Ctrl-C
+  # arrives makes bash drop the signal (it takes it as handled by the child), and the sidecar's own
+  # exit on that Ctrl-C would then read as a part that died (exit 1).
+  if [ -z "$ready" ] && { curl -sf -o /dev/null --max-time 2 "$http/health" & wait $!; }; then
     ready=1
     banner
   fi
-  sleep 0.5 || true  # a signal ends it early (set -e: that is no error)
+  sleep 0.5 & wait $! || true  # a signal ends the wait early (set -e: that is no error)
 done
