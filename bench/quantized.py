@@ -3,14 +3,25 @@
 The real model's file (SmolLM2-135M-Instruct, Q4_1) is served three times: `bf16`, every weight
 dequantized to bf16 at load (what the engine did before), and `q8_0` / `q4_0`, every projection and
 the LM head quantized to that type at load by gguf-py (llama.cpp's rounding) and read as blocks by
-kernels/quant_linear.c. The engines take turns (ROUNDS rounds, each timing batch 1 and 32 on the base model and batch 32
-over 8 resident adapters), so a busy host's slow seconds fall on both; each figure is the median
+kernels/quant_linear.c. The engines take turns (ROUNDS rounds, each timing batch 1, 8 and 32 on the
+base model and batch 32 over 8 resident adapters), so a busy host's slow seconds fall on both; each figure is the median
 decode step (prefill excluded, in-process EngineCore.step, as bench/roofline.py times it), and the
 ratios compare the medians over the rounds. Run it with nothing else on the machine; the load
 average is printed before and after.
 
 RESULT q8_vs_bf16_batch1=<bf16 step time / q8_0 step time at batch 1> (above 1: Q8_0 is faster),
-RESULT q8_vs_bf16_batch32=, RESULT q8_vs_bf16_lora8_batch32=, and the same for q4.
+RESULT q8_vs_bf16_batch8=, RESULT q8_vs_bf16_batch32=, RESULT q8_vs_bf16_lora8_batch32=, and the same
+for q4.
+
+Where llama.cpp's server is built (scripts/install_llamacpp.sh, or `--llamacpp DIR`), the two servers
+are then compared through HTTP on one 4-bit file: llama-quantize rewrites the model as Q4_0, which
+our server keeps quantized (`--weights-dtype auto`) and llama-server reads as it is, both on every
+CPU of the machine (32 slots and `--max-num-seqs 32`), both up at once and idle in turn. The same
+client (harness/http_streams.py) streams the same text prompts, greedy with EOS ignored, 128 tokens
+each: one stream at a time (its decode rate after the first token, the median of 3) and 32 at once
+(every token over the burst's wall time), alternating servers over `--peer-rounds` rounds:
+RESULT batch1_vs_llamacpp_q4=<our single-stream rate / llama.cpp's> (medians over the rounds),
+RESULT batch32_vs_llamacpp_q4=<the same for 32 streams>. `--peer-only` skips the in-process part.
 
 `--projection` instead times one projection (SmolLM2's gate_up, 3072 x 576, bf16 activations, random
 weights) at 1, 8 and 32 rows in every build of the kernel this CPU runs (x86-64-v3: AVX2; avx512-bf16:
@@ -19,6 +30,7 @@ AVX-512 VNNI), each compiled here, against oneDNN's packed bf16 GEMM: the best o
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import statistics
@@ -31,8 +43,10 @@ import torch
 # isort: on
 
 
-from harness.bench import best_of, print_result
+from harness.bench import best_of, load_line, print_result, start_http_server
 from harness.engine_helpers import load_adapters
+from harness.http_streams import aggregate_rate, run_streams, served_model, single_stream_rate
+from harness.llamacpp import INSTALL_HINT, llamacpp_bin, requantize, start_llama_server
 from harness.roofline import decode_step_s, mixed_adapters, real_model_parser, real_model_start
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
@@ -42,7 +56,7 @@ from inference_service.models.quantized import quantize_blocks
 
 ROUNDS = 3
 WEIGHTS = ("bf16", "q8_0", "q4_0")
-WORKLOADS = (("batch1", 1, False), ("batch32", 32, False), ("lora8_batch32", 32, True))
+WORKLOADS = (("batch1", 1, False), ("batch8", 8, False), ("batch32", 32, False), ("lora8_batch32", 32, True))
 ADAPTERS = 8
 
 
@@ -93,15 +107,57 @@ def time_projection() -> None:
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
-def main() -> None:
-    parser = real_model_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--projection", action="store_true", help="time one projection per kernel build instead")
-    args = parser.parse_args()
-    if args.projection:
-        time_projection()
-        return
-    model, _ = real_model_start(args)
+PEER_ROUNDS = 3
+PEER_STREAMS = 32
+PEER_SINGLE = 3  # single streams per round
+PEER_TOKENS = 128
+SUBJECTS = ("a lighthouse keeper", "a city under the sea", "the first winter on Mars", "a lost violin",
+            "a clockmaker's apprentice", "a river that runs uphill", "an old library at night", "a robot gardener",
+            "the last train home", "a village of kite makers", "a map with no edges", "a storm over the desert",
+            "a cat who collects keys", "the quiet moon", "a bakery at dawn", "an island of mirrors",
+            "a forgotten satellite", "a letter never sent", "the tallest tree", "a ship made of glass",
+            "a market in the clouds", "an orchestra of frogs", "a door in the hillside", "the museum of rain",
+            "a balloon race", "a chess game lasting years", "the sound of snow", "a garden on a rooftop",
+            "a bridge between two towers", "a lantern festival", "a fox who learned to read", "the end of a map")
+PROMPTS = tuple(f"Here is a long, detailed story about {subject}, told from the beginning:" for subject in SUBJECTS)
+
+
+def compare_with_llamacpp(source: Path, bin_dir: Path, rounds: int, tmp: Path) -> None:
+    """Our HTTP server and llama-server on the same Q4_0 file, the same client and prompts, alternating."""
+    threads = os.cpu_count() or 1
+    q4 = requantize(bin_dir, source, tmp / f"{source.stem}.Q4_0.gguf", "Q4_0", threads)
+    print(f"peer comparison on {q4.name} ({q4.stat().st_size / 2**20:.0f} MiB), {threads} threads each; "
+          f"{load_line('start')}", flush=True)
+    ours = start_http_server(["--model", str(q4), "--weights-dtype", "auto", "--max-num-seqs", str(PEER_STREAMS),
+                              "--log-level", "WARNING"], tmp / "loraplex.log")
+    try:
+        theirs = start_llama_server(bin_dir, q4, PEER_STREAMS, 256 + PEER_TOKENS, threads, tmp / "llama-server.log")
+        try:
+            servers = {"loraplex": ours.url, "llama.cpp": theirs.url}
+            models = {name: served_model(url) for name, url in servers.items()}
+            for name, url in servers.items():  # warm-up: the first requests' one-off costs fall here
+                run_streams(url, models[name], PROMPTS, PEER_STREAMS, 16)
+            rates: dict[tuple[str, str], list[float]] = {}
+            for round_ in range(rounds):
+                for name, url in servers.items():
+                    single = single_stream_rate(run_streams(url, models[name], PROMPTS[:PEER_SINGLE], 1, PEER_TOKENS))
+                    burst = aggregate_rate(run_streams(url, models[name], PROMPTS, PEER_STREAMS, PEER_TOKENS))
+                    rates.setdefault((name, "batch1"), []).append(single)
+                    rates.setdefault((name, "batch32"), []).append(burst)
+                    print(f"round {round_} {name:>9}: 1 stream {single:6.1f} tok/s, {PEER_STREAMS} streams "
+                          f"{burst:6.1f} tok/s; {load_line('now')}", flush=True)
+        finally:
+            theirs.stop()
+    finally:
+        ours.stop()
+    print(load_line("end"), flush=True)
+    for workload in ("batch1", "batch32"):
+        ratio = statistics.median(rates[("loraplex", workload)]) / statistics.median(rates[("llama.cpp", workload)])
+        print_result(f"{workload}_vs_llamacpp_q4", ratio, ".2f")
+
+
+def in_process(model: str, args: argparse.Namespace) -> None:
+    """The three engines in this process, in turns (the module docstring)."""
     engines = {weights: engine(model, args.dtype, weights) for weights in WEIGHTS}
     for weights, core in engines.items():
         saved = core.runner.model.weight_bytes_saved
@@ -128,6 +184,30 @@ def main() -> None:
         for name, _, _ in WORKLOADS:
             ratio = statistics.median(steps[("bf16", name)]) / statistics.median(steps[(weights, name)])
             print_result(f"{weights[:2]}_vs_bf16_{name}", ratio, ".2f")
+
+
+def main() -> None:
+    parser = real_model_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--projection", action="store_true", help="time one projection per kernel build instead")
+    parser.add_argument("--llamacpp", default="", help="llama.cpp's bin directory (default: .tools/llama.cpp/bin)")
+    parser.add_argument("--peer-rounds", type=int, default=PEER_ROUNDS)
+    parser.add_argument("--peer-only", action="store_true", help="only the comparison with llama.cpp's server")
+    args = parser.parse_args()
+    if args.projection:
+        time_projection()
+        return
+    model, _ = real_model_start(args)
+    bin_dir = llamacpp_bin(args.llamacpp)
+    if bin_dir is None:
+        print(f"llama.cpp's server is not built: no comparison with it ({INSTALL_HINT})", flush=True)
+        if args.peer_only:
+            raise SystemExit(1)
+    if not args.peer_only:
+        in_process(model, args)
+    if bin_dir is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            compare_with_llamacpp(Path(model), bin_dir, args.peer_rounds, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -135,8 +135,10 @@ def gguf_name(hf_name: str) -> str:
 
 def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | None = None,
                tokenizer_model: str = "gpt2", extra_tensors: dict[str, np.ndarray] | None = None,
-               seed: int = 0, drop_keys: tuple[str, ...] = (), extra_uint32: dict[str, int] | None = None) -> Path:
-    """Convert a checkpoint (make_base_checkpoint) to GGUF with its 2-D weights in `qtype`;
+               seed: int = 0, drop_keys: tuple[str, ...] = (), extra_uint32: dict[str, int] | None = None,
+               tensor_types: dict[str, str] | None = None) -> Path:
+    """Convert a checkpoint (make_base_checkpoint) to GGUF with its 2-D weights in `qtype` (`tensor_types`: another
+    type for the tensors it names by their GGUF names, as llama.cpp's quantizer mixes them);
     `drop_keys` left out of its metadata and `extra_uint32` added (malformed files for tests)."""
     import json
 
@@ -194,7 +196,11 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", *, arch: str | N
         if family not in UNPERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _permute(data, heads if "q_proj" in name else kv_heads)
         target = gguf_name(name)
-        if data.ndim == 3 and qtype not in ("F32", "F16"):  # stacked experts: each expert's matrix quantized
+        tensor_type = (tensor_types or {}).get(target, qtype)
+        if tensor_type != qtype:
+            writer.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType[tensor_type]),
+                              raw_dtype=gguf.GGMLQuantizationType[tensor_type])
+        elif data.ndim == 3 and qtype not in ("F32", "F16"):  # stacked experts: each expert's matrix quantized
             if data.shape[-1] % 32:  # rows not whole blocks: kept F32, as llama.cpp's converter falls back
                 writer.add_tensor(target, data)
             else:

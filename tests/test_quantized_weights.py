@@ -319,6 +319,29 @@ def test_requantizing_another_type_gives_llama_cpps_blocks(files, qtype):
     assert model.weight_bytes_saved == 0
 
 
+def test_auto_serves_an_lm_head_of_a_type_no_kernel_reads_as_q8_0(tmp_path, files):
+    """llama.cpp's quantizer writes a Q4_0 file's tied token embedding (its LM head) in another type
+    (Q6_K; here Q5_0, which gguf-py can write): auto serves that LM head as Q8_0 blocks rather than
+    in bf16 at twice the bytes, the embedding stays the file's own, and the logits stay within the
+    tolerance of the engine that dequantizes every weight."""
+    checkpoint = make_base_checkpoint(tmp_path / "llama", "llama", seed=3, vocab_size=288, tie_word_embeddings=True)
+    path = write_gguf(checkpoint, tmp_path / "tiny-Q4_0-mixed.gguf", "Q4_0",
+                      tensor_types={"token_embd.weight": "Q5_0"})
+    file = GGUFFile(path)
+    assert file.dominant_type() == "Q4_0" and file.type_name("token_embd.weight") == "Q5_0"
+    quantized = _core(path, "auto")
+    model = quantized.runner.model
+    assert isinstance(model.packed_lm_head, quant_linear.QuantWeight) and model.packed_lm_head.type_name == "Q8_0"
+    assert {p.packed.type_name for layer in model.layers for p in layer.projections()} == {"Q4_0"}
+    embedding = torch.from_numpy(np.array(file.dequantize("token_embd.weight")))
+    assert torch.equal(model.embed_tokens.weight, embedding)
+    prompts = [(rid, tokens, None) for rid, tokens, _ in PROMPTS]
+    ours = greedy_logits(quantized, {}, prompts, NEW_TOKENS)
+    reference = greedy_logits(_core(path, "bf16"), {}, prompts, NEW_TOKENS)
+    compared = sum(_assert_close_up_to_a_near_tie(ours[rid], reference[rid], rid) for rid in reference)
+    assert compared >= len(prompts) * NEW_TOKENS // 2
+
+
 def test_the_budget_is_measured_with_the_quantized_weights_resident_and_the_saving_logged(files, monkeypatch,
                                                                                          caplog):
     """The budget (adapter pool + KV cache) is a share of the memory available once the weights are

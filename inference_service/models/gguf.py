@@ -34,7 +34,8 @@ _PERMUTED_QK = {"llama"}
 
 # Tensor types dequantized here (gguf.quants), each checked against an independent reference in
 # tests/test_gguf_loading.py.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+DENSE_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = (*DENSE_TYPES, "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 _GLOBAL_TENSORS = {
@@ -272,7 +273,12 @@ class GGUFStateDict(Mapping[str, torch.Tensor]):
             return None
         out_features, in_features = int(tensor.shape[1]), int(tensor.shape[0])
         type_name = self._file.type_name(gguf_name)
-        wanted = type_name if self.weights_dtype == "auto" else self.weights_dtype.upper()
+        wanted = self.weights_dtype.upper()
+        if self.weights_dtype == "auto":
+            # A matrix in a quantized type no kernel reads (llama.cpp's quantizer writes a Q4_0 or Q8_0
+            # file's LM head, or its tied token embedding, as Q6_K) is served as Q8_0, as fine as any
+            # type of 8 bits or fewer, rather than dequantized to twice the bytes in bf16.
+            wanted = type_name if type_name in KEPT_TYPES or type_name in DENSE_TYPES else "Q8_0"
         if wanted not in KEPT_TYPES:
             return None
         if type_name != wanted:  # quantized at load as llama.cpp would have

@@ -1,7 +1,8 @@
 """Base weights kept in a GGUF quantization (`--weights-dtype`) instead of dequantized at load.
 
 `auto` keeps each projection whose GGUF tensors are Q8_0 or Q4_0 (llama.cpp's 8- and 4-bit types) as
-blocks, which a kernel reads as they are (kernels/quant_linear); `q8_0` / `q4_0` serve every
+blocks, which a kernel reads as they are (kernels/quant_linear), and serves a matrix of another
+quantized type in such a file (llama.cpp writes their LM head as Q6_K) as Q8_0; `q8_0` / `q4_0` serve every
 projection in that type, quantizing (gguf-py, llama.cpp's rounding) those the file holds in another
 type; `bf16` dequantizes every weight to the serving dtype (`--dtype`), as before. Quantized weights
 are served on CPU only, packed for the kernel (a captured decode step reads dense weights).
