@@ -135,6 +135,7 @@ def compare_with_llamacpp(source: Path, bin_dir: Path, rounds: int, tmp: Path) -
         try:
             servers = {"loraplex": ours.url, "llama.cpp": theirs.url}
             models = {name: served_model(url) for name, url in servers.items()}
+            print(", ".join(f"{name} at {url} serves {models[name]!r}" for name, url in servers.items()), flush=True)
             for name, url in servers.items():  # warm-up: the first requests' one-off costs fall here
                 run_streams(url, models[name], PROMPTS, PEER_STREAMS, 16)
             rates: dict[tuple[str, str], list[float]] = {}

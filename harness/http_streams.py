@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,19 @@ def served_model(url: str) -> str:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Stream:
+    """One stream; a connection the server closes before answering is opened again, said on stderr (seen
+    once in a bench run, on a fresh connection after a warm-up burst)."""
+    for attempt in range(3):
+        try:
+            return await _stream_once(client, url, model, prompt, max_tokens)
+        except httpx.RemoteProtocolError as e:
+            if attempt == 2 or "without sending a response" not in str(e):
+                raise RuntimeError(f"{url}: {e}") from e
+            print(f"{url}: {e}; sent again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+async def _stream_once(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Stream:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
