@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from types import SimpleNamespace
 
 import jsonschema
@@ -282,15 +283,24 @@ def test_checker_bounds_memory(monkeypatch):
         checker.close()
 
 
-def test_compiled_grammars_are_kept_within_a_byte_bound():
+def test_compiled_grammars_are_kept_within_a_byte_bound(monkeypatch):
     """Each compiled grammar is measured (xgrammar's memory_size_bytes): the cache keeps what fits the
     byte bound, least recently used out first, and a grammar larger than the whole bound is not kept
-    (the requests that hold it still get it)."""
+    (the requests that hold it still get it). The cache is bounded before a compile's future resolves:
+    a measurement held up (as a loaded host deschedules the compile thread) is still seen by the
+    waiter, which once found a grammar over the bound cached (its measurement ran after it woke)."""
     specs = [json_schema_spec({**SCHEMA, "title": f"bytes {i}"}) for i in range(3)]
     probe = GrammarCompiler(ByteTokenizer(), 258)
     sizes = [probe.compile(spec).result(timeout=120).memory_size_bytes for spec in specs]
     probe.shutdown()
     assert min(sizes) > 0
+    real_measured = GrammarCompiler._measured
+
+    def held_up(self, *args):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)
+        return real_measured(self, *args)
+
+    monkeypatch.setattr(GrammarCompiler, "_measured", held_up)
     compiler = GrammarCompiler(ByteTokenizer(), 258, max_cached_bytes=sizes[1] + sizes[2])
     try:
         for spec in specs:

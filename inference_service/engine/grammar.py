@@ -60,10 +60,11 @@ class GrammarCompiler:
                 # One torch thread and a lower CPU priority, as the adapter loaders: the model's threads first.
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile",
                                                 initializer=background_worker_thread)
-            future = self._pool.submit(self._compile, spec)
+            future: Future[Any] = Future()
             self._cache[key] = future
             self._evict()
-        future.add_done_callback(lambda f: self._measured(key, f))
+            work = self._pool.submit(self._compile_into, key, spec, future)
+        work.add_done_callback(lambda w: future.cancel() if w.cancelled() else None)  # shut down before it ran
         return future
 
     @property
@@ -75,14 +76,26 @@ class GrammarCompiler:
         with self._lock:
             return list(self._cache)
 
-    def _measured(self, key: str, future: Future[Any]) -> None:
-        """A compile ended: its grammar's size counts against the bound (a failed one holds nothing)."""
-        if future.cancelled() or future.exception() is not None:
+    def _compile_into(self, key: str, spec: GrammarSpec, future: Future[Any]) -> None:
+        """On the compile thread. The grammar is measured and the cache kept within its bounds before
+        `future` resolves, so whoever waits on it sees the cache as it stays (measured in a done
+        callback instead, a waiter woken first saw a grammar over the bound still cached). A failed
+        compile holds no bytes."""
+        if not future.set_running_or_notify_cancel():
             return
+        try:
+            compiled = self._compile(spec)
+        except BaseException as error:  # noqa: BLE001 - the request's own error (a schema xgrammar refuses)
+            future.set_exception(error)
+            return
+        self._measured(key, future, int(compiled.memory_size_bytes))
+        future.set_result(compiled)
+
+    def _measured(self, key: str, future: Future[Any], size: int) -> None:
+        """A compile ended: its grammar's size counts against the bound."""
         with self._lock:
             if self._cache.get(key) is not future:
                 return
-            size = int(future.result().memory_size_bytes)
             if size > self.max_cached_bytes:  # alone over the bound: not kept, and nothing else goes for it
                 del self._cache[key]
                 return
