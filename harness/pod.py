@@ -77,9 +77,18 @@ PODMAN_CONF = REPO / ".tools" / "podman" / "containers.conf"
 PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs"]
 
 
+PODMAN_CONF_TEXT = "[containers]\ndefault_ulimits = []\n"
+
+
 def podman_env() -> dict[str, str]:
-    PODMAN_CONF.parent.mkdir(parents=True, exist_ok=True)
-    PODMAN_CONF.write_text("[containers]\ndefault_ulimits = []\n")
+    """The environment podman runs in. Its config is replaced whole (a new file renamed over it), never
+    rewritten in place: a podman reading a truncated config sets default ulimits, which the sandbox
+    refuses (`error setting rlimit type 7`, seen when two test processes used the image at once)."""
+    if not PODMAN_CONF.is_file() or PODMAN_CONF.read_text() != PODMAN_CONF_TEXT:
+        PODMAN_CONF.parent.mkdir(parents=True, exist_ok=True)
+        staged = PODMAN_CONF.with_name(f".{PODMAN_CONF.name}.{os.getpid()}")
+        staged.write_text(PODMAN_CONF_TEXT)
+        os.replace(staged, PODMAN_CONF)
     return {**os.environ, "CONTAINERS_CONF": str(PODMAN_CONF)}
 
 

@@ -34,13 +34,30 @@ def longest_first(paths: list[str], allowed: dict[str, float]) -> list[str]:
     return sorted(weight, key=lambda group: -weight[group])
 
 
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadgroup`: xdist's scheduler by scope, a scope being `group_of` the test's file.
+    (xdist's own loadgroup scheduler reads `xdist_group` marks from node ids that its worker hook
+    rewrites through `item._nodeid`, which pytest 9.2 no longer reads: every test was a unit of its
+    own, so a file's servers started on both workers and both built the image at once.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid.split("::", 1)[0])
+
+    return FileGroupScheduling(config, log)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each worker's collection, longest group first (the scheduler hands out scopes in this order
+    with `--no-loadscope-reorder`)."""
     if not hasattr(config, "workerinput"):  # not an xdist worker
         return
     files = [item.nodeid.split("::")[0] for item in items]
     rank = {group: i for i, group in enumerate(longest_first(files, budgets()))}
-    for item, path in zip(items, files, strict=True):
-        item.add_marker(pytest.mark.xdist_group(group_of(path)))
     order = {id(item): (rank[group_of(path)], i) for i, (item, path) in enumerate(zip(items, files, strict=True))}
     items.sort(key=lambda item: order[id(item)])

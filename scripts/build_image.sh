@@ -31,8 +31,13 @@ if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -
 fi
 
 # The sandbox refuses setrlimit, so containers get no default ulimits; crun fails on hybrid cgroups.
+# Replaced whole (renamed over), never truncated in place: a podman reading it meanwhile would run
+# with default ulimits. One build at a time (a second waits, then finds its layers cached).
 mkdir -p .tools/podman
-printf '[containers]\ndefault_ulimits = []\n' >.tools/podman/containers.conf
+exec 9>.tools/podman/build.lock
+flock 9
+printf '[containers]\ndefault_ulimits = []\n' >.tools/podman/.containers.conf.$$
+mv -f .tools/podman/.containers.conf.$$ .tools/podman/containers.conf
 export CONTAINERS_CONF="$PWD/.tools/podman/containers.conf"
 P=(podman --runtime runc --cgroup-manager=cgroupfs)
 

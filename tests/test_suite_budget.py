@@ -37,3 +37,22 @@ def test_the_image_files_are_one_unit_of_work_and_the_longest_units_go_first():
 def test_every_file_that_builds_the_image_is_in_the_image_unit():
     users = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if "image_under_test(\"" in p.read_text()}
     assert users == set(IMAGE_FILES)
+
+
+def test_under_two_workers_each_file_runs_on_one_worker():
+    """The real scheduler (`-n 2 --dist loadgroup`, as `make test` runs it) keeps every test of a file
+    on one worker (the image files together): xdist's own loadgroup scheduler, under pytest 9.2, made
+    every test a unit of its own."""
+    import re
+    import subprocess
+    import sys
+
+    files = ["tests/test_bench_layout.py", "tests/test_demo_scoring.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                          "--no-loadscope-reorder", "-v", *files], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:]
+    workers: dict[str, set[str]] = {}
+    for worker, path in re.findall(r"\[(gw\d+)\].*?PASSED (\S+?)::", run.stdout):
+        workers.setdefault(path, set()).add(worker)
+    assert sorted(workers) == files and all(len(w) == 1 for w in workers.values()), workers
