@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -210,6 +211,21 @@ def test_cancel_while_the_handler_waits_to_send_counts_cancelled():
     assert engine.aborted == {"w1": FinishReason.CANCELLED}
     assert 'loraplex_grpc_requests_total{code="CANCELLED",method="Generate"} 1.0' in text
     assert 'loraplex_grpc_requests_total{code="OK",method="Generate"} 0.0' in text
+
+
+def test_a_cancel_just_before_our_copy_of_the_deadline_counts_as_the_deadline():
+    """The client's deadline starts before the request reaches the server, so its cancel arrives
+    while the server's copy has a little time left: within DEADLINE_SLACK_S that is the deadline,
+    beyond it a cancel (the clock injected: a loaded host gave 0.3 s calls a few ms of such slack)."""
+    from inference_service.frontend import grpc_server
+
+    def with_remaining(seconds: float | None) -> str:
+        return grpc_server._cancel_code(SimpleNamespace(time_remaining=lambda: seconds))
+
+    assert with_remaining(-0.01) == with_remaining(0.0) == "DEADLINE_EXCEEDED"
+    assert with_remaining(grpc_server.DEADLINE_SLACK_S / 2) == "DEADLINE_EXCEEDED"
+    assert with_remaining(grpc_server.DEADLINE_SLACK_S * 3) == "CANCELLED"
+    assert with_remaining(None) == "CANCELLED"  # no deadline at all
 
 
 def test_deadline_aborts_with_deadline_reason():
