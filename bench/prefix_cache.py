@@ -100,6 +100,7 @@ from harness.bench import (
     print_result,
     start_http_server,
 )
+from harness.http_streams import sse_events
 from harness.ports import wait_http_healthy
 from harness.real_model import FETCH_HINT, real_model_path
 
@@ -187,10 +188,7 @@ class Client:
         async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"),
                                  json=body) as r:
             r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[len("data: "):])
+            async for chunk in sse_events(r):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk["choices"]:

@@ -69,7 +69,6 @@ import asyncio
 import functools
 import hashlib
 import itertools
-import json
 import math
 import operator
 import random
@@ -85,6 +84,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.bench import percentile, print_result
+from harness.http_streams import sse_events
 from harness.inference_server import InferenceServer, start_inference_server
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
@@ -317,10 +317,7 @@ async def drive(name: str, replicas: list[Replica], args, work: list[tuple[float
         try:
             async with client.stream("POST", r.http + "/v1/completions", json=body) as resp:
                 resp.raise_for_status()
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[len("data: "):])
+                async for chunk in sse_events(resp):
                     if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                         first = time.perf_counter()
                     if chunk.get("usage"):

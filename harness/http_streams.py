@@ -13,8 +13,9 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx2 as httpx  # the HTTP client the openai SDK is built on
 
@@ -30,6 +31,14 @@ class Stream:
     def decode_tokens_per_s(self) -> float:
         """This stream's rate after its first token (prefill excluded)."""
         return (self.tokens - 1) / (self.last - self.first)
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style event stream (`data: {...}` lines; `data: [DONE]` and blank
+    lines skipped)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: {"):
+            yield json.loads(line[len("data: "):])
 
 
 def served_model(url: str) -> str:
@@ -59,10 +68,7 @@ async def _stream_once(client: httpx.AsyncClient, url: str, model: str, prompt: 
     usage_tokens = None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: "):])
+        async for event in sse_events(r):
             if event.get("usage"):
                 usage_tokens = event["usage"]["completion_tokens"]
             if any(choice.get("text") for choice in event.get("choices") or ()):
