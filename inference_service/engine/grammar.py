@@ -88,8 +88,10 @@ class GrammarCompiler:
         except BaseException as error:  # noqa: BLE001 - the request's own error (a schema xgrammar refuses)
             future.set_exception(error)
             return
-        self._measured(key, future, int(compiled.memory_size_bytes))
-        future.set_result(compiled)
+        try:
+            self._measured(key, future, int(compiled.memory_size_bytes))
+        finally:  # the request gets its grammar even if measuring it failed
+            future.set_result(compiled)
 
     def _measured(self, key: str, future: Future[Any], size: int) -> None:
         """A compile ended: its grammar's size counts against the bound."""
