@@ -9,7 +9,7 @@ the decode stack runs (all layers in one C call, models/decode_stack.py), it is 
 own clock splits it by op (`stack:` rows, summed over the layers; the final norm is in the first).
 Same engine set-up as bench/roofline.py (SmolLM2-135M-Instruct, bf16 by default).
 
-    .venv/bin/python -m bench.decode_profile [--batch 32] [--adapters] [--dtype bfloat16] [--top 18]
+    .venv/bin/python -m bench.decode_profile [--batch 32] [--adapters] [--dtype bfloat16] [--weights-dtype q4_0] [--top 18]
 
 Last line: RESULT decode_profile_ops_share=<ops' self time / step wall time> (no target: a profile).
 """
@@ -104,10 +104,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--adapters", action="store_true", help="8 resident adapters (r8/r16, all modules) mixed")
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--weights-dtype", default="auto", help="auto (the dtype), or a quantized one: q8_0, q4_0")
     args = parser.parse_args()
     model, _ = real_model_start(args)
     label_engine()
-    core = engine(model, args.dtype, "auto")
+    core = engine(model, args.dtype, "auto", args.weights_dtype)
     names: list[str | None] = [None]
     with tempfile.TemporaryDirectory() as tmp:
         if args.adapters:
@@ -118,7 +119,8 @@ def main() -> None:
         wall, ops = profiled_steps(core, args.batch, names)
     core.shutdown()
     accounted = sum(seconds for name, seconds in ops if not name.startswith("  stack:"))  # within the stack's row
-    print(f"batch {args.batch}{' over 8 adapters' if args.adapters else ''}, {args.dtype}: "
+    print(f"batch {args.batch}{' over 8 adapters' if args.adapters else ''}, {args.dtype}, weights "
+          f"{args.weights_dtype}: "
           f"{wall * 1e3:.2f} ms a step (profiled), ops {accounted * 1e3:.2f} ms")
     print(f"{'op':<44} {'ms/step':>8} {'share':>6}")
     for name, seconds in ops[:args.top]:

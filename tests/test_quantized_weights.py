@@ -319,6 +319,21 @@ def test_requantizing_another_type_gives_llama_cpps_blocks(files, qtype):
     assert model.weight_bytes_saved == 0
 
 
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_the_quantized_panels_are_cut_from_one_arena_unless_small_pages_are_asked_for(files, huge_pages):
+    """With --huge-pages on (the default) every projection's and the LM head's panels are consecutive
+    parts of one allocation (the arena a model of 2 MiB or more gets on huge pages); off, each has its own."""
+    model, _ = load_model(str(files["Q4_0"]), CPU, torch.float32,
+                          compute=compute_for(CPU, torch.float32, huge_pages=huge_pages))
+    weights = [p.packed for layer in model.layers for p in layer.projections()] + [model.packed_lm_head]
+    assert all(isinstance(w, quant_linear.QuantWeight) for w in weights)
+    storages = {w.storage.untyped_storage().data_ptr() for w in weights}  # type: ignore[union-attr]
+    assert len(storages) == (1 if huge_pages else len(weights))
+    if huge_pages:  # the parts tile the arena with no gap or overlap
+        spans = sorted((w.storage.data_ptr(), w.storage.numel()) for w in weights)  # type: ignore[union-attr]
+        assert all(start + size == after for (start, size), (after, _) in zip(spans, spans[1:]))
+
+
 def test_auto_serves_an_lm_head_of_a_type_no_kernel_reads_as_q8_0(tmp_path, files):
     """llama.cpp's quantizer writes a Q4_0 file's tied token embedding (its LM head) in another type
     (Q6_K; here Q5_0, which gguf-py can write): auto serves that LM head as Q8_0 blocks rather than

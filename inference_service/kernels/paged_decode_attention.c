@@ -29,6 +29,22 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
+// A task's K and V rows are also all asked for into L2 when it starts, up to this many bytes: a decode
+// step's cache is far larger than the L3 and its blocks lie anywhere, so rows asked for only
+// PREFETCH_TOKENS ahead arrive one latency after another. All at once, the memory system fetches them
+// side by side (SmolLM2, 32 sequences of 64 tokens, 30 layers' caches: 237-261 -> 130 us a layer on
+// 2 threads; no change with the caches hot).
+#define PREFETCH_TASK_BYTES (256 << 10)
+static inline void prefetch_task(const char *k_part, const char *v_part, const int64_t *rows, int64_t len,
+                                 int64_t row_bytes, int64_t fetch_bytes) {
+    const int64_t tokens = PREFETCH_TASK_BYTES / (2 * fetch_bytes);
+    for (int64_t t = 0; t < len && t < tokens; t++)
+        for (int64_t o = 0; o < fetch_bytes; o += 64) {
+            __builtin_prefetch(k_part + rows[t] * row_bytes + o, 0, 2);
+            __builtin_prefetch(v_part + rows[t] * row_bytes + o, 0, 2);
+        }
+}
+
 // Token t's part of its cache row (`first` elements in, `fetch_bytes` long), as a byte address;
 // the same part of the row PREFETCH_TOKENS ahead is fetched on the way.
 static inline const void *token_part(const void *cache, int64_t element_size, const int64_t *table, int64_t t,
@@ -175,6 +191,8 @@ static inline __attribute__((always_inline)) void group_values(float *out, const
                     continue;                                                                           \
                 }                                                                                       \
                 for (int64_t t = 0; t < len; t++) rows[t] = cache_row(table, t, block_size);            \
+                prefetch_task((const char *)(k_cache + first), (const char *)(v_cache + first), rows, len, \
+                              row * (int64_t)sizeof(T), fetch_bytes);                                   \
                 for (int64_t i = 0; i < nh * head_dim; i++)                                             \
                     qs[i] = LOAD(q, (b * q_heads + h0) * head_dim + i) * scale;                         \
                 if (vector) {                                                                           \

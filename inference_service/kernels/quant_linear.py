@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from inference_service.kernels.bindings import CFunction, address, function
+from inference_service.kernels.hugepages import Arena
 from inference_service.kernels.projection_rows import PanelWeight
 
 log = logging.getLogger(__name__)
@@ -62,30 +63,44 @@ def panels(type_name: str, blocks: np.ndarray, out_features: int, in_features: i
 
 class QuantWeight(PanelWeight):
     """A Q8_0 or Q4_0 weight [N, K] in panels: out = x @ W^T (+ bias) for any number of rows, in
-    `dtype` (x and bias in it too)."""
+    `dtype` (x and bias in it too). The panels are copied into `storage` (uint8, `panel_bytes` long:
+    a part of the model's huge-page arena) when given."""
 
     def __init__(self, type_name: str, blocks: np.ndarray, out_features: int, in_features: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, storage: torch.Tensor | None = None) -> None:
         self.type_name, self.out_features, self.in_features, self.dtype = type_name, out_features, in_features, dtype
         functions = _functions()
         assert functions is not None, "a QuantWeight exists only where the kernel runs"
         self._kernel = functions[(type_name, dtype)]
         self._name = type_name
-        self.panels = torch.from_numpy(panels(type_name, blocks, out_features, in_features))
+        packed = torch.from_numpy(panels(type_name, blocks, out_features, in_features))
+        self.panels = packed if storage is None else storage.copy_(packed)
 
     @property
     def nbytes(self) -> int:
         return self.panels.numel()
 
 
+def takes(type_name: str, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """The kernel runs here and takes such a weight: Q8_0 or Q4_0, N a multiple of 16, K of 32, fp32 or
+    bf16 activations."""
+    return (type_name in TYPES and not out_features % PANEL and not in_features % BLOCK and dtype in DTYPES
+            and available())
+
+
+def panel_bytes(type_name: str, out_features: int, in_features: int) -> int:
+    """The bytes of a weight's panels: as many as its GGUF blocks (the same scales and weights, moved)."""
+    return out_features * in_features // BLOCK * BLOCK_BYTES[type_name]
+
+
 def pack(type_name: str, blocks: np.ndarray, out_features: int, in_features: int,
-         dtype: torch.dtype) -> QuantWeight | None:
-    """The panels of a Q8_0 or Q4_0 weight, or None where the kernel cannot take it (another type, N not
-    a multiple of 16, an activation dtype other than fp32/bf16, the kernel not built or disabled)."""
-    if (type_name not in TYPES or out_features % PANEL or in_features % BLOCK or dtype not in DTYPES
-            or not available()):
+         dtype: torch.dtype, arena: Arena | None = None) -> QuantWeight | None:
+    """The panels of a Q8_0 or Q4_0 weight (cut from `arena` when given), or None where the kernel
+    cannot take it (`takes`; or disabled)."""
+    if not takes(type_name, out_features, in_features, dtype):
         return None
-    return QuantWeight(type_name, blocks, out_features, in_features, dtype)
+    storage = None if arena is None else arena.take(panel_bytes(type_name, out_features, in_features))
+    return QuantWeight(type_name, blocks, out_features, in_features, dtype, storage)
 
 
 def available() -> bool:

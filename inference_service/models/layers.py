@@ -128,14 +128,15 @@ class LoRALinear(nn.Module):
         self.quantized = weight
         self.weight.data = self.weight.data.new_empty(0)
 
-    def pack_quantized(self, packing: dense.WeightPacking) -> int:
-        """A kept quantized weight into its kernel's layout, or dequantized into the dense weight where
-        no kernel takes it here (then `pack` packs it). Returns the bytes saved against the dense weight."""
+    def pack_quantized(self, packing: dense.WeightPacking, arena: Arena | None = None) -> int:
+        """A kept quantized weight into its kernel's layout (cut from `arena` when given), or dequantized
+        into the dense weight where no kernel takes it here (then `pack` packs it). Returns the bytes
+        saved against the dense weight."""
         quantized, self.quantized = self.quantized, None
         if quantized is None:
             return 0
         dtype = self.weight.dtype
-        self.packed = packing.pack_quantized(quantized, dtype)
+        self.packed = packing.pack_quantized(quantized, dtype, arena)
         if self.packed is None:
             self.weight.data = quantized.dequantize().to(dtype)
             return 0

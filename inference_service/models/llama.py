@@ -165,10 +165,12 @@ class LlamaModel(nn.Module):
         2 MiB pages."""
         projections = [p for layer in self.layers for p in layer.projections()]
         packing = self.compute.packing
-        saved = sum(p.pack_quantized(packing) for p in projections)
+        kept = [w for w in (self.quantized_lm_head, *(p.quantized for p in projections)) if w is not None]
+        quantized_arena = packing.quantized_arena_for(kept, self.dtype)
+        saved = sum(p.pack_quantized(packing, quantized_arena) for p in projections)
         if self.quantized_lm_head is not None:
             quantized, self.quantized_lm_head = self.quantized_lm_head, None
-            packed = packing.pack_quantized(quantized, self.dtype)
+            packed = packing.pack_quantized(quantized, self.dtype, quantized_arena)
             if packed is None:
                 self.lm_head.data = quantized.dequantize().to(self.dtype)
             else:
