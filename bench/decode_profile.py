@@ -9,7 +9,8 @@ the decode stack runs (all layers in one C call, models/decode_stack.py), it is 
 own clock splits it by op (`stack:` rows, summed over the layers; the final norm is in the first).
 Same engine set-up as bench/roofline.py (SmolLM2-135M-Instruct, bf16 by default).
 
-    .venv/bin/python -m bench.decode_profile [--batch 32] [--adapters] [--dtype bfloat16] [--weights-dtype q4_0] [--top 18]
+    .venv/bin/python -m bench.decode_profile [--batch 32] [--adapters] [--dtype bfloat16] [--weights-dtype q4_0]
+        [--top 18]
 
 Last line: RESULT decode_profile_ops_share=<ops' self time / step wall time> (no target: a profile).
 """

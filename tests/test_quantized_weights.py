@@ -331,7 +331,7 @@ def test_the_quantized_panels_are_cut_from_one_arena_unless_small_pages_are_aske
     assert len(storages) == (1 if huge_pages else len(weights))
     if huge_pages:  # the parts tile the arena with no gap or overlap
         spans = sorted((w.storage.data_ptr(), w.storage.numel()) for w in weights)  # type: ignore[union-attr]
-        assert all(start + size == after for (start, size), (after, _) in zip(spans, spans[1:]))
+        assert all(start + size == after for (start, size), (after, _) in zip(spans, spans[1:], strict=False))
 
 
 def test_auto_serves_an_lm_head_of_a_type_no_kernel_reads_as_q8_0(tmp_path, files):
