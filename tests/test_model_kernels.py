@@ -110,6 +110,32 @@ def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, h
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+# Groups of 1-8 query heads (P V takes 4 at a time for 64 dims and under, 2 for more), head dims 32-128.
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 32), (14, 2, 64), (8, 1, 128),
+                                                      (12, 4, 96), (4, 4, 128)])
+def test_bf16_decode_attention_over_contexts_of_many_16_token_chunks_matches_gather_and_sdpa(q_heads, kv_heads,
+                                                                                             head_dim):
+    """bf16 caches, contexts ending inside, on and past 16-token chunks (the AVX-512 BF16 path sums 16
+    tokens' scores at once), an empty one among them; more sequences than threads and fewer."""
+    gen = torch.Generator().manual_seed(q_heads * 1000 + head_dim)
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 0, 64])
+    block_size = 16
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = width * len(lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    for rows in (slice(None), slice(5, 6)):
+        got = cpu_kernels.decode_attention(q[rows], k_cache, v_cache, tables[rows], lens[rows])
+        assert got is not None
+        live = lens[rows] > 0
+        assert not got[~live].any(), "an empty context attends to nothing"
+        expected = _gather_sdpa(q[rows].float()[live], k_cache.float(), v_cache.float(), tables[rows][live],
+                                lens[rows][live])
+        torch.testing.assert_close(got[live].float(), expected, atol=2e-2, rtol=2e-2)
+
+
 @needs_amx
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (12, 2, 64), (4, 2, 128),
                                                       (16, 1, 128)])
