@@ -53,6 +53,7 @@ def label_engine() -> None:
     from inference_service.engine.output_processor import OutputProcessor
     from inference_service.engine.scheduler import Scheduler
     from inference_service.kernels import amx_linear, fused, paged_attention
+    from inference_service.kernels.projection_rows import PanelWeight
     from inference_service.lora.backend import CpuLoRAOp
 
     for owner, attr, name in (
@@ -60,6 +61,8 @@ def label_engine() -> None:
         (amx_linear.AMXWeight, "__call__", "C: AMX linear"), (fused, "silu_mul", "C: SiLU x mul"),
         (amx_linear.AMXWeight, "float_output", "C: AMX linear, LM head"),
         (amx_linear.AMXWeight, "argmax", "C: AMX LM head, greedy pick"),
+        (PanelWeight, "__call__", "C: panel linear (AVX2, AVX-512 BF16, Q8_0/Q4_0)"),
+        (PanelWeight, "float_output", "C: panel linear, LM head"),
         (paged_attention, "decode_attention", "C: paged decode attention"),
         (DecodeStack, "run", "C: decode stack, all layers"),
         (CpuLoRAOp, "apply", "C: LoRA shrink + expand"), (Scheduler, "schedule", "py: schedule"),

@@ -17,7 +17,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import amx_linear, avx2_linear
+from inference_service.kernels import amx_linear, avx2_linear, bf16_linear
 from inference_service.lora.ops import TorchLoRAOp
 from inference_service.models import registry
 from inference_service.models.batch import ForwardBatch
@@ -25,29 +25,36 @@ from inference_service.models.config import ModelConfig
 from inference_service.models.loader import BUILTIN_TINY
 from inference_service.platform import Platform
 
-# A stack is built on C-callable projections: AMX's in bf16, the AVX2 kernel's in bf16 and fp32 (none on
-# oneDNN's). Each is tested wherever its instructions exist, whether or not this CPU prefers it
-# (tests/test_model_kernels.py tests the preference).
-each_stack = pytest.mark.parametrize(("kernel", "dtype"), [("amx", "bfloat16"), ("avx2", "bfloat16"),
-                                                           ("avx2", "float32")])
+# A stack is built on C-callable projections: AMX's and AVX-512 BF16's in bf16, the AVX2 kernel's in bf16
+# and fp32 (none on oneDNN's). Each is tested wherever its instructions exist, whether or not this CPU
+# prefers it (tests/test_model_kernels.py tests the preference).
+each_stack = pytest.mark.parametrize(("kernel", "dtype"), [("amx", "bfloat16"), ("bf16", "bfloat16"),
+                                                           ("avx2", "bfloat16"), ("avx2", "float32")])
 
 
 def use_kernel(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
-    """The model's projections on `kernel` ("amx" or "avx2"); a skip only where its instructions are absent."""
+    """The model's projections on `kernel` ("amx", "bf16" or "avx2"); a skip only where its instructions
+    are absent."""
     if kernel == "amx":
         if not amx_linear.available():
             pytest.skip("no AMX on this CPU (or no compiler)")
+        return
+    if kernel == "bf16":
+        if not bf16_linear.available():
+            pytest.skip("no AVX-512 BF16 on this CPU (or no compiler)")
+        monkeypatch.setattr(amx_linear, "available", lambda: False)
         return
     if not avx2_linear.available():
         pytest.skip("no AVX2 and FMA on this CPU (or no compiler)")
     monkeypatch.setattr(avx2_linear, "preferred", lambda: True)
     monkeypatch.setattr(amx_linear, "available", lambda: False)
+    monkeypatch.setattr(bf16_linear, "available", lambda: False)
 
 
 def use_any_kernel(monkeypatch: pytest.MonkeyPatch) -> bool:
-    """The projections on a kernel a stack can call, AMX's where it runs, else the AVX2 kernel; False
-    where neither runs."""
-    if amx_linear.available():
+    """The projections on a kernel a stack can call, AMX's where it runs, else AVX-512 BF16's, else the
+    AVX2 kernel; False where none runs."""
+    if amx_linear.available() or bf16_linear.available():
         return True
     if avx2_linear.available():
         use_kernel(monkeypatch, "avx2")
@@ -137,7 +144,7 @@ def test_stack_logits_equal_the_layer_forward_with_biases(monkeypatch, tmp_path,
     assert both.stack_steps >= 14 and both.mismatches == []
 
 
-@pytest.mark.parametrize("kernel", ["amx", "avx2"])
+@pytest.mark.parametrize("kernel", ["amx", "bf16", "avx2"])
 def test_stack_logits_equal_the_layer_forward_on_the_real_model(monkeypatch, tmp_path, kernel):
     """SmolLM2 (head_dim 64: the AMX attention kernel where the CPU has AMX), 30 layers, bf16, base and
     two PEFT adapters on all seven modules (r8 and r16), one batch."""
@@ -165,7 +172,8 @@ def decode_stack_row(core: EngineCore) -> str:
 def test_stack_is_not_built_where_its_kernels_do_not_run(monkeypatch, tmp_path):
     """Projections on oneDNN (AMX and AVX2 forced off, fp32 and bf16) and `--decode-stack off` keep the
     layer forward, and the platform plan says why."""
-    monkeypatch.setattr(avx2_linear, "available", lambda: False)  # an AVX-512 CPU without AMX
+    monkeypatch.setattr(avx2_linear, "available", lambda: False)  # an AVX-512 CPU without AMX or AVX-512 BF16
+    monkeypatch.setattr(bf16_linear, "available", lambda: False)
     core, names = tiny_engine(tmp_path, "float32")
     run_mixed(core, names, [[3, 4, 5]], 2)
     assert core.runner.decode_stack is None

@@ -96,23 +96,26 @@ def test_each_variant_requires_every_instruction_set_its_flags_enable(variant):
 @needs_compiler
 @needs_x86
 def test_the_variants_build_their_kernels_paths(tmp_path):
-    """amx_linear and avx2_linear in every variant: AMX tile products only in sapphirerapids; each
-    variant this CPU runs reports the paths its name says (AVX2 kernel from x86-64-v3 up, preferred
-    only below AVX-512)."""
-    manifest = build.build_all(tmp_path, X86_64, libraries=["amx_linear", "avx2_linear"])
+    """amx_linear, bf16_linear and avx2_linear in every variant: AMX tile products only in sapphirerapids,
+    `vdpbf16ps` projections from avx512-bf16 up; each variant this CPU runs reports the paths its name
+    says (AVX2 kernel from x86-64-v3 up, preferred only below AVX-512)."""
+    libraries = ["amx_linear", "avx2_linear", "bf16_linear"]
+    manifest = build.build_all(tmp_path, X86_64, libraries=libraries)
     assert set(manifest) == {v.name for v in X86_64}
     for variant in X86_64:
-        assert manifest[variant.name] == {name: build.source_key(name, variant.flags)
-                                          for name in ("amx_linear", "avx2_linear")}
+        assert manifest[variant.name] == {name: build.source_key(name, variant.flags) for name in libraries}
         if shutil.which("objdump"):
-            code = subprocess.run(["objdump", "-d", str(tmp_path / variant.name / "amx_linear.so")],
-                                  capture_output=True, text=True, check=True).stdout
-            assert ("tdpbf16ps" in code) == (variant.name == "sapphirerapids")
+            def code(library: str) -> str:
+                return subprocess.run(["objdump", "-d", str(tmp_path / variant.name / f"{library}.so")],  # noqa: B023
+                                      capture_output=True, text=True, check=True).stdout
+            assert ("tdpbf16ps" in code("amx_linear")) == (variant.name == "sapphirerapids")
+            assert ("vdpbf16ps" in code("bf16_linear")) == (variant.score >= 50)
     for variant in variants.runnable(variants.cpu_flags(), X86_64):
         avx2 = ctypes.CDLL(str(tmp_path / variant.name / "avx2_linear.so"))
         assert avx2.avx2_linear_init() == (variant.score >= 30)
         assert avx2.avx2_linear_preferred() == (30 <= variant.score < 40)
-    assert build.build_all(tmp_path, X86_64, libraries=["amx_linear", "avx2_linear"]) == manifest  # up to date
+        assert ctypes.CDLL(str(tmp_path / variant.name / "bf16_linear.so")).bf16_linear_init() == (variant.score >= 50)
+    assert build.build_all(tmp_path, X86_64, libraries=libraries) == manifest  # up to date
 
 
 _KERNELS_H = Path(build.SOURCES) / "kernels.h"

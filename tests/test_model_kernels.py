@@ -15,7 +15,7 @@ from harness.platform import compute_for
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import amx_linear, avx2_linear, bindings, build, fused, greedy
+from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, bindings, build, fused, greedy
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
@@ -30,6 +30,8 @@ needs_avx2_kernel = pytest.mark.skipif(not avx2_linear.available(),
 # Whether this CPU lets oneDNN pack bf16 weights (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an AVX2-only
 # CPU such as AMD Zen 1, where `pack` keeps bf16 on F.linear).
 ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_bf16_kernel = pytest.mark.skipif(not bf16_linear.available(),
+                                       reason="needs a CPU with AVX-512 BF16 (and a compiler)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -420,14 +422,18 @@ def test_greedy_pick_is_torch_max(vocab):
 
 
 def test_pack_keeps_onednn_where_amx_cannot_run(monkeypatch):
-    """fp32, a width that is not a multiple of 32 (builtin:tiny's LM head) and a CPU without AMX
-    (forced) take oneDNN's packed weight; bf16 only where oneDNN can pack it, else the plain path."""
+    """fp32, a width that is not a multiple of 32 (builtin:tiny's LM head) and a CPU without AMX or
+    AVX-512 BF16 (forced) take oneDNN's packed weight; bf16 only where oneDNN can pack it, else the
+    plain path."""
     bf16 = torch.randn(64, 64).to(torch.bfloat16)
     monkeypatch.setattr(avx2_linear, "available", lambda: False)  # an AVX-512 CPU, or no AVX2
     assert isinstance(dense.pack(torch.randn(64, 64)), dense.OneDNNWeight)
     bf16_form = dense.OneDNNWeight if ONEDNN_BF16 else type(None)
     assert isinstance(dense.pack(torch.randn(258, 64).to(torch.bfloat16)), bf16_form)
     monkeypatch.setattr(amx_linear, "available", lambda: False)
+    if bf16_linear.available():  # a CPU without AMX but with AVX-512 BF16 takes that kernel
+        assert isinstance(dense.pack(bf16), bf16_linear.BF16Weight)
+    monkeypatch.setattr(bf16_linear, "available", lambda: False)
     assert isinstance(dense.pack(bf16), bf16_form)
 
 
@@ -437,6 +443,7 @@ def test_engine_output_is_the_same_on_onednn_as_on_amx(monkeypatch, tmp_path):
     adapters = {"a": write_tiny_adapter(tmp_path / "a", seed=1, rank=4)}
     on_amx, _ = generate(adapters, "bfloat16")
     monkeypatch.setattr(amx_linear, "available", lambda: False)
+    monkeypatch.setattr(bf16_linear, "available", lambda: False)
     model, _ = load_model(BUILTIN_TINY, CPU, torch.bfloat16, compute=compute_for(CPU, torch.bfloat16))
     assert all(isinstance(p.packed, dense.OneDNNWeight) for p in model.layers[0].projections())
     assert generate(adapters, "bfloat16")[0] == on_amx
@@ -576,6 +583,42 @@ def test_avx2_bf16_linear_is_the_fp32_kernel_on_the_widened_values_rounded_once(
 
 
 @needs_avx2_kernel
+@needs_bf16_kernel
+@pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (272, 160), (3072, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 32])
+def test_bf16_kernel_is_the_exact_product_summed_in_fp32_and_rounded_once(rows, out_features, in_features):
+    """The AVX-512 BF16 kernel against the exact product of the same bf16 values: off by at most fp32's
+    accumulation error (k adds of 2^-24 relative) and one bf16 rounding; units of 1-4 panels (17 panels:
+    pairs and a lone one), tiles of 1-8 rows; its fp32 output holds exactly its bf16 values; a row's
+    output does not depend on the rows beside it."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    weight = bf16_linear.BF16Weight(w)
+    for b in (None, bias):
+        got = weight(x, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        exact = x.double() @ w.double().T + (0 if b is None else b.double())
+        magnitude = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+        accumulation = (in_features + 1) * 2.0**-24 * magnitude
+        assert ((got.double() - exact).abs() <= 2.0**-8 * (exact.abs() + accumulation) + accumulation).all()
+        assert torch.equal(weight.float_output(x, b), got.float())
+    together = weight(x, bias)
+    for first, count in ((0, 1), (rows - 1, 1), (rows // 2, rows - rows // 2)):
+        assert torch.equal(weight(x[first:first + count], bias), together[first:first + count])
+
+
+def test_bf16_kernel_takes_bf16_widths_of_16_and_even_inputs_only():
+    """fp32, fp16, a width that is not a multiple of 16 (builtin:tiny's LM head: 258) and an odd input
+    size keep the other paths."""
+    assert not bf16_linear.takes(torch.randn(64, 64))
+    assert not bf16_linear.takes(torch.randn(64, 64).to(torch.float16))
+    assert not bf16_linear.takes(torch.randn(258, 64).to(torch.bfloat16))
+    assert not bf16_linear.takes(torch.randn(64, 63).to(torch.bfloat16))
+    assert bf16_linear.takes(torch.randn(64, 64).to(torch.bfloat16)) == bf16_linear.available()
+
+
 def test_avx2_linear_takes_fp32_and_bf16_widths_of_16_only():
     """fp16 and a width that is not a multiple of 16 (builtin:tiny's LM head: 258) keep the other paths."""
     assert not avx2_linear.takes(torch.randn(64, 64).to(torch.float16))
@@ -586,19 +629,25 @@ def test_avx2_linear_takes_fp32_and_bf16_widths_of_16_only():
 
 def test_each_cpu_takes_its_preferred_projection_kernel():
     """Which kernel a model's projections get, from the CPU's flags alone: AMX for bf16 where it has
-    AMX; the AVX2 kernel for fp32 and bf16 where it has AVX2 and FMA but no AVX-512 (oneDNN's
-    kernels use AVX-512 and are faster there); else oneDNN (bf16: only where oneDNN packs it). Each
-    kernel runs, and is tested, wherever its instructions exist, preferred or not."""
+    AMX; AVX-512 BF16's for bf16 where it has that and no AMX; the AVX2 kernel for fp32 and bf16 where
+    it has AVX2 and FMA but no AVX-512 (oneDNN's kernels use AVX-512 and are faster there); else oneDNN
+    (bf16: only where oneDNN packs it). Each kernel runs, and is tested, wherever its instructions
+    exist, preferred or not."""
     flags = _cpu_flags()
     avx2 = {"avx2", "fma"} <= flags
     assert avx2_linear.available() == avx2, "the kernels build with the compiler on these machines"
     assert avx2_linear.preferred() == (avx2 and "avx512f" not in flags)
     amx = {"amx_tile", "amx_bf16"} <= flags
     assert amx_linear.available() == amx
+    avx512_bf16 = {"avx512f", "avx512bw", "avx512_bf16"} <= flags
+    assert bf16_linear.available() == avx512_bf16
+    assert bf16_linear.preferred() == (avx512_bf16 and not amx)
     for dtype in (torch.float32, torch.bfloat16):
         model, _ = load_model(BUILTIN_TINY, CPU, dtype, compute=compute_for(CPU, dtype))
         if dtype == torch.bfloat16 and amx:
             expected: type = amx_linear.AMXWeight
+        elif dtype == torch.bfloat16 and avx512_bf16:
+            expected = bf16_linear.BF16Weight
         elif avx2 and "avx512f" not in flags:
             expected = avx2_linear.AVX2Weight
         elif dtype == torch.float32 or ONEDNN_BF16:
@@ -606,17 +655,19 @@ def test_each_cpu_takes_its_preferred_projection_kernel():
         else:
             expected = type(None)
         assert {type(p.packed) for p in model.layers[0].projections()} == {expected}, (dtype, sorted(flags & {
-            "avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}))
+            "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}))
 
 
 @pytest.fixture
 def avx2_projections(monkeypatch):
-    """The AVX2 kernel as the projections' kernel, on any CPU where it runs (on an AVX-512 or AMX CPU
-    another is preferred: this tests the AVX2 kernel there too)."""
+    """The AVX2 kernel as the projections' kernel, fp32 and bf16, on any CPU where it runs (on an
+    AVX-512 or AMX CPU another is preferred: this tests the AVX2 kernel there too)."""
     monkeypatch.setattr(avx2_linear, "preferred", lambda: True)
     monkeypatch.setattr(amx_linear, "available", lambda: False)
-    model, _ = load_model(BUILTIN_TINY, CPU, torch.float32, compute=compute_for(CPU, torch.float32))
-    assert all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
+    monkeypatch.setattr(bf16_linear, "available", lambda: False)
+    for dtype in (torch.float32, torch.bfloat16):
+        model, _ = load_model(BUILTIN_TINY, CPU, dtype, compute=compute_for(CPU, dtype))
+        assert all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in model.layers[0].projections())
 
 
 @needs_avx2_kernel

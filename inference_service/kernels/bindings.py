@@ -49,6 +49,10 @@ LIBRARIES: dict[str, dict[str, Signature]] = {
         "avx2_linear_f32": _LINEAR,
         "avx2_linear_bf16": _LINEAR,
     },
+    "bf16_linear": {
+        "bf16_linear_init": _FLAG,
+        "bf16_linear_bf16": _LINEAR,
+    },
     "quant_linear": {
         "quant_linear_vectorised": _FLAG,
         "quant_linear_q8_0_f32": _LINEAR,

@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 
-// Projections (amx_linear.c, avx2_linear.c, quant_linear.c): out [m, n] = x [m, k] W^T (+ bias),
+// Projections (amx_linear.c, avx2_linear.c, bf16_linear.c, quant_linear.c): out [m, n] = x [m, k] W^T (+ bias),
 // out in the activations' dtype or, with out_f32, fp32 holding the values rounded to it. 0, or
 // non-zero when a per-thread buffer could not be allocated.
 #define LORAPLEX_LINEAR_ARGS(T, W, O)                                                                       \
@@ -32,6 +32,10 @@ int avx2_linear_init(void);
 int avx2_linear_preferred(void);
 int avx2_linear_f32 LORAPLEX_LINEAR_ARGS(float, float, float);
 int avx2_linear_bf16 LORAPLEX_LINEAR_ARGS(uint16_t, uint16_t, void);
+
+// bf16_linear.c: init 1 where built with AVX-512 BF16 (and BW).
+int bf16_linear_init(void);
+int bf16_linear_bf16 LORAPLEX_LINEAR_ARGS(uint16_t, uint16_t, void);
 
 // quant_linear.c: vectorised 2 where built with AVX-512 VNNI (+ BW, F16C), 1 with AVX2, FMA and F16C, 0 portable C.
 int quant_linear_vectorised(void);

@@ -9,7 +9,8 @@ It is the engine's fast path, not the model's: the platform plan turns it on (`-
 only for a family whose layers are LLaMA's, as models/registry.py declares), the model runner builds
 it and asks it first each step, and the model knows nothing of it. Where it applies (`build` checks
 once, `hidden` per step; otherwise the runner takes the model's layer forward):
-- on CPU, every projection on one packed kernel that C can call (AMX's, in bf16; AVX2's or Q8_0/Q4_0's, in bf16 or
+- on CPU, every projection on one packed kernel that C can call (AMX's or AVX-512 BF16's, in bf16; AVX2's or
+  Q8_0/Q4_0's, in bf16 or
   fp32), the C fused per-token ops and the C decode attention built for the model's dtype, and the C
   LoRA op (or no adapters in the step);
 - batches of decodes alone (a prefill's attention is torch's SDPA).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.kernels import amx_linear, avx2_linear, fused, quant_linear
+from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, fused, quant_linear
 from inference_service.kernels import paged_attention as attention_kernels
 from inference_service.kernels.bindings import CFunction, function
 from inference_service.lora.backend import CpuLoRAOp
@@ -108,6 +109,8 @@ class DecodeStack:
         projections = [p for layer in model.layers for p in layer.projections()]
         if all(isinstance(p.packed, amx_linear.AMXWeight) for p in projections):
             linear = amx_linear.kernel_address()
+        elif all(isinstance(p.packed, bf16_linear.BF16Weight) for p in projections):
+            linear = bf16_linear.kernel_address()
         elif all(isinstance(p.packed, avx2_linear.AVX2Weight) for p in projections):
             linear = avx2_linear.kernel_address(model.dtype)
         elif all(isinstance(p.packed, quant_linear.QuantWeight) for p in projections) and len(
@@ -221,7 +224,8 @@ class DecodeStack:
 
     def _describe(self, entry: _Projection, projection: LoRALinear, keep_alive: list[object]) -> bool:
         packed = projection.packed
-        assert isinstance(packed, amx_linear.AMXWeight | avx2_linear.AVX2Weight | quant_linear.QuantWeight)  # build()
+        assert isinstance(packed, amx_linear.AMXWeight | bf16_linear.BF16Weight | avx2_linear.AVX2Weight
+                          | quant_linear.QuantWeight)  # build()
         bias = projection.bias
         if bias is not None:
             if bias.dtype != self.model.dtype:

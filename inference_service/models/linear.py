@@ -5,6 +5,9 @@ Packed forms, tried per weight in the order the platform plan gives (`WeightPack
   weights, and this kernel reads them at ~1.5x oneDNN's rate there (docs/performance.md, "Decode
   against the machine's roofline"); from 64 rows up to the 512 of a default prefill chunk it is
   level with oneDNN, and ~0.85 of its rate at 2048 rows in one step.
+- AVX-512 BF16 (`kernels/bf16_linear`): bf16 on CPUs with AVX-512 BF16 and no AMX (AMD Zen 4-5),
+  where torch's bf16 projections are a oneDNN call from Python per op and no C-callable kernel was
+  left for the decode stack; at 1-32 rows it runs 1.1-2.4x oneDNN's rate, at 512 rows 1.0-1.9x.
 - AVX2 (`kernels/avx2_linear`): fp32 on CPUs with AVX2 but no AVX-512 (AMD Zen 1-3), where
   oneDNN's kernels read a decode step's weights at a third of a plain read's rate.
 - Q8_0 / Q4_0 (`kernels/quant_linear`): a weight kept in GGUF's 8- or 4-bit blocks (`--weights-dtype`,
@@ -28,7 +31,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from inference_service.kernels import amx_linear, avx2_linear, quant_linear
+from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, quant_linear
 from inference_service.kernels.hugepages import Arena
 from inference_service.models.quantized import QuantizedWeight
 
@@ -88,7 +91,7 @@ def greedy_pick(x: torch.Tensor, bias: torch.Tensor | None,
 
 
 # The packed forms, in the order a weight tries them (the platform plan keeps those this host has).
-PACKED_FORMS = ("amx", "avx2", "onednn")
+PACKED_FORMS = ("amx", "bf16", "avx2", "onednn")
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class WeightPacking:
             packed: PackedWeight | None
             if form == "amx":
                 packed = amx_linear.pack(weight, arena)
+            elif form == "bf16":
+                packed = bf16_linear.pack(weight, arena)
             elif form == "avx2":
                 packed = avx2_linear.pack(weight)
             else:
@@ -141,10 +146,12 @@ class WeightPacking:
         return Arena(total, torch.uint8) if total else None
 
     def arena_for(self, weights: list[torch.Tensor]) -> Arena | None:
-        """One huge-page arena for the packed copies of those `weights` the AMX kernel takes (None if none)."""
-        if "amx" not in self.forms:
+        """One huge-page arena for the packed copies of those `weights` the first bf16 kernel of the forms
+        (AMX's, else AVX-512 BF16's) takes (None if none)."""
+        takes = amx_linear.packable if "amx" in self.forms else bf16_linear.takes if "bf16" in self.forms else None
+        if takes is None:
             return None
-        numel = sum(w.numel() for w in weights if amx_linear.packable(w))
+        numel = sum(w.numel() for w in weights if takes(w))
         return Arena(numel, torch.bfloat16) if numel and self.huge_pages else None
 
 

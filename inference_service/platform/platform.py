@@ -70,7 +70,8 @@ class Platform:
         if graphs:  # a captured decode step reads dense weights
             packing = WeightPacking(huge_pages=huge_pages)
         else:
-            forms = (("amx",) if found.amx_linear else ()) + (("avx2",) if found.avx2_linear_preferred else ())
+            forms = (("amx",) if found.amx_linear else ()) + (("bf16",) if found.bf16_linear_preferred else ())
+            forms += ("avx2",) if found.avx2_linear_preferred else ()
             forms += ("onednn",) if on_cpu else ()
             packing = WeightPacking(forms, quantized=found.quant_linear, huge_pages=huge_pages)
         attention_backend, prefill_kernel = _attention(settings.attention_backend, device, dtype, kernels_on, found)

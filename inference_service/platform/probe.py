@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from inference_service.kernels import amx_linear, avx2_linear, fused, quant_linear
+from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, fused, quant_linear
 from inference_service.kernels import paged_attention as attention_kernels
 from inference_service.kernels.build import load_library
 from inference_service.lora import backend as lora_kernels
@@ -49,6 +49,7 @@ class CpuKernels:
     """Which C kernels load here for a model dtype (each built now where it is not yet)."""
 
     amx_linear: bool
+    bf16_linear_preferred: bool
     avx2_linear_preferred: bool
     quant_linear: bool
     fused: bool
@@ -63,6 +64,7 @@ class CpuKernels:
         cpu = torch.device("cpu")
         return cls(
             amx_linear=amx_linear.available(),
+            bf16_linear_preferred=bf16_linear.preferred(),
             avx2_linear_preferred=avx2_linear.preferred(),
             quant_linear=quant_linear.available(),
             fused=fused.available(cpu, dtype),
@@ -75,4 +77,4 @@ class CpuKernels:
 
     @classmethod
     def none(cls) -> CpuKernels:
-        return cls(False, False, False, False, False, False, False, False, False)
+        return cls(False, False, False, False, False, False, False, False, False, False)
