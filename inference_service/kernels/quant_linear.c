@@ -90,7 +90,8 @@ static inline int32_t group_of(const int8_t *q) {  // 4 consecutive int8 as one 
 }
 
 // The weights a thread reads next (its next panel, or pair of panels), asked into the cache a part
-// per block while a tile of at least PREFETCH_ROWS rows computes on the current ones: a step's
+// per block while a tile of at least PREFETCH_ROWS rows computes on the current ones, each tile of
+// the unit its share (the first tile asking for all of it left the Q8_0 LM head 20% slower): a step's
 // weights are far larger than the L3, and the hardware prefetcher alone left the 32-row Q4_0 gate_up
 // ~20% slower than with its weights in cache. Fewer rows leave no compute to hide the reads behind
 // (one row read 10% slower with it).
@@ -99,6 +100,14 @@ typedef struct {
     const uint8_t *at;  // NULL: nothing to fetch
     int64_t bytes;
 } Upcoming;
+
+// Tile i of `tiles` fetches the i-th part of the next unit's weights: spread over every tile of the
+// unit, not asked for at once by the first.
+static inline Upcoming part_of(Upcoming next, int64_t i, int64_t tiles) {
+    if (!next.at) return next;
+    const int64_t from = (i * next.bytes / tiles) & ~(int64_t)63, to = (i + 1) * next.bytes / tiles;
+    return (Upcoming){next.at + from, to - from};
+}
 
 static inline __attribute__((always_inline)) void prefetch_part(Upcoming next, int64_t b, int64_t kb) {
     if (!next.at) return;
@@ -433,8 +442,8 @@ static void quantize_row(const void *x, int wide, int64_t row, int64_t k, const 
 }
 
 
-// The first tile of a unit fetches the next unit's weights (the others find them in cache).
-#define TILE(MR) tile(a, panel, bias, out, m0, col, n, k, MR, qt, out_kind, m0 ? (Upcoming){NULL, 0} : next)
+#define TILE(MR) tile(a, panel, bias, out, m0, col, n, k, MR, qt, out_kind, \
+                      part_of(next, m0 / MAX_ROWS, (m + MAX_ROWS - 1) / MAX_ROWS))
 
 // Every row against one panel: tiles of MAX_ROWS rows, then the remainder (each tile size a constant).
 static inline __attribute__((always_inline)) void panel_rows(const Activations *a, const uint8_t *panel,
@@ -457,8 +466,9 @@ static inline __attribute__((always_inline)) void panel_rows(const Activations *
 
 #ifdef MAX_PAIR_ROWS
 #define PAIRED(QT) ((QT) == Q8_0)  // units of two panels (pair_tile)
-#define PAIR_TILE(MR) \
-    pair_tile(a, panel, panel_bytes, bias, out, m0, col, n, k, MR, out_kind, m0 ? (Upcoming){NULL, 0} : next)
+#define PAIR_TILE(MR)                                                              \
+    pair_tile(a, panel, panel_bytes, bias, out, m0, col, n, k, MR, out_kind, \
+              part_of(next, m0 / MAX_PAIR_ROWS, (m + MAX_PAIR_ROWS - 1) / MAX_PAIR_ROWS))
 
 // Every row against two neighbouring panels (Q8_0): tiles of MAX_PAIR_ROWS rows, then the remainder.
 static inline __attribute__((always_inline)) void pair_rows(const Activations *a, const uint8_t *panel,
