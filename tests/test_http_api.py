@@ -403,6 +403,8 @@ def test_client_closing_mid_stream_aborts_and_leaves_metrics_leak_free(env):
     leaks = _wait_leak_free(server, within=HANG_S)
     assert not leaks, f"still held after the client left: {leaks}"
     assert _log_has(server, f"request {request_id} adapter={ADAPTERS[1]} finish=cancelled status=499")
+    line = next(line for line in server.log().splitlines() if f"request {request_id} adapter=" in line)
+    assert line.endswith(" tenant=anonymous"), line  # whose request it was
 
 
 def test_client_leaving_a_non_streaming_request_aborts_it(env):

@@ -181,3 +181,4 @@ def test_request_outcome_logged(server):
         time.sleep(0.1)
     line = next(ln for ln in server.log().splitlines() if "loraplex.server: request logged-req-1" in ln)
     assert "adapter=ad2" in line and "finish=length" in line and "code=OK" in line and "tokens=3" in line
+    assert line.endswith(" tenant=anonymous"), line  # no credential: the anonymous tenant

@@ -21,6 +21,7 @@ import pytest
 from adapter_cache.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import VICTIM_PROMPT, assert_clean, solo_run, victim_beside
+from harness.waiting import wait_until
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
@@ -165,6 +166,29 @@ def _refused_everywhere(server: InferenceServer, md: tuple[tuple[str, str], ...]
         assert response.status_code == 401, (why, response.text)
         assert response.headers["www-authenticate"] == "Bearer"
         assert response.json()["error"]["code"] == "UNAUTHENTICATED"
+
+
+def test_each_requests_outcome_is_logged_with_its_tenant(env) -> None:
+    """gRPC and HTTP: the request's one outcome line names the tenant its credential is, and a
+    request whose credential is refused names none."""
+    server, _ = env
+    with InferenceClient(server.address) as c:
+        req = c.request("hello", max_new_tokens=2, ignore_eos=True, request_id="tenant-logged-grpc")
+        list(c.stub.Generate(req, metadata=_md("beta"), timeout=60))
+    r = httpx.post(server.http_url + "/v1/completions", headers=_headers("alpha"), timeout=60,
+                   json={"model": "builtin:tiny", "prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    http_id = r.json()["id"]
+    refused, _ = _code(lambda: _generate(server, _md(raw="not-a-known-token")))
+    assert refused == grpc.StatusCode.UNAUTHENTICATED
+
+    def line(needle: str) -> str:
+        wait_until(lambda: any(needle in ln for ln in server.log().splitlines()), f"the log line of {needle}")
+        return next(ln for ln in server.log().splitlines() if needle in ln)
+
+    assert line("request tenant-logged-grpc adapter=").endswith(" tenant=beta")
+    assert line(f"request {http_id} adapter=").endswith(" tenant=alpha")
+    assert any(" code=UNAUTHENTICATED " in ln and ln.endswith(" tenant=-") for ln in server.log().splitlines())
 
 
 def test_a_repeated_identity_header_is_refused(env) -> None:

@@ -68,6 +68,11 @@ class Generation:
         self.finished, self.reasons, self.generated = [False] * n, [None] * n, [0] * n
 
     @property
+    def tenant(self) -> str:
+        """The name of the tenant it runs for (what its outcome's log line names)."""
+        return self.ticket.tenant.name
+
+    @property
     def n(self) -> int:
         return len(self.streams)
 

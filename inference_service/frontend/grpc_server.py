@@ -92,8 +92,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         abort_reason = FinishReason.CANCELLED
         cancelled = False
         gen: Generation | None = None
+        tenant_name = "-"  # until the caller's credential is read
         try:
             tenant = self._tenant(context)
+            tenant_name = tenant.name
             self.admission.enter(tenant)
             request = proto.parse(pb.GenerateRequest, raw)
             request_id = request.request_id or uuid.uuid4().hex
@@ -141,8 +143,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 gen.close(abort_reason)  # every sample not seen ending, each once; the ticket released
                 finish, tokens = gen.finish, gen.tokens
             self._count("Generate", code)
-            log.info("request %s adapter=%s finish=%s code=%s tokens=%d seconds=%.3f", shown(request_id),
-                     shown(adapter) if adapter else "-", finish, code, tokens, time.monotonic() - started)
+            log.info("request %s adapter=%s finish=%s code=%s tokens=%d seconds=%.3f tenant=%s", shown(request_id),
+                     shown(adapter) if adapter else "-", finish, code, tokens, time.monotonic() - started,
+                     tenant_name)
 
     # ---- admin ----------------------------------------------------------------------------
     async def LoadAdapter(self, raw: bytes, context: grpc.aio.ServicerContext):

@@ -46,5 +46,5 @@ class Exchange:
             return
         if gen.close() and self.status == 200:  # a sample was still running: the client left
             self.status = 499
-        log.info("request %s adapter=%s finish=%s status=%d tokens=%d seconds=%.3f", gen.request_id,
-                 gen.adapter or "-", gen.finish, self.status, gen.tokens, time.monotonic() - gen.started)
+        log.info("request %s adapter=%s finish=%s status=%d tokens=%d seconds=%.3f tenant=%s", gen.request_id,
+                 gen.adapter or "-", gen.finish, self.status, gen.tokens, time.monotonic() - gen.started, gen.tenant)
