@@ -109,6 +109,7 @@ def _function() -> CFunction | None:
     if init is None:
         return None
     if not init():
-        log.info("no AMX on this CPU (or the kernel denied its tile state): bf16 projections use oneDNN")
+        log.info("no AMX on this CPU (or the kernel denied its tile state): bf16 projections use another kernel "
+                 "(the platform plan names it)")
         return None
     return function("amx_linear", "amx_linear_bf16")
