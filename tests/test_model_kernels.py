@@ -112,6 +112,21 @@ def test_paged_decode_kernel_matches_gather_and_sdpa(dtype, q_heads, kv_heads, h
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+def _bf16_contexts(q_heads: int, kv_heads: int, head_dim: int, block_size: int,
+                   seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k_cache, v_cache, tables, lens) in bf16 for 8 sequences of 1, 15, 16, 17, 33, 100, 0 and 64
+    tokens: contexts ending inside a 16-token chunk, on one's edge, past several, and an empty one."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 0, 64])
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = width * len(lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    return q, k_cache, v_cache, tables, lens
+
+
 # Groups of 1-8 query heads (P V takes 4 at a time for 64 dims and under, 2 for more), head dims 32-128.
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 32), (14, 2, 64), (8, 1, 128),
                                                       (12, 4, 96), (4, 4, 128)])
@@ -119,15 +134,7 @@ def test_bf16_decode_attention_over_contexts_of_many_16_token_chunks_matches_gat
                                                                                              head_dim):
     """bf16 caches, contexts ending inside, on and past 16-token chunks (the AVX-512 BF16 path sums 16
     tokens' scores at once), an empty one among them; more sequences than threads and fewer."""
-    gen = torch.Generator().manual_seed(q_heads * 1000 + head_dim)
-    lens = torch.tensor([1, 15, 16, 17, 33, 100, 0, 64])
-    block_size = 16
-    width = -(-int(lens.max()) // block_size)
-    num_blocks = width * len(lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
-    q = torch.randn(len(lens), q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    q, k_cache, v_cache, tables, lens = _bf16_contexts(q_heads, kv_heads, head_dim, 16, seed=q_heads * 1000 + head_dim)
     for rows in (slice(None), slice(5, 6)):
         got = cpu_kernels.decode_attention(q[rows], k_cache, v_cache, tables[rows], lens[rows])
         assert got is not None
@@ -146,14 +153,8 @@ def test_amx_decode_attention_matches_gather_and_sdpa(q_heads, kv_heads, head_di
     """The AMX variant (bf16, head_dim 64 and 128): query groups of 1 to 16 heads (in sub-blocks of
     its registers), contexts ending inside a tile, on a tile's edge and past several blocks."""
     assert cpu_kernels._amx_kernel(q_heads, kv_heads, head_dim, block_size) is not None
-    gen = torch.Generator().manual_seed(q_heads * 1000 + head_dim + block_size)
-    lens = torch.tensor([1, 15, 16, 17, 33, 100, 0, 64])
-    width = -(-int(lens.max()) // block_size)
-    num_blocks = width * len(lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
-    q = torch.randn(len(lens), q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    q, k_cache, v_cache, tables, lens = _bf16_contexts(q_heads, kv_heads, head_dim, block_size,
+                                                       seed=q_heads * 1000 + head_dim + block_size)
     got = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens)
     assert got is not None
     assert not got[6].any(), "an empty context attends to nothing"
