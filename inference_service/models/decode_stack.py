@@ -9,10 +9,9 @@ It is the engine's fast path, not the model's: the platform plan turns it on (`-
 only for a family whose layers are LLaMA's, as models/registry.py declares), the model runner builds
 it and asks it first each step, and the model knows nothing of it. Where it applies (`build` checks
 once, `hidden` per step; otherwise the runner takes the model's layer forward):
-- on CPU, every projection on one packed kernel that C can call (AMX's or AVX-512 BF16's, in bf16; AVX2's or
-  Q8_0/Q4_0's, in bf16 or
-  fp32), the C fused per-token ops and the C decode attention built for the model's dtype, and the C
-  LoRA op (or no adapters in the step);
+- on CPU, every projection on one packed kernel that C can call (AMX's or AVX-512 BF16's, in bf16;
+  AVX2's or Q8_0/Q4_0's, in bf16 or fp32), the C fused per-token ops and the C decode attention built
+  for the model's dtype, and the C LoRA op (or no adapters in the step);
 - batches of decodes alone (a prefill's attention is torch's SDPA).
 """
 
