@@ -586,12 +586,12 @@ def test_avx2_bf16_linear_is_the_fp32_kernel_on_the_widened_values_rounded_once(
 @needs_avx2_kernel
 @needs_bf16_kernel
 @pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (272, 160), (3072, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 32, 67])
 def test_bf16_kernel_is_the_exact_product_summed_in_fp32_and_rounded_once(rows, out_features, in_features):
     """The AVX-512 BF16 kernel against the exact product of the same bf16 values: off by at most fp32's
     accumulation error (k adds of 2^-24 relative) and one bf16 rounding; units of 1-4 panels (17 panels:
-    pairs and a lone one), tiles of 1-8 rows; its fp32 output holds exactly its bf16 values; a row's
-    output does not depend on the rows beside it."""
+    pairs and a lone one), tiles of 1-8 rows (67: a prefill chunk's 8 full tiles and a remainder); its
+    fp32 output holds exactly its bf16 values; a row's output does not depend on the rows beside it."""
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
