@@ -177,7 +177,12 @@ def main(argv: list[str] | None = None) -> None:
              args.listen, args.shm_dir, args.capacity_bytes, args.metrics_port or "off", args.allow_prefix)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        # A signal ignored when the process started stays ignored: whoever started it so stops it
+        # itself. `make run`'s script starts the sidecar in the background, where bash ignores SIGINT,
+        # and stops it after the server: had the sidecar ended on the terminal's Ctrl-C too, the
+        # script could find it gone before its own trap ran and report a part that died (exit 1).
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down")
     health_servicer.enter_graceful_shutdown()

@@ -174,6 +174,25 @@ def test_make_run_builtin_tiny_starts_and_stops_on_sigterm(tiny_stack: Stack) ->
 
 
 @pytest.mark.timeout(300)
+def test_a_ctrl_c_is_the_scripts_to_act_on_not_the_sidecars(tiny_stack: Stack) -> None:
+    """The sidecar runs with the SIGINT its background start ignores: the terminal's Ctrl-C cannot
+    end it before the script's own trap has run (which the script would report as a part that died,
+    exit 1). A SIGINT sent to the sidecar alone leaves it serving; Ctrl-C to the whole stack then
+    stops everything, the sidecar last, with exit 0."""
+    stack = tiny_stack
+    stack.wait_serving(timeout=120)
+    sidecar = next(pid for pid in _session_pids(stack.proc.pid)
+                   if b"adapter_cache.cli" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    os.kill(sidecar, signal.SIGINT)
+    time.sleep(1.0)  # how long it would take to notice: it stops within milliseconds when it acts on one
+    assert Path(f"/proc/{sidecar}").exists() and stack.proc.poll() is None, stack.tail()
+    with InferenceClient(stack.grpc_addr) as client:
+        assert client.generate_text("Hello", adapter="demo-1", max_new_tokens=4)
+    _stopped_cleanly(stack, signal.SIGINT, whole_group=True)
+    assert "sidecar exited" not in stack.tail()
+
+
+@pytest.mark.timeout(300)
 def test_make_run_stops_the_stack_with_one_line_when_a_part_dies(tmp_path: Path) -> None:
     """The sidecar's metrics port is taken: the script stops at once with the cause in one line,
     prints no serving banner and leaves no process behind."""
