@@ -15,7 +15,7 @@ from harness.platform import compute_for
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
 from inference_service.engine.request import Request, SamplingParams
-from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, bindings, build, fused, greedy
+from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, bindings, build, fused, greedy, variants
 from inference_service.kernels import paged_attention as cpu_kernels
 from inference_service.lora import backend as lora_kernel
 from inference_service.models import linear as dense
@@ -640,7 +640,8 @@ def test_each_cpu_takes_its_preferred_projection_kernel():
     assert avx2_linear.preferred() == (avx2 and "avx512f" not in flags)
     amx = {"amx_tile", "amx_bf16"} <= flags
     assert amx_linear.available() == amx
-    avx512_bf16 = {"avx512f", "avx512bw", "avx512_bf16"} <= flags
+    # the avx512-bf16 variant or a better one runs here (its flags: x86-64-v4's, VNNI's and BF16's)
+    avx512_bf16 = any(v.score >= 50 for v in variants.runnable(flags, variants.X86_64))
     assert bf16_linear.available() == avx512_bf16
     assert bf16_linear.preferred() == (avx512_bf16 and not amx)
     for dtype in (torch.float32, torch.bfloat16):
