@@ -49,16 +49,6 @@ static inline __attribute__((always_inline)) void store16(__m512 v, void *out, i
     else _mm512_storeu_ps((float *)out + at, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
 }
 
-// The weights a tile's thread reads next, asked into the cache a part per input pair while a tile of
-// at least PREFETCH_ROWS rows computes (fewer rows leave nothing to hide the reads behind), each tile
-// of the unit its share: with its weights streamed, the 32-row gate_up ran at 342 GFLOP/s without the
-// prefetch or with the first tile asking for all of it, at 424 so (449 with the weights in cache).
-#define PREFETCH_ROWS 8
-typedef struct {
-    const char *at;  // NULL: nothing to fetch
-    int64_t bytes;
-} Upcoming;
-
 // Rows m0 .. m0 + mr against panels p .. p + np (each `panel_bytes` long, consecutive at `unit`).
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, const char *unit, int64_t panel_bytes,
                                                        const uint16_t *bias, void *out, int64_t m0, int64_t p,
@@ -67,10 +57,13 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
     __m512 acc[MAX_ROWS][WIDE_UNIT];
     for (int r = 0; r < mr; r++)
         for (int q = 0; q < np; q++) acc[r][q] = _mm512_setzero_ps();
+    // The tile's part of the next unit (common.h's Upcoming), line i by pair i x pairs / lines. Checked
+    // before any arithmetic: a pair is only 16 `vdpbf16ps`, and per-pair work for a tile with nothing to
+    // fetch (or quant_linear's per-block share computed per pair) cost this tile 5-8%.
     const int64_t pairs = k / 2, lines = next.at ? (next.bytes + 63) / 64 : 0;
     int64_t fetched = 0;
     for (int64_t j = 0; j < pairs; j++) {
-        if (next.at) {  // spread over the pairs: line i by pair i x pairs / lines
+        if (next.at) {
             for (const int64_t upto = (j + 1) * lines / pairs; fetched < upto; fetched++)
                 __builtin_prefetch(next.at + 64 * fetched, 0, 3);
         }
@@ -90,16 +83,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
     }
 }
 
-// Tile i of `tiles` fetches the i-th part of the next unit's weights: spread over every tile of the
-// unit, not asked for at once by the first.
-static inline Upcoming part_of(Upcoming next, int64_t i, int64_t tiles) {
-    if (!next.at) return next;
-    const int64_t from = (i * next.bytes / tiles) & ~(int64_t)63, to = (i + 1) * next.bytes / tiles;
-    return (Upcoming){next.at + from, to - from};
-}
-
 #define TILE(MR, NP) \
-    tile(x, unit, panel_bytes, bias, out, m0, p, n, k, MR, NP, out_kind, part_of(next, m0 / MAX_ROWS, tiles))
+    tile(x, unit, panel_bytes, bias, out, m0, p, n, k, MR, NP, out_kind, upcoming_part(next, m0 / MAX_ROWS, tiles))
 
 // Every row against the np panels at `unit` (np <= UNIT, or <= WIDE_UNIT for up to NARROW_ROWS rows).
 static inline __attribute__((always_inline)) void unit_rows(const uint16_t *x, const char *unit, int64_t panel_bytes,

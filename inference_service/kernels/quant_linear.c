@@ -89,26 +89,7 @@ static inline int32_t group_of(const int8_t *q) {  // 4 consecutive int8 as one 
     return v;
 }
 
-// The weights a thread reads next (its next panel, or pair of panels), asked into the cache a part
-// per block while a tile of at least PREFETCH_ROWS rows computes on the current ones, each tile of
-// the unit its share (the first tile asking for all of it left the Q8_0 LM head 20% slower): a step's
-// weights are far larger than the L3, and the hardware prefetcher alone left the 32-row Q4_0 gate_up
-// ~20% slower than with its weights in cache. Fewer rows leave no compute to hide the reads behind
-// (one row read 10% slower with it).
-#define PREFETCH_ROWS 8
-typedef struct {
-    const uint8_t *at;  // NULL: nothing to fetch
-    int64_t bytes;
-} Upcoming;
-
-// Tile i of `tiles` fetches the i-th part of the next unit's weights: spread over every tile of the
-// unit, not asked for at once by the first.
-static inline Upcoming part_of(Upcoming next, int64_t i, int64_t tiles) {
-    if (!next.at) return next;
-    const int64_t from = (i * next.bytes / tiles) & ~(int64_t)63, to = (i + 1) * next.bytes / tiles;
-    return (Upcoming){next.at + from, to - from};
-}
-
+// Block b of a tile's kb asks for its share of the tile's part of the next unit (common.h's Upcoming).
 static inline __attribute__((always_inline)) void prefetch_part(Upcoming next, int64_t b, int64_t kb) {
     if (!next.at) return;
     for (int64_t o = (b * next.bytes / kb) & ~(int64_t)63; o < (b + 1) * next.bytes / kb; o += 64)
@@ -443,7 +424,7 @@ static void quantize_row(const void *x, int wide, int64_t row, int64_t k, const 
 
 
 #define TILE(MR) tile(a, panel, bias, out, m0, col, n, k, MR, qt, out_kind, \
-                      part_of(next, m0 / MAX_ROWS, (m + MAX_ROWS - 1) / MAX_ROWS))
+                      upcoming_part(next, m0 / MAX_ROWS, (m + MAX_ROWS - 1) / MAX_ROWS))
 
 // Every row against one panel: tiles of MAX_ROWS rows, then the remainder (each tile size a constant).
 static inline __attribute__((always_inline)) void panel_rows(const Activations *a, const uint8_t *panel,
@@ -468,7 +449,7 @@ static inline __attribute__((always_inline)) void panel_rows(const Activations *
 #define PAIRED(QT) ((QT) == Q8_0)  // units of two panels (pair_tile)
 #define PAIR_TILE(MR)                                                              \
     pair_tile(a, panel, panel_bytes, bias, out, m0, col, n, k, MR, out_kind, \
-              part_of(next, m0 / MAX_PAIR_ROWS, (m + MAX_PAIR_ROWS - 1) / MAX_PAIR_ROWS))
+              upcoming_part(next, m0 / MAX_PAIR_ROWS, (m + MAX_PAIR_ROWS - 1) / MAX_PAIR_ROWS))
 
 // Every row against two neighbouring panels (Q8_0): tiles of MAX_PAIR_ROWS rows, then the remainder.
 static inline __attribute__((always_inline)) void pair_rows(const Activations *a, const uint8_t *panel,
@@ -504,7 +485,8 @@ static inline __attribute__((always_inline)) void unit_rows(const Activations *a
                                                             const int out_kind) {
     const int64_t panels = n / PANEL, width = PAIRED(qt) ? 2 : 1, p = u * width;
     const int64_t next_panels = panels - (p + width) < width ? panels - (p + width) : width;
-    const Upcoming next = {m >= PREFETCH_ROWS && next_panels > 0 ? packed + (p + width) * panel_bytes : NULL,
+    const Upcoming next = {m >= PREFETCH_ROWS && next_panels > 0 ? (const char *)packed + (p + width) * panel_bytes
+                                                                  : NULL,
                            next_panels * panel_bytes};
     if (width == 2 && p + 1 < panels)
         pair_rows(a, packed + p * panel_bytes, panel_bytes, bias, out, p * PANEL, m, n, k, out_kind, next);
