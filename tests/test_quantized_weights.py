@@ -182,6 +182,8 @@ def test_every_build_gives_the_loaded_builds_bits(builds, variant, path, qtype, 
     fn.restype, fn.argtypes = signature.restype, list(signature.argtypes)
     for rows in (1, 3, 7, 9, 32):
         x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+        if rows >= 8:  # blocks of zeros (scale 0) and of subnormals (a scale that rounds to 0 or near it)
+            x[5], x[6] = 0.0, x[6] * 1e-39
         out = torch.empty(rows, n, dtype=dtype)
         assert fn(x.data_ptr(), weight.storage.data_ptr(), bias.data_ptr(), out.data_ptr(), rows, n, k, 0) == 0
         assert torch.equal(out, weight(x, bias)), rows
