@@ -342,18 +342,21 @@ static void scores_bf16(const uint16_t *q, const uint16_t *k_base, const int64_t
         const int64_t chunks = batch >= omp_get_max_threads() ? 1 : kv_heads;                           \
         const int64_t per_chunk = kv_heads / chunks;                                                    \
         int failed = 0;                                                                                 \
-        /* Tasks taken one at a time as threads free up (sequences differ in length), each thread      \
-           holding the one it takes next, whose rows it fetches meanwhile (NextTask). */                \
+        /* Tasks taken one at a time as threads free up (sequences differ in length). Where a task is  \
+           a sequence, a thread also holds the one it takes next, whose rows it fetches meanwhile       \
+           (NextTask), while more are left than threads to share them: 2 sequences on 2 threads each    \
+           take one. */                                                                                 \
         const int64_t tasks = batch * chunks;                                                           \
         int64_t taken = 0;                                                                              \
         _Pragma("omp parallel")                                                                         \
-        for (int64_t task = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED),                            \
-                     ahead = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);                           \
-             task < tasks; task = ahead, ahead = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {     \
+        for (int64_t task = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED), ahead = tasks; task < tasks; \
+             task = ahead < tasks ? ahead : __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED), ahead = tasks) { \
+            if (chunks == 1 && __atomic_load_n(&taken, __ATOMIC_RELAXED) + omp_get_num_threads() <= tasks) \
+                ahead = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);                                \
             {                                                                                           \
                 const int64_t b = task / chunks, c = task % chunks;                                     \
                 NextTask next = {0};                                                                    \
-                if (ahead < tasks && chunks == 1) /* a task per sequence: its whole rows */            \
+                if (ahead < tasks) /* a task per sequence: its whole rows */                           \
                     next = next_task(k_cache, v_cache, tables + ahead * max_blocks, lens[ahead], block_size, \
                                      row * (int64_t)sizeof(T));                                         \
                 const int64_t len = lens[b], h0 = c * per_chunk * group, nh = per_chunk * group;        \
