@@ -96,10 +96,10 @@ def test_each_variant_requires_every_instruction_set_its_flags_enable(variant):
 @needs_compiler
 @needs_x86
 def test_the_variants_build_their_kernels_paths(tmp_path):
-    """amx_linear, bf16_linear and avx2_linear in every variant: AMX tile products only in sapphirerapids,
-    `vdpbf16ps` projections from avx512-bf16 up; each variant this CPU runs reports the paths its name
-    says (AVX2 kernel from x86-64-v3 up, preferred only below AVX-512)."""
-    libraries = ["amx_linear", "avx2_linear", "bf16_linear"]
+    """amx_linear, bf16_linear, avx2_linear and quant_linear in every variant: AMX tile products (bf16 and
+    int8) only in sapphirerapids, `vdpbf16ps` projections from avx512-bf16 up; each variant this CPU runs
+    reports the paths its name says (AVX2 kernel from x86-64-v3 up, preferred only below AVX-512)."""
+    libraries = ["amx_linear", "avx2_linear", "bf16_linear", "quant_linear"]
     manifest = build.build_all(tmp_path, X86_64, libraries=libraries)
     assert set(manifest) == {v.name for v in X86_64}
     for variant in X86_64:
@@ -109,6 +109,7 @@ def test_the_variants_build_their_kernels_paths(tmp_path):
                 return subprocess.run(["objdump", "-d", str(tmp_path / variant.name / f"{library}.so")],  # noqa: B023
                                       capture_output=True, text=True, check=True).stdout
             assert ("tdpbf16ps" in code("amx_linear")) == (variant.name == "sapphirerapids")
+            assert ("tdpbsud" in code("quant_linear")) == (variant.name == "sapphirerapids")
             assert ("vdpbf16ps" in code("bf16_linear")) == (variant.score >= 50)
     for variant in variants.runnable(variants.cpu_flags(), X86_64):
         avx2 = ctypes.CDLL(str(tmp_path / variant.name / "avx2_linear.so"))

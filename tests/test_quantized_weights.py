@@ -139,12 +139,21 @@ def test_bf16_kernel_equals_dequantized_reference_rounded(qtype, rows):
     assert as_float.dtype == torch.float32 and torch.equal(as_float, got.float())
 
 
+# The AVX-512 VNNI build with the AMX-INT8 tiles' C model (kernels/amx_tiles.h) in place of the hardware's:
+# the tile code an AMX host runs, run and checked on any AVX-512 VNNI host.
+AMX_MODEL = variants.Variant("amx-int8-model", (*next(v for v in variants.X86_64 if v.name == "avx512-bf16").flags,
+                                                 "-DLORAPLEX_AMX_EMULATE"),
+                             next(v for v in variants.X86_64 if v.name == "avx512-bf16").requires, 0)
+
+
 def _variant(name: str) -> variants.Variant:
-    return next(v for v in variants.X86_64 if v.name == name)
+    return next(v for v in (*variants.X86_64, AMX_MODEL) if v.name == name)
 
 
-# Each build's path by quant_linear_vectorised(): portable C, AVX2, AVX-512 VNNI.
-BUILDS = [("x86-64", 0), ("x86-64-v3", 1), ("x86-64-v4", 1), ("avx512-bf16", 2)]
+# Each build's path by quant_linear_vectorised(): portable C, AVX2, AVX-512 VNNI, AMX-INT8 tiles from 16 rows
+# (sapphirerapids: where this process may use them).
+BUILDS = [("x86-64", 0), ("x86-64-v3", 1), ("x86-64-v4", 1), ("avx512-bf16", 2), ("amx-int8-model", 3),
+          ("sapphirerapids", 3)]
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +185,7 @@ def test_every_build_gives_the_loaded_builds_bits(builds, variant, path, qtype, 
     n, k = 272, 160
     blocks, reference_w = _weight(qtype, n, k, seed=7)
     weight = quant_linear.pack(qtype, blocks, n, k, dtype)
-    symbol = f"quant_linear_{qtype.lower()}_{'f32' if dtype == torch.float32 else 'bf16'}"
-    fn = getattr(other, symbol)
-    signature = bindings.LIBRARIES["quant_linear"][symbol]  # the table's types, on this other build
-    fn.restype, fn.argtypes = signature.restype, list(signature.argtypes)
+    fn = _typed(other, f"quant_linear_{qtype.lower()}_{'f32' if dtype == torch.float32 else 'bf16'}")
     for rows in (1, 3, 7, 9, 32):
         x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
         if rows >= 8:  # blocks of zeros (scale 0) and of subnormals (a scale that rounds to 0 or near it)
@@ -199,6 +205,86 @@ def test_every_build_gives_the_loaded_builds_bits(builds, variant, path, qtype, 
     assert out[1:3].isnan().all()
     finite = x[[0, 3]]
     assert torch.equal(out[[0, 3]], weight(finite, None))
+    assert other.quant_linear_amx_faults() == 0
+
+
+def _typed(library: ctypes.CDLL, symbol: str) -> ctypes._CFuncPtr:
+    """`symbol` of a library built here, typed as the bindings table types it."""
+    fn = getattr(library, symbol)
+    signature = bindings.LIBRARIES["quant_linear"][symbol]
+    fn.restype, fn.argtypes = signature.restype, list(signature.argtypes)
+    return fn
+
+
+@pytest.mark.parametrize("variant", ["amx-int8-model", "sapphirerapids"])
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype,float_output", [(torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 1)])
+def test_amx_tiles_give_the_vnni_tiles_bits(builds, variant, qtype, dtype, float_output):
+    """The AMX-INT8 path (16 rows and more) against the same build's VNNI tiles (`quant_linear_allow_amx(0)`)
+    on the same panels: one and two 16-row tiles, a partial second tile, several 32-row blocks, one panel
+    and odd panel counts (a unit of one panel at the end), with and without bias, rows of zeros, of
+    subnormals and non-finite rows; equal bits, and nothing the hardware would fault on (the C model counts
+    it). The sapphirerapids build runs the hardware's tiles where this CPU has them."""
+    if not _variant(variant).requires <= variants.cpu_flags():
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    library = builds(variant)
+    if library.quant_linear_vectorised() != quant_linear.AMX_PATH:
+        pytest.skip("Linux does not let this process use AMX's tile state")
+    fn = _typed(library, f"quant_linear_{qtype.lower()}_{'f32' if dtype == torch.float32 else 'bf16'}")
+    allow = _typed(library, "quant_linear_allow_amx")
+    generator = torch.Generator().manual_seed(3)
+    for n, k in [(16, 32), (48, 96), (272, 160), (64, 576)]:
+        blocks, _ = _weight(qtype, n, k, seed=n)
+        panels = torch.from_numpy(quant_linear.panels(qtype, blocks, n, k))
+        for rows in (15, 16, 17, 31, 32, 33, 70):
+            x = torch.randn(rows, k, generator=generator).to(dtype)
+            x[3], x[5], x[7, 0] = 0.0, x[5] * 1e-39, float("nan")
+            x[9, k - 1] = float("inf")
+            for bias in (None, torch.randn(n, generator=generator).to(dtype)):
+                outputs = {}
+                for tiles in (1, 0):
+                    assert allow(tiles) == (quant_linear.AMX_PATH if tiles else quant_linear.VNNI_PATH)
+                    out = torch.empty(rows, n, dtype=torch.float32 if float_output else dtype)
+                    assert fn(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), rows, n, k, float_output) == 0
+                    outputs[tiles] = out
+                allow(1)
+                bits = torch.int32 if outputs[1].dtype == torch.float32 else torch.int16  # NaNs compared too
+                assert torch.equal(outputs[1].view(bits), outputs[0].view(bits)), (n, k, rows)
+                assert outputs[1][[7, 9]].isnan().all() and outputs[1][:7].isfinite().all()
+    assert library.quant_linear_amx_faults() == 0
+
+
+def test_the_start_up_check_keeps_tiles_that_agree_and_drops_those_that_do_not(builds, caplog):
+    """`settle_amx` on the tiles' C model: its probes agree bit for bit with the VNNI tiles. Tiles whose
+    outputs differ (a fault no host here can cause: stood in for by flipping a bit of every tiled output)
+    are turned off, so every call takes the VNNI tiles, and the log says why."""
+    if not AMX_MODEL.requires <= variants.cpu_flags():
+        pytest.skip("this CPU cannot run the AVX-512 VNNI build the tiles' model extends")
+    library = builds("amx-int8-model")
+    check = quant_linear.check_amx(lambda name: _typed(library, name), timed_shape=(64, 96), repeats=1)
+    assert check.equal and check.tiles_us > 0 and check.vnni_us > 0
+    assert library.quant_linear_vectorised() == quant_linear.AMX_PATH  # left allowed
+
+    def faulty(name: str) -> Callable[..., int]:
+        fn = _typed(library, name)
+        if not name.endswith(("_f32", "_bf16")):
+            return fn
+
+        def call(x, w, bias, out, m, n, k, float_output) -> int:
+            status = fn(x, w, bias, out, m, n, k, float_output)
+            if library.quant_linear_vectorised() == quant_linear.AMX_PATH and m >= 16:
+                ctypes.c_uint8.from_address(out).value ^= 1
+            return status
+
+        return call
+
+    with caplog.at_level("WARNING", logger=quant_linear.__name__):
+        check = quant_linear.settle_amx(faulty)
+    assert not check.equal and not check.keep
+    assert library.quant_linear_vectorised() == quant_linear.VNNI_PATH
+    assert any("other bits than the VNNI tiles" in r.getMessage() for r in caplog.records)
+    library.quant_linear_allow_amx(1)
 
 
 def test_q8_0_panels_hold_each_columns_scale_and_weights():

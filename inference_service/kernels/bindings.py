@@ -55,6 +55,8 @@ LIBRARIES: dict[str, dict[str, Signature]] = {
     },
     "quant_linear": {
         "quant_linear_vectorised": _FLAG,
+        "quant_linear_allow_amx": Signature(_INT, (_INT,)),
+        "quant_linear_amx_faults": _FLAG,
         "quant_linear_q8_0_f32": _LINEAR,
         "quant_linear_q8_0_bf16": _LINEAR,
         "quant_linear_q4_0_f32": _LINEAR,

@@ -37,8 +37,13 @@ int avx2_linear_bf16 LORAPLEX_LINEAR_ARGS(uint16_t, uint16_t, void);
 int bf16_linear_init(void);
 int bf16_linear_bf16 LORAPLEX_LINEAR_ARGS(uint16_t, uint16_t, void);
 
-// quant_linear.c: vectorised 2 where built with AVX-512 VNNI (+ BW, F16C), 1 with AVX2, FMA and F16C, 0 portable C.
+// quant_linear.c: vectorised 3 where calls of 16 rows or more run on AMX-INT8 tiles (built with them, or with
+// their C model; the kernel lets this process use them; allowed), 2 where built with AVX-512 VNNI (+ BW, F16C),
+// 1 with AVX2, FMA and F16C, 0 portable C. allow_amx turns the tiles on or off (returns vectorised);
+// amx_faults counts the tile model's faults (what the hardware would trap on), 0 elsewhere.
 int quant_linear_vectorised(void);
+int quant_linear_allow_amx(int allow);
+int quant_linear_amx_faults(void);
 int quant_linear_q8_0_f32 LORAPLEX_LINEAR_ARGS(float, uint8_t, float);
 int quant_linear_q8_0_bf16 LORAPLEX_LINEAR_ARGS(uint16_t, uint8_t, void);
 int quant_linear_q4_0_f32 LORAPLEX_LINEAR_ARGS(float, uint8_t, float);

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "common.h"
 #include "kernels.h"
 
@@ -410,7 +411,183 @@ static inline void tile(const Activations *a, const uint8_t *panel, const void *
 }
 #endif
 
+
+#ifdef LORAPLEX_AMX_INT8
+// From AMX_ROWS rows (a batched decode step, a prefill chunk) the integer products run on AMX tiles
+// (`tdpbsud`: activations signed, the panels' weights unsigned, as `vpdpbusd` takes them), on the same
+// panels: one tile product is a 16-row x 16-column block of the int32 sums a block (32 k) gives, which
+// the AVX-512 code then turns into fp32 exactly as the VNNI tiles do (the -128 / -8 offset added to the
+// integer sum, then acc = fma(sum, weight scale x d, acc), blocks in increasing order): equal bits.
+// Tiles are one block deep (32 bytes of activations a row) because every block has its own scales.
+// Below AMX_ROWS a tile of activations would be mostly empty and the weights' reads bound the call
+// anyway: the VNNI tiles run those.
+#define AMX_ROWS 16
+static int amx_allowed = 1;  // quant_linear_allow_amx
+static int amx_permission = -1;  // asked of the kernel once: -1 not yet
+
+static int amx_runs(void) {
+    int permitted = __atomic_load_n(&amx_permission, __ATOMIC_ACQUIRE);
+    if (permitted < 0) {
+        permitted = amx_int8_permitted();
+        __atomic_store_n(&amx_permission, permitted, __ATOMIC_RELEASE);
+    }
+    return permitted && __atomic_load_n(&amx_allowed, __ATOMIC_RELAXED);
+}
+
+// Tiles for a row block of `mr` rows (1-32): tmm0/tmm1 the sums of rows 0-15 against panels 0/1, tmm2/tmm3
+// those of rows 16-31, tmm4/tmm5 the two 16-row tiles of activations (one block: 32 bytes a row),
+// tmm6/tmm7 the two panels' weights of that block (8 groups of 16 columns x 4 bytes).
+static void amx_configure_rows(int64_t mr) {
+    const int rows0 = mr < 16 ? (int)mr : 16, rows1 = mr > 16 ? (int)(mr - 16) : 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, GROUPS, GROUPS};
+    const int colsb[8] = {64, 64, 64, 64, QK, QK, 64, 64};
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)rows[t];
+        cfg.colsb[t] = (uint16_t)colsb[t];
+    }
+    AMX_CONFIGURE(&cfg);
+}
+
+// A Q4_0 block's weights one byte each (AMX reads bytes, not nibbles), in Q8_0's group layout: 512 bytes.
+static inline void unpack_q4_0(const uint8_t *block, uint8_t *to) {
+    const __m512i low = _mm512_set1_epi8(0xF);
+    for (int h = 0; h < GROUPS / 2; h++) {
+        const __m512i v = _mm512_loadu_si512(block + 2 * PANEL + 64 * h);
+        _mm512_storeu_si512(to + 64 * h, _mm512_and_si512(v, low));
+        _mm512_storeu_si512(to + 64 * (h + GROUPS / 2), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+// Rows m0 .. m0 + mr (at most 32, tiles configured for mr) against `width` (1 or 2) neighbouring panels.
+// `weights[b * 2 + h]` is block b's 512 weight bytes of panel h.
+static void amx_tile(const Activations *a, const uint8_t *panel, int64_t panel_bytes, const uint8_t *const *weights,
+                     int width, const void *bias, void *out, int64_t m0, int64_t mr, int64_t col, int64_t n, int64_t k,
+                     const int qt, const int out_kind, Upcoming next) {
+    const int64_t kb = k / QK;
+    const int two = mr > 16;
+    float acc[32][2 * PANEL] __attribute__((aligned(64)));
+    int32_t sums[32][2 * PANEL] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof acc);
+    for (int64_t b = 0; b < kb; b++) {
+        prefetch_part(next, b, kb);
+        AMX_LOAD(4, a->q + m0 * k + b * QK, k);
+        if (two) AMX_LOAD(5, a->q + (m0 + 16) * k + b * QK, k);
+        AMX_LOAD(6, weights[2 * b], 64);
+        AMX_ZERO(0);
+        AMX_DPBSUD(0, 4, 6);
+        if (two) {
+            AMX_ZERO(2);
+            AMX_DPBSUD(2, 5, 6);
+        }
+        if (width == 2) {
+            AMX_LOAD(7, weights[2 * b + 1], 64);
+            AMX_ZERO(1);
+            AMX_DPBSUD(1, 4, 7);
+            if (two) {
+                AMX_ZERO(3);
+                AMX_DPBSUD(3, 5, 7);
+            }
+        }
+        AMX_STORE(0, &sums[0][0], sizeof sums[0]);
+        if (two) AMX_STORE(2, &sums[16][0], sizeof sums[0]);
+        if (width == 2) {
+            AMX_STORE(1, &sums[0][PANEL], sizeof sums[0]);
+            if (two) AMX_STORE(3, &sums[16][PANEL], sizeof sums[0]);
+        }
+        for (int h = 0; h < width; h++) {
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(panel + h * panel_bytes +
+                                                                                     b * BLOCK_BYTES(qt))));
+            for (int64_t r = 0; r < mr; r++) {
+                const int64_t at = (m0 + r) * kb + b;
+                const __m512i sum = _mm512_add_epi32(_mm512_load_si512(&sums[r][PANEL * h]),
+                                                     _mm512_set1_epi32(OFFSET(qt) * a->sum[at]));
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[at]));
+                _mm512_store_ps(&acc[r][PANEL * h],
+                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, _mm512_load_ps(&acc[r][PANEL * h])));
+            }
+        }
+    }
+    for (int h = 0; h < width; h++) {
+        const int64_t c = col + PANEL * h;
+        __m512 bv = _mm512_setzero_ps();
+        if (bias && out_kind == OUT_F32) bv = _mm512_loadu_ps((const float *)bias + c);
+        else if (bias) bv = widen16_bf16((const uint16_t *)bias + c);
+        for (int64_t r = 0; r < mr; r++)
+            store16(_mm512_add_ps(_mm512_load_ps(&acc[r][PANEL * h]), bv), out, (m0 + r) * n + c, out_kind);
+    }
+}
+
+// Every row against the panels in units of two (the last alone where they are odd); each thread takes
+// its units and runs every 32-row block against each, the next unit's weights fetched during the first.
+// Returns 0, or -1 when a thread's buffer for unpacked Q4_0 weights could not be allocated.
+static int amx_rows(const Activations *a, const uint8_t *packed, int64_t panel_bytes, const void *bias, void *out,
+                    int64_t m, int64_t n, int64_t k, const int qt, const int out_kind) {
+    const int64_t kb = k / QK, panels = n / PANEL, units = (panels + 1) / 2;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const uint8_t **weights = thread_buffer(1, sizeof(uint8_t *) * 2 * kb);
+        uint8_t *unpacked = qt == Q4_0 ? thread_buffer(2, (size_t)kb * 2 * 512) : NULL;
+        const int ok = weights && (qt != Q4_0 || unpacked);
+        if (!ok) failed = 1;
+        int64_t configured = -1;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            if (!ok) continue;
+            const int64_t p = 2 * u;
+            const int width = p + 1 < panels ? 2 : 1;
+            const uint8_t *panel = packed + p * panel_bytes;
+            for (int64_t b = 0; b < kb; b++) {
+                for (int h = 0; h < width; h++) {
+                    const uint8_t *block = panel + h * panel_bytes + b * BLOCK_BYTES(qt);
+                    if (qt == Q8_0) {
+                        weights[2 * b + h] = block + 2 * PANEL;
+                    } else {
+                        unpack_q4_0(block, unpacked + (2 * b + h) * 512);
+                        weights[2 * b + h] = unpacked + (2 * b + h) * 512;
+                    }
+                }
+            }
+            const int64_t next_width = panels - (p + 2) < 2 ? panels - (p + 2) : 2;
+            const Upcoming next = {next_width > 0 ? (const char *)packed + (p + 2) * panel_bytes : NULL,
+                                   next_width * panel_bytes};
+            for (int64_t m0 = 0; m0 < m; m0 += 32) {
+                const int64_t mr = m - m0 < 32 ? m - m0 : 32;
+                if (configured != mr) amx_configure_rows(configured = mr);
+                amx_tile(a, panel, panel_bytes, weights, width, bias, out, m0, mr, p * PANEL, n, k, qt, out_kind,
+                         m0 == 0 ? next : (Upcoming){NULL, 0});
+            }
+        }
+        if (configured >= 0) AMX_RELEASE();
+    }
+    return failed ? -1 : 0;
+}
+
+#define AMX_TAKES(M) ((M) >= AMX_ROWS && amx_runs())
+int quant_linear_allow_amx(int allow) {
+    __atomic_store_n(&amx_allowed, allow != 0, __ATOMIC_RELAXED);
+    return quant_linear_vectorised();
+}
+int quant_linear_vectorised(void) { return amx_runs() ? 3 : VECTORISED; }
+int quant_linear_amx_faults(void) { return AMX_FAULTS(); }
+#else
+#define AMX_TAKES(M) 0
+static inline int amx_rows(const Activations *a, const uint8_t *packed, int64_t panel_bytes, const void *bias,
+                           void *out, int64_t m, int64_t n, int64_t k, const int qt, const int out_kind) {
+    (void)a, (void)packed, (void)panel_bytes, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)qt;
+    (void)out_kind;  // never called: AMX_TAKES is 0
+    return -3;
+}
+int quant_linear_allow_amx(int allow) {
+    (void)allow;  // built without AMX-INT8: nothing to allow
+    return VECTORISED;
+}
 int quant_linear_vectorised(void) { return VECTORISED; }
+int quant_linear_amx_faults(void) { return 0; }
+#endif
 
 static void quantize_row(const void *x, int wide, int64_t row, int64_t k, const Activations *a) {
     float block[QK];
@@ -511,6 +688,7 @@ static inline __attribute__((always_inline)) void unit_rows(const Activations *a
         const int64_t panel_bytes = kb * BLOCK_BYTES(QT), width = PAIRED(QT) ? 2 : 1;                      \
         _Pragma("omp parallel for schedule(static) if (m > SERIAL_ROWS)")                                  \
         for (int64_t row = 0; row < m; row++) quantize_row(x, WIDE, row, k, &a);                           \
+        if (AMX_TAKES(m)) return amx_rows(&a, packed, panel_bytes, bias, out, m, n, k, QT, OUT_KIND);     \
         _Pragma("omp parallel for schedule(static)")                                                       \
         for (int64_t u = 0; u < (n / PANEL + width - 1) / width; u++)                                      \
             unit_rows(&a, packed, panel_bytes, u, bias, out, m, n, k, QT, OUT_KIND);                       \

@@ -32,6 +32,7 @@ class PlatformPlan:
     dtype: torch.dtype
     dtype_why: str
     packing: WeightPacking
+    quantized_path: str  # kernels/quant_linear.PATHS: what computes quantized projections, where packing.quantized
     attention: str  # models/attention.BACKENDS
     prefill_kernel: bool  # the C attention backend runs prefill chunks too
     lora_op: str  # lora/backend.OPS
@@ -57,7 +58,7 @@ class PlatformPlan:
     def rows(self) -> list[tuple[str, str]]:
         """(what, chosen) in a fixed order: the plan as a table."""
         forms = [*self.packing.forms, "F.linear"]
-        quantized = "Q8_0/Q4_0 kernel" if self.packing.quantized else "dequantized"
+        quantized = f"Q8_0/Q4_0 kernel: {self.quantized_path}" if self.packing.quantized else "dequantized"
         prefill = "C kernel" if self.prefill_kernel else "torch SDPA"
         return [
             ("device", str(self.device)),

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from adapter_cache.errors import FailedPreconditionError
-from inference_service.kernels import avx2_linear
+from inference_service.kernels import avx2_linear, quant_linear
 from inference_service.lora import backend as lora_ops
 from inference_service.models import attention
 from inference_service.models.decode_stack import DecodeStack
@@ -94,7 +94,8 @@ class Platform:
             kernels = ", ".join(name for name, loaded in vars(found).items() if loaded) or "none load here"
         return PlatformPlan(
             device=device, cpu=cpu.model, cpu_flags=tuple(f for f in FLAGS if f in cpu.flags), kernels=kernels,
-            dtype=dtype, dtype_why=dtype_why, packing=packing, attention=attention_backend,
+            dtype=dtype, dtype_why=dtype_why, packing=packing,
+            quantized_path=quant_linear.path() if packing.quantized else "none", attention=attention_backend,
             prefill_kernel=prefill_kernel, lora_op=lora_op, fused_ops=fused_ops, greedy_pick=greedy_pick,
             decode_stack=stack, decode_stack_why=stack_why,
             copy_engine=copy_engine, huge_pages=huge_pages, memory_budget=budget,
