@@ -29,15 +29,6 @@ static inline int amx_int8_permitted(void) { return amx_permitted(); }
 #elif defined(LORAPLEX_AMX_EMULATE) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LORAPLEX_AMX_INT8 1
 
-#ifndef LORAPLEX_AMX
-// The tile configuration LDTILECFG reads (palette 1), as common.h declares it for AMX builds.
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-#endif
-
 typedef struct {
     int configured;
     tile_config cfg;

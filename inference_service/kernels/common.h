@@ -103,6 +103,14 @@ static inline __m512 widen16_bf16(const uint16_t *p) {
 }
 #endif
 
+// The tile configuration `_tile_loadconfig` takes (palette 1): rows and bytes per row of tmm0-7 (also what
+// amx_tiles.h's C model of the tiles reads, in builds without AMX).
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LORAPLEX_AMX 1
 #include <immintrin.h>
@@ -114,13 +122,6 @@ static inline __m512 widen16_bf16(const uint16_t *p) {
 static inline int amx_permitted(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
-
-// The tile configuration `_tile_loadconfig` takes (palette 1): rows and bytes per row of tmm0-7.
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 #endif
 
