@@ -5,10 +5,13 @@ build as a logged fallback (stale or missing prebuilt libraries, no compiler, a 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +58,42 @@ def test_other_architectures_have_no_prebuilt_variants_and_compile_for_the_host(
     assert variants.for_machine("x86_64") == X86_64
     assert build.native_flags("aarch64") == ("-mcpu=native",)
     assert build.native_flags("x86_64") == ("-march=native",)
+
+
+def test_a_capped_process_sees_only_the_flags_its_variant_needs(monkeypatch):
+    """LORAPLEX_CPU_VARIANT: a Sapphire Rapids CPU taken as x86-64-v3 lists no AVX-512 or AMX flag (not
+    even those no variant requires), chooses that variant and builds at run time with its flags; a
+    name that is no variant is refused, naming the variants."""
+    monkeypatch.setattr(variants, "_linux_flags", lambda: frozenset(_SAPPHIRE_RAPIDS))
+    monkeypatch.setattr(variants, "for_machine", lambda machine=None: X86_64)
+    assert variants.cpu_flags() == _SAPPHIRE_RAPIDS
+    monkeypatch.setenv("LORAPLEX_CPU_VARIANT", "x86-64-v3")
+    assert variants.cpu_flags() == _V3_CPU
+    assert variants.choose(variants.cpu_flags(), X86_64).name == "x86-64-v3"
+    assert build.native_flags() == ("-march=x86-64-v3",)
+    monkeypatch.setenv("LORAPLEX_CPU_VARIANT", "avx512-bf16")
+    assert variants.cpu_flags() == _ZEN4 - {"avx512ifma", "avx512vbmi", "avx512_vbmi2"}
+    monkeypatch.setenv("LORAPLEX_CPU_VARIANT", "zen9")
+    with pytest.raises(ValueError, match="'zen9' is not a kernel variant here .*x86-64-v3"):
+        variants.cpu_flags()
+
+
+@needs_x86
+def test_a_process_capped_at_x86_64_v3_plans_the_avx2_paths():
+    """The whole platform plan of a process run with LORAPLEX_CPU_VARIANT=x86-64-v3 on this CPU: the
+    AVX2 variant's kernels and no AVX-512 flag in the plan, as on an AVX2-only host."""
+    if not _V3_CPU - {"abm", "lahf_lm", "pni", "xsave", "movbe"} <= variants.cpu_flags():
+        pytest.skip("this CPU cannot run the x86-64-v3 variant")
+    script = ("import json, torch; from harness.platform import plan_for; "
+              "print(json.dumps(dict(plan_for('cpu', torch.bfloat16).rows())))")
+    env = {**os.environ, "LORAPLEX_CPU_VARIANT": "x86-64-v3"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rows["cpu flags"] == "avx2 fma", rows
+    assert rows["linear packing"].startswith("avx2 > "), rows
+    assert rows["quantized weights"] == "Q8_0/Q4_0 kernel: AVX2 (vpmaddubsw)", rows
 
 
 # The compiler's ISA macros and the CPU flag each needs (Linux's names).

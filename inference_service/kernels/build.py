@@ -53,7 +53,11 @@ _COMMON_FLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-shared", "-fPIC")
 
 
 def native_flags(machine: str | None = None) -> tuple[str, ...]:
-    """The flags of a run-time build for this host's own CPU."""
+    """The flags of a run-time build for this host's own CPU (the capped variant's under
+    LORAPLEX_CPU_VARIANT)."""
+    capped = variants.cap()
+    if capped is not None:
+        return capped.flags
     machine = (machine or platform.machine()).lower()
     return ("-march=native",) if machine in {"x86_64", "amd64", "i686"} else ("-mcpu=native",)
 

@@ -9,10 +9,16 @@ compiler's ISA macros, so a variant holds exactly the paths its name says: AMX t
 `x86-64-v4` up, the AVX2/FMA/F16C kernels from `x86-64-v3` up, portable C in `x86-64`.
 Other architectures (aarch64) have no prebuilt variants: their kernels compile at run time for the
 host (`-mcpu=native`).
+
+`LORAPLEX_CPU_VARIANT=<name>` makes the process treat the CPU as that variant's: the flags only a
+higher variant needs are dropped from `cpu_flags`, which every choice reads (the kernels' variant, a
+run-time build's flags, the platform plan). It runs and measures the AVX2 paths on an AVX-512 host
+(torch's own kernels follow `ONEDNN_MAX_CPU_ISA` and `ATEN_CPU_CAPABILITY`).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -73,8 +79,35 @@ def explain(chosen: Variant | None, cpu_flags: Iterable[str], variants: Iterable
     return f"{head}{'; ' + missing if missing else ''}"
 
 
+CAP_VARIABLE = "LORAPLEX_CPU_VARIANT"
+
+
+def cap() -> Variant | None:
+    """The variant `LORAPLEX_CPU_VARIANT` names, or None where it is unset (ValueError if it names none)."""
+    name = os.environ.get(CAP_VARIABLE, "").strip()
+    if not name:
+        return None
+    known = for_machine()
+    for variant in known:
+        if variant.name == name:
+            return variant
+    names = ", ".join(v.name for v in known) or f"none on {platform.machine()}"
+    raise ValueError(f"{CAP_VARIABLE}={name!r} is not a kernel variant here (variants: {names})")
+
+
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none), less those only
+    variants above `LORAPLEX_CPU_VARIANT` need where it is set."""
+    flags = _linux_flags()
+    capped = cap()
+    if capped is None:
+        return flags
+    above = frozenset().union(*(v.requires for v in for_machine())) - capped.requires
+    wider = {f for f in flags if f.startswith(("avx512", "amx")) and f not in capped.requires}  # e.g. avx512vbmi
+    return flags - above - wider
+
+
+def _linux_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, fused, quant_linear
+from inference_service.kernels import amx_linear, avx2_linear, bf16_linear, fused, quant_linear, variants
 from inference_service.kernels import paged_attention as attention_kernels
 from inference_service.kernels.build import load_library
 from inference_service.lora import backend as lora_kernels
@@ -31,17 +31,18 @@ class CpuInfo:
 
 @functools.cache
 def cpu_info() -> CpuInfo:
-    model, flags = "unknown", frozenset[str]()
+    """The CPU's model, and its flags as the kernels' variant choice reads them (variants.cpu_flags:
+    none off Linux, so no choice that needs one; capped by LORAPLEX_CPU_VARIANT)."""
+    model = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
+            if key.strip() == "model name":
                 model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = frozenset(value.split()) & frozenset(FLAGS)
+                break
     except OSError:
-        pass  # not Linux: no flags read, so no choice that needs one
-    return CpuInfo(model, flags)
+        pass
+    return CpuInfo(model, variants.cpu_flags() & frozenset(FLAGS))
 
 
 @dataclass(frozen=True)
