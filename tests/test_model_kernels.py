@@ -422,6 +422,33 @@ def test_greedy_pick_is_torch_max(vocab):
     assert greedy.argmax_rows(logits.to(torch.bfloat16)) is None  # the sampler keeps torch's max
 
 
+@pytest.mark.skipif(build.find_compiler() is None or not variants.for_machine(), reason="needs a C compiler on x86-64")
+def test_every_build_of_the_greedy_pick_is_torch_max(tmp_path):
+    """greedy.c built for each variant this CPU runs (its lanes as wide as the build's registers: 4, 8 or
+    16): the first argmax and finiteness at vocab sizes around every lane count, as `max(dim=-1)`."""
+    import ctypes
+
+    compiler = build.find_compiler()
+    for variant in variants.runnable(variants.cpu_flags(), variants.for_machine()):
+        path = tmp_path / f"greedy-{variant.name}.so"
+        build.compile_library(compiler, "greedy", variant.flags, path)
+        fn = ctypes.CDLL(str(path)).argmax_rows_f32
+        signature = bindings.LIBRARIES["greedy"]["argmax_rows_f32"]
+        fn.restype, fn.argtypes = signature.restype, list(signature.argtypes)
+        for vocab in (1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 4099):
+            gen = torch.Generator().manual_seed(vocab)
+            logits = torch.randint(-3, 3, (6, vocab), generator=gen).float()
+            logits[1, vocab // 2] = float("nan")
+            logits[2] = float("-inf")
+            logits[3, vocab - 1] = float("inf")
+            idx, finite = torch.empty(6, dtype=torch.int64), torch.empty(6, dtype=torch.bool)
+            fn(logits.data_ptr(), 6, vocab, idx.data_ptr(), finite.data_ptr())
+            best = logits.max(dim=-1)
+            expected = torch.isfinite(best.values)
+            assert torch.equal(finite, expected), (variant.name, vocab)
+            assert torch.equal(idx[expected], best.indices[expected]), (variant.name, vocab)
+
+
 def test_pack_keeps_onednn_where_amx_cannot_run(monkeypatch):
     """fp32, a width that is not a multiple of 32 (builtin:tiny's LM head) and a CPU without AMX or
     AVX-512 BF16 (forced) take oneDNN's packed weight; bf16 only where oneDNN can pack it, else the
