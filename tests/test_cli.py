@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +16,7 @@ from inference_service import cli, client_cli
 from inference_service.flags import flag_name, from_namespace
 from inference_service.frontend.auth import AdminAuth, admin_disabled_reason
 from inference_service.frontend.preload import PreloadEntry, read_preload_file
+from inference_service.kernels import variants
 from inference_service.serve_flags import ServeFlags
 
 FLAGS = [
@@ -186,10 +186,8 @@ def test_client_cli_parses_subcommands(monkeypatch):
 
 
 def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    """This CPU's feature flags as the process's choices read them (capped by LORAPLEX_CPU_VARIANT)."""
+    return set(variants.cpu_flags())
 
 
 def test_dtype_auto(tmp_path, monkeypatch):

@@ -53,7 +53,8 @@ def test_the_choice_is_explained_by_the_flags_the_better_variants_lack():
     assert variants.explain(variants.choose(_SAPPHIRE_RAPIDS, X86_64), _SAPPHIRE_RAPIDS, X86_64).endswith("(score 60)")
 
 
-def test_other_architectures_have_no_prebuilt_variants_and_compile_for_the_host():
+def test_other_architectures_have_no_prebuilt_variants_and_compile_for_the_host(monkeypatch):
+    monkeypatch.delenv("LORAPLEX_CPU_VARIANT", raising=False)
     assert variants.for_machine("aarch64") == ()
     assert variants.for_machine("x86_64") == X86_64
     assert build.native_flags("aarch64") == ("-mcpu=native",)
@@ -64,6 +65,7 @@ def test_a_capped_process_sees_only_the_flags_its_variant_needs(monkeypatch):
     """LORAPLEX_CPU_VARIANT: a Sapphire Rapids CPU taken as x86-64-v3 lists no AVX-512 or AMX flag (not
     even those no variant requires), chooses that variant and builds at run time with its flags; a
     name that is no variant is refused, naming the variants."""
+    monkeypatch.delenv("LORAPLEX_CPU_VARIANT", raising=False)
     monkeypatch.setattr(variants, "_linux_flags", lambda: frozenset(_SAPPHIRE_RAPIDS))
     monkeypatch.setattr(variants, "for_machine", lambda machine=None: X86_64)
     assert variants.cpu_flags() == _SAPPHIRE_RAPIDS

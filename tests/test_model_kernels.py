@@ -538,11 +538,8 @@ def test_no_compiler_on_the_path_falls_back(monkeypatch, kernel_cache, caplog, t
 
 
 def _cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux lists them (the kernels are built for what they allow)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    """This CPU's feature flags as the process's choices read them (capped by LORAPLEX_CPU_VARIANT)."""
+    return set(variants.cpu_flags())
 
 
 def test_the_kernels_are_ready_when_the_engine_starts(kernel_cache):

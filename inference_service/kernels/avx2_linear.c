@@ -101,13 +101,20 @@ static inline __attribute__((always_inline)) void bias_at(const void *bias, int6
 static inline __attribute__((always_inline)) void tile(const float *x, const char *panels, const void *bias,
                                                        void *out, int64_t m0, int64_t p, int64_t n, int64_t k,
                                                        const int mr, const int np, const int wide,
-                                                       const int out_kind) {
+                                                       const int out_kind, Upcoming next) {
     const size_t panel_bytes = (size_t)k * PANEL * (wide ? 2 : 4);
     __m256 acc[MAX_ROWS][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_setzero_ps();
     const float *xr = x + m0 * k;
+    // The tile's part of the next pair's weights (common.h's Upcoming), line i by k step i x k / lines.
+    const int64_t lines = next.at ? (next.bytes + 63) / 64 : 0;
+    int64_t fetched = 0;
     for (int64_t kk = 0; kk < k; kk++) {
+        if (next.at) {
+            for (const int64_t upto = (kk + 1) * lines / k; fetched < upto; fetched++)
+                __builtin_prefetch(next.at + 64 * fetched, 0, 3);
+        }
         __m256 w[4];
         for (int q = 0; q < np; q++) weights_at(panels + q * panel_bytes, kk, wide, &w[2 * q], &w[2 * q + 1]);
         for (int r = 0; r < mr; r++) {
@@ -124,16 +131,20 @@ static inline __attribute__((always_inline)) void tile(const float *x, const cha
     }
 }
 
-#define TILE(MR, NP) tile(x, pair + (p - p0) * panel_bytes, bias, out, m0, p, n, k, MR, NP, wide, out_kind)
+#define TILE(MR, NP) \
+    tile(x, pair + (p - p0) * panel_bytes, bias, out, m0, p, n, k, MR, NP, wide, out_kind, upcoming_part(next, t++, tiles))
 
 // Rows m0 .. m of x against panels p0 .. p0 + np (np 1 or 2, their weights at `pair`): 6-row tiles
-// panel by panel, then the remainder (1-2 rows over both panels at once, 3-5 panel by panel).
+// panel by panel, then the remainder (1-2 rows over both panels at once, 3-5 panel by panel); each
+// tile asks for its share of `next`.
 static inline __attribute__((always_inline)) void rows_against(const float *x, const char *pair, const void *bias,
                                                                void *out, int64_t p0, const int np, int64_t m,
                                                                int64_t n, int64_t k, const int wide,
-                                                               const int out_kind) {
+                                                               const int out_kind, Upcoming next) {
     const size_t panel_bytes = (size_t)k * PANEL * (wide ? 2 : 4);
     int64_t full = m - m % MAX_ROWS;
+    const int64_t rest = m - full, tiles = np * (full / MAX_ROWS) + (rest == 0 ? 0 : rest <= 2 && np == 2 ? 1 : np);
+    int64_t t = 0;
     for (int64_t p = p0; p < p0 + np; p++)
         for (int64_t m0 = 0; m0 < full; m0 += MAX_ROWS) TILE(MAX_ROWS, 1);
     int64_t m0 = full;
@@ -155,8 +166,11 @@ static inline __attribute__((always_inline)) void rows_against(const float *x, c
 
 // bf16 weights from this many rows up are widened once per panel pair into a thread's buffer (k x 32
 // floats: 72-192 KiB, in L2) and every row tile runs on fp32 weights: widening inline costs a shift
-// and a mask per k in each 6-row tile, ~10% of a 512-row prefill's projections.
-#define WIDEN_ROWS 12
+// and a mask per k in each 6-row tile, ~10-15% of a 128- or 512-row call's time. Below, the widening
+// pass (reading the pair from memory, writing it to L2, reading it again) cost more than it saved:
+// 30 layers' projections at 32 rows ran 5-11% faster (16 rows 14-20%) with the tiles widening inline
+// and the next pair fetched during them, level at 48-64 rows.
+#define WIDEN_ROWS 64
 
 // The panel pair at `pair` (np panels of bf16, interleaved) as plain fp32 panels into `to`.
 static void widen_pair(const uint16_t *pair, int np, int64_t k, float *to) {
@@ -187,15 +201,19 @@ static void widen_pair(const uint16_t *pair, int np, int64_t k, float *to) {
             for (int64_t i = 0; i < pairs; i++) {                                                             \
                 const int np = 2 * i + 1 < panels ? 2 : 1;                                                    \
                 const char *pair = (const char *)packed + i * pair_bytes;                                     \
+                const int64_t next_np = panels - 2 * (i + 1) < 2 ? panels - 2 * (i + 1) : 2;                  \
+                /* the widening pass reads its pair in one sweep: fetching ahead there cost 7-16% */          \
+                const Upcoming next = {m >= PREFETCH_ROWS && !wide_pair && next_np > 0 ? pair + pair_bytes : NULL, \
+                                       next_np * (int64_t)pair_bytes / 2};                                    \
                 if (failed) continue;                                                                         \
                 if (wide_pair) {                                                                              \
                     widen_pair((const uint16_t *)pair, np, k, wide_pair);                                     \
-                    if (np == 2) rows_against(x, (const char *)wide_pair, bias, out, 2 * i, 2, m, n, k, 0, OUT_KIND); \
-                    else rows_against(x, (const char *)wide_pair, bias, out, 2 * i, 1, m, n, k, 0, OUT_KIND); \
+                    if (np == 2) rows_against(x, (const char *)wide_pair, bias, out, 2 * i, 2, m, n, k, 0, OUT_KIND, next); \
+                    else rows_against(x, (const char *)wide_pair, bias, out, 2 * i, 1, m, n, k, 0, OUT_KIND, next); \
                 } else if (np == 2) {                                                                         \
-                    rows_against(x, pair, bias, out, 2 * i, 2, m, n, k, WIDE, OUT_KIND);                      \
+                    rows_against(x, pair, bias, out, 2 * i, 2, m, n, k, WIDE, OUT_KIND, next);                \
                 } else {                                                                                      \
-                    rows_against(x, pair, bias, out, 2 * i, 1, m, n, k, WIDE, OUT_KIND);                      \
+                    rows_against(x, pair, bias, out, 2 * i, 1, m, n, k, WIDE, OUT_KIND, next);                \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
