@@ -25,7 +25,8 @@ RESULT batch32_vs_llamacpp_q4=<the same for 32 streams>. `--peer-only` skips the
 
 `--projection` instead times one projection (SmolLM2's gate_up, 3072 x 576, bf16 activations, random
 weights) at 1, 8 and 32 rows in every build of the kernel this CPU runs (x86-64-v3: AVX2; avx512-bf16:
-AVX-512 VNNI), each compiled here, against oneDNN's packed bf16 GEMM: the best of 30 calls each.
+AVX-512 VNNI; sapphirerapids: AMX-INT8 tiles from 16 rows), each compiled here, against oneDNN's packed
+bf16 GEMM: the best of 30 calls each.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def engine(model: str, dtype: str, weights_dtype: str) -> EngineCore:
 
 PROJECTION = (3072, 576)  # gate_up's out and in features
 PROJECTION_ROWS = (1, 8, 32)
-PROJECTION_BUILDS = ("x86-64-v3", "avx512-bf16")
+PROJECTION_BUILDS = ("x86-64-v3", "avx512-bf16", "sapphirerapids")
 
 
 def time_projection() -> None:

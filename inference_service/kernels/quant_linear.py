@@ -10,7 +10,7 @@ tiles from 16 rows where the CPU has them, AVX-512 VNNI, else AVX2, else portabl
 llama.cpp does. Error against x times the dequantized weight: at most, per output, the sum over blocks of
 (the block's max |x| / 254) x (the block's sum of |w|), plus fp32 rounding (`activation_error_bound`).
 
-On a CPU with AMX the tiles are checked once at start-up (`check_amx`) before any weight meets them: their
+On a CPU with AMX the tiles are checked once at start-up (`settle_amx`) before any weight meets them: their
 outputs must equal the VNNI tiles' bits on probe calls, and a 32-row call must not be slower; otherwise
 the process keeps the VNNI tiles and logs why.
 """
