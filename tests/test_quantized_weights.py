@@ -141,9 +141,8 @@ def test_bf16_kernel_equals_dequantized_reference_rounded(qtype, rows):
 
 # The AVX-512 VNNI build with the AMX-INT8 tiles' C model (kernels/amx_tiles.h) in place of the hardware's:
 # the tile code an AMX host runs, run and checked on any AVX-512 VNNI host.
-AMX_MODEL = variants.Variant("amx-int8-model", (*next(v for v in variants.X86_64 if v.name == "avx512-bf16").flags,
-                                                 "-DLORAPLEX_AMX_EMULATE"),
-                             next(v for v in variants.X86_64 if v.name == "avx512-bf16").requires, 0)
+_VNNI_BUILD = next(v for v in variants.X86_64 if v.name == "avx512-bf16")
+AMX_MODEL = variants.Variant("amx-int8-model", (*_VNNI_BUILD.flags, "-DLORAPLEX_AMX_EMULATE"), _VNNI_BUILD.requires, 0)
 
 
 def _variant(name: str) -> variants.Variant:

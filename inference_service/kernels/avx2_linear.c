@@ -107,14 +107,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, const cha
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_setzero_ps();
     const float *xr = x + m0 * k;
-    // The tile's part of the next pair's weights (common.h's Upcoming), line i by k step i x k / lines.
-    const int64_t lines = next.at ? (next.bytes + 63) / 64 : 0;
+    // The tile's part of the next pair's weights (common.h's Upcoming), spread over its k steps.
     int64_t fetched = 0;
     for (int64_t kk = 0; kk < k; kk++) {
-        if (next.at) {
-            for (const int64_t upto = (kk + 1) * lines / k; fetched < upto; fetched++)
-                __builtin_prefetch(next.at + 64 * fetched, 0, 3);
-        }
+        if (next.at) fetch_spread(next, &fetched, kk, k);
         __m256 w[4];
         for (int q = 0; q < np; q++) weights_at(panels + q * panel_bytes, kk, wide, &w[2 * q], &w[2 * q + 1]);
         for (int r = 0; r < mr; r++) {

@@ -57,16 +57,13 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
     __m512 acc[MAX_ROWS][WIDE_UNIT];
     for (int r = 0; r < mr; r++)
         for (int q = 0; q < np; q++) acc[r][q] = _mm512_setzero_ps();
-    // The tile's part of the next unit (common.h's Upcoming), line i by pair i x pairs / lines. Checked
-    // before any arithmetic: a pair is only 16 `vdpbf16ps`, and per-pair work for a tile with nothing to
-    // fetch (or quant_linear's per-block share computed per pair) cost this tile 5-8%.
-    const int64_t pairs = k / 2, lines = next.at ? (next.bytes + 63) / 64 : 0;
+    // The tile's part of the next unit (common.h's Upcoming), spread over its pairs. Checked before any
+    // arithmetic: a pair is only 16 `vdpbf16ps`, and per-pair work for a tile with nothing to fetch (or
+    // quant_linear's per-block share computed per pair) cost this tile 5-8%.
+    const int64_t pairs = k / 2;
     int64_t fetched = 0;
     for (int64_t j = 0; j < pairs; j++) {
-        if (next.at) {
-            for (const int64_t upto = (j + 1) * lines / pairs; fetched < upto; fetched++)
-                __builtin_prefetch(next.at + 64 * fetched, 0, 3);
-        }
+        if (next.at) fetch_spread(next, &fetched, j, pairs);
         __m512 w[WIDE_UNIT];
         for (int q = 0; q < np; q++) w[q] = _mm512_loadu_ps((const float *)(unit + q * panel_bytes) + 16 * j);
         for (int r = 0; r < mr; r++) {

@@ -73,6 +73,16 @@ static inline Upcoming upcoming_part(Upcoming next, int64_t i, int64_t tiles) {
     return (Upcoming){next.at + from, to - from};
 }
 
+// A tile's loop asking for its part line by line: at step `step` of `steps`, the lines up to
+// (step + 1) x lines / steps (`*fetched` counts those asked for). Callers test `next.at` first: a tile
+// with nothing to fetch then does no per-step arithmetic (that cost the bf16 tile 5-8%).
+static inline __attribute__((always_inline)) void fetch_spread(Upcoming next, int64_t *fetched, int64_t step,
+                                                               int64_t steps) {
+    const int64_t lines = (next.bytes + 63) / 64;
+    for (const int64_t upto = (step + 1) * lines / steps; *fetched < upto; ++*fetched)
+        __builtin_prefetch(next.at + 64 * *fetched, 0, 3);
+}
+
 // exp for the kernels' vectorised loops. libm's expf is a call per element (and its vector
 // versions are only declared under -ffast-math, whose other assumptions the kernels cannot
 // take: -INFINITY starts the softmax max). This is Cephes' single-precision exp: a Cody-Waite
