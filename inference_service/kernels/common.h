@@ -111,6 +111,32 @@ static inline float vec_expf(float x) {
 static inline __m512 widen16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+// Sixteen vectors reduced across their lanes, as one vector (lane i: v[i]'s lanes reduced) through a tree
+// of shuffles, 4 steps of two shuffles and one operation, not 16 reductions each waiting on its own:
+// fp32 sums (always added in the same order), fp32 maxima, or int32 sums (vectors of int32 bits).
+enum { LANES_ADD = 0, LANES_MAX = 1, LANES_ADD_INT32 = 2 };
+static inline __attribute__((always_inline)) __m512 lanes_op(__m512 x, __m512 y, const int op) {
+    if (op == LANES_MAX) return _mm512_max_ps(x, y);
+    if (op == LANES_ADD_INT32)
+        return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+    return _mm512_add_ps(x, y);
+}
+static inline __attribute__((always_inline)) __m512 lanes_reduced16(const __m512 v[16], const int op) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  // 128-bit lanes: [v0 0+2, v1 0+2, v0 1+3, v1 1+3] for the pair's vectors
+        a[i] = lanes_op(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]), op);
+    for (int i = 0; i < 4; i++) {  // each 128-bit lane: the 4 vectors' reductions over that lane
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = lanes_op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)), op);
+    }
+    for (int i = 0; i < 2; i++)  // 128-bit lanes 0+1 and 2+3 of two groups of 4 vectors
+        c[i] = lanes_op(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                        _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD), op);
+    // c[i]'s 128-bit lanes: vectors 8i..8i+3 reduced over their lanes 0-7, then 8-15, then 8i+4..8i+7 alike
+    const __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], 0x88), hi = _mm512_shuffle_f32x4(c[0], c[1], 0xDD);
+    return lanes_op(lo, hi, op);
+}
 #endif
 
 // The tile configuration `_tile_loadconfig` takes (palette 1): rows and bytes per row of tmm0-7 (also what

@@ -214,7 +214,7 @@ static inline __attribute__((always_inline)) void group_values(float *out, const
 // token) and in re-widening V for every 16 output dims. Here
 //   scores  per query head, 16 tokens at a time: each token's q . k as `vdpbf16ps` products of the
 //           bf16 q and K (exact products, summed in fp32) into a vector per token, then the 16 vectors
-//           summed across their lanes together (a shuffle tree: 4 steps, not 16 reductions), scaled;
+//           summed across their lanes together (common.h's lanes_reduced16), scaled;
 //   P V     per KV head, up to 4 of its query heads' fp32 sums held in registers while each token's V
 //           row is widened once.
 // SmolLM2, 32 sequences of 64 tokens on 2 threads of an AMD Zen 4: 77-99 -> 56 us a layer, caches hot.
@@ -222,23 +222,6 @@ static inline __attribute__((always_inline)) void group_values(float *out, const
 #define BF16_DOTS 1
 #define DOTS_MAX_DIM 128
 #define DOTS_FIT(WIDE, D) ((WIDE) && (D) % 32 == 0 && (D) <= DOTS_MAX_DIM)
-
-// The sums across lanes of 16 vectors, as one vector: lane i = the sum of v[i]'s lanes.
-static inline __m512 lane_sums16(__m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)  // 128-bit lanes: [v0 0+2, v1 0+2, v0 1+3, v1 1+3] for the pair's vectors
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  // each 128-bit lane: the 4 vectors' sums over that lane
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)  // 128-bit lanes 0+1 and 2+3 of two groups of 4 vectors
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    // c[i]'s 128-bit lanes: vectors 8i..8i+3 summed over their lanes 0-7, then 8-15, then 8i+4..8i+7 alike
-    const __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], 0x88), hi = _mm512_shuffle_f32x4(c[0], c[1], 0xDD);
-    return _mm512_add_ps(lo, hi);
-}
 
 // scores[t] = scale x (q . K_t) for one query head (q: D bf16) over the tokens of `rows`, whose part of
 // each cache row starts at k_base.
@@ -261,7 +244,7 @@ static inline __attribute__((always_inline)) void head_scores_bf16(const uint16_
                     acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(k + 32 * j), qv[j]);
             }
         }
-        const __m512 sums = _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale));
+        const __m512 sums = _mm512_mul_ps(lanes_reduced16(acc, LANES_ADD), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(scores + t0, (__mmask16)((1u << count) - 1), sums);
     }
 }

@@ -104,37 +104,11 @@ static inline __attribute__((always_inline)) void prefetch_part(Upcoming next, i
 #define MAX_PAIR_ROWS 6
 
 static inline __m512 load16(const void *x, int wide, int64_t at) {  // 16 values of x as fp32
-    if (!wide) return _mm512_loadu_ps((const float *)x + at);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// Sixteen vectors' horizontal maxima (`add` 0) or int32 sums (`add` 1) as one vector: halves, then
-// quarters of the 128-bit lanes, then pairs and single lanes within them, each step one operation
-// on two shuffles (45 operations, against ~8 a vector reduced alone). Lane 4i + j of the result is
-// v[4j + i]'s: callers place vector b at slot (b % 4) * 4 + b / 4.
-#define SLOT(B) (((B) % 4) * 4 + (B) / 4)
-static inline __m512 combine(__m512 x, __m512 y, const int add) {
-    return add ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)))
-               : _mm512_max_ps(x, y);
-}
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v, const int add) {
-    __m512 halves[8], quarters[4], pairs[2];
-    for (int i = 0; i < 8; i++)
-        halves[i] = combine(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)), add);
-    for (int i = 0; i < 4; i++)
-        quarters[i] = combine(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)), add);
-    for (int i = 0; i < 2; i++)
-        pairs[i] = combine(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)), add);
-    return combine(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                   _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)), add);
+    return wide ? widen16_bf16((const uint16_t *)x + at) : _mm512_loadu_ps((const float *)x + at);
 }
 
 // Blocks first .. first + count (at most 16) of x (consecutive: k is a multiple of 32), together:
-// their max |x| reduced as one (reduce16), their scales and inverses side by side (one vector division
+// their max |x| reduced as one (common.h's lanes_reduced16), their scales and inverses side by side (one vector division
 // each, rounded as block_scale's scalar ones are), then the values, and their sums reduced as one.
 // Block by block, each block waited on two reductions and two scalar divisions: 32 rows of 1536 took
 // 12.5 us on one AMD Zen 4 core, 8.2 so.
@@ -145,18 +119,18 @@ static void quantize_blocks(const void *x, int wide, int64_t first, int64_t coun
     __mmask16 nan = 0;
     for (int j = 0; j < 16; j++) {
         if (j >= count) {
-            parts[SLOT(j)] = _mm512_setzero_ps();
+            parts[j] = _mm512_setzero_ps();
             continue;
         }
         const int64_t at = (first + j) * QK;
         const __m512 lo = load16(x, wide, at), hi = load16(x, wide, at + 16);
-        parts[SLOT(j)] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+        parts[j] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
         if (_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q))
             nan |= (__mmask16)(1u << j);
     }
     // block_scale for every block: NaN where a value is NaN; the inverse 0 where the scale is 0 or not
     // finite, and where it is not finite q and sum are 0.
-    __m512 scale = _mm512_div_ps(reduce16(parts, 0), _mm512_set1_ps(127.0f));
+    __m512 scale = _mm512_div_ps(lanes_reduced16(parts, LANES_MAX), _mm512_set1_ps(127.0f));
     scale = _mm512_mask_mov_ps(scale, nan, _mm512_set1_ps(NAN));
     const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(scale), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
     const __mmask16 invertible = finite & _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_NEQ_OQ);
@@ -167,7 +141,7 @@ static void quantize_blocks(const void *x, int wide, int64_t first, int64_t coun
         const int64_t at = (first + j) * QK;
         if (j >= count || !(finite >> j & 1)) {
             if (j < count) memset(a->q + at, 0, QK);
-            parts[SLOT(j)] = _mm512_setzero_ps();
+            parts[j] = _mm512_setzero_ps();
             continue;
         }
         const __m512 iv = _mm512_set1_ps(inverse[j]);
@@ -175,9 +149,9 @@ static void quantize_blocks(const void *x, int wide, int64_t first, int64_t coun
         const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, wide, at + 16), iv));
         _mm_storeu_si128((__m128i *)(a->q + at), _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(a->q + at + 16), _mm512_cvtepi32_epi8(qb));
-        parts[SLOT(j)] = _mm512_castsi512_ps(_mm512_add_epi32(qa, qb));
+        parts[j] = _mm512_castsi512_ps(_mm512_add_epi32(qa, qb));
     }
-    _mm512_mask_storeu_epi32(a->sum + first, lanes, _mm512_castps_si512(reduce16(parts, 1)));
+    _mm512_mask_storeu_epi32(a->sum + first, lanes, _mm512_castps_si512(lanes_reduced16(parts, LANES_ADD_INT32)));
 }
 
 
