@@ -108,10 +108,10 @@ static inline __m512 load16(const void *x, int wide, int64_t at) {  // 16 values
 }
 
 // Blocks first .. first + count (at most 16) of x (consecutive: k is a multiple of 32), together:
-// their max |x| reduced as one (common.h's lanes_reduced16), their scales and inverses side by side (one vector division
-// each, rounded as block_scale's scalar ones are), then the values, and their sums reduced as one.
-// Block by block, each block waited on two reductions and two scalar divisions: 32 rows of 1536 took
-// 12.5 us on one AMD Zen 4 core, 8.2 so.
+// their max |x| reduced as one (common.h's lanes_reduced16), their scales and inverses side by side
+// (one vector division each, rounded as block_scale's scalar ones are), then the values, and their
+// sums reduced as one. Block by block, each block waited on two reductions and two scalar divisions:
+// 32 rows of 1536 took 12.5 us on one AMD Zen 4 core, 8.2 so.
 #define QUANTIZE_BLOCKS 1
 static void quantize_blocks(const void *x, int wide, int64_t first, int64_t count, const Activations *a) {
     const __mmask16 lanes = (__mmask16)((1u << count) - 1);
