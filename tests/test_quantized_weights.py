@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from adapter_cache.errors import FailedPreconditionError
 from harness.engine_helpers import greedy_logits
@@ -65,11 +67,12 @@ def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def _int8_product(x: torch.Tensor, reference_w: torch.Tensor) -> torch.Tensor:
     """x's rows rounded per block as the kernel rounds them (scale max |x| / 127 in fp32, x times its
-    inverse to nearest even), times the dequantized weight, in float64."""
+    inverse to nearest even; a block whose scale has no finite inverse as zeros), times the dequantized
+    weight, in float64."""
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // 32, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    inverse = torch.where(torch.isfinite(1 / scale), 1 / scale, torch.zeros_like(scale))  # 0: taken as zeros
     rounded = (torch.round(blocks * inverse) * scale).reshape(rows, k)
     return F.linear(rounded.double(), reference_w.double())
 
@@ -205,6 +208,59 @@ def test_every_build_gives_the_loaded_builds_bits(builds, variant, path, qtype, 
     finite = x[[0, 3]]
     assert torch.equal(out[[0, 3]], weight(finite, None))
     assert other.quant_linear_amx_faults() == 0
+
+
+# What a block of activations may hold: ordinary values, all zeros (scale 0), subnormals (a scale that
+# rounds to 0 or near it), one NaN or one infinity (the row's outputs NaN), or values near fp32's largest.
+_BLOCK_KINDS = ("normal", "zeros", "subnormal", "nan", "inf", "huge")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(qtype="Q8_0", wide=False, rows=1, blocks=1, kinds=["subnormal"], seed=0)  # an inverse beyond fp32
+@example(qtype="Q4_0", wide=True, rows=9, blocks=18, kinds=["normal"] * 15 + ["nan", "zeros", "subnormal", "inf"],
+         seed=1)  # SmolLM2's 576 inputs: groups across rows, specials at a group's last and first blocks
+@given(qtype=st.sampled_from(TYPES), wide=st.booleans(), rows=st.integers(1, 40), blocks=st.integers(1, 50),
+       kinds=st.lists(st.sampled_from(_BLOCK_KINDS), min_size=1, max_size=64), seed=st.integers(0, 2**16))
+def test_the_activations_quantize_alike_in_every_build_whatever_the_blocks(builds, qtype, wide, rows, blocks, kinds,
+                                                                            seed):
+    """The activations' blocks are quantized in groups of 16 that run across rows (AVX-512) or one at a
+    time (the other builds), by the calling thread below a few rows and by the team from there: any row
+    count, blocks per row and special blocks anywhere in a group give the portable build's bits."""
+    k, n = 32 * blocks, 32
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=generator)
+    for b in range(rows * blocks):  # the kinds in turn over the flat sequence of blocks
+        block = x.view(-1)[32 * b: 32 * (b + 1)]
+        kind = kinds[b % len(kinds)]
+        at = int(torch.randint(0, 32, (1,), generator=generator))
+        if kind == "zeros":
+            block.zero_()
+        elif kind == "subnormal":
+            block.mul_(1e-39)
+        elif kind == "nan":
+            block[at] = float("nan")
+        elif kind == "inf":
+            block[at] = float("-inf") if at % 2 else float("inf")
+        elif kind == "huge":
+            block.mul_(1e37)
+    dtype = torch.bfloat16 if wide else torch.float32
+    x = x.to(dtype)
+    weight_blocks, _ = _weight(qtype, n, k, seed=seed)
+    weight = quant_linear.pack(qtype, weight_blocks, n, k, dtype)
+    symbol = f"quant_linear_{qtype.lower()}_{'bf16' if wide else 'f32'}"
+    outputs = {}
+    for variant, _ in BUILDS:
+        if not _variant(variant).requires <= variants.cpu_flags():
+            continue
+        out = torch.empty(rows, n, dtype=dtype)
+        assert _typed(builds(variant), symbol)(x.data_ptr(), weight.storage.data_ptr(), None, out.data_ptr(), rows,
+                                               n, k, 0) == 0
+        outputs[variant] = out
+    for variant, out in outputs.items():
+        assert torch.equal(out.isnan(), outputs["x86-64"].isnan()), variant
+        assert torch.equal(out.nan_to_num(), outputs["x86-64"].nan_to_num()), variant
+    if kinds == ["subnormal"] and not wide:  # every block below 1 / FLT_MAX x 127: taken as zeros
+        assert not outputs["x86-64"].any()
 
 
 def _typed(library: ctypes.CDLL, symbol: str) -> ctypes._CFuncPtr:

@@ -11,7 +11,8 @@
 // same order, so their outputs are equal bit for bit, and a row's output does not depend on its batch
 // or the thread count. Against x times the dequantized weight, the only error besides fp32 rounding is
 // the activations' rounding: at most d / 2 per value, so |error| <= sum over blocks of d / 2 x the
-// block's sum of |w| (tests/test_quantized_weights.py holds that bound).
+// block's sum of |w| (tests/test_quantized_weights.py holds that bound); a block whose d is below
+// 1 / FLT_MAX is taken as zeros (block_scale), off by its max |x| at most.
 //
 // Layout (`panels` in quant_linear.py): [N/16 panels][K/32 blocks], a block being the 16 columns'
 // fp16 scales (32 bytes), then the weights in groups of 4 k: per group 16 columns x 4 bytes, column c's
@@ -77,10 +78,13 @@ static inline float bias_at(const void *bias, int64_t col, int out_kind) {
 
 // A block's scale (max |x| / 127) and whether its values can be rounded by it. A NaN makes the scale
 // NaN and an infinity infinite; the block's q and sum are then 0, so every output of the row is NaN
-// (0 x a non-finite scale), as x times the weight would be non-finite, in every build alike.
+// (0 x a non-finite scale), as x times the weight would be non-finite, in every build alike. The
+// inverse is 0 where it is not finite: a zero scale, and a subnormal one below 1 / FLT_MAX (max |x|
+// under ~3.7e-37), whose values then round to 0. Left infinite, x times it converted to int32 gave
+// the integer indefinite, which each build then narrowed to int8 its own way (AVX2 saturating).
 static inline float block_scale(float amax, int has_nan, float *inverse) {
-    const float scale = has_nan ? NAN : amax / 127.0f;
-    *inverse = isfinite(scale) && scale != 0.0f ? 1.0f / scale : 0.0f;
+    const float scale = has_nan ? NAN : amax / 127.0f, inv = 1.0f / scale;
+    *inverse = isfinite(scale) && isfinite(inv) ? inv : 0.0f;
     return scale;
 }
 
@@ -128,15 +132,16 @@ static void quantize_blocks(const void *x, int wide, int64_t first, int64_t coun
         if (_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q))
             nan |= (__mmask16)(1u << j);
     }
-    // block_scale for every block: NaN where a value is NaN; the inverse 0 where the scale is 0 or not
-    // finite, and where it is not finite q and sum are 0.
+    // block_scale for every block: NaN where a value is NaN; the inverse 0 where it is not finite, and
+    // where the scale is not finite q and sum are 0.
     __m512 scale = _mm512_div_ps(lanes_reduced16(parts, LANES_MAX), _mm512_set1_ps(127.0f));
     scale = _mm512_mask_mov_ps(scale, nan, _mm512_set1_ps(NAN));
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), scale);
     const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(scale), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
-    const __mmask16 invertible = finite & _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    const __mmask16 invertible = finite & _mm512_cmp_ps_mask(_mm512_abs_ps(inv), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
     _mm512_mask_storeu_ps(a->d + first, lanes, scale);
     float inverse[16];
-    _mm512_storeu_ps(inverse, _mm512_maskz_div_ps(invertible, _mm512_set1_ps(1.0f), scale));
+    _mm512_storeu_ps(inverse, _mm512_maskz_mov_ps(invertible, inv));
     for (int j = 0; j < 16; j++) {
         const int64_t at = (first + j) * QK;
         if (j >= count || !(finite >> j & 1)) {

@@ -8,7 +8,8 @@ weight against bf16's 2). Activations are the model's dtype (fp32 or bf16), as f
 the kernel quantizes each row per 32-value block to int8 and sums the blocks' products in int32 (AMX-INT8
 tiles from 16 rows where the CPU has them, AVX-512 VNNI, else AVX2, else portable C: equal results), as
 llama.cpp does. Error against x times the dequantized weight: at most, per output, the sum over blocks of
-(the block's max |x| / 254) x (the block's sum of |w|), plus fp32 rounding (`activation_error_bound`).
+(the block's max |x| / 254) x (the block's sum of |w|), plus fp32 rounding (`activation_error_bound`; a
+block of values under ~3.7e-37, whose scale has no fp32 inverse, is taken as zeros).
 
 On a CPU with AMX the tiles are checked once at start-up (`settle_amx`) before any weight meets them: their
 outputs must equal the VNNI tiles' bits on probe calls, and a 32-row call must not be slower; otherwise
@@ -45,9 +46,12 @@ AMX_PATH, VNNI_PATH = 3, 2
 
 def activation_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per output [rows, N], the most the kernel's int8 activations can move x @ weight^T (weight [N, K]
-    dequantized): each value is off by at most half its block's scale (max |x| / 127)."""
+    dequantized): each value is off by at most half its block's scale (max |x| / 127), or by the
+    block's max |x| where that scale is too small to invert in fp32 (the block is taken as zeros)."""
     rows, k = x.shape
-    half_step = x.float().abs().reshape(rows, k // BLOCK, BLOCK).amax(-1) / 254  # [rows, blocks]
+    amax = x.float().abs().reshape(rows, k // BLOCK, BLOCK).amax(-1)  # [rows, blocks]
+    scale = amax / 127
+    half_step = torch.where((scale != 0) & ~torch.isfinite(1 / scale), amax, amax / 254)
     block_weight = weight.float().abs().reshape(weight.shape[0], k // BLOCK, BLOCK).sum(-1)  # [N, blocks]
     return half_step @ block_weight.T
 
