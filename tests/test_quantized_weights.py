@@ -216,17 +216,21 @@ _BLOCK_KINDS = ("normal", "zeros", "subnormal", "nan", "inf", "huge")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(qtype="Q8_0", wide=False, rows=1, blocks=1, kinds=["subnormal"], seed=0)  # an inverse beyond fp32
+@example(qtype="Q8_0", wide=False, rows=1, blocks=1, kinds=["subnormal"], seed=0, panels=2)  # an inverse beyond fp32
 @example(qtype="Q4_0", wide=True, rows=9, blocks=18, kinds=["normal"] * 15 + ["nan", "zeros", "subnormal", "inf"],
-         seed=1)  # SmolLM2's 576 inputs: groups across rows, specials at a group's last and first blocks
+         seed=1, panels=3)  # SmolLM2's 576 inputs: groups across rows, specials at a group's last and first blocks
+@example(qtype="Q8_0", wide=True, rows=1, blocks=18, kinds=["normal"], seed=2, panels=67)  # fours, then 2 + 1
+@example(qtype="Q8_0", wide=False, rows=1, blocks=3, kinds=["normal", "nan"], seed=3, panels=66)  # fours, then 2
 @given(qtype=st.sampled_from(TYPES), wide=st.booleans(), rows=st.integers(1, 40), blocks=st.integers(1, 50),
-       kinds=st.lists(st.sampled_from(_BLOCK_KINDS), min_size=1, max_size=64), seed=st.integers(0, 2**16))
+       kinds=st.lists(st.sampled_from(_BLOCK_KINDS), min_size=1, max_size=64), seed=st.integers(0, 2**16),
+       panels=st.sampled_from([*range(1, 10), 65, 66, 67, 72]))  # 64+: a single row's units of four on 2 threads
 def test_the_activations_quantize_alike_in_every_build_whatever_the_blocks(builds, qtype, wide, rows, blocks, kinds,
-                                                                            seed):
+                                                                            seed, panels):
     """The activations' blocks are quantized in groups of 16 that run across rows (AVX-512) or one at a
-    time (the other builds), by the calling thread below a few rows and by the team from there: any row
-    count, blocks per row and special blocks anywhere in a group give the portable build's bits."""
-    k, n = 32 * blocks, 32
+    time (the other builds), by the calling thread below a few rows and by the team from there, and the
+    panels taken one, two or (one row, Q8_0) four at a time: any row count, blocks per row, panel count
+    and special blocks anywhere in a group give the portable build's bits."""
+    k, n = 32 * blocks, 16 * panels
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=generator)
     for b in range(rows * blocks):  # the kinds in turn over the flat sequence of blocks

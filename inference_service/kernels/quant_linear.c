@@ -23,6 +23,7 @@
 // q as stored (0-15, the -8 taken off the same way). A panel is contiguous; a thread walks its panels
 // front to back, reusing each block's weights across a tile of rows.
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -222,41 +223,44 @@ static inline __attribute__((always_inline)) void tile(const Activations *a, con
     for (int r = 0; r < mr; r++) store16(_mm512_add_ps(acc[r], bv), out, (m0 + r) * n + col, out_kind);
 }
 
-// Rows m0 .. m0 + mr against two neighbouring panels (32 columns), for Q8_0 (whose weights need no
-// unpacking, so reading them a group at a time per tile costs only loads): each activation group
-// feeds both panels' `vpdpbusd`, and the tile's stores cover 128 contiguous bytes a row. The
-// 49152-column LM head ran 10% faster than in single panels; Q4_0 did not gain (its nibbles would be
-// unpacked again for every tile).
-static inline __attribute__((always_inline)) void pair_tile(const Activations *a, const uint8_t *panel,
-                                                            int64_t panel_bytes, const void *bias, void *out, int64_t m0,
-                                                            int64_t col, int64_t n, int64_t k, const int mr,
-                                                            const int out_kind, Upcoming next) {
+// Rows m0 .. m0 + mr against np neighbouring panels (2: 32 columns; 4 for a single row), for Q8_0
+// (whose weights need no unpacking, so reading them a group at a time per tile costs only loads): each
+// activation group feeds every panel's `vpdpbusd`, and the tile's stores cover 64 np contiguous bytes
+// a row. The 49152-column LM head ran 10% faster in pairs than in single panels; Q4_0 did not gain
+// (its nibbles would be unpacked again for every tile). One row reads four panels' weight streams at
+// once, as the bf16 kernel does: from memory, gate_up and the LM head 10-12% faster than in pairs.
+static inline __attribute__((always_inline)) void panels_tile(const Activations *a, const uint8_t *panel,
+                                                              int64_t panel_bytes, const void *bias, void *out, int64_t m0,
+                                                              int64_t col, int64_t n, int64_t k, const int mr,
+                                                              const int np, const int out_kind, Upcoming next) {
     const int64_t kb = k / QK;
-    __m512 acc[MAX_PAIR_ROWS][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[MAX_PAIR_ROWS][4];
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < np; h++) acc[r][h] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const uint8_t *block[2] = {panel + b * BLOCK_BYTES(Q8_0), panel + panel_bytes + b * BLOCK_BYTES(Q8_0)};
+        const uint8_t *block[4];
+        for (int h = 0; h < np; h++) block[h] = panel + h * panel_bytes + b * BLOCK_BYTES(Q8_0);
         prefetch_part(next, b, kb);
-        __m512i sum[MAX_PAIR_ROWS][2];
-        for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = _mm512_set1_epi32(OFFSET(Q8_0) * a->sum[(m0 + r) * kb + b]);
+        __m512i sum[MAX_PAIR_ROWS][4];
+        for (int r = 0; r < mr; r++)
+            for (int h = 0; h < np; h++) sum[r][h] = _mm512_set1_epi32(OFFSET(Q8_0) * a->sum[(m0 + r) * kb + b]);
         for (int g = 0; g < GROUPS; g++) {
-            const __m512i w0 = _mm512_loadu_si512(block[0] + 2 * PANEL + 64 * g);
-            const __m512i w1 = _mm512_loadu_si512(block[1] + 2 * PANEL + 64 * g);
+            __m512i w[4];
+            for (int h = 0; h < np; h++) w[h] = _mm512_loadu_si512(block[h] + 2 * PANEL + 64 * g);
             for (int r = 0; r < mr; r++) {
                 const int8_t *xg = a->q + (m0 + r) * k + b * QK + 4 * g;
-                sum[r][0] = dpbusd_broadcast(sum[r][0], w0, xg);
-                sum[r][1] = dpbusd_broadcast(sum[r][1], w1, xg);
+                for (int h = 0; h < np; h++) sum[r][h] = dpbusd_broadcast(sum[r][h], w[h], xg);
             }
         }
-        const __m512 dw[2] = {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block[0])),
-                              _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block[1]))};
+        __m512 dw[4];
+        for (int h = 0; h < np; h++) dw[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block[h]));
         for (int r = 0; r < mr; r++) {
             const __m512 d = _mm512_set1_ps(a->d[(m0 + r) * kb + b]);
-            for (int h = 0; h < 2; h++)
+            for (int h = 0; h < np; h++)
                 acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(dw[h], d), acc[r][h]);
         }
     }
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < np; h++) {
         const int64_t c = col + PANEL * h;
         __m512 bv = _mm512_setzero_ps();
         if (bias && out_kind == OUT_F32) bv = _mm512_loadu_ps((const float *)bias + c);
@@ -266,6 +270,7 @@ static inline __attribute__((always_inline)) void pair_tile(const Activations *a
         for (int r = 0; r < mr; r++) store16(_mm512_add_ps(acc[r][h], bv), out, (m0 + r) * n + c, out_kind);
     }
 }
+
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -660,9 +665,10 @@ static inline __attribute__((always_inline)) void panel_rows(const Activations *
 }
 
 #ifdef MAX_PAIR_ROWS
-#define PAIRED(QT) ((QT) == Q8_0)  // units of two panels (pair_tile)
+#define PAIRED(QT) ((QT) == Q8_0)  // units of two panels (panels_tile), four for a single row
+#define QUADS 1
 #define PAIR_TILE(MR)                                                              \
-    pair_tile(a, panel, panel_bytes, bias, out, m0, col, n, k, MR, out_kind, \
+    panels_tile(a, panel, panel_bytes, bias, out, m0, col, n, k, MR, 2, out_kind, \
               upcoming_part(next, m0 / MAX_PAIR_ROWS, (m + MAX_PAIR_ROWS - 1) / MAX_PAIR_ROWS))
 
 // Every row against two neighbouring panels (Q8_0): tiles of MAX_PAIR_ROWS rows, then the remainder.
@@ -681,28 +687,61 @@ static inline __attribute__((always_inline)) void pair_rows(const Activations *a
         default: break;
     }
 }
+// One row against the `left` (1-4) panels at `panel`: four in one tile, what is left in pairs and singles.
+static inline __attribute__((always_inline)) void one_row_quad(const Activations *a, const uint8_t *panel,
+                                                               int64_t panel_bytes, int64_t left, const void *bias,
+                                                               void *out, int64_t col, int64_t n, int64_t k,
+                                                               const int out_kind) {
+    const Upcoming none = {NULL, 0};  // one row: no compute to hide fetches behind (PREFETCH_ROWS)
+    if (left >= 4) {
+        panels_tile(a, panel, panel_bytes, bias, out, 0, col, n, k, 1, 4, out_kind, none);
+        return;
+    }
+    if (left >= 2) panels_tile(a, panel, panel_bytes, bias, out, 0, col, n, k, 1, 2, out_kind, none);
+    if (left != 2) {
+        const int64_t at = left == 3 ? 2 : 0;
+        tile(a, panel + at * panel_bytes, bias, out, 0, col + at * PANEL, n, k, 1, Q8_0, out_kind, none);
+    }
+}
 #else
 #define PAIRED(QT) 0
+#define QUADS 0
+static inline void one_row_quad(const Activations *a, const uint8_t *panel, int64_t panel_bytes, int64_t left,
+                                const void *bias, void *out, int64_t col, int64_t n, int64_t k, const int out_kind) {
+    (void)a, (void)panel, (void)panel_bytes, (void)left, (void)bias, (void)out, (void)col, (void)n, (void)k;
+    (void)out_kind;  // no build without panels_tile calls it (unit_panels is never 4)
+}
 static inline void pair_rows(const Activations *a, const uint8_t *panel, int64_t panel_bytes, const void *bias,
                              void *out, int64_t col, int64_t m, int64_t n, int64_t k, const int out_kind,
                              Upcoming next) {
     (void)a, (void)panel, (void)panel_bytes, (void)bias, (void)out, (void)col, (void)m, (void)n, (void)k;
-    (void)out_kind, (void)next;  // no build without pair_tile calls it (PAIRED is 0)
+    (void)out_kind, (void)next;  // no build without panels_tile calls it (PAIRED is 0)
 }
 #endif
 
-// A thread's unit of work `u` of `units`: one panel, or two for PAIRED types (the last alone where the
-// panels are odd); all rows against it, the next unit's weights fetched on the way.
+// The panels of a unit: one, two for PAIRED types, and four for their single rows where the units still
+// split evenly among the threads or are many (SmolLM2's down projection in 9 units of four on 2 threads
+// ran 3% slower than in 18 pairs).
+static inline int64_t unit_panels(int qt, int64_t m, int64_t panels) {
+    if (!PAIRED(qt)) return 1;
+    const int64_t threads = omp_get_max_threads();
+    return QUADS && m == 1 && (panels % (4 * threads) == 0 || panels >= 32 * threads) ? 4 : 2;
+}
+
+// A thread's unit of work `u`: `width` panels (one; two for PAIRED types, four for their single rows;
+// the last unit what is left); all rows against it, the next unit's weights fetched on the way.
 static inline __attribute__((always_inline)) void unit_rows(const Activations *a, const uint8_t *packed,
-                                                            int64_t panel_bytes, int64_t u, const void *bias, void *out,
-                                                            int64_t m, int64_t n, int64_t k, const int qt,
-                                                            const int out_kind) {
-    const int64_t panels = n / PANEL, width = PAIRED(qt) ? 2 : 1, p = u * width;
+                                                            int64_t panel_bytes, int64_t u, int64_t width,
+                                                            const void *bias, void *out, int64_t m, int64_t n,
+                                                            int64_t k, const int qt, const int out_kind) {
+    const int64_t panels = n / PANEL, p = u * width;
     const int64_t next_panels = panels - (p + width) < width ? panels - (p + width) : width;
     const Upcoming next = {m >= PREFETCH_ROWS && next_panels > 0 ? (const char *)packed + (p + width) * panel_bytes
                                                                   : NULL,
                            next_panels * panel_bytes};
-    if (width == 2 && p + 1 < panels)
+    if (width == 4)
+        one_row_quad(a, packed + p * panel_bytes, panel_bytes, panels - p, bias, out, p * PANEL, n, k, out_kind);
+    else if (width == 2 && p + 1 < panels)
         pair_rows(a, packed + p * panel_bytes, panel_bytes, bias, out, p * PANEL, m, n, k, out_kind, next);
     else
         panel_rows(a, packed + p * panel_bytes, bias, out, p * PANEL, m, n, k, qt, out_kind, next);
@@ -729,7 +768,7 @@ static inline void quantize_group(const void *x, int wide, int64_t g, int64_t bl
         if (!buffer) return -1;                                                                            \
         const Activations a = {(int8_t *)buffer, (float *)(buffer + q_bytes),                              \
                                (int32_t *)(buffer + q_bytes + scale_bytes)};                               \
-        const int64_t panel_bytes = kb * BLOCK_BYTES(QT), width = PAIRED(QT) ? 2 : 1;                      \
+        const int64_t panel_bytes = kb * BLOCK_BYTES(QT), width = unit_panels(QT, m, n / PANEL);           \
         const int shared = m >= SHARED_ROWS;                                                               \
         if (AMX_TAKES(m)) {                                                                                \
             _Pragma("omp parallel for schedule(static)")                                                   \
@@ -746,7 +785,7 @@ static inline void quantize_group(const void *x, int wide, int64_t g, int64_t bl
             }                                                                                              \
             _Pragma("omp for schedule(static) nowait") /* the region's end is the barrier */               \
             for (int64_t u = 0; u < (n / PANEL + width - 1) / width; u++)                                  \
-                unit_rows(&a, packed, panel_bytes, u, bias, out, m, n, k, QT, OUT_KIND);                   \
+                unit_rows(&a, packed, panel_bytes, u, width, bias, out, m, n, k, QT, OUT_KIND);            \
         }                                                                                                  \
         return 0;                                                                                          \
     }
