@@ -704,7 +704,7 @@ static inline __attribute__((always_inline)) void one_row_quad(const Activations
     }
 }
 #else
-#define PAIRED(QT) 0
+#define PAIRED(QT) ((void)(QT), 0)  // no pairs in this build
 #define QUADS 0
 static inline void one_row_quad(const Activations *a, const uint8_t *panel, int64_t panel_bytes, int64_t left,
                                 const void *bias, void *out, int64_t col, int64_t n, int64_t k, const int out_kind) {
