@@ -666,7 +666,6 @@ static inline __attribute__((always_inline)) void panel_rows(const Activations *
 
 #ifdef MAX_PAIR_ROWS
 #define PAIRED(QT) ((QT) == Q8_0)  // units of two panels (panels_tile), four for a single row
-#define QUADS 1
 #define PAIR_TILE(MR)                                                              \
     panels_tile(a, panel, panel_bytes, bias, out, m0, col, n, k, MR, 2, out_kind, \
               upcoming_part(next, m0 / MAX_PAIR_ROWS, (m + MAX_PAIR_ROWS - 1) / MAX_PAIR_ROWS))
@@ -705,7 +704,6 @@ static inline __attribute__((always_inline)) void one_row_quad(const Activations
 }
 #else
 #define PAIRED(QT) ((void)(QT), 0)  // no pairs in this build
-#define QUADS 0
 static inline void one_row_quad(const Activations *a, const uint8_t *panel, int64_t panel_bytes, int64_t left,
                                 const void *bias, void *out, int64_t col, int64_t n, int64_t k, const int out_kind) {
     (void)a, (void)panel, (void)panel_bytes, (void)left, (void)bias, (void)out, (void)col, (void)n, (void)k;
@@ -725,7 +723,7 @@ static inline void pair_rows(const Activations *a, const uint8_t *panel, int64_t
 static inline int64_t unit_panels(int qt, int64_t m, int64_t panels) {
     if (!PAIRED(qt)) return 1;
     const int64_t threads = omp_get_max_threads();
-    return QUADS && m == 1 && (panels % (4 * threads) == 0 || panels >= 32 * threads) ? 4 : 2;
+    return m == 1 && (panels % (4 * threads) == 0 || panels >= 32 * threads) ? 4 : 2;
 }
 
 // A thread's unit of work `u`: `width` panels (one; two for PAIRED types, four for their single rows;
