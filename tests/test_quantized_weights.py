@@ -152,6 +152,11 @@ def _variant(name: str) -> variants.Variant:
     return next(v for v in (*variants.X86_64, AMX_MODEL) if v.name == name)
 
 
+def _runs_here(name: str) -> bool:
+    """Whether this CPU runs the build of variant `name`."""
+    return _variant(name).requires <= variants.cpu_flags()
+
+
 # Each build's path by quant_linear_vectorised(): portable C, AVX2, AVX-512 VNNI, AMX-INT8 tiles from 16 rows
 # (sapphirerapids: where this process may use them).
 BUILDS = [("x86-64", 0), ("x86-64-v3", 1), ("x86-64-v4", 1), ("avx512-bf16", 2), ("amx-int8-model", 3),
@@ -180,7 +185,7 @@ def builds(tmp_path_factory) -> Callable[[str], ctypes.CDLL]:
 def test_every_build_gives_the_loaded_builds_bits(builds, variant, path, qtype, dtype):
     """The kernel built for each instruction set this CPU runs (the AVX2 path forced on an AVX-512 CPU
     too) on the same panels: the same integer sums and fp32 operations, so the same bits."""
-    if not _variant(variant).requires <= variants.cpu_flags():
+    if not _runs_here(variant):
         pytest.skip(f"this CPU cannot run the {variant} build")
     other = builds(variant)
     assert other.quant_linear_vectorised() == path
@@ -254,7 +259,7 @@ def test_the_activations_quantize_alike_in_every_build_whatever_the_blocks(build
     symbol = f"quant_linear_{qtype.lower()}_{'bf16' if wide else 'f32'}"
     outputs = {}
     for variant, _ in BUILDS:
-        if not _variant(variant).requires <= variants.cpu_flags():
+        if not _runs_here(variant):
             continue
         out = torch.empty(rows, n, dtype=dtype)
         assert _typed(builds(variant), symbol)(x.data_ptr(), weight.storage.data_ptr(), None, out.data_ptr(), rows,
@@ -284,7 +289,7 @@ def test_amx_tiles_give_the_vnni_tiles_bits(builds, variant, qtype, dtype, float
     and odd panel counts (a unit of one panel at the end), with and without bias, rows of zeros, of
     subnormals and non-finite rows; equal bits, and nothing the hardware would fault on (the C model counts
     it). The sapphirerapids build runs the hardware's tiles where this CPU has them."""
-    if not _variant(variant).requires <= variants.cpu_flags():
+    if not _runs_here(variant):
         pytest.skip(f"this CPU cannot run the {variant} build")
     library = builds(variant)
     if library.quant_linear_vectorised() != quant_linear.AMX_PATH:
@@ -318,7 +323,7 @@ def test_the_start_up_check_keeps_tiles_that_agree_and_drops_those_that_do_not(b
     """`settle_amx` on the tiles' C model: its probes agree bit for bit with the VNNI tiles. Tiles whose
     outputs differ (a fault no host here can cause: stood in for by flipping a bit of every tiled output)
     are turned off, so every call takes the VNNI tiles, and the log says why."""
-    if not AMX_MODEL.requires <= variants.cpu_flags():
+    if not _runs_here(AMX_MODEL.name):
         pytest.skip("this CPU cannot run the AVX-512 VNNI build the tiles' model extends")
     library = builds("amx-int8-model")
     check = quant_linear.check_amx(lambda name: _typed(library, name), timed_shape=(64, 96), repeats=1)
