@@ -664,7 +664,7 @@ class Pod:
         for pid in map(int, pids):
             try:
                 status = Path(f"/proc/{pid}/status").read_text().splitlines()
-            except FileNotFoundError:  # gone since `podman top` (an exec probe)
+            except (FileNotFoundError, ProcessLookupError):  # gone since `podman top` (an exec probe), or while read
                 continue
             fields = dict(line.split(":", 1) for line in status if ":" in line)
             ids[pid] = {k: [int(x) for x in fields[k].split()] for k in ("Uid", "Gid", "Groups")}

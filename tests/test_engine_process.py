@@ -39,7 +39,7 @@ def _children(pid: int) -> list[int]:
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or reaped between open and read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
