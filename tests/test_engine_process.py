@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.inference_server import start_inference_server
+from harness.processes import alive, children
 from harness.waiting import wait_until
 from inference_service.api import inference_pb2 as pb
 from inference_service.api import inference_pb2_grpc as pb_grpc
@@ -30,18 +31,6 @@ from inference_service.client import InferenceClient
 from inference_service.demo_adapters import write_peft_adapter
 
 TOKEN = "process-test-token"
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or reaped between open and read
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _health(address: str) -> str:
@@ -90,7 +79,7 @@ def test_thread_and_process_bridges_and_async_scheduling_serve_the_same_tokens(a
                                          "--adapter-source-allow", adapter_dir.as_uri()],
                                         env={"LORAPLEX_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path)
         try:
-            assert bool(_children(server.proc.pid)) == (core == "process")
+            assert bool(children(server.proc.pid)) == (core == "process")
             with InferenceClient(server.address, token=TOKEN) as client:
                 client.load_adapter("p0", (adapter_dir / "p0").as_uri(), timeout=60)
             results.append((_tokens(server.address, "same tokens"), _tokens(server.address, "same tokens", "p0")))
@@ -104,7 +93,7 @@ def test_a_dead_core_process_ends_streams_unavailable_and_health_not_serving(tmp
     server = start_inference_server(["--watchdog-stall-s", "2"], env={"LORAPLEX_TEST_FAULT_SCHEDULER": "die"},
                                     log_dir=tmp_path)
     try:
-        (core,) = _children(server.proc.pid)
+        (core,) = children(server.proc.pid)
         stub = pb_grpc.InferenceStub(server.channel())
         stream = stub.Generate(pb.GenerateRequest(text="long", max_new_tokens=1000, ignore_eos=True), timeout=60)
         next(stream)
@@ -115,7 +104,7 @@ def test_a_dead_core_process_ends_streams_unavailable_and_health_not_serving(tmp
         # nor streamed to its 1000 tokens.
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "engine core process has exited" in info.value.details()
-        wait_until(lambda: not _alive(core), "the core process to exit")
+        wait_until(lambda: not alive(core), "the core process to exit")
         wait_until(lambda: _health(server.address) == "NOT_SERVING", "health NOT_SERVING")
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(text="after", max_new_tokens=2), timeout=10))
@@ -126,11 +115,11 @@ def test_a_dead_core_process_ends_streams_unavailable_and_health_not_serving(tmp
 
 def test_a_killed_front_end_takes_its_core_process_with_it(tmp_path: Path) -> None:
     server = start_inference_server([], log_dir=tmp_path)
-    (core,) = _children(server.proc.pid)
+    (core,) = children(server.proc.pid)
     assert _tokens(server.address, "hi", n=2)
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
-    wait_until(lambda: not _alive(core), "the orphaned core process to exit")
+    wait_until(lambda: not alive(core), "the orphaned core process to exit")
 
 
 EMBEDDER_THAT_FAILS = """
@@ -158,7 +147,7 @@ def test_a_program_that_never_shuts_its_engine_down_still_exits(tmp_path: Path) 
         proc.communicate()
         pytest.fail("the program did not exit: its exit waited for the engine core")
     assert proc.returncode == 1 and "the embedder failed before its shutdown()" in err, err[-2000:]
-    wait_until(lambda: not _alive(int(out.split()[0])), "the core process to exit")
+    wait_until(lambda: not alive(int(out.split()[0])), "the core process to exit")
 
 
 def test_stream_interval_groups_the_tokens_of_each_message(tmp_path: Path) -> None:

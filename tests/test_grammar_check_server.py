@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import httpx2 as httpx
@@ -21,6 +20,7 @@ import pytest
 
 from harness.inference_server import InferenceServer, start_inference_server
 from harness.isolation import assert_clean
+from harness.processes import children_running
 from inference_service.api import inference_pb2 as pb
 from inference_service.client import InferenceClient
 
@@ -61,18 +61,7 @@ def _post(server: InferenceServer, schema: dict, max_tokens: int = 16) -> httpx.
 
 def _compile_children(server: InferenceServer) -> list[int]:
     """The server's grammar-compile child processes (found by parent pid and command line)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == server.proc.pid and b"grammar_check" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    return children_running(server.proc.pid, b"grammar_check")
 
 
 def _start_both_compile_processes(server: InferenceServer) -> None:

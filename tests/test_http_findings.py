@@ -27,6 +27,7 @@ from openai.types.chat import completion_create_params as chat_params
 from harness.inference_server import ROOT, InferenceServer, start_inference_server
 from harness.isolation import STALL_S, assert_clean
 from harness.models import make_checkpoint
+from harness.processes import children_running
 from inference_service.api import inference_pb2_grpc as pb_grpc
 from inference_service.client import InferenceClient
 from inference_service.frontend.http.protocol import IGNORED_FIELDS
@@ -396,16 +397,7 @@ def test_hostile_request_sized_bodies_do_not_stall_grpc_or_http_streams(server):
 
 def _value_counters(server: InferenceServer) -> list[int]:
     """The pids of the server's value-counter children (http/value_count.py)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == server.proc.pid and b"inference_service.frontend.http.value_count" in cmdline:
-            pids.append(int(proc.name))
-    return pids
+    return children_running(server.proc.pid, b"inference_service.frontend.http.value_count")
 
 
 def test_value_counter_child_killed_is_started_again(server):

@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.ports import free_port
+from harness.processes import command_line, session_members
 from inference_service.client import InferenceClient
 
 pytestmark = pytest.mark.slow
@@ -67,21 +68,6 @@ class Stack:
         return self.log.read_text(errors="replace")[-4000:]
 
 
-def _session_pids(sid: int) -> list[int]:
-    """Live processes of the stack's session (the script made it: start_new_session)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
-            pids.append(int(entry.name))
-    return pids
-
-
 def _start(tmp_path: Path, model: str, extra_args: list[str] | None = None, **env_vars: str) -> Iterator[Stack]:
     grpc_addr = f"127.0.0.1:{free_port()}"
     http_port = free_port()
@@ -112,9 +98,9 @@ def _stopped_cleanly(stack: Stack, sig: int, whole_group: bool) -> None:
         pytest.fail(f"run_stack.sh did not exit within 60 s of {signal.Signals(sig).name}:\n{stack.tail()}")
     assert rc == 0, stack.tail()
     deadline = time.monotonic() + 10
-    while _session_pids(stack.proc.pid) and time.monotonic() < deadline:
+    while session_members(stack.proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _session_pids(stack.proc.pid) == [], f"processes left after {signal.Signals(sig).name}"
+    assert session_members(stack.proc.pid) == [], f"processes left after {signal.Signals(sig).name}"
 
 
 @pytest.fixture
@@ -181,8 +167,8 @@ def test_a_ctrl_c_is_the_scripts_to_act_on_not_the_sidecars(tiny_stack: Stack) -
     stops everything, the sidecar last, with exit 0."""
     stack = tiny_stack
     stack.wait_serving(timeout=120)
-    sidecar = next(pid for pid in _session_pids(stack.proc.pid)
-                   if b"adapter_cache.cli" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    sidecar = next(pid for pid in session_members(stack.proc.pid)
+                   if b"adapter_cache.cli" in command_line(pid))
     os.kill(sidecar, signal.SIGINT)
     time.sleep(1.0)  # how long it would take to notice: it stops within milliseconds when it acts on one
     assert Path(f"/proc/{sidecar}").exists() and stack.proc.poll() is None, stack.tail()
@@ -213,7 +199,7 @@ def test_make_run_stops_the_stack_with_one_line_when_a_part_dies(tmp_path: Path)
     assert "Traceback" not in output and "loraplex: serving" not in output, output[-3000:]
     causes = [line for line in output.splitlines() if line.startswith("loraplex: the adapter-cache sidecar exited")]
     assert len(causes) == 1 and f"metrics port 127.0.0.1:{busy}" in causes[0], output[-3000:]
-    assert _session_pids(stack.proc.pid) == []
+    assert session_members(stack.proc.pid) == []
 
 
 @pytest.mark.timeout(600)

@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness.devices import SERVER_DEVICE
 from harness.inference_server import ROOT, InferenceServer, start_inference_server
 from harness.ports import free_port
+from harness.processes import children
 from harness.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -51,10 +52,6 @@ def _health(address: str, service: str = "") -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def _victim(server: InferenceServer) -> None:
     client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=30)
     r = client.completions.create(model=BASE, prompt="victim", max_tokens=4, temperature=0,
@@ -68,7 +65,7 @@ def _victim(server: InferenceServer) -> None:
 def test_a_killed_core_turns_health_not_serving_is_reaped_and_logged(stall_s: str, tmp_path: Path) -> None:
     server = start_inference_server(["--watchdog-stall-s", stall_s], log_dir=tmp_path)
     try:
-        (core,) = _children(server.proc.pid)
+        (core,) = children(server.proc.pid)
         assert _health(server.address, "liveness") == "SERVING"
         os.kill(core, signal.SIGKILL)
         # No request is sent: the health watcher alone notices the exit (it looks every second).
