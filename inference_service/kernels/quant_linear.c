@@ -707,7 +707,7 @@ static inline __attribute__((always_inline)) void one_row_quad(const Activations
 static inline void one_row_quad(const Activations *a, const uint8_t *panel, int64_t panel_bytes, int64_t left,
                                 const void *bias, void *out, int64_t col, int64_t n, int64_t k, const int out_kind) {
     (void)a, (void)panel, (void)panel_bytes, (void)left, (void)bias, (void)out, (void)col, (void)n, (void)k;
-    (void)out_kind;  // no build without panels_tile calls it (unit_panels is never 4)
+    (void)out_kind;  // no build without panels_tile calls it (PAIRED is 0)
 }
 static inline void pair_rows(const Activations *a, const uint8_t *panel, int64_t panel_bytes, const void *bias,
                              void *out, int64_t col, int64_t m, int64_t n, int64_t k, const int out_kind,
@@ -717,17 +717,28 @@ static inline void pair_rows(const Activations *a, const uint8_t *panel, int64_t
 }
 #endif
 
-// The panels of a unit: one, two for PAIRED types, and four for their single rows where the units still
-// split evenly among the threads or are many (SmolLM2's down projection in 9 units of four on 2 threads
-// ran 3% slower than in 18 pairs).
-static inline int64_t unit_panels(int qt, int64_t m, int64_t panels) {
-    if (!PAIRED(qt)) return 1;
-    const int64_t threads = omp_get_max_threads();
-    return m == 1 && (panels % (4 * threads) == 0 || panels >= 32 * threads) ? 4 : 2;
+// The panels of a unit: one, or two for PAIRED types (a single row of those reads its own range four at
+// a time: one_row_range).
+static inline int64_t unit_panels(int qt) { return PAIRED(qt) ? 2 : 1; }
+
+// One row of a PAIRED type: thread t of `threads` takes its own contiguous share of the panels and reads
+// them four at a time (four weight streams, as the bf16 kernel's one-row tiles read), what is left in a
+// pair or single. Shares rather than units of four: SmolLM2's 36-panel down and o projections and
+// 60-panel qkv would split into units of four unevenly (9 or 15 units on 2 threads: down ran 3%
+// slower), and in pairs each thread keeps only two streams in flight (from memory, o and qkv read
+// their weights at 28-32 GB/s in pairs, gate_up at 38 in fours; in shares, o and qkv 2-5% faster).
+static inline __attribute__((always_inline)) void one_row_range(const Activations *a, const uint8_t *packed,
+                                                                int64_t panel_bytes, int t, int threads,
+                                                                const void *bias, void *out, int64_t n, int64_t k,
+                                                                const int out_kind) {
+    const int64_t panels = n / PANEL, first = panels * t / threads, end = panels * (t + 1) / threads;
+    for (int64_t p = first; p < end; p += 4)
+        one_row_quad(a, packed + p * panel_bytes, panel_bytes, end - p < 4 ? end - p : 4, bias, out, p * PANEL, n, k,
+                     out_kind);
 }
 
-// A thread's unit of work `u`: `width` panels (one; two for PAIRED types, four for their single rows;
-// the last unit what is left); all rows against it, the next unit's weights fetched on the way.
+// A thread's unit of work `u`: `width` panels (one, or two for PAIRED types; the last unit what is
+// left); all rows against it, the next unit's weights fetched on the way.
 static inline __attribute__((always_inline)) void unit_rows(const Activations *a, const uint8_t *packed,
                                                             int64_t panel_bytes, int64_t u, int64_t width,
                                                             const void *bias, void *out, int64_t m, int64_t n,
@@ -737,9 +748,7 @@ static inline __attribute__((always_inline)) void unit_rows(const Activations *a
     const Upcoming next = {m >= PREFETCH_ROWS && next_panels > 0 ? (const char *)packed + (p + width) * panel_bytes
                                                                   : NULL,
                            next_panels * panel_bytes};
-    if (width == 4)
-        one_row_quad(a, packed + p * panel_bytes, panel_bytes, panels - p, bias, out, p * PANEL, n, k, out_kind);
-    else if (width == 2 && p + 1 < panels)
+    if (width == 2 && p + 1 < panels)
         pair_rows(a, packed + p * panel_bytes, panel_bytes, bias, out, p * PANEL, m, n, k, out_kind, next);
     else
         panel_rows(a, packed + p * panel_bytes, bias, out, p * PANEL, m, n, k, qt, out_kind, next);
@@ -766,7 +775,7 @@ static inline void quantize_group(const void *x, int wide, int64_t g, int64_t bl
         if (!buffer) return -1;                                                                            \
         const Activations a = {(int8_t *)buffer, (float *)(buffer + q_bytes),                              \
                                (int32_t *)(buffer + q_bytes + scale_bytes)};                               \
-        const int64_t panel_bytes = kb * BLOCK_BYTES(QT), width = unit_panels(QT, m, n / PANEL);           \
+        const int64_t panel_bytes = kb * BLOCK_BYTES(QT), width = unit_panels(QT);                          \
         const int shared = m >= SHARED_ROWS;                                                               \
         if (AMX_TAKES(m)) {                                                                                \
             _Pragma("omp parallel for schedule(static)")                                                   \
@@ -781,9 +790,14 @@ static inline void quantize_group(const void *x, int wide, int64_t g, int64_t bl
                 _Pragma("omp for schedule(static)")                                                        \
                 for (int64_t g = 0; g < groups; g++) quantize_group(x, WIDE, g, blocks, &a);               \
             }                                                                                              \
-            _Pragma("omp for schedule(static) nowait") /* the region's end is the barrier */               \
-            for (int64_t u = 0; u < (n / PANEL + width - 1) / width; u++)                                  \
-                unit_rows(&a, packed, panel_bytes, u, width, bias, out, m, n, k, QT, OUT_KIND);            \
+            if (PAIRED(QT) && m == 1)                                                                      \
+                one_row_range(&a, packed, panel_bytes, omp_get_thread_num(), omp_get_num_threads(), bias,  \
+                              out, n, k, OUT_KIND);                                                        \
+            else {                                                                                         \
+                _Pragma("omp for schedule(static) nowait") /* the region's end is the barrier */           \
+                for (int64_t u = 0; u < (n / PANEL + width - 1) / width; u++)                              \
+                    unit_rows(&a, packed, panel_bytes, u, width, bias, out, m, n, k, QT, OUT_KIND);        \
+            }                                                                                              \
         }                                                                                                  \
         return 0;                                                                                          \
     }
