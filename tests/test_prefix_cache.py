@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -243,4 +244,64 @@ def test_cancel_storm_drops_each_reference_once(adapters):
         run_to_completion(core)
         _no_leak(core)
     assert core.scheduler.prefix_hits > 0
+    core.shutdown()
+
+
+def _offers(core: EngineCore) -> list[int]:
+    """The blocks the scheduler offers the pool to key from now on, in order (a spy on `cache`)."""
+    pool, offered = core.runner.kv.pool, []
+    keep = pool.cache
+
+    def cache(block: int, block_hash: bytes) -> None:
+        offered.append(block)
+        keep(block, block_hash)
+
+    pool.cache = cache
+    return offered
+
+
+def test_each_full_block_is_offered_to_the_pool_once(adapters):
+    """A long generation keys each block it fills once, when it fills it: the keying work of a
+    step does not grow with the context (it went over the whole table every step before). The
+    whole conversation is then found cached, up to its last full block."""
+    core = _core(True)
+    offered = _offers(core)
+    rng = random.Random(5)
+    prompt = [rng.randrange(32, 127) for _ in range(20)]
+    params = SamplingParams(max_new_tokens=150, ignore_eos=True)
+    tokens, _ = _run(core, {"long": (prompt, None)}, params)
+    computed = len(prompt) + 150 - 1  # the last token sampled is never fed back
+    assert len(offered) == computed // BLOCK and len(set(offered)) == len(offered), offered
+    history = prompt + tokens["long"]
+    _, cached = _run(core, {"next": (history + [65], None)}, GREEDY)
+    assert cached["next"] == len(history) // BLOCK * BLOCK
+    _no_leak(core)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_blocks_recomputed_after_preemption_are_keyed_again(async_scheduling):
+    """Requests preempted for KV memory drop their blocks and recompute them when they return: after
+    every step each running request's full computed blocks are in the pool under its own keys (the
+    prompts share nothing, so no block's key can belong to another's copy)."""
+    block_bytes = kv_bytes_per_block(builtin_tiny_config(), BLOCK, torch.float32)
+    core = _core(True, kv_cache_bytes=10 * block_bytes, async_scheduling=async_scheduling)
+    rng = random.Random(21)
+    for i in range(6):
+        core.add_request(Request(f"r{i}", [rng.randrange(32, 127) for _ in range(rng.randrange(20, 40))],
+                                 SamplingParams(max_new_tokens=30, ignore_eos=True)), None)
+    pool = core.runner.kv.pool
+    while core.has_work():
+        core.step()
+        # A launched step's tokens count as computed at launch; its blocks are keyed when it completes.
+        launched = Counter()
+        if core._in_flight is not None:
+            launched.update({request.request_id: n for request, n in core._in_flight.batch.items})
+        for request in core.scheduler.running:
+            done = request.num_computed_tokens - launched[request.request_id]
+            full = min(done // BLOCK, len(request.block_table))
+            for i in range(full):
+                assert pool._hash_of.get(request.block_table[i]) == request.block_hashes[i], (request.request_id, i)
+    assert core.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
+    _no_leak(core)
     core.shutdown()

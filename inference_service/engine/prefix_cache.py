@@ -41,7 +41,7 @@ def extend_hashes(request: Request, root: bytes, block_size: int, num_tokens: in
     """The request's block keys for its first `num_tokens // block_size` full blocks (computed once
     each and kept on the request; recomputed from scratch when its namespace changed)."""
     if request.cache_root != root:
-        request.cache_root, request.block_hashes = root, []
+        request.cache_root, request.block_hashes, request.keyed_blocks = root, [], 0
     hashes = request.block_hashes
     for i in range(len(hashes), num_tokens // block_size):
         parent = hashes[-1] if hashes else root

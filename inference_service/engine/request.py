@@ -274,6 +274,9 @@ class Request:
         self.charged_tokens = 0  # positions charged to its tenant's fair-share counter (never twice)
         self.cache_root: bytes | None = None
         self.block_hashes: list[bytes] = []
+        # How many leading blocks of block_table have been offered to the pool under block_hashes
+        # (Scheduler._cache_blocks goes on from there; 0 again when either is replaced).
+        self.keyed_blocks = 0
         self.num_cached_tokens = -1
         self.timings = Timings()
         self.arrival_seq = 0  # FCFS order, set by the scheduler

@@ -262,6 +262,7 @@ class Scheduler:
         self.kv.release(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
+        request.keyed_blocks = 0
 
     def _drop_paused_kv(self, keep: Collection[Request] = ()) -> bool:
         """Free the blocks of one paused request (the lowest priority, then the newest), which will
@@ -482,16 +483,19 @@ class Scheduler:
     def _cache_blocks(self, request: Request, table: list[int], end: int) -> None:
         """After a step completed: key the request's full blocks up to `end` (positions it computed),
         so later prompts (the next turn of a conversation too) hit them. Only blocks the request
-        still holds in the same place of its table (a preempted request's old blocks are gone)."""
+        still holds in the same place of its table (a preempted request's old blocks are gone).
+        Blocks keyed by an earlier step are not offered again: a decode step keys at most one new
+        block, where going over the whole table cost O(context) a request and step."""
         if not self.kv.prefix_caching or request.cache_root is None:
             return
         current = request.block_table
         full = min(end // self.kv.block_size, len(table), len(current))
         hashes = extend_hashes(request, request.cache_root, self.kv.block_size, full * self.kv.block_size)
-        for i in range(full):
+        for i in range(request.keyed_blocks, full):
             if current[i] != table[i]:
                 break
             self.kv.pool.cache(table[i], hashes[i])
+            request.keyed_blocks = i + 1
 
     def _aging_barrier(self) -> Callable[[Request], bool]:
         """Which requests wait behind the oldest waiting request that has aged out and cannot get a
