@@ -703,7 +703,7 @@ static inline __attribute__((always_inline)) void one_row_quad(const Activations
     }
 }
 #else
-#define PAIRED(QT) ((void)(QT), 0)  // no pairs in this build
+#define PAIRED(QT) 0
 static inline void one_row_quad(const Activations *a, const uint8_t *panel, int64_t panel_bytes, int64_t left,
                                 const void *bias, void *out, int64_t col, int64_t n, int64_t k, const int out_kind) {
     (void)a, (void)panel, (void)panel_bytes, (void)left, (void)bias, (void)out, (void)col, (void)n, (void)k;
@@ -716,10 +716,6 @@ static inline void pair_rows(const Activations *a, const uint8_t *panel, int64_t
     (void)out_kind, (void)next;  // no build without panels_tile calls it (PAIRED is 0)
 }
 #endif
-
-// The panels of a unit: one, or two for PAIRED types (a single row of those reads its own range four at
-// a time: one_row_range).
-static inline int64_t unit_panels(int qt) { return PAIRED(qt) ? 2 : 1; }
 
 // One row of a PAIRED type: thread t of `threads` takes its own contiguous share of the panels and reads
 // them four at a time (four weight streams, as the bf16 kernel's one-row tiles read), what is left in a
@@ -737,13 +733,14 @@ static inline __attribute__((always_inline)) void one_row_range(const Activation
                      out_kind);
 }
 
-// A thread's unit of work `u`: `width` panels (one, or two for PAIRED types; the last unit what is
-// left); all rows against it, the next unit's weights fetched on the way.
+// A thread's unit of work `u`: one panel, or two for PAIRED types (the last alone where the panels are
+// odd; a single row of a PAIRED type takes one_row_range instead); all rows against it, the next
+// unit's weights fetched on the way.
 static inline __attribute__((always_inline)) void unit_rows(const Activations *a, const uint8_t *packed,
-                                                            int64_t panel_bytes, int64_t u, int64_t width,
-                                                            const void *bias, void *out, int64_t m, int64_t n,
-                                                            int64_t k, const int qt, const int out_kind) {
-    const int64_t panels = n / PANEL, p = u * width;
+                                                            int64_t panel_bytes, int64_t u, const void *bias, void *out,
+                                                            int64_t m, int64_t n, int64_t k, const int qt,
+                                                            const int out_kind) {
+    const int64_t panels = n / PANEL, width = PAIRED(qt) ? 2 : 1, p = u * width;
     const int64_t next_panels = panels - (p + width) < width ? panels - (p + width) : width;
     const Upcoming next = {m >= PREFETCH_ROWS && next_panels > 0 ? (const char *)packed + (p + width) * panel_bytes
                                                                   : NULL,
@@ -775,7 +772,7 @@ static inline void quantize_group(const void *x, int wide, int64_t g, int64_t bl
         if (!buffer) return -1;                                                                            \
         const Activations a = {(int8_t *)buffer, (float *)(buffer + q_bytes),                              \
                                (int32_t *)(buffer + q_bytes + scale_bytes)};                               \
-        const int64_t panel_bytes = kb * BLOCK_BYTES(QT), width = unit_panels(QT);                          \
+        const int64_t panel_bytes = kb * BLOCK_BYTES(QT), width = PAIRED(QT) ? 2 : 1;                      \
         const int shared = m >= SHARED_ROWS;                                                               \
         if (AMX_TAKES(m)) {                                                                                \
             _Pragma("omp parallel for schedule(static)")                                                   \
@@ -796,7 +793,7 @@ static inline void quantize_group(const void *x, int wide, int64_t g, int64_t bl
             else {                                                                                         \
                 _Pragma("omp for schedule(static) nowait") /* the region's end is the barrier */           \
                 for (int64_t u = 0; u < (n / PANEL + width - 1) / width; u++)                              \
-                    unit_rows(&a, packed, panel_bytes, u, width, bias, out, m, n, k, QT, OUT_KIND);        \
+                    unit_rows(&a, packed, panel_bytes, u, bias, out, m, n, k, QT, OUT_KIND);               \
             }                                                                                              \
         }                                                                                                  \
         return 0;                                                                                          \
